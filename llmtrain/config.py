@@ -1,0 +1,198 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+`conf/train.yaml` lists `train_schema` first in its defaults, so every yaml and every command-line override is
+merged into these dataclasses: a misspelt key or a wrong type fails before any work starts. Checks that span
+several keys (divisibility, lengths, paths) live in `validate`, which raises `ConfigError` with one line that
+names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem; its message is one line naming the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    d_model: int = MISSING
+    d_ff: Optional[int] = None  # None: 4 * d_model
+    max_seq_len: int = 1024
+    vocab_size: Optional[int] = None  # None: the tokenizer's vocabulary size
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "bpe"  # byte | bpe | hf
+    vocab_size: int = 4096  # bpe: size of the vocabulary to train
+    train_chars: int = 4_000_000  # bpe: characters of the training stream used to train it
+    name: Optional[str] = None  # hf: a transformers tokenizer name or local directory
+
+
+@dataclass
+class DataConfig:
+    source: str = MISSING  # stdlib | local | hf
+    path: Optional[str] = None  # local: a file, a folder or a glob
+    name: Optional[str] = None  # hf: dataset name on the hub
+    subset: Optional[str] = None  # hf: configuration / subset
+    split: str = "train"
+    val_split: Optional[str] = None  # None: hold out val_fraction of the documents by hash
+    val_fraction: float = 0.02
+    text_field: str = "text"  # jsonl / parquet / hf column holding the text
+    doc_shuffle_buffer: int = 1000  # documents
+    window_shuffle_buffer: int = 256  # packed windows
+    cache_dir: str = "~/.cache/llmtrain"  # trained tokenizers
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "single"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto | online | offline | disabled
+    project: str = "llmtrain"
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # steps between console lines when no progress bar is shown
+    progress: str = "auto"  # auto (bar when attached to a terminal) | bar | lines
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 32  # global sequences per optimizer step
+    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    seq_len: int = 128
+    eval_every: int = 50  # 0 disables periodic validation
+    eval_batches: int = 4  # micro-batches per rank per validation
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    optim: OptimConfig = MISSING
+    logging: LoggingConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 1337
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="train_schema", node=RootConfig)
+
+
+_CHOICES = {
+    "data.source": ("stdlib", "local", "hf"),
+    "data.tokenizer.kind": ("byte", "bpe", "hf"),
+    "optim.name": ("adamw",),
+    "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
+    "logging.progress": ("auto", "bar", "lines"),
+    "train.precision": ("auto", "bf16", "fp32"),
+    "train.device": ("auto", "cpu", "cuda"),
+}
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg) -> None:
+    """Checks that need more than one key or the file system; raises ConfigError on the first problem."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: set {key} to one of them")
+
+    positive = ("train.steps", "train.batch_size", "train.micro_batch_size", "train.seq_len", "train.eval_batches",
+                "model.n_layer", "model.n_head", "model.d_model", "model.max_seq_len", "logging.log_every")
+    for key in positive:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0: use 0 to disable validation")
+
+    t, m = cfg.train, cfg.model
+    if t.batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size="
+                          f"{t.micro_batch_size}: set train.batch_size to a multiple of {t.micro_batch_size}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model="
+                          f"{m.name}: set train.seq_len<={m.max_seq_len} or raise model.max_seq_len")
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
+                          f"choose a d_model that is a multiple of n_head")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
+    _validate_data(cfg.data)
+
+
+def _validate_data(d) -> None:
+    if d.source == "local":
+        if not d.path:
+            raise ConfigError("data.path is not set: data=local needs data.path=<file, folder or glob>")
+        if not local_data_files(d.path):
+            raise ConfigError(f"data.path={d.path!r} matches no .txt, .jsonl or .parquet file: "
+                              f"point data.path at a file, a folder or a glob of such files")
+    if d.source == "hf" and not d.name:
+        raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
+    if d.tokenizer.kind == "hf" and not d.tokenizer.name:
+        raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
+    if d.tokenizer.kind == "bpe" and d.tokenizer.vocab_size < 512:
+        raise ConfigError(f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: "
+                          f"use at least 512")
+    if d.val_split is None and not 0.0 < d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5) when data.val_split is unset")
+
+
+DATA_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+
+def local_data_files(path: str) -> list[str]:
+    """Non-empty data files named by a file, a folder (searched recursively) or a glob, sorted."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        candidates = glob.glob(os.path.join(path, "**", "*"), recursive=True)
+    else:
+        candidates = glob.glob(path, recursive=True)
+    return sorted(p for p in candidates
+                  if os.path.isfile(p) and p.endswith(DATA_EXTENSIONS) and os.path.getsize(p) > 0)

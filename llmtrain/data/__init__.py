@@ -1,0 +1,48 @@
+"""Data: sources -> tokenizer -> packed windows in one global order -> this rank's slice of batch k."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
+from llmtrain.data.stream import GlobalBatches, RankSlice, training_windows, validation_windows
+from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
+
+# The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
+TOKENIZER_TRAINING_SEED = 0
+
+
+@dataclass
+class Data:
+    tokenizer: Tokenizer
+    train: GlobalBatches
+    val_windows: np.ndarray | None  # the fixed validation set, (n, seq_len + 1); None when eval is disabled
+
+
+def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tokenizer:
+    """Load the configured tokenizer; a BPE not yet cached is trained by rank 0 while the others wait."""
+    bpe_path = None
+    if data_cfg.tokenizer.kind == "bpe":
+        if is_main:
+            docs = open_documents(data_cfg, TRAIN).shuffle(seed=TOKENIZER_TRAINING_SEED,
+                                                           buffer_size=data_cfg.doc_shuffle_buffer)
+            bpe_path = build_bpe(data_cfg, (ex["text"] for ex in docs))
+        barrier()
+    return load_tokenizer(data_cfg, bpe_path)
+
+
+def build_data(cfg, tokenizer: Tokenizer, val_slice: RankSlice | None) -> Data:
+    """The training batch stream (started in the background) and the validation windows all ranks share."""
+    windows = training_windows(open_documents(cfg.data, TRAIN), tokenizer, cfg.train.seq_len, cfg.seed,
+                               cfg.data.doc_shuffle_buffer, cfg.data.window_shuffle_buffer)
+    val = None
+    if val_slice is not None:
+        val = validation_windows(open_documents(cfg.data, VALIDATION), tokenizer, cfg.train.seq_len,
+                                 val_slice.batch_size)
+    return Data(tokenizer=tokenizer, train=GlobalBatches(windows, cfg.train.batch_size), val_windows=val)
+
+
+__all__ = ["Data", "GlobalBatches", "RankSlice", "build_data", "build_tokenizer"]

@@ -1,0 +1,116 @@
+"""Tokenizers behind one small interface: encode a batch of texts, decode, and name the end-of-text token.
+
+- `byte`: UTF-8 bytes plus an end-of-text id (257 tokens); needs no files.
+- `bpe`: a byte-level BPE trained with `tokenizers` on the start of the training stream, cached on disk under a
+  key of the data and tokenizer config, so every later run (and every rank) loads the same file.
+- `hf`: any `transformers` tokenizer by hub name or local directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable, Protocol
+
+import numpy as np
+from tokenizers import Tokenizer as HFCoreTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    vocab_size = 257
+    eos_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class FastTokenizer:
+    """A `tokenizers` tokenizer (trained here) or a `transformers` one (loaded by name or path)."""
+
+    def __init__(self, backend, eos_id: int, vocab_size: int):
+        self.backend = backend
+        self.eos_id = eos_id
+        self.vocab_size = vocab_size
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        if isinstance(self.backend, HFCoreTokenizer):
+            encodings = [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        else:
+            encodings = self.backend(texts, add_special_tokens=False)["input_ids"]
+        return [np.asarray(ids, dtype=np.int64) for ids in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.backend.decode(list(ids))
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFCoreTokenizer:
+    """A GPT-2-style byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
+    tok = HFCoreTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _take_chars(texts: Iterable[str], n_chars: int) -> Iterable[str]:
+    total = 0
+    for text in texts:
+        yield text[: n_chars - total]
+        total += len(text)
+        if total >= n_chars:
+            return
+
+
+def bpe_cache_path(data_cfg) -> str:
+    """Where the BPE for this data + tokenizer config lives: a hash of everything that changes its training text."""
+    key = {k: data_cfg[k] for k in ("source", "path", "name", "subset", "split", "val_split", "val_fraction",
+                                    "text_field")}
+    key.update(vocab_size=data_cfg.tokenizer.vocab_size, train_chars=data_cfg.tokenizer.train_chars, version=1)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(data_cfg.cache_dir), "tokenizers", f"bpe-{digest}.json")
+
+
+def build_bpe(data_cfg, training_texts: Iterable[str]) -> str:
+    """Train the BPE from the first `train_chars` characters of the stream and cache it atomically."""
+    path = bpe_cache_path(data_cfg)
+    if not os.path.exists(path):
+        tok = train_bpe(_take_chars(training_texts, data_cfg.tokenizer.train_chars), data_cfg.tokenizer.vocab_size)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        tok.save(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
+    kind = data_cfg.tokenizer.kind
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        tok = HFCoreTokenizer.from_file(bpe_path or bpe_cache_path(data_cfg))
+        return FastTokenizer(tok, eos_id=tok.token_to_id(EOS_TOKEN), vocab_size=tok.get_vocab_size())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(data_cfg.tokenizer.name)
+    if tok.eos_token_id is None:
+        tok.add_special_tokens({"eos_token": EOS_TOKEN})
+    return FastTokenizer(tok, eos_id=tok.eos_token_id, vocab_size=len(tok))
+

@@ -1,0 +1,124 @@
+"""One training job, start to finish: runtime -> config checks -> tokenizer -> model -> strategy -> data ->
+trainer -> report. `train.py` calls `run` with the composed Hydra config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from llmtrain.config import ConfigError, validate
+from llmtrain.data import RankSlice, build_data, build_tokenizer
+from llmtrain.model import GPT, flops_per_token, gpt_config, num_parameters
+from llmtrain.parallel import get_strategy
+from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.train.loggers import RunLoggers
+from llmtrain.train.loop import Trainer, uses_bf16
+from llmtrain.train.optim import build_schedule
+from llmtrain.train.report import end_summary, format_end_summary, start_summary
+
+log = logging.getLogger("llmtrain")
+
+# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
+HYDRA_ONLY = {".hydra", "train.log"}
+CONFIG_ERROR_EXIT = 2
+
+
+def _remove_if_empty_run(run_dir: str) -> None:
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wandb_identity(run_dir: str) -> tuple[str, str | None]:
+    """Run name and group from Hydra: a `-m` sweep is one group named after its sweep directory."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        group = os.path.relpath(hydra_cfg.sweep.dir)
+        return f"{group}/{hydra_cfg.job.override_dirname or hydra_cfg.job.num}", group
+    return os.path.relpath(run_dir), None
+
+
+def _check_vocab(cfg, tokenizer_vocab: int) -> None:
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size")
+
+
+def _build_model(cfg, vocab_size: int, runtime: Runtime) -> GPT:
+    model = GPT(gpt_config(cfg.model, vocab_size))
+    model.init_weights(torch.Generator().manual_seed(cfg.seed))
+    return model.to(runtime.device)
+
+
+def run(cfg) -> None:
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        validate(cfg)
+        runtime = init_runtime(cfg.train.device)
+    except ConfigError as error:
+        _exit_with_config_error(error, run_dir, is_main=True)
+    if not runtime.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        _train(cfg, runtime, run_dir)
+    except ConfigError as error:
+        _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
+    finally:
+        runtime.shutdown()
+
+
+def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
+    if is_main:
+        print(f"error: {error}", file=sys.stderr)
+        _remove_if_empty_run(run_dir)
+    sys.exit(CONFIG_ERROR_EXIT)
+
+
+def _train(cfg, runtime: Runtime, run_dir: str) -> None:
+    wall_start = time.perf_counter()
+    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    strategy.validate()
+    t = cfg.train
+    per_step = t.micro_batch_size * strategy.dp_size
+    if t.batch_size % per_step:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size x "
+                          f"data-parallel size = {t.micro_batch_size} x {strategy.dp_size}: "
+                          f"set train.batch_size to a multiple of {per_step}")
+    train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
+    val_slice = RankSlice(t.eval_batches * per_step, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
+    _check_vocab(cfg, tokenizer.vocab_size)
+    data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
+    gpt = _build_model(cfg, tokenizer.vocab_size, runtime)
+    n_params = num_parameters(gpt)
+    model_flops = flops_per_token(gpt.cfg, n_params, t.seq_len)
+    model = strategy.parallelize(gpt)
+    optimizer = strategy.build_optimizer(model)
+    schedule = build_schedule(optimizer, t.steps, cfg.optim)
+    precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
+    log.info("\n" + start_summary(cfg, n_params=n_params, vocab_size=gpt.cfg.vocab_size, layout=strategy.describe(), device=str(runtime.device),
+                                  precision=precision, dp_size=strategy.dp_size,
+                                  accumulation=train_slice.accumulation, run_dir=run_dir))
+
+    loggers = RunLoggers(cfg, run_dir, *_wandb_identity(run_dir)) if runtime.is_main else None
+    trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
+                      model_flops, loggers.record if loggers else lambda record: None)
+    try:
+        state = trainer.run()
+    finally:
+        if loggers:
+            loggers.close_console()
+    if loggers:
+        summary = end_summary(state.records, time.perf_counter() - wall_start, state.train_seconds,
+                              t.batch_size * t.seq_len)
+        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size)
+        loggers.finish(summary, state.records)
+        log.info("\n" + format_end_summary(summary))

@@ -1,0 +1,13 @@
+"""The GPT model and its construction from the `model` config group."""
+
+from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters
+
+
+def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
+    """The model config group, with the vocabulary size resolved (the group's own, or the tokenizer's)."""
+    return GPTConfig(vocab_size=model_cfg.vocab_size or vocab_size, n_layer=model_cfg.n_layer,
+                     n_head=model_cfg.n_head, d_model=model_cfg.d_model, max_seq_len=model_cfg.max_seq_len,
+                     d_ff=model_cfg.d_ff, dropout=model_cfg.dropout, bias=model_cfg.bias)
+
+
+__all__ = ["GPT", "GPTConfig", "gpt_config", "cross_entropy_loss", "flops_per_token", "num_parameters"]

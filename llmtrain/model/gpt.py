@@ -1,0 +1,139 @@
+"""A GPT-2-style decoder, read top to bottom.
+
+Layout choices made for the parallel layouts that wrap it:
+- blocks live in a ModuleDict keyed "0".."n-1", so a pipeline stage that keeps a slice of them keeps their names
+  and checkpoints do not care how the model was cut;
+- the embeddings, the blocks and the head are separate attributes, so a stage can own any of them;
+- q, k, v are separate projections so tensor parallelism can split each by heads with a plain column plan;
+- the head reshape is written in units of head_dim, so it holds for a rank that owns only some heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    max_seq_len: int
+    d_ff: int | None = None
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def hidden(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
+        self.fc_out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(F.gelu(self.fc_in(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# Residual-branch output projections: GPT-2 scales their initial std by 1/sqrt(2 * n_layer) so the residual
+# stream's variance does not grow with depth (two branches per block).
+RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out")
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.emb_dropout(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 initialisation, in a fixed module order so that the same generator state gives the same weights."""
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and module is not self.lm_head:
+                std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
+    score and value matmuls, 12 * n_layer * d_model * seq_len (PaLM, appendix B). N excludes the position
+    embedding, a lookup rather than a matmul."""
+    matmul_params = n_params - cfg.max_seq_len * cfg.d_model
+    return 6 * matmul_params + 12 * cfg.n_layer * cfg.d_model * seq_len

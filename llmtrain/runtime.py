@@ -1,0 +1,89 @@
+"""The process's place in the job: rank and world from torchrun, from SLURM's srun, or from nothing.
+
+`init_runtime` joins the process group when there is one (NCCL on CUDA, gloo on CPU) and picks the device;
+`Runtime.shutdown` leaves it cleanly. Everything else asks the Runtime, never the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    launcher: str  # torchrun | slurm | none
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.distributed:
+            dist.destroy_process_group()
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first hostname of a Slurm hostlist such as 'gpu[03-05,09],login1' -> 'gpu03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse SLURM nodelist {nodelist!r}")
+    prefix, ranges = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _process_coordinates() -> tuple[int, int, int, str]:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun"
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        # srun started one task per rank (SLURM_STEP_* exist only inside a job step, not in the batch shell):
+        # derive the rendezvous torch expects from the step itself.
+        env.setdefault("MASTER_ADDR", first_slurm_host(env["SLURM_STEP_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                "slurm")
+    return 0, 1, 0, "none"
+
+
+def _pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible: use train.device=auto or cpu")
+    if preference != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -> Runtime:
+    rank, world_size, local_rank, launcher = _process_coordinates()
+    device = _pick_device(device_preference, local_rank)
+    runtime = Runtime(rank, world_size, local_rank, device, launcher)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=runtime.backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    return runtime

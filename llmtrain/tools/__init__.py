@@ -1,0 +1,1 @@
+"""Command-line tools beside training (benchmarks, planners, export, generation)."""

@@ -1,0 +1,135 @@
+"""Where metrics go: the run directory's metrics.jsonl, Weights & Biases, and the console. Rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import sys
+from typing import Any
+
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from llmtrain.train.report import plot_loss, write_json_atomic
+
+log = logging.getLogger("llmtrain")
+
+
+class MetricsFile:
+    """One JSON object per optimizer step, flushed as it is written so a crash keeps every finished step."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def wandb_credentials_present() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """`auto` becomes online when an API key is configured (env or ~/.netrc from `wandb login`), else offline."""
+    if mode == "auto":
+        return "online" if wandb_credentials_present() else "offline"
+    return mode
+
+
+class WandbLogger:
+    """A W&B run whose files live in the run directory. Only the resolved config is sent: the API key is read
+    by wandb from its own environment and never passes through here."""
+
+    def __init__(self, wandb_cfg, run_dir: str, name: str, group: str | None, config: dict[str, Any]):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.mode = resolve_wandb_mode(wandb_cfg.mode)
+        self._run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
+                               dir=run_dir, config=config, mode=self.mode,
+                               settings=wandb.Settings(console="off"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self._run.summary.update(values)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _format(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val {record['val_loss']:.4f}")
+    parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {record['mfu']:.1%}")
+    return " | ".join(parts)
+
+
+class Console:
+    """A progress bar when attached to a terminal (or asked for), plain log lines every `log_every` otherwise."""
+
+    def __init__(self, total_steps: int, log_every: int, progress: str):
+        use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+        self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True) if use_bar else None
+        self._log_every = log_every
+        self._total = total_steps
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(_format(record).split(" | ", 1)[1], refresh=False)
+            if "val_loss" in record:
+                self._bar.write(_format(record))
+        elif record["step"] % self._log_every == 0 or record["step"] == self._total or "val_loss" in record:
+            log.info(_format(record))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class RunLoggers:
+    """Rank 0's sinks for one run: metrics.jsonl, W&B (unless disabled), the console; at the end summary.json
+    and loss.png. summary.json is written last, so its presence marks a completed run."""
+
+    def __init__(self, cfg, run_dir: str, name: str, group: str | None):
+        self.run_dir = run_dir
+        self.title = name
+        self.metrics = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
+        self.wandb = None
+        if cfg.logging.wandb.mode != "disabled":
+            self.wandb = WandbLogger(cfg.logging.wandb, run_dir, name, group, OmegaConf.to_container(cfg, resolve=True))
+        self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress)
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        if self.wandb:
+            self.wandb.log(record)
+        self.console.step(record)
+
+    def close_console(self) -> None:
+        self.console.close()
+        self.metrics.close()
+
+    def finish(self, summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        plot_loss(records, os.path.join(self.run_dir, "loss.png"), self.title)
+        if self.wandb:
+            self.wandb.summary(summary)
+            self.wandb.close()
+        write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)

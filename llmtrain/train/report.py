@@ -1,0 +1,84 @@
+"""What a person reads: the summary printed at start, and at the end summary.json plus loss.png."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def start_summary(cfg, *, n_params: int, vocab_size: int, layout: str, device: str, precision: str,
+                  dp_size: int, accumulation: int, run_dir: str) -> str:
+    t, m = cfg.train, cfg.model
+    tokens_per_step = t.batch_size * t.seq_len
+    return "\n".join([
+        f"model     {m.name}: {n_params:,} parameters (n_layer {m.n_layer}, n_head {m.n_head}, "
+        f"d_model {m.d_model}, vocab {vocab_size}, max_seq_len {m.max_seq_len})",
+        f"layout    {layout} on {device}, {precision}",
+        f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
+        f"(micro {t.micro_batch_size} x accumulation {accumulation} x data-parallel {dp_size})",
+        f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; data {cfg.data.source}, tokenizer "
+        f"{cfg.data.tokenizer.kind}; seed {cfg.seed}",
+        f"run dir   {run_dir}",
+    ])
+
+
+def end_summary(records: list[dict[str, Any]], wall_seconds: float, train_seconds: float,
+                tokens_per_step: int) -> dict[str, Any]:
+    """Totals of a finished run. Throughput leaves out the first step, which pays for warm-up."""
+    val = [r for r in records if "val_loss" in r]
+    steady = records[1:] or records
+    steady_seconds = sum(tokens_per_step / r["tokens_per_s"] for r in steady)
+    summary = {
+        "steps": records[-1]["step"],
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "tokens": records[-1]["step"] * tokens_per_step,
+        "tokens_per_s": len(steady) * tokens_per_step / steady_seconds,
+        "train_seconds": train_seconds,
+        "wall_seconds": wall_seconds,
+    }
+    if any(r.get("mfu") is not None for r in steady):
+        summary["mfu"] = sum(r["mfu"] for r in steady) / len(steady)
+    if "peak_memory_gib" in records[-1]:
+        summary["peak_memory_gib"] = max(r["peak_memory_gib"] for r in records)
+    return summary
+
+
+def format_end_summary(summary: dict[str, Any]) -> str:
+    val = summary["final_val_loss"]
+    lines = [f"done      {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s",
+             f"loss      {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+             + (f" (val {val:.4f})" if val is not None else ""),
+             f"speed     {summary['tokens_per_s']:,.0f} tokens/s"
+             + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a")]
+    if "peak_memory_gib" in summary:
+        lines.append(f"memory    {summary['peak_memory_gib']:.2f} GiB peak allocated")
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", linewidth=1.2)
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation", markersize=4)
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,22 @@
+"""llmtrain's entry point: `python train.py [group=option ...] [key=value ...]`; `--help` lists every group.
+
+Hydra composes conf/train.yaml with the overrides, checks them against the schemas in llmtrain/config.py, makes the
+run directory and hands the config to llmtrain.job.run.
+"""
+
+import hydra
+
+from llmtrain.config import register_schemas
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg) -> None:
+    from llmtrain.job import run  # imported here so that `--help` and config errors answer without loading torch
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
