@@ -3,6 +3,7 @@ trainer -> report. `train.py` calls `run` with the composed Hydra config."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,6 +34,8 @@ CONFIG_ERROR_EXIT = 2
 def _remove_if_empty_run(run_dir: str) -> None:
     if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
         shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # and the date folder above it, when that is now empty
+            os.removedirs(os.path.dirname(run_dir))
 
 
 def _wandb_identity(run_dir: str) -> tuple[str, str | None]:

@@ -21,7 +21,7 @@ class MetricsFile:
     """One JSON object per optimizer step, flushed as it is written so a crash keeps every finished step."""
 
     def __init__(self, path: str):
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

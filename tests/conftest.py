@@ -1,0 +1,55 @@
+"""Shared helpers: run the real entry point in a fresh process and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough for a 2-core CI machine; every test run of train.py starts from these.
+FAST = ["model=tiny", "train.seq_len=64", "train.batch_size=16", "train.micro_batch_size=4", "train.eval_every=0",
+        "logging.wandb.mode=disabled", "data.tokenizer.kind=byte"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def metrics(self) -> list[dict]:
+        with open(self.run_dir / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenizer cache for the whole session, so a BPE is trained once."""
+    return tmp_path_factory.mktemp("llmtrain-cache")
+
+
+@pytest.fixture
+def train(tmp_path, cache_dir):
+    """train(*overrides, fast=True, name="run") runs `python train.py` with its run directory tmp_path/name."""
+    def run(*overrides: str, fast: bool = True, name: str = "run", timeout: float = 600) -> Run:
+        run_dir = tmp_path / name
+        args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
+        args += (FAST if fast else []) + list(overrides)
+        env = {**os.environ, "WANDB_SILENT": "true"}
+        env.pop("WANDB_API_KEY", None)
+        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+        return Run(done.returncode, done.stdout, done.stderr, run_dir)
+    return run

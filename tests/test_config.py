@@ -1,0 +1,88 @@
+"""Config composition, schema checks and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from llmtrain.config import ConfigError, register_schemas, validate
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+          for group in ("model", "data", "parallel", "optim", "logging")}
+# Options that need a key the user must supply before they validate.
+REQUIRED = {"data=local": ["data.path={tmp}/corpus.txt"], "data=hf": ["data.name=roneneldan/TinyStories"]}
+
+register_schemas()
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override", [f"{g}={o}" for g, options in GROUPS.items() for o in options])
+def test_every_option_composes_and_validates(override, tmp_path):
+    (tmp_path / "corpus.txt").write_text("some text")
+    extra = [o.format(tmp=tmp_path) for o in REQUIRED.get(override, [])]
+    if override.startswith("model=") and override != "model=tiny":
+        extra = ["train.seq_len=128"]
+    cfg = _compose(override, *extra)
+    validate(cfg)
+    group, option = override.split("=")
+    assert cfg[group] is not None and (group != "model" or cfg.model.name == option)
+
+
+def test_model_presets_meet_the_layout_contract():
+    for option in GROUPS["model"]:
+        m = _compose(f"model={option}").model
+        assert m.d_model % m.n_head == 0, option
+    tiny = _compose("model=tiny").model
+    assert tiny.n_layer % 4 == 0 and tiny.n_head % 4 == 0
+
+
+def test_unknown_option_lists_the_available_ones():
+    with pytest.raises(ConfigCompositionException) as error:
+        _compose("model=gpt5")
+    assert "gpt2-medium" in str(error.value) and "tiny" in str(error.value)
+
+
+@pytest.mark.parametrize("override", ["train.stpes=5", "model.n_heads=4", "optim.learning_rate=1"])
+def test_misspelt_key_is_rejected(override):
+    with pytest.raises(ConfigCompositionException) as error:
+        _compose(override)
+    assert override.split("=")[0] in str(error.value)
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(ConfigCompositionException) as error:
+        _compose("train.steps=many")
+    assert isinstance(error.value.__cause__, (ValidationError, ConfigKeyError))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.batch_size=30"], "train.batch_size"),
+    (["train.seq_len=512"], "train.seq_len"),
+    (["data=local"], "data.path"),
+    (["data=local", "data.path=/nonexistent/corpus"], "data.path"),
+    (["data=hf"], "data.name"),
+    (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
+    (["model.d_model=130"], "model.d_model"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size"),
+])
+def test_validate_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as error:
+        validate(_compose(*overrides))
+    message = str(error.value)
+    assert key in message and "\n" not in message
+
+
+def test_empty_file_counts_as_missing_data(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="data.path"):
+        validate(_compose("data=local", f"data.path={empty}"))

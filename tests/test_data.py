@@ -1,0 +1,170 @@
+"""Data: packing, local sources, tokenizers, the held-out split and the global batch order."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from llmtrain.config import ConfigError, DataConfig
+from llmtrain.data import RankSlice, build_tokenizer
+from llmtrain.data.packing import pack_windows, shuffle_windows, tokenize_documents
+from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
+from llmtrain.data.stream import GlobalBatches, training_windows
+from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
+
+DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(300)]
+
+
+def _data_cfg(**overrides) -> DataConfig:
+    cfg = OmegaConf.structured(DataConfig(source="local"))
+    cfg.tokenizer.kind = "byte"
+    cfg.doc_shuffle_buffer = 50
+    cfg.window_shuffle_buffer = 16
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """The same 300 documents as .txt files, one .jsonl and one .parquet."""
+    for i, doc in enumerate(DOCS):
+        (tmp_path / "txt").mkdir(exist_ok=True)
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(doc)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    pd.DataFrame({"content": DOCS, "id": range(len(DOCS))}).to_parquet(tmp_path / "docs.parquet")
+    return tmp_path
+
+
+def _texts(cfg, split=TRAIN) -> list[str]:
+    return [ex["text"] for ex in open_documents(cfg, split)]
+
+
+def test_packing_round_trips_the_token_stream():
+    tokenizer = ByteTokenizer()
+    stream = np.concatenate(list(tokenize_documents(DOCS, tokenizer)))
+    windows = list(pack_windows(tokenize_documents(DOCS, tokenizer), 33))
+    assert all(len(w) == 33 for w in windows)
+    assert len(windows) == len(stream) // 33
+    np.testing.assert_array_equal(np.concatenate(windows), stream[: len(windows) * 33])
+    decoded = tokenizer.decode(stream)
+    assert decoded == "".join(DOCS)  # the end-of-text ids separate documents and decode to nothing
+
+
+def test_shuffle_windows_is_a_seeded_permutation():
+    windows = [np.array([i]) for i in range(100)]
+    a = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=3)]
+    b = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=3)]
+    c = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=4)]
+    assert a == b != c and sorted(a) == list(range(100))
+
+
+@pytest.mark.parametrize("path, field", [("txt", "text"), ("docs.jsonl", "body"), ("docs.parquet", "content"),
+                                         ("*.jsonl", "body")])
+def test_local_sources_load_every_document(corpus, path, field):
+    cfg = _data_cfg(path=str(corpus / path), text_field=field)
+    texts = _texts(cfg, TRAIN) + _texts(cfg, VALIDATION)
+    assert sorted(texts) == sorted(DOCS)
+
+
+def test_jsonl_without_the_text_field_names_the_key(corpus):
+    with pytest.raises(ConfigError, match="data.text_field"):
+        open_documents(_data_cfg(path=str(corpus / "docs.jsonl")), TRAIN)
+
+
+def test_validation_documents_are_disjoint_from_training(corpus):
+    cfg = _data_cfg(path=str(corpus / "docs.jsonl"), text_field="body", val_fraction=0.1)
+    train, val = set(_texts(cfg, TRAIN)), set(_texts(cfg, VALIDATION))
+    assert val and train and not (train & val)
+    assert 10 <= len(val) <= 60  # ~10% of 300
+
+
+def test_stdlib_corpus_is_real_text_present_offline():
+    files = stdlib_files()
+    assert len(files) > 500 and all(f.endswith(".py") for f in files)
+    cfg = _data_cfg(source="stdlib")
+    first = next(iter(open_documents(cfg, TRAIN)))["text"]
+    assert len(first) > 0
+
+
+def _first_batches(cfg, tokenizer, seed, n=3, batch_size=8, seq_len=16):
+    windows = training_windows(open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer,
+                               cfg.window_shuffle_buffer)
+    batches = GlobalBatches(windows, batch_size)
+    return [batches.next() for _ in range(n)]
+
+
+def test_same_seed_same_batches_other_seed_other_batches(corpus):
+    cfg = _data_cfg(path=str(corpus / "txt"))
+    tokenizer = ByteTokenizer()
+    a, b = _first_batches(cfg, tokenizer, seed=1), _first_batches(cfg, tokenizer, seed=1)
+    c = _first_batches(cfg, tokenizer, seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_the_stream_is_endless_and_reshuffles_each_epoch(corpus):
+    cfg = _data_cfg(path=str(corpus / "txt"), window_shuffle_buffer=1)
+    tokenizer = ByteTokenizer()
+    train_tokens = sum(len(t.encode()) + 1 for t in _texts(cfg, TRAIN))
+    per_epoch = train_tokens // 17
+    windows = list(itertools.islice(training_windows(open_documents(cfg, TRAIN), tokenizer, 16, 0, 50, 1),
+                                    2 * per_epoch + 5))
+    assert len(windows) == 2 * per_epoch + 5
+    epoch1 = np.concatenate(windows[: per_epoch // 2])
+    epoch2 = np.concatenate(windows[per_epoch + 2: per_epoch + 2 + per_epoch // 2])
+    assert not np.array_equal(epoch1[: len(epoch2)], epoch2[: len(epoch1)])
+
+
+@pytest.mark.parametrize("dp_size, micro", [(1, 8), (2, 4), (4, 1), (8, 1)])
+def test_rank_slices_partition_the_global_batch(dp_size, micro):
+    global_batch = np.arange(8 * 5).reshape(8, 5)
+    rows = []
+    for rank in range(dp_size):
+        rank_slice = RankSlice(8, micro, rank, dp_size)
+        micro_batches = rank_slice.micro_batches(global_batch)
+        assert len(micro_batches) == rank_slice.accumulation == 8 // dp_size // micro
+        for inputs, targets in micro_batches:
+            assert inputs.shape == targets.shape == (micro, 4)
+            np.testing.assert_array_equal(inputs[:, 1:].numpy(), targets[:, :-1].numpy())
+            rows.extend(np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1))
+    np.testing.assert_array_equal(np.stack(rows), global_batch)
+
+
+def test_bpe_is_trained_once_cached_and_round_trips(corpus, tmp_path):
+    cfg = _data_cfg(path=str(corpus / "txt"), cache_dir=str(tmp_path / "cache"))
+    cfg.tokenizer.kind = "bpe"
+    cfg.tokenizer.vocab_size = 600
+    calls = []
+    tokenizer = build_tokenizer(cfg, is_main=True, barrier=lambda: calls.append(1))
+    assert calls == [1]
+    path = bpe_cache_path(cfg)
+    mtime = os.path.getmtime(path)
+    again = build_tokenizer(cfg, is_main=True, barrier=lambda: None)
+    assert os.path.getmtime(path) == mtime
+    text = DOCS[5] + " ünïcödé ✓"
+    ids = again.encode_batch([text])[0]
+    assert again.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 2  # it learned merges
+    assert 256 < tokenizer.vocab_size <= 600 and tokenizer.eos_id < tokenizer.vocab_size
+
+
+def test_a_transformers_tokenizer_loads_from_a_local_directory(tmp_path, corpus):
+    from transformers import PreTrainedTokenizerFast
+
+    from llmtrain.data.tokenizers import EOS_TOKEN, train_bpe
+
+    backend = train_bpe(DOCS, 400)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN).save_pretrained(tmp_path / "tok")
+    cfg = _data_cfg(path=str(corpus / "txt"))
+    cfg.tokenizer.kind = "hf"
+    cfg.tokenizer.name = str(tmp_path / "tok")
+    tokenizer = build_tokenizer(cfg, is_main=True, barrier=lambda: None)
+    assert tokenizer.eos_id == backend.token_to_id(EOS_TOKEN)
+    assert tokenizer.decode(tokenizer.encode_batch([DOCS[3]])[0]) == DOCS[3]

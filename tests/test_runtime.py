@@ -1,0 +1,73 @@
+"""The distributed runtime joins a real gloo process group from torchrun's or srun's environment."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmtrain.runtime import first_slurm_host, init_runtime
+
+
+def _free_port(low: int = 0, high: int = 0) -> int:
+    """A port nobody listens on: any (low=high=0) or one in [low, high)."""
+    for candidate in ([0] if high == 0 else random.sample(range(low, high), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+def _worker(rank: int, env: dict[str, str], results) -> None:
+    os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
+    runtime = init_runtime("cpu")
+    value = torch.tensor([float(runtime.rank + 1)])
+    dist.all_reduce(value)
+    results.put((runtime.rank, runtime.world_size, runtime.launcher, runtime.backend, value.item(),
+                 os.environ["MASTER_ADDR"]))
+    runtime.shutdown()
+
+
+def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    mp.start_processes(_worker, args=(env, results), nprocs=nprocs, start_method="spawn")
+    return sorted(results.get(timeout=60) for _ in range(nprocs))
+
+
+def test_torchrun_environment():
+    env = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    assert _spawn(env) == [(0, 2, "torchrun", "gloo", 3.0, "127.0.0.1"), (1, 2, "torchrun", "gloo", 3.0, "127.0.0.1")]
+
+
+def test_srun_environment_without_torchrun(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    job_id = 20000 * 7 + _free_port(20000, 40000) - 20000  # the runtime derives port 20000 + job_id % 20000
+    env = {"SLURM_PROCID": "{rank}", "SLURM_LOCALID": "{rank}", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+           "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": str(job_id)}
+    results = _spawn(env)
+    assert [r[:5] for r in results] == [(0, 2, "slurm", "gloo", 3.0), (1, 2, "slurm", "gloo", 3.0)]
+    assert results[0][5] == "localhost"
+
+
+def test_plain_process_has_no_group(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    runtime = init_runtime("cpu")
+    assert (runtime.rank, runtime.world_size, runtime.launcher, runtime.distributed) == (0, 1, "none", False)
+
+
+@pytest.mark.parametrize("nodelist, first", [("gpu[03-05,09],login1", "gpu03"), ("node7,node8", "node7"),
+                                             ("solo", "solo"), ("rack1-n[10-11]", "rack1-n10")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
