@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One machine, N workers: the 4-GPU workstation launcher.
+#
+#   launch/single_node.sh parallel=fsdp model=gpt2            # one worker per visible GPU
+#   NPROC=2 launch/single_node.sh parallel=ddp                 # or as many as you say (CPU: gloo)
+#
+# Every argument is a Hydra override passed to train.py unchanged. NPROC defaults to the number of visible GPUs,
+# or 1 without GPUs.
+#
+# Consumer PCIe cards without NVLink (RTX 40-series): the 40-series has no peer-to-peer over PCIe, and NCCL
+# builds that try it can hang or fall back slowly; NCCL_P2P_DISABLE=1 routes GPU-to-GPU traffic through host
+# memory, which is what the hardware does anyway. NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
+# OMP_NUM_THREADS caps CPU threads per worker so N workers do not oversubscribe the cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "RTX 40"; then
+  export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
+fi
+export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
+
+exec torchrun --standalone --nproc_per_node="$NPROC" train.py "$@"
