@@ -16,6 +16,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from llmtrain.resolvers import register_resolvers
+
 
 class ConfigError(ValueError):
     """A user-fixable configuration problem; its message is one line naming the key and the fix."""
@@ -60,7 +62,15 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "single"
+    strategy: str = "single"  # a registered strategy (llmtrain/parallel/registry.py)
+    # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks".
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    nproc: int = 1  # workers to start on this machine when not launched by torchrun or srun
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
+    cpu_offload: bool = False  # fsdp: keep sharded parameters, gradients and optimizer state in host memory
 
 
 @dataclass
@@ -81,6 +91,8 @@ class WandbConfig:
     mode: str = "auto"  # auto | online | offline | disabled
     project: str = "llmtrain"
     entity: Optional[str] = None
+    name: Optional[str] = None  # None: the run directory
+    group: Optional[str] = None  # None: the sweep directory of a -m sweep, no group for a single run
 
 
 @dataclass
@@ -97,9 +109,10 @@ class TrainConfig:
     micro_batch_size: int = 8  # sequences per rank per forward/backward
     seq_len: int = 128
     eval_every: int = 50  # 0 disables periodic validation
-    eval_batches: int = 4  # micro-batches per rank per validation
+    eval_batches: int = 2  # global batches (of batch_size sequences) per validation
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     device: str = "auto"  # auto | cpu | cuda
+    save_model: bool = True  # write the final weights (full state dict) to model.pt in the run directory
 
 
 @dataclass
@@ -115,6 +128,7 @@ class RootConfig:
 
 def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
+    register_resolvers()
 
 
 _CHOICES = {
@@ -146,6 +160,8 @@ def validate(cfg) -> None:
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")
+    if cfg.parallel.nproc < 1:
+        raise ConfigError(f"parallel.nproc={cfg.parallel.nproc} must be at least 1")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0: use 0 to disable validation")
 

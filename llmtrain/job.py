@@ -14,13 +14,16 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from llmtrain.checkpoint import save_final_model
 from llmtrain.config import ConfigError, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
 from llmtrain.model import GPT, flops_per_token, gpt_config, num_parameters
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
-from llmtrain.train.loop import Trainer, uses_bf16
+from llmtrain.train.loop import Trainer
+from llmtrain.train.precision import uses_bf16
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
@@ -38,13 +41,15 @@ def _remove_if_empty_run(run_dir: str) -> None:
             os.removedirs(os.path.dirname(run_dir))
 
 
-def _wandb_identity(run_dir: str) -> tuple[str, str | None]:
-    """Run name and group from Hydra: a `-m` sweep is one group named after its sweep directory."""
+def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
+    """Run name and group as configured, else from Hydra: a `-m` sweep is one group named after its sweep
+    directory, each job named by its overrides."""
+    name, group = cfg.logging.wandb.name, cfg.logging.wandb.group
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        group = os.path.relpath(hydra_cfg.sweep.dir)
-        return f"{group}/{hydra_cfg.job.override_dirname or hydra_cfg.job.num}", group
-    return os.path.relpath(run_dir), None
+        group = group or os.path.relpath(hydra_cfg.sweep.dir)
+        name = name or f"{group}/{hydra_cfg.job.override_dirname or hydra_cfg.job.num}"
+    return name or os.path.relpath(run_dir), group
 
 
 def _check_vocab(cfg, tokenizer_vocab: int) -> None:
@@ -63,6 +68,13 @@ def run(cfg) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg)
+        if cfg.parallel.nproc > 1 and not launched_externally():
+            code = spawn_workers(cfg.parallel.nproc, list(HydraConfig.get().overrides.task), run_dir,
+                                 *_wandb_identity(cfg, run_dir))
+            _remove_if_empty_run(run_dir)
+            if code:
+                sys.exit(code)
+            return
         runtime = init_runtime(cfg.train.device)
     except ConfigError as error:
         _exit_with_config_error(error, run_dir, is_main=True)
@@ -94,7 +106,8 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
                           f"data-parallel size = {t.micro_batch_size} x {strategy.dp_size}: "
                           f"set train.batch_size to a multiple of {per_step}")
     train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
-    val_slice = RankSlice(t.eval_batches * per_step, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
+    # The validation set is eval_batches global batches, whatever the layout, so val_loss compares across layouts.
+    val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
     torch.manual_seed(cfg.seed)
 
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
@@ -111,7 +124,7 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
                                   precision=precision, dp_size=strategy.dp_size,
                                   accumulation=train_slice.accumulation, run_dir=run_dir))
 
-    loggers = RunLoggers(cfg, run_dir, *_wandb_identity(run_dir)) if runtime.is_main else None
+    loggers = RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir)) if runtime.is_main else None
     trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
                       model_flops, loggers.record if loggers else lambda record: None)
     try:
@@ -119,6 +132,8 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     finally:
         if loggers:
             loggers.close_console()
+    if t.save_model:
+        save_final_model(model, os.path.join(run_dir, "model.pt"), runtime.is_main)
     if loggers:
         summary = end_summary(state.records, time.perf_counter() - wall_start, state.train_seconds,
                               t.batch_size * t.seq_len)

@@ -43,13 +43,21 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def train(tmp_path, cache_dir):
-    """train(*overrides, fast=True, name="run") runs `python train.py` with its run directory tmp_path/name."""
-    def run(*overrides: str, fast: bool = True, name: str = "run", timeout: float = 600) -> Run:
-        run_dir = tmp_path / name
-        args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
-        args += (FAST if fast else []) + list(overrides)
-        env = {**os.environ, "WANDB_SILENT": "true"}
-        env.pop("WANDB_API_KEY", None)
-        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
-        return Run(done.returncode, done.stdout, done.stderr, run_dir)
-    return run
+    """train(*overrides, fast=True, name="run", nproc=0) runs `python train.py` (or, with nproc > 0,
+    `torchrun --standalone --nproc_per_node=nproc train.py`) with its run directory tmp_path/name."""
+    return lambda *overrides, **options: run_train(tmp_path, cache_dir, *overrides, **options)
+
+
+def run_train(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = True, name: str = "run", nproc: int = 0,
+              timeout: float = 600) -> Run:
+    run_dir = workdir / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
+    args += (FAST if fast else []) + list(overrides)
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    if nproc:
+        env["OMP_NUM_THREADS"] = "1"  # several ranks share CI's two cores
+    env.pop("WANDB_API_KEY", None)
+    done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
+    return Run(done.returncode, done.stdout, done.stderr, run_dir)

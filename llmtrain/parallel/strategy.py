@@ -7,9 +7,14 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from llmtrain.config import ConfigError
 from llmtrain.model import cross_entropy_loss
+from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
 from llmtrain.runtime import Runtime
 from llmtrain.train.optim import build_adamw
 
@@ -18,27 +23,47 @@ PrecisionContext = Callable[[], AbstractContextManager]
 
 
 class Strategy:
+    """Base layout: resolves the degrees, checks them (`validate`), then builds the mesh. Subclasses name the
+    mesh dimensions they use in `supported_dims`; a degree above 1 on any other dimension is refused."""
+
     name: ClassVar[str]
+    supported_dims: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg, runtime: Runtime):
         self.cfg = cfg
         self.runtime = runtime
+        if runtime.world_size == 1 and self.supported_dims:
+            raise ConfigError(f"parallel={cfg.parallel.strategy} splits the work over processes but this is a single "
+                              f"process: launch with torchrun --nproc_per_node=N, or set parallel.nproc=N")
+        self.degrees = resolve_degrees(cfg.parallel, runtime.world_size)
+        self.validate()
+        self.mesh: DeviceMesh | None = None
+        self.dp_mesh: DeviceMesh | None = None
+        if runtime.world_size > 1:
+            self.mesh = build_mesh(self.degrees, runtime.device.type)
+            # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
+            self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     # -- layout ---------------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ConfigError when the layout cannot run with this config and world size."""
+        """Raise ConfigError when the layout cannot run with these degrees."""
+        for dim in MESH_DIMS:
+            if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
+                raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel={self.name} does not "
+                                  f"split over {dim} (it uses {', '.join(self.supported_dims) or 'no dimension'}): "
+                                  f"set parallel.{dim}=1 or choose a layout that has it")
 
     @property
     def dp_rank(self) -> int:
-        return 0
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
 
     @property
     def dp_size(self) -> int:
-        return 1
+        return self.degrees.dp
 
     def describe(self) -> str:
         """One line for the start-up summary: the layout and its mesh."""
-        return self.name
+        return f"{self.name} ({self.degrees.describe()})"
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         return model
@@ -73,10 +98,17 @@ class Strategy:
         return total / len(micro_batches)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch)."""
-        return value
+        """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch).
+        Gloo has no AVG reduction, hence SUM then divide."""
+        if self.dp_mesh is None or self.dp_size == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dp_mesh.get_group())
+        return value / self.dp_size
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
+        """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping. Sharded
+        (DTensor) gradients give a DTensor norm whose full value is the global norm."""
         params = [p for p in model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -3,7 +3,6 @@ the global-batch loss, clipping, the optimizer and schedule steps, then metrics,
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,17 +14,7 @@ from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
-
-
-def uses_bf16(precision: str, device: torch.device) -> bool:
-    """`auto`: bf16 autocast on CUDA, full fp32 on CPU (CPU autocast is slow and the tests need fp32 parity)."""
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
-def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    if uses_bf16(precision, device):
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
+from llmtrain.train.precision import precision_context
 
 
 @dataclass

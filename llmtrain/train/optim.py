@@ -8,16 +8,19 @@ import torch
 from torch import nn
 
 
-def build_adamw(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (Linear weights, embeddings); none on biases and LayerNorm parameters, whose
     decay would only pull scales and offsets towards zero."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_adamw(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_param_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
+                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

@@ -1,0 +1,66 @@
+"""Parallel degrees -> one DeviceMesh with named dimensions.
+
+The dimensions run outer to inner as pp, dp_replicate, dp_shard, tp (torchtitan's order): consecutive ranks share
+the innermost dimension, so the chattiest traffic (tensor parallel, then sharded data parallel) stays on the
+fastest links (the GPUs of one node), and the sparsest (pipeline sends, replica all-reduces) crosses nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmtrain.config import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return tuple(getattr(self, dim) for dim in MESH_DIMS)
+
+    def describe(self) -> str:
+        return " x ".join(f"{dim} {getattr(self, dim)}" for dim in MESH_DIMS if getattr(self, dim) > 1) or "1 rank"
+
+
+def _listing(values: dict[str, int]) -> str:
+    return ", ".join(f"parallel.{dim}={value}" for dim, value in values.items())
+
+
+def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
+    """The four degrees with a -1 (at most one) replaced by the ranks that remain; their product must be the
+    world size."""
+    values = {dim: int(parallel_cfg[dim]) for dim in MESH_DIMS}
+    free = [dim for dim, value in values.items() if value == -1]
+    if len(free) > 1:
+        raise ConfigError(f"-1 ('the remaining ranks') is set on {' and '.join('parallel.' + d for d in free)}: "
+                          f"set it on at most one degree ({_listing(values)})")
+    if any(value == 0 or value < -1 for value in values.values()):
+        raise ConfigError(f"parallel degrees must be positive or -1 ({_listing(values)})")
+    fixed = math.prod(value for value in values.values() if value != -1)
+    if free:
+        if world_size % fixed:
+            raise ConfigError(f"the world size {world_size} is not divisible by the fixed degrees' product {fixed} "
+                              f"({_listing(values)}): change them so their product divides {world_size}")
+        values[free[0]] = world_size // fixed
+    elif fixed != world_size:
+        raise ConfigError(f"parallel degrees multiply to {fixed} but the world size is {world_size} "
+                          f"({_listing(values)}): make their product {world_size}, or use -1 on one of them")
+    return Degrees(**values)
+
+
+def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, degrees.as_tuple(), mesh_dim_names=MESH_DIMS)
+

@@ -1,0 +1,126 @@
+"""Data-parallel layouts reproduce `single`: real multi-process gloo runs of the entry point on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, Run, run_train
+from llmtrain.checkpoint import load_final_model
+
+pytestmark = pytest.mark.slow
+
+# 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.
+PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.batch_size=16",
+          "train.micro_batch_size=2", "data.window_shuffle_buffer=64"]
+# fp32 on CPU: the layouts sum the same per-sequence gradients in a different order (per-rank partial sums, then
+# a collective), which moves results by a few ulps (~1e-7 relative); AdamW's normalisation keeps that from
+# growing over 10 steps. Measured differences are ~1e-7 on losses and ~1e-7 on weights; the bounds leave 10-100x
+# room without letting a real bug (a missed or doubled reduction moves losses by >1e-3) through.
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir) -> Run:
+    run = run_train(tmp_path_factory.mktemp("single"), cache_dir, *PARITY, name="single")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def assert_parity(run: Run, reference: Run) -> None:
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours, theirs = run.metrics, reference.metrics
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    for key in ("loss", "val_loss", "grad_norm"):
+        a = [m[key] for m in ours if key in m]
+        b = [m[key] for m in theirs if key in m]
+        assert len(a) == len(b) > 0
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=LOSS_RTOL, atol=0, msg=key)
+    final, expected = load_final_model(run.run_dir / "model.pt"), load_final_model(reference.run_dir / "model.pt")
+    assert final.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("layout, nproc, extra", [
+    ("ddp", 2, []),
+    ("ddp", 4, []),
+    ("zero1", 4, []),
+    ("zero2", 4, []),
+    ("fsdp", 4, []),
+    ("hsdp", 4, ["parallel.dp_shard=2"]),
+])
+def test_layout_matches_single(layout, nproc, extra, reference, train):
+    run = train(*PARITY, f"parallel={layout}", *extra, nproc=nproc)
+    assert_parity(run, reference)
+    assert f"layout    {'fsdp' if layout in ('zero2', 'hsdp') else layout}" in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 4])  # accumulation 1 and 2 at 8 sequences per rank
+def test_ddp_accumulation_matches_single(micro_batch_size, reference, train):
+    """Also the path without torchrun: train.py starts its own workers."""
+    run = train(*PARITY, "parallel=ddp", "parallel.nproc=2", f"train.micro_batch_size={micro_batch_size}")
+    assert_parity(run, reference)
+    assert sorted(os.listdir(run.run_dir.parent)) == ["run"]  # one run directory for all ranks
+
+
+def test_only_rank_zero_writes_and_speaks(reference, train):
+    run = train(*PARITY, "parallel=ddp", nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (run.stdout + run.stderr).count("model     tiny") == 1
+    assert len(run.metrics) == 10
+
+
+def _memory_rows(layout: str, nproc: int, *extra: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "-m", "llmtrain.tools.layout_memory", f"parallel={layout}", *extra],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("layout, extra", [("ddp", []), ("zero1", []), ("zero2", []), ("fsdp", []),
+                                           ("hsdp", ["parallel.dp_shard=2"])])
+def test_state_per_rank_follows_the_zero_formulas(layout, extra):
+    rows = _memory_rows(layout, 4, *extra)
+    assert len(rows) == 4
+    n_params = rows[0]["parameters"]
+    # Shards are padded to equal size per parameter (FSDP) or per flat buffer (ZeRO-1): at most one row of each
+    # tensor, bounded here by 1% of the model.
+    padding = 0.01 * 4 * n_params
+    for row in rows:
+        for key in ("params", "grads", "optimizer"):
+            assert abs(row[key] - row["expected"][key]) <= padding * (2 if key == "optimizer" else 1), (key, row)
+    full = 4 * n_params
+    during_step = rows[0]["params_during_step"]
+    if layout == "zero2":
+        assert during_step == pytest.approx(full, rel=0.01)  # gathered parameters kept for backward
+    if layout == "fsdp":
+        assert during_step < 0.5 * full  # blocks re-sharded after their forward
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel=ddp", "parallel.dp_replicate=3"], 2, "parallel.dp_replicate=3"),
+    (["parallel=fsdp", "parallel.dp_replicate=-1"], 2, "-1"),
+    (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 4, "train.batch_size=6"),
+    (["parallel=hsdp", "parallel.dp_shard=2"], 3, "world size 3"),
+    (["parallel=ddp"], 0, "single process"),
+])
+def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
+    run = train(*overrides, nproc=nproc)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+    assert not (run.run_dir / "metrics.jsonl").exists()
+
+
+def test_unknown_layout_lists_the_options(train):
+    run = train("parallel=zero9")
+    assert run.returncode != 0 and "Available options in 'parallel'" in run.stderr and "fsdp" in run.stderr
