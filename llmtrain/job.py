@@ -23,8 +23,8 @@ from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import Trainer
-from llmtrain.train.precision import uses_bf16
 from llmtrain.train.optim import build_schedule
+from llmtrain.train.precision import uses_bf16
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
 log = logging.getLogger("llmtrain")
@@ -98,7 +98,6 @@ def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> 
 def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     wall_start = time.perf_counter()
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    strategy.validate()
     t = cfg.train
     per_step = t.micro_batch_size * strategy.dp_size
     if t.batch_size % per_step:
@@ -120,8 +119,8 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     optimizer = strategy.build_optimizer(model)
     schedule = build_schedule(optimizer, t.steps, cfg.optim)
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
-    log.info("\n" + start_summary(cfg, n_params=n_params, vocab_size=gpt.cfg.vocab_size, layout=strategy.describe(), device=str(runtime.device),
-                                  precision=precision, dp_size=strategy.dp_size,
+    log.info("\n" + start_summary(cfg, n_params=n_params, vocab_size=gpt.cfg.vocab_size, layout=strategy.describe(),
+                                  device=str(runtime.device), precision=precision, dp_size=strategy.dp_size,
                                   accumulation=train_slice.accumulation, run_dir=run_dir))
 
     loggers = RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir)) if runtime.is_main else None

@@ -22,9 +22,9 @@ def launched_externally() -> bool:
 
 def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: str, wandb_group: str | None) -> int:
     """Run train.py in `nproc` local workers; returns the exit code to leave with (the first failure's)."""
-    pinned = [f"hydra.run.dir={run_dir}", f"logging.wandb.name={wandb_name}"]
+    pinned = [f"hydra.run.dir={_quoted(run_dir)}", f"logging.wandb.name={_quoted(wandb_name)}"]
     if wandb_group is not None:
-        pinned.append(f"logging.wandb.group={wandb_group}")
+        pinned.append(f"logging.wandb.group={_quoted(wandb_group)}")
     # As torchrun does: workers that each take every core would fight over them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     script = os.path.abspath(sys.argv[0])
@@ -36,6 +36,11 @@ def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: st
         _, first = failure.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 1
     return 0
+
+
+def _quoted(value: str) -> str:
+    """A Hydra override value taken literally, whatever characters (=, spaces, quotes) the path holds."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _without_pinned(overrides: list[str]) -> list[str]:

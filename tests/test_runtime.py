@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 
 import pytest
 import torch
@@ -71,3 +72,28 @@ def test_plain_process_has_no_group(monkeypatch):
                                              ("solo", "solo"), ("rack1-n[10-11]", "rack1-n10")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+def _stamp_worker(rank: int, results) -> None:
+    from llmtrain.resolvers import hydra_output_subdir, run_stamp
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    time.sleep(1.2 * rank)  # the ranks' clocks are a second apart when they compose the config
+    results.put((rank, run_stamp(), hydra_output_subdir()))
+
+
+def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    mp.start_processes(_stamp_worker, args=(results,), nprocs=2, start_method="spawn")
+    (_, stamp0, subdir0), (_, stamp1, subdir1) = sorted(results.get(timeout=60) for _ in range(2))
+    assert stamp0 == stamp1 and "/" in stamp0
+    assert (subdir0, subdir1) == (".hydra", None)
+
+
+def test_slurm_job_names_the_run_directory(monkeypatch):
+    from llmtrain.resolvers import run_stamp
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert run_stamp() == "slurm-4242"
