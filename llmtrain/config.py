@@ -34,6 +34,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # None: the tokenizer's vocabulary size
     dropout: float = 0.0
     bias: bool = True
+    vocab_multiple: int = 64  # pad the vocabulary (embedding rows, head outputs) to a multiple of this
 
 
 @dataclass
@@ -71,6 +72,8 @@ class ParallelConfig:
     nproc: int = 1  # workers to start on this machine when not launched by torchrun or srun
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
     cpu_offload: bool = False  # fsdp: keep sharded parameters, gradients and optimizer state in host memory
+    sequence_parallel: bool = False  # tp: shard LayerNorm / residual / dropout activations along the sequence
+    loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, never gathering full logits
 
 
 @dataclass
@@ -113,6 +116,8 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     device: str = "auto"  # auto | cpu | cuda
     save_model: bool = True  # write the final weights (full state dict) to model.pt in the run directory
+    activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass
@@ -139,6 +144,7 @@ _CHOICES = {
     "logging.progress": ("auto", "bar", "lines"),
     "train.precision": ("auto", "bf16", "fp32"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.activation_checkpointing": ("none", "full", "selective"),
 }
 
 
@@ -156,7 +162,8 @@ def validate(cfg) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: set {key} to one of them")
 
     positive = ("train.steps", "train.batch_size", "train.micro_batch_size", "train.seq_len", "train.eval_batches",
-                "model.n_layer", "model.n_head", "model.d_model", "model.max_seq_len", "logging.log_every")
+                "model.n_layer", "model.n_head", "model.d_model", "model.max_seq_len", "model.vocab_multiple",
+                "logging.log_every")
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")

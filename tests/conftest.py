@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from llmtrain.tools.compare_runs import METRICS, compare
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
@@ -61,3 +63,31 @@ def run_train(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = True
     env.pop("WANDB_API_KEY", None)
     done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
     return Run(done.returncode, done.stdout, done.stderr, run_dir)
+
+
+# 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.
+PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.batch_size=16",
+          "train.micro_batch_size=2", "data.window_shuffle_buffer=64"]
+# fp32 on CPU: the layouts sum the same per-sequence gradients in a different order (per-rank partial sums, then
+# a collective), which moves results by a few ulps (~1e-7 relative); AdamW's normalisation keeps that from
+# growing over 10 steps. Measured differences are ~1e-7 on losses and ~1e-7 on weights; the bounds leave 10-100x
+# room without letting a real bug (a missed or doubled reduction moves losses by >1e-3) through.
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, cache_dir) -> Run:
+    """The single-process run every layout must reproduce."""
+    run = run_train(tmp_path_factory.mktemp("single"), cache_dir, *PARITY, name="single")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def assert_parity(run: Run, reference: Run) -> None:
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.metrics) == 10 and sum("val_loss" in m for m in run.metrics) == 2
+    differences = compare(str(run.run_dir), str(reference.run_dir))
+    for key in METRICS:
+        assert differences[key] <= LOSS_RTOL, differences
+    assert differences["weights"] <= PARAM_ATOL, differences

@@ -9,36 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, Run, run_train
-from llmtrain.tools.compare_runs import METRICS, compare
+from conftest import PARITY, REPO, assert_parity
 
 pytestmark = pytest.mark.slow
-
-# 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.
-PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.batch_size=16",
-          "train.micro_batch_size=2", "data.window_shuffle_buffer=64"]
-# fp32 on CPU: the layouts sum the same per-sequence gradients in a different order (per-rank partial sums, then
-# a collective), which moves results by a few ulps (~1e-7 relative); AdamW's normalisation keeps that from
-# growing over 10 steps. Measured differences are ~1e-7 on losses and ~1e-7 on weights; the bounds leave 10-100x
-# room without letting a real bug (a missed or doubled reduction moves losses by >1e-3) through.
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir) -> Run:
-    run = run_train(tmp_path_factory.mktemp("single"), cache_dir, *PARITY, name="single")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
-def assert_parity(run: Run, reference: Run) -> None:
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.metrics) == 10 and sum("val_loss" in m for m in run.metrics) == 2
-    differences = compare(str(run.run_dir), str(reference.run_dir))
-    for key in METRICS:
-        assert differences[key] <= LOSS_RTOL, differences
-    assert differences["weights"] <= PARAM_ATOL, differences
 
 
 @pytest.mark.parametrize("layout, nproc, extra", [

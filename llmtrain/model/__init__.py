@@ -7,7 +7,8 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
     """The model config group, with the vocabulary size resolved (the group's own, or the tokenizer's)."""
     return GPTConfig(vocab_size=model_cfg.vocab_size or vocab_size, n_layer=model_cfg.n_layer,
                      n_head=model_cfg.n_head, d_model=model_cfg.d_model, max_seq_len=model_cfg.max_seq_len,
-                     d_ff=model_cfg.d_ff, dropout=model_cfg.dropout, bias=model_cfg.bias)
+                     d_ff=model_cfg.d_ff, dropout=model_cfg.dropout, bias=model_cfg.bias,
+                     vocab_multiple=model_cfg.vocab_multiple)
 
 
 __all__ = ["GPT", "GPTConfig", "gpt_config", "cross_entropy_loss", "flops_per_token", "num_parameters"]

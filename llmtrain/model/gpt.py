@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from llmtrain.model.recompute import run_block
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -29,10 +31,15 @@ class GPTConfig:
     d_ff: int | None = None
     dropout: float = 0.0
     bias: bool = True
+    vocab_multiple: int = 1  # pad the embedding and head to a multiple of this (GPUs and tensor parallelism)
 
     @property
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,20 +96,27 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        padded = cfg.padded_vocab_size > cfg.vocab_size
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
         self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
+        self.activation_checkpointing = "none"  # none | full | selective: see recompute.py
+        if padded:
+            # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the softmax
+            # and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that tensor
+            # parallelism shards it with the head's rows.
+            self.lm_head.bias.requires_grad_(False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.emb_dropout(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks.values():
-            x = block(x)
+            x = run_block(block, x, self.activation_checkpointing)
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
@@ -119,11 +133,19 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+        if self.lm_head.bias is not None:
+            self.lm_head.bias.copy_(vocabulary_mask(self.cfg))
+
+
+def vocabulary_mask(cfg: GPTConfig) -> torch.Tensor:
+    mask = torch.zeros(cfg.padded_vocab_size)
+    mask[cfg.vocab_size:] = float("-inf")
+    return mask
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Distinct parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in model.parameters())
+    """Distinct trainable parameters (a tied weight counts once; the frozen vocabulary mask not at all)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

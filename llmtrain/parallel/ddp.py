@@ -18,7 +18,7 @@ from llmtrain.parallel.strategy import Strategy
 class DDP(Strategy):
     supported_dims = ("dp_replicate",)
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.runtime.device] if self.runtime.device.type == "cuda" else None
         # Gradients as views into the communication buckets: no second copy of Ψ gradients.
         return DistributedDataParallel(model, device_ids=device_ids, process_group=self.dp_mesh.get_group(),

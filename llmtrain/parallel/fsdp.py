@@ -19,21 +19,27 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llmtrain.parallel.registry import register
-from llmtrain.parallel.strategy import Strategy
+from llmtrain.parallel.tp import TensorParallel
 from llmtrain.train.precision import uses_bf16
 
 
 @register("fsdp")
-class FSDP(Strategy):
-    supported_dims = ("dp_replicate", "dp_shard")
+class FSDP(TensorParallel):
+    """FSDP over the data-parallel dimensions, on top of tensor parallelism when parallel.tp > 1 (2-D: TP inside,
+    FSDP across, over DTensor parameters that are already TP-sharded)."""
+
+    supported_dims = ("dp_replicate", "dp_shard", "tp")
 
     def describe(self) -> str:
-        kind = "HSDP" if self.degrees.dp_replicate > 1 else "ZeRO-3" if self.cfg.parallel.reshard_after_forward \
-            else "ZeRO-2"
+        if self.degrees.dp_replicate > 1:
+            kind = "HSDP" if self.degrees.dp_shard > 1 else "replicated"
+        else:
+            kind = "ZeRO-3" if self.cfg.parallel.reshard_after_forward else "ZeRO-2"
         offload = ", CPU offload" if self.cfg.parallel.cpu_offload else ""
-        return f"{self.name} {kind}{offload} ({self.degrees.describe()})"
+        tp = f", TP{' + SP' if self.cfg.parallel.sequence_parallel else ''}" if self.degrees.tp > 1 else ""
+        return f"{self.name} {kind}{offload}{tp} ({self.degrees.describe()})"
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         # A 2-D (replicate, shard) mesh makes fully_shard hybrid: sharded within, replicated across.
         mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
         mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

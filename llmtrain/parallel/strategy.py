@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
-from llmtrain.model import cross_entropy_loss
+from llmtrain.model import GPT, cross_entropy_loss
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
 from llmtrain.runtime import Runtime
 from llmtrain.train.optim import build_adamw
@@ -65,13 +65,33 @@ class Strategy:
         """One line for the start-up summary: the layout and its mesh."""
         return f"{self.name} ({self.degrees.describe()})"
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: GPT) -> nn.Module:
+        """Apply the layout to a freshly initialised GPT, in torchtitan's order: tensor parallelism first (the
+        other steps see the sharded layers), then activation checkpointing and compilation of each block (so they
+        capture the sharded computation), and the data-parallel wrapper last (it hooks the module tree as it will
+        run)."""
+        self.apply_tensor_parallel(model)
+        model.activation_checkpointing = self.cfg.train.activation_checkpointing
+        if self.cfg.train.compile:
+            for block in model.blocks.values():
+                block.compile()
+        return self.wrap(model)
+
+    def apply_tensor_parallel(self, model: GPT) -> None:
+        """Split layers across the tp dimension (layouts with tensor parallelism)."""
+
+    def wrap(self, model: GPT) -> nn.Module:
+        """The data-parallel wrapper (DDP, FSDP), or the model itself."""
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_adamw(model, self.cfg.optim)
 
     # -- one step -------------------------------------------------------------------------------------------
+    def loss_context(self) -> AbstractContextManager:
+        """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
+        return nullcontext()
+
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward + backward; layouts that reduce gradients skip all but the last."""
         return nullcontext()
@@ -81,20 +101,21 @@ class Strategy:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
         total = torch.zeros((), device=self.runtime.device)
         for i, (inputs, targets) in enumerate(micro_batches):
-            with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1):
+            with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
                 with precision():
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)),
                                               targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
-            total += loss.detach()
+            total += _value(loss)
         return total / len(micro_batches)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
-            with precision():
-                total += cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
+            with precision(), self.loss_context():
+                total += _value(cross_entropy_loss(model(inputs.to(self.runtime.device)),
+                                                   targets.to(self.runtime.device)))
         return total / len(micro_batches)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -107,8 +128,31 @@ class Strategy:
         return value / self.dp_size
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping. Sharded
-        (DTensor) gradients give a DTensor norm whose full value is the global norm."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
+        groups = _grads_by_layout(model)
+        norm = torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum().sqrt()
+        if max_norm > 0:
+            scale = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grad_norm_ formula
+            for grads in groups:
+                torch._foreach_mul_(grads, scale)
+        return norm
+
+
+def _grads_by_layout(model: nn.Module) -> list[list[torch.Tensor]]:
+    """Gradients grouped by how they are laid out (plain, or DTensor mesh + placements): a norm over one group
+    is one reduction, and layouts mix in one model (tensor-parallel weights beside replicated LayerNorms)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            grad = param.grad
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups.setdefault(key, []).append(grad)
+    return list(groups.values())
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain scalar: a loss computed on vocabulary shards is a replicated DTensor."""
+    return _full(loss.detach())

@@ -1,0 +1,35 @@
+"""Activation checkpointing: trade compute for memory by recomputing a block's activations in backward.
+
+- `full`: keep only each block's input; its whole forward runs again in backward (~1/3 more compute).
+- `selective`: keep the outputs of the expensive ops (matmuls, attention) and recompute only the cheap,
+  memory-heavy ones between them (LayerNorm, GELU, dropout, adds, reshapes) — most of the saving for a few
+  percent of compute (Korthikanti et al., 2022).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+_EXPENSIVE = {getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name)}
+
+
+def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in _EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_block(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "none":
+        return block(x)
+    if mode == "full":
+        return checkpoint(block, x, use_reentrant=False)
+    return checkpoint(block, x, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _save_expensive))

@@ -1,0 +1,80 @@
+"""Collectives of one tensor-parallel training step, counted by torch's CommDebugMode, against the design.
+
+    torchrun --standalone --nproc_per_node=2 -m llmtrain.tools.tp_comms [parallel.sequence_parallel=true] [model=...]
+
+Megatron's pairing costs, per transformer block and micro-batch:
+- without sequence parallelism: 2 all-reduces in forward (after attention's and the MLP's row-parallel matmul,
+  `g`) and 2 in backward (before their column-parallel matmuls, `f`);
+- with sequence parallelism: each all-reduce becomes a reduce-scatter leaving the pair and an all-gather entering
+  it, so 2 all-gathers + 2 reduce-scatters in forward and the same in backward.
+The embedding, final norm, LM head and the loss add a fixed number that does not grow with depth; the tool
+measures a model of L and of 2L blocks and reports the difference per block, which must equal the design.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+from hydra import compose, initialize_config_dir
+from torch.distributed.tensor.debug import CommDebugMode
+
+from llmtrain.config import register_schemas
+from llmtrain.model import GPT, gpt_config
+from llmtrain.parallel import get_strategy
+from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.train.precision import precision_context
+
+CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+
+
+def expected_per_block(sequence_parallel: bool) -> dict[str, int]:
+    if sequence_parallel:
+        return {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}
+    return {"all_reduce": 4}
+
+
+def _short(op) -> str:
+    name = str(op).split(".")[-1]
+    return name.replace("_c10d_functional.", "").removesuffix("_")
+
+
+def count_step(cfg, runtime: Runtime) -> Counter:
+    """Collectives of one forward + backward on one micro-batch (the strategy's own step)."""
+    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    gpt = GPT(gpt_config(cfg.model, 257))
+    gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
+    model = strategy.parallelize(gpt.to(runtime.device))
+    tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
+    with CommDebugMode() as comm:
+        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],
+                                  precision_context(cfg.train.precision, runtime.device))
+    return Counter({_short(op): n for op, n in comm.get_comm_counts().items()})
+
+
+def main(argv: list[str]) -> None:
+    register_schemas()
+    runtime = init_runtime("cpu")
+    counts = {}
+    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+        for n_layer in (2, 4):
+            cfg = compose("train", overrides=["parallel=tp", "data.tokenizer.kind=byte", "train.seq_len=32",
+                                              "train.micro_batch_size=2", *argv, f"model.n_layer={n_layer}"])
+            counts[n_layer] = count_step(cfg, runtime)
+    per_block = {op: (counts[4][op] - counts[2][op]) / 2 for op in counts[4] | counts[2]}
+    expected = expected_per_block(cfg.parallel.sequence_parallel)
+    if runtime.is_main:
+        print(json.dumps({"per_block": per_block, "expected_per_block": expected,
+                          "outside_blocks": {op: counts[2][op] - 2 * per_block[op] for op in per_block}}))
+        print(f"tp {runtime.world_size}, sequence_parallel={cfg.parallel.sequence_parallel}: collectives per block "
+              f"(forward + backward, one micro-batch)", file=sys.stderr)
+        for op in sorted(per_block):
+            print(f"  {op:<28} measured {per_block[op]:4.1f}   expected {expected.get(op, 0)}", file=sys.stderr)
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,108 @@
+"""Tensor, sequence and loss parallelism, and 2-D FSDP x TP, reproduce `single` (real gloo processes on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import PARITY, REPO, assert_parity
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("nproc, layout, extra", [
+    (2, "tp", []),
+    (2, "tp", ["train.activation_checkpointing=full"]),
+    (2, "tp", ["parallel.sequence_parallel=true"]),
+    (2, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=full"]),
+    (4, "tp", ["train.activation_checkpointing=full"]),
+    (4, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=selective"]),
+    (4, "fsdp_tp", []),
+    (4, "fsdp_tp", ["train.activation_checkpointing=full"]),
+])
+def test_tensor_parallel_layouts_match_single(nproc, layout, extra, reference, train):
+    # 8 sequences per micro-batch: with tp alone every rank computes the whole global batch of 16.
+    run = train(*PARITY, f"parallel={layout}", "train.micro_batch_size=8", *extra, nproc=nproc)
+    assert_parity(run, reference)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_does_not_change_single(mode, reference, train):
+    assert_parity(train(*PARITY, f"train.activation_checkpointing={mode}"), reference)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _logits_worker(rank: int, port: int, results) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.config import register_schemas
+    from llmtrain.model import GPT, cross_entropy_loss, gpt_config
+    from llmtrain.parallel import get_strategy
+    from llmtrain.runtime import init_runtime
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=16"])
+    runtime = init_runtime("cpu")
+    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    gpt = GPT(gpt_config(cfg.model, 257))
+    gpt.init_weights(torch.Generator().manual_seed(0))
+    model = strategy.parallelize(gpt)
+    tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
+    seen = []
+    model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.to_local().shape)))
+    with strategy.loss_context():
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    results.put((rank, seen[0], type(loss).__name__, loss.full_tensor().item()))
+    runtime.shutdown()
+
+
+def test_loss_parallel_never_materialises_full_vocabulary_logits():
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(_logits_worker, args=(_free_port(), results), nprocs=2, start_method="spawn")
+    (_, shape0, kind, loss0), (_, shape1, _, loss1) = sorted(results.get(timeout=120) for _ in range(2))
+    padded_vocab = 320  # 257 byte tokens padded to a multiple of 64
+    assert shape0 == shape1 == (2, 16, padded_vocab // 2)
+    assert kind == "DTensor" and loss0 == loss1
+
+
+def _tp_comms(*overrides: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "llmtrain.tools.tp_comms", *overrides], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_collectives_per_layer_match_the_design(sequence_parallel):
+    counts = _tp_comms(f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    measured = {op: n for op, n in counts["per_block"].items() if n}
+    assert measured == counts["expected_per_block"]
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel=tp", "model.n_head=6", "model.d_model=132"], 4, "model.n_head=6"),
+    (["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=63"], 2, "train.seq_len=63"),
+    (["parallel=tp", "parallel.tp=4"], 2, "parallel.tp=4"),
+])
+def test_bad_tensor_parallel_config_fails_with_one_line(overrides, nproc, message, train):
+    run = train(*overrides, nproc=nproc)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
