@@ -113,15 +113,16 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     _check_vocab(cfg, tokenizer.vocab_size)
     data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
     gpt = _build_model(cfg, tokenizer.vocab_size, runtime)
-    n_params = num_parameters(gpt)
+    padding = (gpt.cfg.padded_vocab_size - gpt.cfg.vocab_size) * gpt.cfg.d_model
+    n_params = num_parameters(gpt) - padding
     model_flops = flops_per_token(gpt.cfg, n_params, t.seq_len)
     model = strategy.parallelize(gpt)
     optimizer = strategy.build_optimizer(model)
     schedule = build_schedule(optimizer, t.steps, cfg.optim)
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
-    log.info("\n" + start_summary(cfg, n_params=n_params, vocab_size=gpt.cfg.vocab_size, layout=strategy.describe(),
-                                  device=str(runtime.device), precision=precision, dp_size=strategy.dp_size,
-                                  accumulation=train_slice.accumulation, run_dir=run_dir))
+    log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt.cfg.vocab_size,
+                                  layout=strategy.describe(), device=str(runtime.device), precision=precision,
+                                  dp_size=strategy.dp_size, accumulation=train_slice.accumulation, run_dir=run_dir))
 
     loggers = RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir)) if runtime.is_main else None
     trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,

@@ -7,12 +7,13 @@ import os
 from typing import Any
 
 
-def start_summary(cfg, *, n_params: int, vocab_size: int, layout: str, device: str, precision: str,
+def start_summary(cfg, *, n_params: int, padding: int, vocab_size: int, layout: str, device: str, precision: str,
                   dp_size: int, accumulation: int, run_dir: str) -> str:
     t, m = cfg.train, cfg.model
     tokens_per_step = t.batch_size * t.seq_len
+    padded = f" (+{padding:,} vocabulary padding)" if padding else ""
     return "\n".join([
-        f"model     {m.name}: {n_params:,} parameters (n_layer {m.n_layer}, n_head {m.n_head}, "
+        f"model     {m.name}: {n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
         f"d_model {m.d_model}, vocab {vocab_size}, max_seq_len {m.max_seq_len})",
         f"layout    {layout} on {device}, {precision}",
         f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "

@@ -1,0 +1,56 @@
+"""Peak activation memory per rank of one forward + backward, measured with torch's MemTracker (CPU or GPU).
+
+    torchrun --standalone --nproc_per_node=2 -m llmtrain.tools.activation_memory parallel=tp \
+        parallel.sequence_parallel=true train.activation_checkpointing=selective
+
+MemTracker follows every tensor allocation and files it under parameters, gradients, activations, temporaries
+or optimizer state; the tool prints rank 0's peak of each (MiB) for one micro-batch of the configured shape, so
+sequence parallelism (activations between the TP pairs shrink t times) and activation checkpointing
+(activations recomputed instead of kept) can be compared on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from hydra import compose, initialize_config_dir
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from llmtrain.config import register_schemas
+from llmtrain.model import GPT, gpt_config
+from llmtrain.parallel import get_strategy
+from llmtrain.runtime import init_runtime
+from llmtrain.train.precision import precision_context
+
+CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+
+
+def main(argv: list[str]) -> None:
+    register_schemas()
+    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["data.tokenizer.kind=byte", *argv])
+    runtime = init_runtime(cfg.train.device)
+    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    gpt = GPT(gpt_config(cfg.model, cfg.model.vocab_size or 257))
+    gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
+    model = strategy.parallelize(gpt.to(runtime.device))
+    tokens = torch.randint(0, gpt.cfg.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+                           generator=torch.Generator().manual_seed(cfg.seed))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],
+                                  precision_context(cfg.train.precision, runtime.device))
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    mib = {str(kind).split(".")[-1].lower(): round(value / 2**20, 3) for kind, value in peak.items()}
+    if runtime.is_main:
+        print(json.dumps({"layout": strategy.describe(), "ac": cfg.train.activation_checkpointing,
+                          "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len, **mib}))
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
