@@ -36,6 +36,10 @@ def test_activation_checkpointing_does_not_change_single(mode, reference, train)
     assert_parity(train(*PARITY, f"train.activation_checkpointing={mode}"), reference)
 
 
+def test_compiled_blocks_do_not_change_the_loss(reference, train):
+    assert_parity(train(*PARITY, "train.compile=true"), reference)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,13 +34,13 @@ def main(argv: list[str]) -> None:
         cfg = compose("train", overrides=["data.tokenizer.kind=byte", *argv])
     runtime = init_runtime(cfg.train.device)
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    gpt = GPT(gpt_config(cfg.model, cfg.model.vocab_size or 257))
+    # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
+    gpt = GPT(gpt_config(cfg.model, cfg.model.vocab_size or 256))
     gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
     model = strategy.parallelize(gpt.to(runtime.device))
     tokens = torch.randint(0, gpt.cfg.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(cfg.seed))
     tracker = MemTracker()
-    tracker.track_external(model)
     with tracker:
         strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],
                                   precision_context(cfg.train.precision, runtime.device))
