@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from llmtrain.checkpoint import save_final_model
 from llmtrain.config import ConfigError, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
-from llmtrain.model import GPT, flops_per_token, gpt_config, num_parameters
+from llmtrain.model import build_model, flops_per_token, num_parameters
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
@@ -56,12 +56,6 @@ def _check_vocab(cfg, tokenizer_vocab: int) -> None:
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size")
-
-
-def _build_model(cfg, vocab_size: int, runtime: Runtime) -> GPT:
-    model = GPT(gpt_config(cfg.model, vocab_size))
-    model.init_weights(torch.Generator().manual_seed(cfg.seed))
-    return model.to(runtime.device)
 
 
 def run(cfg) -> None:
@@ -112,7 +106,7 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
     data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
-    gpt = _build_model(cfg, tokenizer.vocab_size, runtime)
+    gpt = build_model(cfg.model, tokenizer.vocab_size, cfg.seed).to(runtime.device)
     padding = (gpt.cfg.padded_vocab_size - gpt.cfg.vocab_size) * gpt.cfg.d_model
     n_params = num_parameters(gpt) - padding
     model_flops = flops_per_token(gpt.cfg, n_params, t.seq_len)

@@ -1,5 +1,7 @@
 """The GPT model and its construction from the `model` config group."""
 
+import torch
+
 from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters
 
 
@@ -11,4 +13,12 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
                      vocab_multiple=model_cfg.vocab_multiple)
 
 
-__all__ = ["GPT", "GPTConfig", "gpt_config", "cross_entropy_loss", "flops_per_token", "num_parameters"]
+def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
+    """A GPT initialised from `seed` alone: every layout starts from the same weights."""
+    model = GPT(gpt_config(model_cfg, vocab_size))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+__all__ = ["GPT", "GPTConfig", "build_model", "gpt_config", "cross_entropy_loss", "flops_per_token",
+           "num_parameters"]

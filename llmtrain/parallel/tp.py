@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -75,9 +74,9 @@ def _shard_positions(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
                           loss_parallel_on: bool) -> None:
+    # Each rank then computes its own heads: the attention reshape derives the head count from the local width.
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-        # Each rank now computes its own heads: the reshape's head count is derived from the local width.
     parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel_on))
     if sequence_parallel:
         _shard_positions(model.pos_emb, tp_mesh)

@@ -1,1 +1,19 @@
 """Command-line tools beside training (benchmarks, planners, export, generation)."""
+
+from __future__ import annotations
+
+import os
+
+from hydra import compose, initialize_config_dir
+
+from llmtrain.config import register_schemas
+
+CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
+
+
+def compose_config(overrides: list[str]):
+    """The training config a `train.py` command line with these overrides would run (byte tokenizer by default:
+    the tools feed random tokens)."""
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=["data.tokenizer.kind=byte", *overrides])

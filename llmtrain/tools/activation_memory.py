@@ -12,31 +12,24 @@ sequence parallelism (activations between the TP pairs shrink t times) and activ
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
-from hydra import compose, initialize_config_dir
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llmtrain.config import register_schemas
-from llmtrain.model import GPT, gpt_config
+from llmtrain.model import build_model
 from llmtrain.parallel import get_strategy
+from llmtrain.tools import compose_config
 from llmtrain.runtime import init_runtime
 from llmtrain.train.precision import precision_context
 
-CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
-
 
 def main(argv: list[str]) -> None:
-    register_schemas()
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["data.tokenizer.kind=byte", *argv])
+    cfg = compose_config(argv)
     runtime = init_runtime(cfg.train.device)
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
     # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
-    gpt = GPT(gpt_config(cfg.model, cfg.model.vocab_size or 256))
-    gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
+    gpt = build_model(cfg.model, cfg.model.vocab_size or 256, cfg.seed)
     model = strategy.parallelize(gpt.to(runtime.device))
     tokens = torch.randint(0, gpt.cfg.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(cfg.seed))

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-import torch
 
 from llmtrain.checkpoint import load_final_model
 

@@ -13,22 +13,18 @@ in elements of 4 bytes (fp32), exact up to the padding that makes shards equal.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from llmtrain.config import register_schemas
-from llmtrain.model import GPT, gpt_config, num_parameters
+from llmtrain.model import build_model, num_parameters
 from llmtrain.parallel import Strategy, get_strategy
+from llmtrain.tools import compose_config
 from llmtrain.runtime import init_runtime
 from llmtrain.train.precision import precision_context
-
-CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,8 +64,7 @@ def measure(cfg) -> dict:
     runtime = init_runtime(cfg.train.device)
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
     torch.manual_seed(cfg.seed)
-    gpt = GPT(gpt_config(cfg.model, cfg.model.vocab_size or 257))
-    gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
+    gpt = build_model(cfg.model, cfg.model.vocab_size or 257, cfg.seed)
     n_params = num_parameters(gpt)
     model = strategy.parallelize(gpt.to(runtime.device))
     optimizer = strategy.build_optimizer(model)
@@ -108,10 +103,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    register_schemas()
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["data.tokenizer.kind=byte", *argv])
-    result = measure(cfg)
+    result = measure(compose_config(argv))
     if result["rank"] == 0:
         for row in result["rows"]:
             print(json.dumps(row))

@@ -14,21 +14,17 @@ measures a model of L and of 2L blocks and reports the difference per block, whi
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import Counter
 
 import torch
-from hydra import compose, initialize_config_dir
 from torch.distributed.tensor.debug import CommDebugMode
 
-from llmtrain.config import register_schemas
-from llmtrain.model import GPT, gpt_config
+from llmtrain.model import build_model
 from llmtrain.parallel import get_strategy
+from llmtrain.tools import compose_config
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.train.precision import precision_context
-
-CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 
 
 def expected_per_block(sequence_parallel: bool) -> dict[str, int]:
@@ -45,8 +41,7 @@ def _short(op) -> str:
 def count_step(cfg, runtime: Runtime) -> Counter:
     """Collectives of one forward + backward on one micro-batch (the strategy's own step)."""
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    gpt = GPT(gpt_config(cfg.model, 257))
-    gpt.init_weights(torch.Generator().manual_seed(cfg.seed))
+    gpt = build_model(cfg.model, 257, cfg.seed)
     model = strategy.parallelize(gpt.to(runtime.device))
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
@@ -56,14 +51,12 @@ def count_step(cfg, runtime: Runtime) -> Counter:
 
 
 def main(argv: list[str]) -> None:
-    register_schemas()
     runtime = init_runtime("cpu")
     counts = {}
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        for n_layer in (2, 4):
-            cfg = compose("train", overrides=["parallel=tp", "data.tokenizer.kind=byte", "train.seq_len=32",
-                                              "train.micro_batch_size=2", *argv, f"model.n_layer={n_layer}"])
-            counts[n_layer] = count_step(cfg, runtime)
+    for n_layer in (2, 4):
+        cfg = compose_config(["parallel=tp", "train.seq_len=32", "train.micro_batch_size=2", *argv,
+                              f"model.n_layer={n_layer}"])
+        counts[n_layer] = count_step(cfg, runtime)
     per_block = {op: (counts[4][op] - counts[2][op]) / 2 for op in counts[4] | counts[2]}
     expected = expected_per_block(cfg.parallel.sequence_parallel)
     if runtime.is_main:
