@@ -101,7 +101,9 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
     # The validation set is eval_batches global batches, whatever the layout, so val_loss compares across layouts.
     val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
-    torch.manual_seed(cfg.seed)
+    # Dropout draws from this generator: data-parallel ranks (different sequences) get their own streams, the
+    # tensor-parallel ranks of one replica share one (llmtrain/model/dropout.py).
+    torch.manual_seed(cfg.seed + strategy.dp_rank)
 
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import PARITY, REPO, assert_parity
+from llmtrain.tools.compare_runs import compare
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,17 @@ def test_tensor_parallel_layouts_match_single(nproc, layout, extra, reference, t
     # 8 sequences per micro-batch: with tp alone every rank computes the whole global batch of 16.
     run = train(*PARITY, f"parallel={layout}", "train.micro_batch_size=8", *extra, nproc=nproc)
     assert_parity(run, reference)
+
+
+def test_dropout_masks_follow_the_data_not_the_split(reference, train):
+    """Dropout on: tensor + sequence parallel with recomputed blocks drops exactly what one process drops with the
+    same micro-batches (a mask is drawn per micro-batch call)."""
+    dropout = ["model.dropout=0.1", "train.micro_batch_size=8"]
+    single = train(*PARITY, *dropout, name="single_dropout")
+    split = train(*PARITY, *dropout, "parallel=tp", "parallel.sequence_parallel=true",
+                  "train.activation_checkpointing=full", nproc=2, name="tp_dropout")
+    assert_parity(split, single)
+    assert compare(str(single.run_dir), str(reference.run_dir))["loss"] > 1e-3  # dropout did change the run
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

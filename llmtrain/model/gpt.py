@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from llmtrain.model.dropout import Dropout
 from llmtrain.model.recompute import run_block
 
 
@@ -50,14 +51,21 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = Dropout(cfg.dropout)
+        self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.training and self.attn_dropout.p > 0:
+            # Dropout on the attention weights needs them materialised (the fused kernel draws its own mask,
+            # which would depend on how heads are split across ranks).
+            t = q.shape[2]
+            future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+            scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(future, float("-inf"))
+            y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
@@ -66,7 +74,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc_in = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
         self.fc_out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.fc_out(F.gelu(self.fc_in(x), approximate="tanh")))
@@ -98,7 +106,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.emb_dropout = Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         padded = cfg.padded_vocab_size > cfg.vocab_size

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from llmtrain.config import ConfigError
+from llmtrain.model.dropout import Split
 from llmtrain.parallel.registry import register
 from llmtrain.parallel.strategy import Strategy
 
@@ -72,6 +73,18 @@ def _shard_positions(module: nn.Module, mesh: DeviceMesh) -> None:
                       output_fn=lambda _module, output, _mesh: output.to_local())
 
 
+def _mark_dropout_splits(model: nn.Module, split: Split, sequence_parallel: bool) -> None:
+    """Tell each dropout which of its inputs are shards (dim 1 is the heads of attention weights and the sequence
+    of residual activations), so its mask is the matching part of the unsplit tensor's."""
+    for block in model.blocks.values():
+        block.attn.attn_dropout.split = split
+        if sequence_parallel:
+            block.attn.resid_dropout.split = split
+            block.mlp.dropout.split = split
+    if sequence_parallel:
+        model.emb_dropout.split = split
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
                           loss_parallel_on: bool) -> None:
     # Each rank then computes its own heads: the attention reshape derives the head count from the local width.
@@ -80,6 +93,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel_on))
     if sequence_parallel:
         _shard_positions(model.pos_emb, tp_mesh)
+    _mark_dropout_splits(model, Split(dim=1, rank=tp_mesh.get_local_rank(), parts=tp_mesh.size()),
+                         sequence_parallel)
     # parallelize_module gave the embedding and the head separate DTensor parameters; both are sharded by
     # vocabulary rows, so the tie is restored on the same placement.
     model.lm_head.weight = model.tok_emb.weight
@@ -99,9 +114,6 @@ def validate_tensor_parallel(cfg, tp: int) -> None:
     if m.vocab_multiple % tp:
         raise ConfigError(f"model.vocab_multiple={m.vocab_multiple} is not divisible by parallel.tp={tp}: the padded "
                           f"vocabulary is split across tp ranks; use a multiple of {tp} (e.g. {64 * tp})")
-    if m.dropout > 0:
-        raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={tp} is not supported yet: dropout on "
-                          f"sharded activations needs per-rank random streams; use model.dropout=0")
 
 
 @register("tp")
