@@ -49,8 +49,8 @@ class Strategy:
         """Raise ConfigError when the layout cannot run with these degrees."""
         for dim in MESH_DIMS:
             if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
-                raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel={self.name} does not "
-                                  f"split over {dim} (it uses {', '.join(self.supported_dims) or 'no dimension'}): "
+                raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
+                                  f"does not split over {dim} (it uses {', '.join(self.supported_dims) or 'no dimension'}): "
                                   f"set parallel.{dim}=1 or choose a layout that has it")
 
     @property
