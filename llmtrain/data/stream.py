@@ -80,7 +80,6 @@ class GlobalBatches:
     def __init__(self, windows: Iterator[np.ndarray], batch_size: int, prefetch: int = 2):
         self._windows = windows
         self._batch_size = batch_size
-        self.batches_taken = 0
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
         self._thread.start()
@@ -97,6 +96,5 @@ class GlobalBatches:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        self.batches_taken += 1
         return item
 

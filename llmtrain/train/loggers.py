@@ -56,9 +56,8 @@ class WandbLogger:
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.mode = resolve_wandb_mode(wandb_cfg.mode)
         self._run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
-                               dir=run_dir, config=config, mode=self.mode,
+                               dir=run_dir, config=config, mode=resolve_wandb_mode(wandb_cfg.mode),
                                settings=wandb.Settings(console="off"))
 
     def log(self, record: dict[str, Any]) -> None:
