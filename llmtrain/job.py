@@ -77,9 +77,12 @@ def run(cfg) -> None:
     try:
         _train(cfg, runtime, run_dir)
     except ConfigError as error:
-        _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
-    finally:
         runtime.shutdown()
+        _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
+    except BaseException:
+        runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
+        raise
+    runtime.shutdown(synchronize=True)
 
 
 def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
@@ -109,7 +112,7 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     _check_vocab(cfg, tokenizer.vocab_size)
     data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
     gpt = build_model(cfg.model, tokenizer.vocab_size, cfg.seed).to(runtime.device)
-    padding = (gpt.cfg.padded_vocab_size - gpt.cfg.vocab_size) * gpt.cfg.d_model
+    padding = gpt.cfg.padding_parameters
     n_params = num_parameters(gpt) - padding
     model_flops = flops_per_token(gpt.cfg, n_params, t.seq_len)
     model = strategy.parallelize(gpt)

@@ -41,8 +41,12 @@ class Runtime:
         if self.distributed:
             dist.barrier()
 
-    def shutdown(self) -> None:
+    def shutdown(self, synchronize: bool = False) -> None:
+        """Leave the process group. `synchronize` (at the normal end of a job) first waits for every rank: a rank
+        that tears gloo down while a peer still finishes the last collective can abort that peer at exit."""
         if self.distributed:
+            if synchronize:
+                dist.barrier()
             dist.destroy_process_group()
 
 

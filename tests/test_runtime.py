@@ -34,7 +34,7 @@ def _worker(rank: int, env: dict[str, str], results) -> None:
     dist.all_reduce(value)
     results.put((runtime.rank, runtime.world_size, runtime.launcher, runtime.backend, value.item(),
                  os.environ["MASTER_ADDR"]))
-    runtime.shutdown()
+    runtime.shutdown(synchronize=True)
 
 
 def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:

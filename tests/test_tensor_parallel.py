@@ -83,7 +83,7 @@ def _logits_worker(rank: int, port: int, results) -> None:
         loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
     results.put((rank, seen[0], type(loss).__name__, loss.full_tensor().item()))
-    runtime.shutdown()
+    runtime.shutdown(synchronize=True)
 
 
 def test_loss_parallel_never_materialises_full_vocabulary_logits():

@@ -42,6 +42,11 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
+    @property
+    def padding_parameters(self) -> int:
+        """Embedding rows that only pad the vocabulary (trainable, but never looked up nor predicted)."""
+        return (self.padded_vocab_size - self.vocab_size) * self.d_model
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):

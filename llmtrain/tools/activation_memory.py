@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     if runtime.is_main:
         print(json.dumps({"layout": strategy.describe(), "ac": cfg.train.activation_checkpointing,
                           "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len, **mib}))
-    runtime.shutdown()
+    runtime.shutdown(synchronize=True)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def expected_elements(strategy: Strategy, n_params: int) -> dict[str, float]:
-    """The ZeRO formulas for this layout, in elements."""
-    n = strategy.degrees.dp_shard if strategy.cfg.parallel.strategy == "fsdp" else strategy.dp_size
+    """The ZeRO formulas for this layout, in elements (FSDP shards over dp_shard, ZeRO-1 over all of dp)."""
     if strategy.name == "zero1":
-        return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params / n}
+        return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params / strategy.dp_size}
     if strategy.name == "fsdp":
+        n = strategy.degrees.dp_shard
         return {"params": n_params / n, "grads": n_params / n, "optimizer": 2 * n_params / n}
     return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params}
 
@@ -86,7 +86,7 @@ def measure(cfg) -> dict:
         dist.all_gather_object(rows, row)
     else:
         rows = [row]
-    runtime.shutdown()
+    runtime.shutdown(synchronize=True)
     return {"rank": runtime.rank, "rows": rows}
 
 

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
               f"(forward + backward, one micro-batch)", file=sys.stderr)
         for op in sorted(per_block):
             print(f"  {op:<28} measured {per_block[op]:4.1f}   expected {expected.get(op, 0)}", file=sys.stderr)
-    runtime.shutdown()
+    runtime.shutdown(synchronize=True)
 
 
 if __name__ == "__main__":
