@@ -74,6 +74,10 @@ class ParallelConfig:
     cpu_offload: bool = False  # fsdp: keep sharded parameters, gradients and optimizer state in host memory
     sequence_parallel: bool = False  # tp: shard LayerNorm / residual / dropout activations along the sequence
     loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, never gathering full logits
+    pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | 1f1b_reference | interleaved_1f1b | zero_bubble | zbv | dualpipev
+    pp_stages_per_rank: int = 1  # pp: virtual stages per rank (interleaved_1f1b, zero_bubble: >= 2; V schedules: 2)
+    microbatches: Optional[int] = None  # pp: micro-batches per step; None = batch / (data-parallel x micro batch)
+    pp_edge_blocks: int = 0  # pp: the first and last stage each get this many fewer blocks (embedding / head cost)
 
 
 @dataclass
@@ -169,6 +173,11 @@ def validate(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")
     if cfg.parallel.nproc < 1:
         raise ConfigError(f"parallel.nproc={cfg.parallel.nproc} must be at least 1")
+    if cfg.parallel.microbatches is not None and cfg.parallel.microbatches < 1:
+        raise ConfigError(f"parallel.microbatches={cfg.parallel.microbatches} must be at least 1 (or null: "
+                          f"train.batch_size / (data-parallel size x train.micro_batch_size))")
+    if cfg.parallel.pp_stages_per_rank < 1 or cfg.parallel.pp_edge_blocks < 0:
+        raise ConfigError("parallel.pp_stages_per_rank must be >= 1 and parallel.pp_edge_blocks >= 0")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0: use 0 to disable validation")
 

@@ -112,16 +112,18 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     _check_vocab(cfg, tokenizer.vocab_size)
     data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
     gpt = build_model(cfg.model, tokenizer.vocab_size, cfg.seed).to(runtime.device)
-    padding = gpt.cfg.padding_parameters
+    gpt_cfg = gpt.cfg
+    padding = gpt_cfg.padding_parameters
     n_params = num_parameters(gpt) - padding
-    model_flops = flops_per_token(gpt.cfg, n_params, t.seq_len)
+    model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
     model = strategy.parallelize(gpt)
+    del gpt  # a pipeline stage copied its part; the whole model need not stay in memory
     optimizer = strategy.build_optimizer(model)
     schedule = build_schedule(optimizer, t.steps, cfg.optim)
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
-    log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt.cfg.vocab_size,
+    log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt_cfg.vocab_size,
                                   layout=strategy.describe(), device=str(runtime.device), precision=precision,
-                                  dp_size=strategy.dp_size, accumulation=train_slice.accumulation, run_dir=run_dir))
+                                  dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(), run_dir=run_dir))
 
     loggers = RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir)) if runtime.is_main else None
     trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
@@ -132,10 +134,14 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
         if loggers:
             loggers.close_console()
     if t.save_model:
-        save_final_model(model, os.path.join(run_dir, "model.pt"), runtime.is_main)
+        weights = strategy.full_state_dict(model)
+        if runtime.is_main:
+            save_final_model(weights, os.path.join(run_dir, "model.pt"))
+    layout_results = strategy.report(run_dir)
     if loggers:
         summary = end_summary(state.records, time.perf_counter() - wall_start, state.train_seconds,
                               t.batch_size * t.seq_len)
-        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size)
+        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size,
+                       **layout_results)
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

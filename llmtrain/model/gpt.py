@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,31 +107,44 @@ RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out")
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """The whole model, or one pipeline stage of it: `layers` picks the blocks (named as in the whole model),
+    `embedding` and `head` whether this part holds the input embeddings and the final norm + LM head. The head is
+    tied to the token embedding when one part holds both; a stage holding only the head keeps its own copy, whose
+    gradient the pipeline sums with the embedding's (llmtrain/parallel/pipeline/)."""
+
+    def __init__(self, cfg: GPTConfig, layers: Sequence[int] | None = None, embedding: bool = True,
+                 head: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.emb_dropout = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        padded = cfg.padded_vocab_size > cfg.vocab_size
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
-        self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
+        layers = range(cfg.n_layer) if layers is None else layers
+        self.tok_emb = self.pos_emb = self.emb_dropout = self.norm = self.lm_head = None
+        if embedding:
+            self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.emb_dropout = Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        if head:
+            padded = cfg.padded_vocab_size > cfg.vocab_size
+            self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
+            if embedding:
+                self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
+            if padded:
+                # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the
+                # softmax and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that
+                # tensor parallelism shards it with the head's rows.
+                self.lm_head.bias.requires_grad_(False)
         self.activation_checkpointing = "none"  # none | full | selective: see recompute.py
-        if padded:
-            # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the softmax
-            # and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that tensor
-            # parallelism shards it with the head's rows.
-            self.lm_head.bias.requires_grad_(False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.emb_dropout(self.tok_emb(tokens) + self.pos_emb(positions))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
+        stream (batch, seq, d_model) instead, and a part without the head returns it."""
+        if self.tok_emb is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.emb_dropout(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
             x = run_block(block, x, self.activation_checkpointing)
-        return self.lm_head(self.norm(x))
+        return x if self.lm_head is None else self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -146,7 +160,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
-        if self.lm_head.bias is not None:
+        if self.lm_head is not None and self.lm_head.bias is not None:
             self.lm_head.bias.copy_(vocabulary_mask(self.cfg))
 
 

@@ -39,6 +39,10 @@ class FSDP(TensorParallel):
         tp = f", TP{' + SP' if self.cfg.parallel.sequence_parallel else ''}" if self.degrees.tp > 1 else ""
         return f"{self.name} {kind}{offload}{tp} ({self.degrees.describe()})"
 
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.cfg.parallel.reshard_after_forward
+
     def wrap(self, model: nn.Module) -> nn.Module:
         # A 2-D (replicate, shard) mesh makes fully_shard hybrid: sharded within, replicated across.
         mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
@@ -47,7 +51,7 @@ class FSDP(TensorParallel):
         options = dict(mesh=mesh, mp_policy=mixed,
                        offload_policy=CPUOffloadPolicy() if self.cfg.parallel.cpu_offload else OffloadPolicy())
         for block in model.blocks.values():
-            fully_shard(block, reshard_after_forward=self.cfg.parallel.reshard_after_forward, **options)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # The root's parameters (embeddings, final norm, tied head) are needed again at the start of backward.
         fully_shard(model, reshard_after_forward=False, **options)
         return model

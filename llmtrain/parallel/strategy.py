@@ -4,11 +4,12 @@ it runs; each layout overrides only what it changes (wrapping, gradient sync, re
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -60,6 +61,11 @@ class Strategy:
     @property
     def dp_size(self) -> int:
         return self.degrees.dp
+
+    def micro_batching(self) -> tuple[int, int]:
+        """(sequences per micro-batch, micro-batches per rank and step)."""
+        t = self.cfg.train
+        return t.micro_batch_size, t.batch_size // (t.micro_batch_size * self.dp_size)
 
     def describe(self) -> str:
         """One line for the start-up summary: the layout and its mesh."""
@@ -127,27 +133,46 @@ class Strategy:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dp_mesh.get_group())
         return value / self.dp_size
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm (over all ranks' shards and stages)."""
+        return _squared_norm(_grads_by_layout(model.parameters())).sqrt()
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
-        groups = _grads_by_layout(model)
-        norm = torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum().sqrt()
+        norm = self.grad_norm(model)
         if max_norm > 0:
             scale = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grad_norm_ formula
-            for grads in groups:
+            for grads in _grads_by_layout(model.parameters()):
                 torch._foreach_mul_(grads, scale)
         return norm
 
+    # -- results --------------------------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's weights as full CPU tensors under the unsplit GPT's names, on rank 0
+        (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards)."""
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.runtime.is_main else None
 
-def _grads_by_layout(model: nn.Module) -> list[list[torch.Tensor]]:
+    def report(self, run_dir: str) -> dict:
+        """Collective, after training: what this layout measured, for the end summary (rank 0 may also write
+        files into run_dir); {} on the other ranks."""
+        return {}
+
+
+def _grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
     """Gradients grouped by how they are laid out (plain, or DTensor mesh + placements): a norm over one group
     is one reduction, and layouts mix in one model (tensor-parallel weights beside replicated LayerNorms)."""
     groups: dict[object, list[torch.Tensor]] = {}
-    for param in model.parameters():
+    for param in params:
         if param.grad is not None:
             grad = param.grad
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             groups.setdefault(key, []).append(grad)
     return list(groups.values())
+
+
+def _squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,18 @@ def block_plan(sequence_parallel: bool) -> dict:
             "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def outer_plan(sequence_parallel: bool, loss_parallel_on: bool) -> dict:
-    """The embedding, final norm and LM head around the blocks."""
+def outer_plan(model: nn.Module, sequence_parallel: bool, loss_parallel_on: bool) -> dict:
+    """The embedding, final norm and LM head around the blocks (those this model part holds)."""
     residual = Shard(1) if sequence_parallel else Replicate()
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-            "lm_head": ColwiseParallel(input_layouts=residual,
-                                       output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
-                                       use_local_output=not loss_parallel_on)}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
+    plan = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual,
+                                          output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+                                          use_local_output=not loss_parallel_on)
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
     return plan
 
 
@@ -81,7 +84,7 @@ def _mark_dropout_splits(model: nn.Module, split: Split, sequence_parallel: bool
         if sequence_parallel:
             block.attn.resid_dropout.split = split
             block.mlp.dropout.split = split
-    if sequence_parallel:
+    if sequence_parallel and model.emb_dropout is not None:
         model.emb_dropout.split = split
 
 
@@ -90,14 +93,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     # Each rank then computes its own heads: the attention reshape derives the head count from the local width.
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel_on))
-    if sequence_parallel:
+    parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel, loss_parallel_on))
+    if sequence_parallel and model.pos_emb is not None:
         _shard_positions(model.pos_emb, tp_mesh)
     _mark_dropout_splits(model, Split(dim=1, rank=tp_mesh.get_local_rank(), parts=tp_mesh.size()),
                          sequence_parallel)
-    # parallelize_module gave the embedding and the head separate DTensor parameters; both are sharded by
-    # vocabulary rows, so the tie is restored on the same placement.
-    model.lm_head.weight = model.tok_emb.weight
+    if model.tok_emb is not None and model.lm_head is not None:
+        # parallelize_module gave the embedding and the head separate DTensor parameters; both are sharded by
+        # vocabulary rows, so the tie is restored on the same placement.
+        model.lm_head.weight = model.tok_emb.weight
 
 
 def validate_tensor_parallel(cfg, tp: int) -> None:

@@ -1,0 +1,247 @@
+"""`parallel=pp | pp_fsdp | pp_tp | 3d`: the model cut by depth into stages on the `pp` mesh dimension, micro-batches
+run through a pipeline schedule, and within each stage the usual tensor (tp) and sharded data (dp_shard) parallelism.
+
+Per step each rank runs only its stages' blocks; neighbours exchange one (micro-batch, seq, d_model) activation per
+micro-batch forward and its gradient backward, the only traffic across the pp dimension, which is why pp goes
+across nodes and tp inside them. Within a stage FSDP keeps its gathered parameters for the whole step
+(reshard_after_forward off): resharding would re-gather them for every micro-batch.
+
+The tied embedding and LM head live on different stages (the first and the last), as two copies kept equal:
+after backward their gradients are summed between the two ranks (Megatron's embedding group), and both get the
+same update. Gradient clipping takes the norm over all stages, counting that matrix once; the logged loss is the
+mean over the global batch, as in every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from llmtrain.config import ConfigError
+from llmtrain.model import GPT, cross_entropy_loss
+from llmtrain.parallel.fsdp import FSDP
+from llmtrain.parallel.mesh import MESH_DIMS
+from llmtrain.parallel.pipeline.p2p import recv_activation, send_activation
+from llmtrain.parallel.pipeline.reference import Reference1F1B
+from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
+from llmtrain.parallel.pipeline.split import build_stage, rank_stages, stage_layers, stage_rank
+from llmtrain.parallel.pipeline.timeline import Timeline, TimedStage, bubble_fraction, plot_gantt
+from llmtrain.parallel.registry import register
+from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, _grads_by_layout, _squared_norm, _value
+
+
+class ModelParts(nn.Module):
+    """The stages one rank holds (two or more with virtual stages), as one module for the optimizer and the
+    trainer; each part keeps the whole model's parameter names."""
+
+    def __init__(self, parts: list[GPT]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+
+@register("pp")
+class PipelineParallel(FSDP):
+    supported_dims = MESH_DIMS
+
+    def __init__(self, cfg, runtime):
+        super().__init__(cfg, runtime)
+        self.spec = schedule_spec(cfg.parallel.pp_schedule)
+        self.pp_group = self.mesh["pp"].get_group()
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.n_stages = self.degrees.pp * cfg.parallel.pp_stages_per_rank
+        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, cfg.parallel.pp_stages_per_rank,
+                                         self.spec.style)
+        self.timeline = Timeline()
+        self.tied_group = self._tied_embedding_group()
+
+    # -- layout ---------------------------------------------------------------------------------------------
+    @property
+    def microbatches(self) -> int:
+        t = self.cfg.train
+        return self.cfg.parallel.microbatches or t.batch_size // (t.micro_batch_size * self.degrees.dp)
+
+    def micro_batching(self) -> tuple[int, int]:
+        return self.cfg.train.batch_size // (self.degrees.dp * self.microbatches), self.microbatches
+
+    def validate(self) -> None:
+        super().validate()
+        p, t = self.cfg.parallel, self.cfg.train
+        if self.degrees.pp < 2:
+            raise ConfigError(f"parallel.strategy=pp needs parallel.pp >= 2 (got {self.degrees.pp}): set parallel.pp, "
+                              f"or choose a layout without a pipeline")
+        m = self.microbatches
+        if t.batch_size % (self.degrees.dp * m):
+            raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
+                              f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
+                              f"of {self.degrees.dp * m}")
+        validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m)
+        stage_layers(self.cfg.model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        p = self.cfg.parallel
+        within = [name for name, degree in (("FSDP", self.degrees.dp), ("TP", self.degrees.tp)) if degree > 1]
+        virtual = f", {p.pp_stages_per_rank} stages/rank" if p.pp_stages_per_rank > 1 else ""
+        return (f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
+                f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})")
+
+    def parallelize(self, model: GPT) -> nn.Module:
+        """Cut this rank's stages out of the whole model, give each its tensor / data parallelism, and build the
+        schedule over them."""
+        layers = stage_layers(model.cfg.n_layer, self.n_stages, self.cfg.parallel.pp_edge_blocks)
+        parts = [super(PipelineParallel, self).parallelize(build_stage(model, stage, self.n_stages, layers[stage]))
+                 for stage in self.stage_indices]
+        self.schedule = self._build_schedule(parts)
+        return ModelParts(parts)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return super().wrap(model) if self.degrees.dp > 1 else model
+
+    def _build_schedule(self, parts: list[nn.Module]):
+        m, device = self.microbatches, self.runtime.device
+        if self.spec.torch_class is None:
+            return Reference1F1B(parts[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device,
+                                 self.timeline)
+        stages = [TimedStage(part, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
+                  for stage, part in zip(self.stage_indices, parts)]
+        try:
+            if self.spec.stages_per_rank == "one":
+                return self.spec.torch_class(stages[0], m, loss_fn=cross_entropy_loss)
+            return self.spec.torch_class(stages, m, loss_fn=cross_entropy_loss)
+        except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
+            raise ConfigError(f"parallel.pp_schedule={self.cfg.parallel.pp_schedule} with parallel.microbatches="
+                              f"{m}: {error}") from None
+
+    def _tied_embedding_group(self) -> dist.ProcessGroup | None:
+        """The two ranks (same data and tensor-parallel coordinates) holding the embedding and the LM head; None
+        when one rank holds both (V schedules)."""
+        if stage_rank(self.n_stages - 1, self.degrees.pp, self.spec.style) == 0:
+            return None
+        mine = None
+        ends = self.mesh.mesh[[0, -1]].reshape(2, -1)
+        for pair in ends.T.tolist():  # every rank creates every group, in the same order
+            group = dist.new_group(pair)
+            if self.runtime.rank in pair:
+                mine = group
+        return mine
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
+                         precision: PrecisionContext) -> torch.Tensor:
+        device = self.runtime.device
+        inputs = torch.cat([x for x, _ in micro_batches]).to(device)
+        targets = torch.cat([y for _, y in micro_batches]).to(device)
+        losses: list[torch.Tensor] = []
+        self.timeline.begin_step()
+        with self.loss_context(), precision():
+            if 0 in self.stage_indices:
+                self.schedule.step(inputs, target=targets, losses=losses)
+            else:
+                self.schedule.step(target=targets, losses=losses)
+        self._sum_tied_gradients(model)
+        return self._mean_from_last_stage(losses)
+
+    def _sum_tied_gradients(self, model: nn.Module) -> None:
+        grads = [_local(part.tok_emb.weight.grad) for part in model.parts if part.tok_emb is not None]
+        grads += [_local(part.lm_head.weight.grad) for part in model.parts if part.lm_head is not None]
+        if len(grads) == 2:
+            total = grads[0] + grads[1]
+            for grad in grads:
+                grad.copy_(total)
+        elif grads:
+            dist.all_reduce(grads[0], group=self.tied_group)
+
+    def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline."""
+        total = (torch.stack([_value(loss) for loss in losses]).mean() if losses
+                 else torch.zeros((), device=self.runtime.device))
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
+        """Forward-only pipelining: each rank runs its stages in increasing order, each over all micro-batches,
+        sending outputs on asynchronously (a stage only waits on lower stages, so no rank waits on one that waits
+        on it)."""
+        device, last = self.runtime.device, self.n_stages - 1
+        losses: list[torch.Tensor] = []
+        pending: list[dist.Work] = []
+        carried: dict[int, torch.Tensor] = {}  # outputs for the next stage when this rank holds it too
+        with precision(), self.loss_context():
+            for stage, part in sorted(zip(self.stage_indices, model.parts), key=lambda pair: pair[0]):
+                for i, (inputs, targets) in enumerate(micro_batches):
+                    if stage == 0:
+                        x = inputs.to(device)
+                    elif stage - 1 in self.stage_indices:
+                        x = carried.pop(i)
+                    else:
+                        x = recv_activation(self._global_rank(stage - 1), self.pp_group, device)
+                    output = part(x)
+                    if stage == last:
+                        losses.append(cross_entropy_loss(output, targets.to(device)))
+                    elif stage + 1 in self.stage_indices:
+                        carried[i] = output
+                    else:
+                        pending += send_activation(output, self._global_rank(stage + 1), self.pp_group)
+        for work in pending:
+            work.wait()
+        return self._mean_from_last_stage(losses)
+
+    def _global_rank(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # The LM head's copy of the embedding matrix is one parameter of the model: count it once.
+        counted = [param for part in model.parts for name, param in part.named_parameters()
+                   if not (name == "lm_head.weight" and part.tok_emb is None)]
+        squared = _squared_norm(_grads_by_layout(counted))
+        dist.all_reduce(squared, group=self.pp_group)
+        return squared.sqrt()
+
+    # -- results --------------------------------------------------------------------------------------------
+    def _gather_to_main(self, payload: object) -> list | None:
+        """The pipeline's payloads by pp rank, on rank 0 (the pipeline that holds rank 0 takes part)."""
+        if 0 not in dist.get_process_group_ranks(self.pp_group):
+            return None
+        gathered = [None] * self.degrees.pp if self.runtime.is_main else None
+        dist.gather_object(payload, gathered, dst=0, group=self.pp_group)
+        return gathered
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        options = StateDictOptions(full_state_dict=True)
+        state = {}
+        for part in model.parts:
+            state.update({name: tensor.cpu() for name, tensor in get_model_state_dict(part, options=options).items()})
+        gathered = self._gather_to_main(state)
+        return {name: tensor for stage_state in gathered for name, tensor in stage_state.items()} if gathered else None
+
+    def report(self, run_dir: str) -> dict:
+        gathered = self._gather_to_main((self.timeline.events, self.timeline.peak_in_flight))
+        if not gathered:
+            return {}
+        p, v, m = self.degrees.pp, self.cfg.parallel.pp_stages_per_rank, self.microbatches
+        events = [rank_events for rank_events, _ in gathered]
+        measured, theory = bubble_fraction(events), (p - 1) / (v * m)
+        schedule = self.cfg.parallel.pp_schedule
+        plot_gantt(events, os.path.join(run_dir, "pipeline.png"), stages_per_rank=v,
+                   title=f"{schedule}: pp={p}, {m} micro-batches{f', {v} stages/rank' if v > 1 else ''} — "
+                         f"bubble (idle / compute) measured {measured:.2f}, (p-1)/(v·m) = {theory:.2f}")
+        result = {"schedule": schedule, "pp": p, "stages_per_rank": v, "microbatches": m,
+                  "bubble_measured": measured, "bubble_theory": theory,
+                  "peak_in_flight": [peak for _, peak in gathered]}
+        with open(os.path.join(run_dir, "pipeline.json"), "w") as f:
+            json.dump({**result, "events": [[e.__dict__ for e in rank_events] for rank_events in events]}, f)
+        return {"pipeline": result}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
