@@ -42,7 +42,7 @@ class Reference1F1B:
         self.device = device
         self.timeline = timeline
 
-    def step(self, inputs: torch.Tensor | None, target: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
+    def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor, losses: list[torch.Tensor]) -> None:
         """One optimizer step's forward and backward over the m micro-batches of `inputs` (first stage) and
         `target` (last stage); the last stage appends each micro-batch's loss to `losses`."""
         self.inputs = inputs.tensor_split(self.m) if self.is_first else None
@@ -64,13 +64,10 @@ class Reference1F1B:
                 param.grad.div_(self.m)
 
     def _forward(self, i: int, losses: list[torch.Tensor]) -> None:
+        # The receive stays outside the recorded box: waiting for a neighbour is bubble, not work.
+        received = None if self.is_first else recv_activation(self.prev, self.group, self.device).requires_grad_()
         with self.timeline.record("F", self.stage, i):
-            if self.is_first:
-                x, received = self.inputs[i], None
-            else:
-                received = recv_activation(self.prev, self.group, self.device).requires_grad_()
-                x = received
-            output = self.module(x)
+            output = self.module(self.inputs[i] if self.is_first else received)
             if self.is_last:
                 output = self.loss_fn(output, self.targets[i])
                 losses.append(output.detach())
@@ -80,9 +77,9 @@ class Reference1F1B:
         self.timeline.activations_saved(self.stage, i)
 
     def _backward(self, i: int) -> None:
+        received, output = self.saved.pop(i)
+        grad = None if self.is_last else recv_gradient(output, self.next, self.group)
         with self.timeline.record("B", self.stage, i):
-            received, output = self.saved.pop(i)
-            grad = None if self.is_last else recv_gradient(output, self.next, self.group)
             if isinstance(self.module, FSDPModule):
                 # Reduce-scatter the gradients once, on the last micro-batch; accumulate unsharded before that.
                 self.module.set_requires_gradient_sync(i == self.m - 1)

@@ -151,8 +151,8 @@ class PipelineParallel(FSDP):
         return self._mean_from_last_stage(losses)
 
     def _sum_tied_gradients(self, model: nn.Module) -> None:
-        grads = [_local(part.tok_emb.weight.grad) for part in model.parts if part.tok_emb is not None]
-        grads += [_local(part.lm_head.weight.grad) for part in model.parts if part.lm_head is not None]
+        grads = [_local_grad(part.tok_emb.weight) for part in model.parts if part.tok_emb is not None]
+        grads += [_local_grad(part.lm_head.weight) for part in model.parts if part.lm_head is not None]
         if len(grads) == 2:
             total = grads[0] + grads[1]
             for grad in grads:
@@ -243,5 +243,12 @@ class PipelineParallel(FSDP):
         return {"pipeline": result}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    """This rank's part of the gradient, laid out as the parameter is (a tensor-parallel embedding's gradient
+    can come back replicated; the head's is sharded like the weight), so the two copies' parts line up."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != param.placements:
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
