@@ -107,13 +107,13 @@ RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out")
 
 
 class GPT(nn.Module):
-    """The whole model, or one pipeline stage of it: `layers` picks the blocks (named as in the whole model),
-    `embedding` and `head` whether this part holds the input embeddings and the final norm + LM head. The head is
-    tied to the token embedding when one part holds both; a stage holding only the head keeps its own copy, whose
-    gradient the pipeline sums with the embedding's (llmtrain/parallel/pipeline/)."""
+    """The whole model, or a pipeline rank's part of it: `layers` picks the blocks (named as in the whole model),
+    `embedding` and `head` whether the part holds the input embeddings and the final norm + LM head. The head is
+    tied to the token embedding when the part holds both, unless `tie_head=False`: a pipeline keeps the two on
+    different stages as copies whose gradients it sums (llmtrain/parallel/pipeline/)."""
 
     def __init__(self, cfg: GPTConfig, layers: Sequence[int] | None = None, embedding: bool = True,
-                 head: bool = True):
+                 head: bool = True, tie_head: bool = True):
         super().__init__()
         self.cfg = cfg
         layers = range(cfg.n_layer) if layers is None else layers
@@ -127,7 +127,7 @@ class GPT(nn.Module):
             padded = cfg.padded_vocab_size > cfg.vocab_size
             self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
-            if embedding:
+            if embedding and tie_head:
                 self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
             if padded:
                 # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the

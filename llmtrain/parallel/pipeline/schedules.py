@@ -28,6 +28,7 @@ class ScheduleSpec:
     style: str                # how stages are dealt to ranks (split.py)
     microbatches_at_least: str  # "1", "pp" or "stages" (= 2 pp for V schedules)
     microbatches_multiple_of_pp: bool = False
+    splits_backward: bool = False  # input- and weight-gradient halves run separately
 
 
 SCHEDULES = {
@@ -35,9 +36,9 @@ SCHEDULES = {
     "1f1b": ScheduleSpec(Schedule1F1B, "one", "loop", "pp"),
     "1f1b_reference": ScheduleSpec(None, "one", "loop", "pp"),
     "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "several", "loop", "pp", True),
-    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "several", "loop", "pp", True),
-    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "two", "v", "stages"),
-    "dualpipev": ScheduleSpec(ScheduleDualPipeV, "two", "v", "stages"),
+    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "several", "loop", "pp", True, splits_backward=True),
+    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "two", "v", "stages", splits_backward=True),
+    "dualpipev": ScheduleSpec(ScheduleDualPipeV, "two", "v", "stages", splits_backward=True),
 }
 
 
@@ -48,8 +49,12 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
-def validate_schedule(name: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+def validate_schedule(name: str, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
     spec = schedule_spec(name)
+    if compiled and spec.splits_backward:
+        raise ConfigError(f"train.compile=true does not work with parallel.pp_schedule={name}, which computes input "
+                          f"and weight gradients in separate passes over the graph: set train.compile=false or "
+                          f"use 1f1b / interleaved_1f1b")
     v = stages_per_rank
     if spec.stages_per_rank == "one" and v != 1:
         raise ConfigError(f"parallel.pp_schedule={name} runs one stage per rank but parallel.pp_stages_per_rank={v}: "

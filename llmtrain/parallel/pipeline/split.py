@@ -1,15 +1,18 @@
-"""The stage split: which blocks each pipeline stage runs, which stages each pipeline rank holds, and the stage
-modules themselves, cut from the whole model without tracing.
+"""The stage split: which blocks each pipeline stage runs, which stages each pipeline rank holds, and the modules,
+cut from the whole model without tracing.
 
-A stage is a `GPT` holding a slice of the blocks under their whole-model names ("blocks.5.attn.q_proj.weight"), the
-first one also the embeddings and the last one the final norm and LM head; so a checkpoint does not care how the
-model was cut. Stages copy their weights from the whole model initialised from the seed, so a pipelined run starts
-from exactly the weights of the unsplit one.
+A rank's part of the model is one `GPT` holding the blocks of all its stages under their whole-model names
+("blocks.5.attn.q_proj.weight"), plus the embeddings if it runs the first stage and the final norm and LM head if
+it runs the last: its state dict and its optimizer's are keyed like the unsplit model's, so checkpoints do not care
+how the model was cut. The part copies its weights from the whole model initialised from the seed, so a pipelined
+run starts from exactly the weights of the unsplit one. Each stage the schedule runs is a view: a `GPT` whose
+modules are the part's own (shared, not copied), holding just that stage's slice.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from llmtrain.config import ConfigError
 from llmtrain.model import GPT
@@ -53,13 +56,28 @@ def stage_rank(stage: int, pp: int, style: str) -> int:
     return stage % pp
 
 
-def build_stage(model: GPT, stage: int, n_stages: int, layers: range) -> GPT:
-    """Stage `stage` of `model`: its blocks, plus the embeddings (first stage) or the final norm and LM head (last),
-    with `model`'s weights. The last stage's head is its own copy of the (tied) embedding matrix."""
+def build_rank_model(model: GPT, stages: list[int], layers: list[range]) -> GPT:
+    """This rank's part of `model` (the stages `stages` of the split `layers`), with `model`'s weights. The LM head
+    is its own copy of the (tied) embedding matrix, even where the part also holds the embedding: the two belong to
+    different stages."""
     with torch.device("meta"):
-        part = GPT(model.cfg, layers=layers, embedding=stage == 0, head=stage == n_stages - 1)
+        part = GPT(model.cfg, layers=[i for stage in stages for i in layers[stage]], embedding=0 in stages,
+                   head=len(layers) - 1 in stages, tie_head=False)
     part.to_empty(device=next(model.parameters()).device)
     whole = model.state_dict()
     part.load_state_dict({name: whole[name] for name in part.state_dict()}, strict=True)
     part.activation_checkpointing = model.activation_checkpointing
     return part
+
+
+def stage_view(part: GPT, stage: int, layers: list[range]) -> GPT:
+    """The module that runs stage `stage`: a GPT made of `part`'s own modules for that stage."""
+    with torch.device("meta"):
+        view = GPT(part.cfg, layers=[], embedding=False, head=False)
+    view.blocks = nn.ModuleDict({str(i): part.blocks[str(i)] for i in layers[stage]})
+    if stage == 0:
+        view.tok_emb, view.pos_emb, view.emb_dropout = part.tok_emb, part.pos_emb, part.emb_dropout
+    if stage == len(layers) - 1:
+        view.norm, view.lm_head = part.norm, part.lm_head
+    view.activation_checkpointing = part.activation_checkpointing
+    return view

@@ -30,19 +30,10 @@ from llmtrain.parallel.mesh import MESH_DIMS
 from llmtrain.parallel.pipeline.p2p import recv_activation, send_activation
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
-from llmtrain.parallel.pipeline.split import build_stage, rank_stages, stage_layers, stage_rank
+from llmtrain.parallel.pipeline.split import build_rank_model, rank_stages, stage_layers, stage_rank, stage_view
 from llmtrain.parallel.pipeline.timeline import Timeline, TimedStage, bubble_fraction, plot_gantt
 from llmtrain.parallel.registry import register
 from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, _grads_by_layout, _squared_norm, _value
-
-
-class ModelParts(nn.Module):
-    """The stages one rank holds (two or more with virtual stages), as one module for the optimizer and the
-    trainer; each part keeps the whole model's parameter names."""
-
-    def __init__(self, parts: list[GPT]):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
 
 
 @register("pp")
@@ -80,7 +71,7 @@ class PipelineParallel(FSDP):
             raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
                               f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
                               f"of {self.degrees.dp * m}")
-        validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m)
+        validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m, compiled=t.compile)
         stage_layers(self.cfg.model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
 
     @property
@@ -95,24 +86,25 @@ class PipelineParallel(FSDP):
                 f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})")
 
     def parallelize(self, model: GPT) -> nn.Module:
-        """Cut this rank's stages out of the whole model, give each its tensor / data parallelism, and build the
-        schedule over them."""
+        """This rank's part of the whole model, returned for the trainer and optimizer; each of its stages gets
+        its tensor / data parallelism, and the schedule runs them."""
         layers = stage_layers(model.cfg.n_layer, self.n_stages, self.cfg.parallel.pp_edge_blocks)
-        parts = [super(PipelineParallel, self).parallelize(build_stage(model, stage, self.n_stages, layers[stage]))
-                 for stage in self.stage_indices]
-        self.schedule = self._build_schedule(parts)
-        return ModelParts(parts)
+        part = build_rank_model(model, self.stage_indices, layers)
+        self.stages = [super(PipelineParallel, self).parallelize(stage_view(part, stage, layers))
+                       for stage in self.stage_indices]
+        self.schedule = self._build_schedule()
+        return part
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return super().wrap(model) if self.degrees.dp > 1 else model
 
-    def _build_schedule(self, parts: list[nn.Module]):
+    def _build_schedule(self):
         m, device = self.microbatches, self.runtime.device
         if self.spec.torch_class is None:
-            return Reference1F1B(parts[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device,
+            return Reference1F1B(self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device,
                                  self.timeline)
-        stages = [TimedStage(part, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
-                  for stage, part in zip(self.stage_indices, parts)]
+        stages = [TimedStage(module, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
+                  for stage, module in zip(self.stage_indices, self.stages)]
         try:
             if self.spec.stages_per_rank == "one":
                 return self.spec.torch_class(stages[0], m, loss_fn=cross_entropy_loss)
@@ -151,8 +143,7 @@ class PipelineParallel(FSDP):
         return self._mean_from_last_stage(losses)
 
     def _sum_tied_gradients(self, model: nn.Module) -> None:
-        grads = [_local_grad(part.tok_emb.weight) for part in model.parts if part.tok_emb is not None]
-        grads += [_local_grad(part.lm_head.weight) for part in model.parts if part.lm_head is not None]
+        grads = [_local_grad(module.weight) for module in (model.tok_emb, model.lm_head) if module is not None]
         if len(grads) == 2:
             total = grads[0] + grads[1]
             for grad in grads:
@@ -177,7 +168,7 @@ class PipelineParallel(FSDP):
         pending: list[dist.Work] = []
         carried: dict[int, torch.Tensor] = {}  # outputs for the next stage when this rank holds it too
         with precision(), self.loss_context():
-            for stage, part in sorted(zip(self.stage_indices, model.parts), key=lambda pair: pair[0]):
+            for stage, module in sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0]):
                 for i, (inputs, targets) in enumerate(micro_batches):
                     if stage == 0:
                         x = inputs.to(device)
@@ -185,7 +176,7 @@ class PipelineParallel(FSDP):
                         x = carried.pop(i)
                     else:
                         x = recv_activation(self._global_rank(stage - 1), self.pp_group, device)
-                    output = part(x)
+                    output = module(x)
                     if stage == last:
                         losses.append(cross_entropy_loss(output, targets.to(device)))
                     elif stage + 1 in self.stage_indices:
@@ -201,8 +192,7 @@ class PipelineParallel(FSDP):
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         # The LM head's copy of the embedding matrix is one parameter of the model: count it once.
-        counted = [param for part in model.parts for name, param in part.named_parameters()
-                   if not (name == "lm_head.weight" and part.tok_emb is None)]
+        counted = [param for name, param in model.named_parameters() if name != "lm_head.weight"]
         squared = _squared_norm(_grads_by_layout(counted))
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
@@ -217,10 +207,8 @@ class PipelineParallel(FSDP):
         return gathered
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        options = StateDictOptions(full_state_dict=True)
-        state = {}
-        for part in model.parts:
-            state.update({name: tensor.cpu() for name, tensor in get_model_state_dict(part, options=options).items()})
+        state = {name: tensor.cpu() for name, tensor in
+                 get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
         gathered = self._gather_to_main(state)
         return {name: tensor for stage_state in gathered for name, tensor in stage_state.items()} if gathered else None
 

@@ -1,0 +1,96 @@
+"""Run by test_pipeline.py under torchrun: every pipeline schedule over all ranks (pp = world size), each trained a
+few steps on the same batches as the unsplit model, which every rank also trains by itself (`single`, in-process).
+One process group serves all schedules, so the suite pays for process start-up once.
+
+    torchrun --nproc_per_node=P tests/pipeline_worker.py OUT_DIR MICROBATCHES
+
+Rank 0 writes OUT_DIR/results.json: per schedule the per-step losses and gradient norms of both runs, the largest
+weight difference, the peak micro-batches alive per rank, and the step's bubble; each schedule's Gantt chart lands
+in OUT_DIR/<schedule>/pipeline.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from llmtrain.model import build_model
+from llmtrain.parallel import get_strategy
+from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.tools import compose_config
+
+STEPS = 3
+VOCAB = 257
+# name -> virtual stages per rank
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "1f1b_reference": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2,
+             "dualpipev": 2}
+
+
+def config(layout: list[str], microbatches: int):
+    return compose_config(["model=tiny", "model.n_layer=8", "train.seq_len=32", "train.batch_size=16",
+                           f"train.micro_batch_size={16 // microbatches}", "optim.warmup_steps=1", *layout])
+
+
+def batches(cfg) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """STEPS global batches of random tokens, as micro-batches of train.micro_batch_size (the same on every rank)."""
+    generator = torch.Generator().manual_seed(0)
+    steps = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=generator)
+        steps.append([(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(cfg.train.micro_batch_size)])
+    return steps
+
+
+def train(cfg, runtime: Runtime):
+    """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the strategy, the model."""
+    torch.manual_seed(cfg.seed)
+    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    model = strategy.parallelize(build_model(cfg.model, VOCAB, cfg.seed))
+    optimizer = strategy.build_optimizer(model)
+    losses, norms = [], []
+    for micro_batches in batches(cfg):
+        losses.append(strategy.reduce_mean(strategy.forward_backward(model, micro_batches, nullcontext)).item())
+        norms.append(strategy.clip_grad_norm(model, cfg.optim.grad_clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, norms, strategy, model
+
+
+def main(out_dir: str, microbatches: int) -> None:
+    runtime = init_runtime("cpu")
+    local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+    ref_losses, ref_norms, ref_strategy, ref_model = train(config(["parallel=single"], microbatches), local)
+    reference = ref_strategy.full_state_dict(ref_model)
+    results = {}
+    for schedule, stages_per_rank in SCHEDULES.items():
+        cfg = config(["parallel=pp", f"parallel.pp_schedule={schedule}",
+                      f"parallel.pp_stages_per_rank={stages_per_rank}", f"parallel.microbatches={microbatches}"],
+                     microbatches)
+        losses, norms, strategy, model = train(cfg, runtime)
+        weights = strategy.full_state_dict(model)
+        run_dir = os.path.join(out_dir, schedule)
+        os.makedirs(run_dir, exist_ok=True)
+        report = strategy.report(run_dir)
+        if runtime.is_main:
+            results[schedule] = {
+                "losses": losses, "reference_losses": ref_losses, "norms": norms, "reference_norms": ref_norms,
+                "same_names": sorted(weights) == sorted(reference),
+                "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
+                "state": weights, **report["pipeline"]}
+    if runtime.is_main:
+        # The hand-written 1F1B against torch's, step for step: same losses, norms and final weights, bit for bit.
+        ours, theirs = results["1f1b_reference"].pop("state"), results["1f1b"]["state"]
+        results["1f1b_reference"]["weights_equal_1f1b"] = all(torch.equal(ours[k], theirs[k]) for k in theirs)
+        for result in results.values():
+            result.pop("state", None)
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    runtime.shutdown(synchronize=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
