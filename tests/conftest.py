@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
+from llmtrain.parallel import get_strategy
+from llmtrain.runtime import Runtime
+from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import METRICS, compare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +78,14 @@ PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.bat
 # room without letting a real bug (a missed or doubled reduction moves losses by >1e-3) through.
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+
+
+def layout_strategy(*overrides: str, world_size: int):
+    """The strategy a `world_size`-rank job with these overrides builds. Its checks run before any process group
+    is needed, so bad layouts can be tested in this process; a good one goes on to need the real process group."""
+    cfg = compose_config(list(overrides))
+    runtime = Runtime(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), launcher="torchrun")
+    return get_strategy(cfg.parallel.strategy)(cfg, runtime)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import PARITY, REPO, assert_parity
+from conftest import PARITY, REPO, assert_parity, layout_strategy
+from llmtrain.config import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +73,19 @@ def test_state_per_rank_follows_the_zero_formulas(layout, extra):
         assert during_step < 0.5 * full  # blocks re-sharded after their forward
 
 
-@pytest.mark.parametrize("overrides, nproc, message", [
+@pytest.mark.parametrize("overrides, world_size, message", [
     (["parallel=ddp", "parallel.dp_replicate=3"], 2, "parallel.dp_replicate=3"),
     (["parallel=fsdp", "parallel.dp_replicate=-1"], 2, "-1"),
-    (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 4, "train.batch_size=6"),
     (["parallel=hsdp", "parallel.dp_shard=2"], 3, "world size 3"),
+])
+def test_bad_layouts_are_refused_before_any_process_group(overrides, world_size, message):
+    with pytest.raises(ConfigError) as error:
+        layout_strategy(*overrides, world_size=world_size)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size=6"),
     (["parallel=ddp"], 0, "single process"),
 ])
 def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
