@@ -112,7 +112,7 @@ class Strategy:
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)),
                                               targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
-            total += _value(loss)
+            total += plain_value(loss)
         return total / len(micro_batches)
 
     @torch.no_grad()
@@ -120,7 +120,7 @@ class Strategy:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
             with precision(), self.loss_context():
-                total += _value(cross_entropy_loss(model(inputs.to(self.runtime.device)),
+                total += plain_value(cross_entropy_loss(model(inputs.to(self.runtime.device)),
                                                    targets.to(self.runtime.device)))
         return total / len(micro_batches)
 
@@ -135,14 +135,14 @@ class Strategy:
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global gradient norm (over all ranks' shards and stages)."""
-        return _squared_norm(_grads_by_layout(model.parameters())).sqrt()
+        return squared_norm(grads_by_layout(model.parameters())).sqrt()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
         norm = self.grad_norm(model)
         if max_norm > 0:
             scale = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grad_norm_ formula
-            for grads in _grads_by_layout(model.parameters()):
+            for grads in grads_by_layout(model.parameters()):
                 torch._foreach_mul_(grads, scale)
         return norm
 
@@ -159,7 +159,7 @@ class Strategy:
         return {}
 
 
-def _grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
+def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
     """Gradients grouped by how they are laid out (plain, or DTensor mesh + placements): a norm over one group
     is one reduction, and layouts mix in one model (tensor-parallel weights beside replicated LayerNorms)."""
     groups: dict[object, list[torch.Tensor]] = {}
@@ -171,13 +171,13 @@ def _grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]
     return list(groups.values())
 
 
-def _squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+def squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-def _value(loss: torch.Tensor) -> torch.Tensor:
+def plain_value(loss: torch.Tensor) -> torch.Tensor:
     """A detached plain scalar: a loss computed on vocabulary shards is a replicated DTensor."""
     return _full(loss.detach())

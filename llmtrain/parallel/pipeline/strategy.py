@@ -33,7 +33,7 @@ from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedul
 from llmtrain.parallel.pipeline.split import build_rank_model, rank_stages, stage_layers, stage_rank, stage_view
 from llmtrain.parallel.pipeline.timeline import Timeline, TimedStage, bubble_fraction, plot_gantt
 from llmtrain.parallel.registry import register
-from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, _grads_by_layout, _squared_norm, _value
+from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, grads_by_layout, plain_value, squared_norm
 
 
 @register("pp")
@@ -101,8 +101,8 @@ class PipelineParallel(FSDP):
     def _build_schedule(self):
         m, device = self.microbatches, self.runtime.device
         if self.spec.torch_class is None:
-            return Reference1F1B(self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device,
-                                 self.timeline)
+            return Reference1F1B(self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss,
+                                 device, self.timeline)
         stages = [TimedStage(module, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
                   for stage, module in zip(self.stage_indices, self.stages)]
         try:
@@ -153,7 +153,7 @@ class PipelineParallel(FSDP):
 
     def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline."""
-        total = (torch.stack([_value(loss) for loss in losses]).mean() if losses
+        total = (torch.stack([plain_value(loss) for loss in losses]).mean() if losses
                  else torch.zeros((), device=self.runtime.device))
         dist.all_reduce(total, group=self.pp_group)
         return total
@@ -193,7 +193,7 @@ class PipelineParallel(FSDP):
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         # The LM head's copy of the embedding matrix is one parameter of the model: count it once.
         counted = [param for name, param in model.named_parameters() if name != "lm_head.weight"]
-        squared = _squared_norm(_grads_by_layout(counted))
+        squared = squared_norm(grads_by_layout(counted))
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
 
