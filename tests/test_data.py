@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import RankSlice, build_tokenizer
-from llmtrain.data.packing import pack_windows, shuffle_windows, tokenize_documents
+from llmtrain.data.packing import pack_windows, tokenize_documents
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
-from llmtrain.data.stream import GlobalBatches, training_windows
+from llmtrain.data.stream import GlobalBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(300)]
@@ -57,12 +57,45 @@ def test_packing_round_trips_the_token_stream():
     assert decoded == "".join(DOCS)  # the end-of-text ids separate documents and decode to nothing
 
 
-def test_shuffle_windows_is_a_seeded_permutation():
-    windows = [np.array([i]) for i in range(100)]
-    a = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=3)]
-    b = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=3)]
-    c = [int(w[0]) for w in shuffle_windows(iter(windows), 10, seed=4)]
-    assert a == b != c and sorted(a) == list(range(100))
+def test_window_shuffle_is_a_seeded_permutation_of_the_packed_stream(corpus):
+    cfg = _data_cfg(path=str(corpus / "txt"))
+    packed = list(itertools.islice(_windows(cfg, seed=3, window_shuffle_buffer=1), 200))
+    a = list(itertools.islice(_windows(cfg, seed=3, window_shuffle_buffer=10), 200))
+    b = list(itertools.islice(_windows(cfg, seed=3, window_shuffle_buffer=10), 200))
+    c = list(itertools.islice(_windows(cfg, seed=4, window_shuffle_buffer=10), 200))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and not all(np.array_equal(x, y) for x, y in zip(a, c))
+    # The i-th shuffled window is one of the first i + 10 packed ones (the buffer holds 10).
+    assert {w.tobytes() for w in a[:150]} <= {w.tobytes() for w in packed}
+
+
+def _windows(cfg, seed: int, seq_len: int = 16, window_shuffle_buffer: int | None = None) -> TrainingWindows:
+    return TrainingWindows(open_documents(cfg, TRAIN), ByteTokenizer(), seq_len, seed, cfg.doc_shuffle_buffer,
+                           cfg.window_shuffle_buffer if window_shuffle_buffer is None else window_shuffle_buffer)
+
+
+@pytest.mark.parametrize("taken", [5, 123, 400])  # the last one is past the end of the first epoch
+def test_a_restored_stream_continues_exactly_where_it_stopped(corpus, taken):
+    cfg = _data_cfg(path=str(corpus / "txt"))
+    stream = _windows(cfg, seed=7)
+    list(itertools.islice(stream, taken))
+    position = stream.state_dict()
+    expected = list(itertools.islice(stream, 300))
+    resumed = _windows(cfg, seed=7)
+    resumed.load_state_dict(position)
+    assert all(np.array_equal(x, y) for x, y in zip(expected, itertools.islice(resumed, 300)))
+
+
+def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
+    cfg = _data_cfg(path=str(corpus / "txt"))
+    batches = GlobalBatches(_windows(cfg, seed=1), batch_size=8)
+    taken = [batches.next() for _ in range(3)]
+    position = batches.state_dict()
+    following = [batches.next() for _ in range(2)]
+    resumed_windows = _windows(cfg, seed=1)
+    resumed_windows.load_state_dict(position)
+    resumed = GlobalBatches(resumed_windows, batch_size=8)
+    assert all(np.array_equal(x, resumed.next()) for x in following)
+    assert not np.array_equal(taken[-1], following[0])
 
 
 @pytest.mark.parametrize("path, field", [("txt", "text"), ("docs.jsonl", "body"), ("docs.parquet", "content"),
@@ -94,8 +127,8 @@ def test_stdlib_corpus_is_real_text_present_offline():
 
 
 def _first_batches(cfg, tokenizer, seed, n=3, batch_size=8, seq_len=16):
-    windows = training_windows(open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer,
-                               cfg.window_shuffle_buffer)
+    windows = TrainingWindows(open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer,
+                              cfg.window_shuffle_buffer)
     batches = GlobalBatches(windows, batch_size)
     return [batches.next() for _ in range(n)]
 
@@ -114,7 +147,7 @@ def test_the_stream_is_endless_and_reshuffles_each_epoch(corpus):
     tokenizer = ByteTokenizer()
     train_tokens = sum(len(t.encode()) + 1 for t in _texts(cfg, TRAIN))
     per_epoch = train_tokens // 17
-    windows = list(itertools.islice(training_windows(open_documents(cfg, TRAIN), tokenizer, 16, 0, 50, 1),
+    windows = list(itertools.islice(TrainingWindows(open_documents(cfg, TRAIN), tokenizer, 16, 0, 50, 1),
                                     2 * per_epoch + 5))
     assert len(windows) == 2 * per_epoch + 5
     epoch1 = np.concatenate(windows[: per_epoch // 2])

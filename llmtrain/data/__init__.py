@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
-from llmtrain.data.stream import GlobalBatches, RankSlice, training_windows, validation_windows
+from llmtrain.data.stream import GlobalBatches, RankSlice, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
 
 # The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
@@ -34,10 +34,13 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
     return load_tokenizer(data_cfg, bpe_path)
 
 
-def build_data(cfg, tokenizer: Tokenizer, val_slice: RankSlice | None) -> Data:
-    """The training batch stream (started in the background) and the validation windows all ranks share."""
-    windows = training_windows(open_documents(cfg.data, TRAIN), tokenizer, cfg.train.seq_len, cfg.seed,
-                               cfg.data.doc_shuffle_buffer, cfg.data.window_shuffle_buffer)
+def build_data(cfg, tokenizer: Tokenizer, val_slice: RankSlice | None, position: dict | None = None) -> Data:
+    """The training batch stream (started in the background, at `position` when resuming) and the validation
+    windows all ranks share."""
+    windows = TrainingWindows(open_documents(cfg.data, TRAIN), tokenizer, cfg.train.seq_len, cfg.seed,
+                              cfg.data.doc_shuffle_buffer, cfg.data.window_shuffle_buffer)
+    if position is not None:
+        windows.load_state_dict(position)
     val = None
     if val_slice is not None:
         val = validation_windows(open_documents(cfg.data, VALIDATION), tokenizer, cfg.train.seq_len,

@@ -39,21 +39,3 @@ def pack_windows(token_chunks: Iterable[np.ndarray], window: int) -> Iterator[np
         yield from stream[: n_full * window].reshape(n_full, window)
         rest = stream[n_full * window:]
         pending, n_pending = [rest], len(rest)
-
-
-def shuffle_windows(windows: Iterable[np.ndarray], buffer_size: int, seed: int) -> Iterator[np.ndarray]:
-    """A seeded shuffle buffer: neighbouring windows of one long document do not land in the same batch."""
-    if buffer_size <= 1:
-        yield from windows
-        return
-    rng = np.random.default_rng(seed)
-    buffer: list[np.ndarray] = []
-    for window in windows:
-        if len(buffer) < buffer_size:
-            buffer.append(window)
-            continue
-        i = rng.integers(buffer_size)
-        yield buffer[i]
-        buffer[i] = window
-    rng.shuffle(buffer)
-    yield from buffer

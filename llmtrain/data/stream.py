@@ -8,6 +8,7 @@ config, never on how many ranks share it or how it is split for accumulation (Me
 
 from __future__ import annotations
 
+import copy
 import itertools
 import queue
 import threading
@@ -19,7 +20,7 @@ import torch
 from datasets import IterableDataset
 
 from llmtrain.config import ConfigError
-from llmtrain.data.packing import pack_windows, shuffle_windows, tokenize_documents
+from llmtrain.data.packing import pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import Tokenizer
 
 
@@ -46,22 +47,110 @@ class RankSlice:
         return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
 
 
-def training_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, seed: int,
-                     doc_shuffle_buffer: int, window_shuffle_buffer: int) -> Iterator[np.ndarray]:
-    """An endless, seeded stream of (seq_len + 1)-token windows: epoch e reshuffles the documents with seed + e."""
-    def epochs() -> Iterator[np.ndarray]:
-        shuffled = documents.shuffle(seed=seed, buffer_size=doc_shuffle_buffer)
-        for epoch in itertools.count():
-            shuffled.set_epoch(epoch)
-            empty = True
-            for tokens in tokenize_documents((ex["text"] for ex in shuffled), tokenizer):
-                empty = False
-                yield tokens
-            if empty:
-                raise ConfigError("the training stream has no documents: check data.path / data.name and "
-                                 "data.val_fraction")
+class TrainingWindows:
+    """The endless, seeded stream of (seq_len + 1)-token windows, whose position can be saved and restored exactly.
 
-    return shuffle_windows(pack_windows(epochs(), seq_len + 1), window_shuffle_buffer, seed)
+    Documents come in a seeded shard order (HF datasets' `shuffle`, reshuffled each epoch), pass a
+    seeded document shuffle buffer, are tokenised with an end-of-text token, concatenated and cut into windows,
+    and the windows pass a seeded shuffle buffer. Every stage keeps its state in plain attributes (the source's
+    position is HF's own `state_dict`, the buffers are lists of immutable items, the generators numpy states), so
+    `state_dict()` is a cheap snapshot and a resumed stream yields exactly the windows the original would have.
+    """
+
+    def __init__(self, documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, seed: int,
+                 doc_shuffle_buffer: int, window_shuffle_buffer: int, tokenize_batch: int = 64):
+        self.documents = documents.shuffle(seed=seed, buffer_size=1)  # shard order only; the buffer is ours
+        self.tokenizer = tokenizer
+        self.window = seq_len + 1
+        self.seed = seed
+        self.doc_buffer_size, self.window_buffer_size = doc_shuffle_buffer, window_shuffle_buffer
+        self.tokenize_batch = tokenize_batch
+        self.epoch = 0
+        self.docs_in_epoch = 0
+        self.doc_buffer: list[str] = []
+        self.doc_rng = np.random.default_rng([seed, 0])
+        self.tokens: list[np.ndarray] = []  # tokenised documents not yet cut into windows
+        self.windows: list[np.ndarray] = []  # cut windows not yet in the shuffle buffer
+        self.window_buffer: list[np.ndarray] = []
+        self.window_rng = np.random.default_rng(seed)
+        self._source: Iterator[dict] | None = None
+
+    # -- position ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
+                "source": copy.deepcopy(self.documents.state_dict()) if self._source is not None else None,
+                "doc_buffer": list(self.doc_buffer), "doc_rng": self.doc_rng.bit_generator.state,
+                "tokens": list(self.tokens), "windows": list(self.windows),
+                "window_buffer": list(self.window_buffer), "window_rng": self.window_rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
+        self.doc_buffer, self.tokens = list(state["doc_buffer"]), list(state["tokens"])
+        self.windows, self.window_buffer = list(state["windows"]), list(state["window_buffer"])
+        self.doc_rng.bit_generator.state = state["doc_rng"]
+        self.window_rng.bit_generator.state = state["window_rng"]
+        self._source = None
+        if state["source"] is not None:
+            self._open_epoch()
+            self.documents.load_state_dict(state["source"])
+
+    # -- the stream -------------------------------------------------------------------------------------------
+    def __iter__(self) -> TrainingWindows:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        """The next window out of the window shuffle buffer."""
+        if self.window_buffer_size <= 1:
+            return self._next_window()
+        while len(self.window_buffer) < self.window_buffer_size:
+            self.window_buffer.append(self._next_window())
+        i = int(self.window_rng.integers(self.window_buffer_size))
+        window, self.window_buffer[i] = self.window_buffer[i], self._next_window()
+        return window
+
+    def _next_window(self) -> np.ndarray:
+        while not self.windows:
+            self._cut_windows()
+        return self.windows.pop(0)
+
+    def _cut_windows(self) -> None:
+        """Tokenise a batch of documents and cut every full window out of the tokens so far."""
+        texts = [self._next_document() for _ in range(self.tokenize_batch)]
+        eos = np.array([self.tokenizer.eos_id], dtype=np.int64)
+        self.tokens += [np.concatenate([ids, eos]) for ids in self.tokenizer.encode_batch(texts)]
+        stream = np.concatenate(self.tokens)
+        n_full = len(stream) // self.window
+        self.windows += list(stream[: n_full * self.window].reshape(n_full, self.window))
+        self.tokens = [stream[n_full * self.window:]]
+
+    def _next_document(self) -> str:
+        """The next document out of the document shuffle buffer; an exhausted epoch starts the next one."""
+        while True:
+            if self._source is None:
+                self._open_epoch()
+            example = next(self._source, None)
+            if example is None:
+                if self.doc_buffer:  # drain the buffer before the next epoch
+                    return self.doc_buffer.pop(int(self.doc_rng.integers(len(self.doc_buffer))))
+                if self.docs_in_epoch == 0:
+                    raise ConfigError("the training stream has no documents: check data.path / data.name and "
+                                      "data.val_fraction")
+                self.epoch, self.docs_in_epoch, self._source = self.epoch + 1, 0, None
+                self.doc_rng = np.random.default_rng([self.seed, self.epoch])
+                continue
+            self.docs_in_epoch += 1
+            if self.doc_buffer_size <= 1:
+                return example["text"]
+            if len(self.doc_buffer) < self.doc_buffer_size:
+                self.doc_buffer.append(example["text"])
+                continue
+            i = int(self.doc_rng.integers(self.doc_buffer_size))
+            text, self.doc_buffer[i] = self.doc_buffer[i], example["text"]
+            return text
+
+    def _open_epoch(self) -> None:
+        self.documents.set_epoch(self.epoch)
+        self._source = iter(self.documents)
 
 
 def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:
@@ -75,11 +164,14 @@ def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len
 
 
 class GlobalBatches:
-    """Global batch k, built in a background thread so tokenisation overlaps the training step."""
+    """Global batch k, built in a background thread so tokenisation overlaps the training step. Each batch comes
+    with the stream's position after it, so `state_dict()` is the position after the last batch *taken*, however
+    far the thread has read ahead."""
 
-    def __init__(self, windows: Iterator[np.ndarray], batch_size: int, prefetch: int = 2):
+    def __init__(self, windows: TrainingWindows, batch_size: int, prefetch: int = 2):
         self._windows = windows
         self._batch_size = batch_size
+        self._position = windows.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
         self._thread.start()
@@ -88,7 +180,7 @@ class GlobalBatches:
         try:
             while True:
                 rows = list(itertools.islice(self._windows, self._batch_size))
-                self._queue.put(np.stack(rows))
+                self._queue.put((np.stack(rows), self._windows.state_dict()))
         except BaseException as error:  # surfaced to the training thread, which owns error handling
             self._queue.put(error)
 
@@ -96,5 +188,8 @@ class GlobalBatches:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        batch, self._position = item
+        return batch
 
+    def state_dict(self) -> dict:
+        return self._position
