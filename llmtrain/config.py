@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -122,6 +122,7 @@ class TrainConfig:
     save_model: bool = True  # write the final weights (full state dict) to model.pt in the run directory
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False  # torch.compile each transformer block
+    max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient norm
 
 
 @dataclass
@@ -132,6 +133,9 @@ class RootConfig:
     optim: OptimConfig = MISSING
     logging: LoggingConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
+    # every, dir, keep, async, resume (conf/train.yaml). Untyped because `async` is a Python keyword, which a
+    # dataclass field cannot be; validate() checks each value.
+    checkpoint: Dict[str, Any] = field(default_factory=dict)
     seed: int = 1337
 
 
@@ -167,6 +171,7 @@ def validate(cfg) -> None:
 
     positive = ("train.steps", "train.batch_size", "train.micro_batch_size", "train.seq_len", "train.eval_batches",
                 "model.n_layer", "model.n_head", "model.d_model", "model.max_seq_len", "model.vocab_multiple",
+                "train.max_bad_steps",
                 "logging.log_every")
     for key in positive:
         if _get(cfg, key) <= 0:
@@ -196,6 +201,21 @@ def validate(cfg) -> None:
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
     _validate_data(cfg.data)
+    _validate_checkpoint(cfg.checkpoint)
+
+
+CHECKPOINT_KEYS = {"every": int, "dir": (str, type(None)), "keep": int, "async": bool, "resume": str}
+
+
+def _validate_checkpoint(c) -> None:
+    for key, kind in CHECKPOINT_KEYS.items():
+        if key not in c:
+            raise ConfigError(f"checkpoint.{key} is not set: conf/train.yaml lists the checkpoint keys")
+        if not isinstance(c[key], kind) or (kind is int and isinstance(c[key], bool)):
+            raise ConfigError(f"checkpoint.{key}={c[key]!r} has the wrong type: see conf/train.yaml")
+    if c.every < 0 or c.keep < 1:
+        raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end) and checkpoint.keep="
+                          f"{c.keep} >= 1")
 
 
 def _validate_data(d) -> None:

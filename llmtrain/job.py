@@ -15,15 +15,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from llmtrain.checkpoint import save_final_model
+from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.checkpoint.training import RunCheckpoints, check_model_matches, read_data_position, resume_path
 from llmtrain.config import ConfigError, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
-from llmtrain.model import build_model, flops_per_token, num_parameters
+from llmtrain.model import build_model, flops_per_token, gpt_config, num_parameters
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
-from llmtrain.train.loop import Trainer
+from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
 from llmtrain.train.optim import build_schedule
+from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.precision import uses_bf16
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
@@ -32,6 +35,7 @@ log = logging.getLogger("llmtrain")
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
 HYDRA_ONLY = {".hydra", "train.log"}
 CONFIG_ERROR_EXIT = 2
+DIVERGED_EXIT = 3
 
 
 def _remove_if_empty_run(run_dir: str) -> None:
@@ -79,10 +83,29 @@ def run(cfg) -> None:
     except ConfigError as error:
         runtime.shutdown()
         _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
+    except Preempted as stop:  # every rank stops after the same step, its checkpoint written
+        if runtime.is_main:
+            print(f"llmtrain: {stop}; exiting with {PREEMPTED_EXIT} (requeue to resume)", file=sys.stderr)
+        runtime.shutdown(synchronize=True)
+        sys.exit(PREEMPTED_EXIT)
+    except TrainingDiverged as error:  # every rank takes the same decision at the same step
+        if runtime.is_main:
+            print(f"error: {error}", file=sys.stderr)
+        runtime.shutdown(synchronize=True)
+        sys.exit(DIVERGED_EXIT)
     except BaseException:
         runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
         raise
     runtime.shutdown(synchronize=True)
+
+
+def _agreed(runtime: Runtime, value):
+    """Rank 0's `value` on every rank (each rank reading the checkpoint directory could see it mid-change)."""
+    if not runtime.distributed:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
@@ -110,9 +133,14 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
 
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
-    data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None)
+    gpt_cfg = gpt_config(cfg.model, tokenizer.vocab_size)
+    checkpoint_dir = os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
+    resume = _agreed(runtime, resume_path(cfg.checkpoint, checkpoint_dir, runtime.is_main))
+    if resume:
+        check_model_matches(resume, gpt_cfg)
+    data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None,
+                      read_data_position(resume) if resume else None)
     gpt = build_model(cfg.model, tokenizer.vocab_size, cfg.seed).to(runtime.device)
-    gpt_cfg = gpt.cfg
     padding = gpt_cfg.padding_parameters
     n_params = num_parameters(gpt) - padding
     model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
@@ -120,17 +148,26 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     del gpt  # a pipeline stage copied its part; the whole model need not stay in memory
     optimizer = strategy.build_optimizer(model)
     schedule = build_schedule(optimizer, t.steps, cfg.optim)
+    checkpoints = RunCheckpoints(CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint["async"],
+                                                   runtime),
+                                 strategy, model, optimizer, schedule, data, gpt_cfg, runtime)
+    state = checkpoints.restore(resume) if resume else LoopState()
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
     log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt_cfg.vocab_size,
                                   layout=strategy.describe(), device=str(runtime.device), precision=precision,
-                                  dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(), run_dir=run_dir))
+                                  dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(),
+                                  run_dir=run_dir, resumed=f"{resume} (step {state.step})" if resume else None))
 
-    loggers = RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir)) if runtime.is_main else None
+    loggers = (RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records)
+               if runtime.is_main else None)
+    preemption = PreemptionWatch(runtime)
     trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
-                      model_flops, loggers.record if loggers else lambda record: None)
+                      model_flops, loggers.record if loggers else lambda record: None, checkpoints, preemption, state)
     try:
         state = trainer.run()
+        checkpoints.finish()
     finally:
+        preemption.close()
         if loggers:
             loggers.close_console()
     if t.save_model:

@@ -9,7 +9,8 @@ from typing import Callable, ClassVar, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -20,6 +21,7 @@ from llmtrain.runtime import Runtime
 from llmtrain.train.optim import build_adamw
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 PrecisionContext = Callable[[], AbstractContextManager]
 
 
@@ -152,6 +154,18 @@ class Strategy:
         (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards)."""
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.runtime.is_main else None
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state as this rank holds it (DTensor shards where sharded), keyed by the unsplit
+        model's parameter names (the optimizer's flattened: "state.<param>.exp_avg"), so that a checkpoint saved
+        under one layout loads under any other. DCP saves it, or loads into it in place."""
+        return {"model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Put a `checkpoint_state` that DCP has filled back into the model and optimizer."""
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_FLAT_OPTIMIZER)
 
     def report(self, run_dir: str) -> dict:
         """Collective, after training: what this layout measured, for the end summary (rank 0 may also write

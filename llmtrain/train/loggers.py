@@ -83,9 +83,9 @@ def _format(record: dict[str, Any]) -> str:
 class Console:
     """A progress bar when attached to a terminal (or asked for), plain log lines every `log_every` otherwise."""
 
-    def __init__(self, total_steps: int, log_every: int, progress: str):
+    def __init__(self, total_steps: int, log_every: int, progress: str, done_steps: int = 0):
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
-        self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True) if use_bar else None
+        self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", dynamic_ncols=True) if use_bar else None
         self._log_every = log_every
         self._total = total_steps
 
@@ -105,16 +105,20 @@ class Console:
 
 class RunLoggers:
     """Rank 0's sinks for one run: metrics.jsonl, W&B (unless disabled), the console; at the end summary.json
-    and loss.png. summary.json is written last, so its presence marks a completed run."""
+    and loss.png. summary.json is written last, so its presence marks a completed run. A resumed run passes the
+    checkpoint's records as `history`: metrics.jsonl starts with them (and nothing the crashed run logged after
+    its checkpoint), the progress bar counts them as done."""
 
-    def __init__(self, cfg, run_dir: str, name: str, group: str | None):
+    def __init__(self, cfg, run_dir: str, name: str, group: str | None, history: list[dict[str, Any]] = ()):
         self.run_dir = run_dir
         self.title = name
         self.metrics = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
+        for record in history:
+            self.metrics.write(record)
         self.wandb = None
         if cfg.logging.wandb.mode != "disabled":
             self.wandb = WandbLogger(cfg.logging.wandb, run_dir, name, group, OmegaConf.to_container(cfg, resolve=True))
-        self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress)
+        self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress, len(history))
 
     def record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)

@@ -1,11 +1,17 @@
 """The training loop: for each optimizer step, the strategy's forward/backward over this rank's micro-batches,
-the global-batch loss, clipping, the optimizer and schedule steps, then metrics, and validation on schedule."""
+the global-batch loss, clipping, the optimizer and schedule steps, then metrics, validation and checkpoints on
+schedule, and a clean stop when the job is asked to end (preemption.py).
+
+A step whose loss or gradient norm is not finite does not touch the weights: its gradients are dropped, the step
+is recorded with `skipped: true`, and after train.max_bad_steps such steps in a row the run stops."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -14,7 +20,20 @@ from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
+from llmtrain.train.preemption import Preempted, PreemptionWatch
 from llmtrain.train.precision import precision_context
+
+log = logging.getLogger("llmtrain")
+
+
+class TrainingDiverged(Exception):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+class Checkpoints(Protocol):
+    def save(self, step: int, records: list[dict[str, Any]]) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 @dataclass
@@ -22,13 +41,15 @@ class LoopState:
     step: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     train_seconds: float = 0.0
+    bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
 
 
 class Trainer:
     def __init__(self, cfg, runtime: Runtime, strategy: Strategy, model: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
                  train_slice: RankSlice, val_slice: RankSlice, flops_per_token: float,
-                 on_record: Callable[[dict[str, Any]], None]):
+                 on_record: Callable[[dict[str, Any]], None], checkpoints: Checkpoints,
+                 preemption: PreemptionWatch | None = None, state: LoopState | None = None):
         self.cfg = cfg
         self.runtime = runtime
         self.strategy = strategy
@@ -42,7 +63,13 @@ class Trainer:
         self.precision = precision_context(cfg.train.precision, runtime.device)
         self.train_slice = train_slice
         self.val_slice = val_slice
-        self.state = LoopState()
+        self.checkpoints = checkpoints
+        self.preemption = preemption
+        self.state = state or LoopState()
+
+    def _is_checkpoint_step(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.cfg.train.eval_every
@@ -62,16 +89,32 @@ class Trainer:
         loss = self.strategy.reduce_mean(loss)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         lr = self.schedule.get_last_lr()[0]
-        self.optimizer.step()
+        record = {"step": self.state.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
+        # Loss and norm are reduced over all ranks, so every rank takes the same decision.
+        if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
+            self.optimizer.step()
+            self.state.bad_steps = 0
+        else:
+            self._skip(record)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
-        record = {"step": self.state.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
         seconds = time.perf_counter() - started
         tokens = self.cfg.train.batch_size * self.cfg.train.seq_len
         record["tokens_per_s"] = tokens / seconds
         record["mfu"] = mfu(tokens / seconds / self.runtime.world_size, self.flops_per_token, self.peak)
         self.state.train_seconds += seconds
         return record
+
+    def _skip(self, record: dict[str, Any]) -> None:
+        record["skipped"] = True
+        self.state.bad_steps += 1
+        log.warning(f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
+                    f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)")
+        if self.state.bad_steps >= self.cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                f"step {record['step']}: {self.state.bad_steps} steps in a row with a non-finite loss or gradient "
+                f"norm (train.max_bad_steps={self.cfg.train.max_bad_steps}), the run stops; its last checkpoint is "
+                f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data")
 
     def run(self) -> LoopState:
         self.model.train()
@@ -85,4 +128,10 @@ class Trainer:
                 record["peak_memory_gib"] = memory
             self.state.records.append(record)
             self.on_record(record)
+            stop = self.preemption is not None and self.preemption.requested()
+            if stop or self._is_checkpoint_step(self.state.step):
+                self.checkpoints.save(self.state.step, self.state.records)
+            if stop:
+                self.checkpoints.finish()
+                raise Preempted(self.state.step, self.preemption.signal_name or "a signal on another rank")
         return self.state

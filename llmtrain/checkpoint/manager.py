@@ -1,0 +1,178 @@
+"""Sharded, atomic checkpoints with torch Distributed Checkpoint (DCP).
+
+A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
+  DCP's shard files and `.metadata`   model and optimizer state: each rank writes only the shards it holds, under
+                                      the unsplit model's names, so any layout can load what any other saved;
+  meta.json                           step, model config, layout, LR schedule, the loss records so far (rank 0);
+  data.pkl                            the training stream's position after the last step (rank 0);
+  rng-<rank>.pt                       each rank's random generator states (dropout).
+It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
+complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
+naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
+
+With `async`, DCP's async_save stages the state in host memory, returns, and writes in a background thread on a
+dedicated gloo group while training continues; the rename happens when the write has finished (at the next save
+or the end of the run), so a crash mid-write still leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from llmtrain.runtime import Runtime
+
+log = logging.getLogger("llmtrain")
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:08d}")
+
+
+def is_checkpoint_name(path: str) -> bool:
+    """Whether `path` names one checkpoint (step-<n>) rather than a directory of them."""
+    return bool(_STEP_DIR.match(os.path.basename(os.path.normpath(path))))
+
+
+def incomplete_reason(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, or None when it is complete: every file DCP's metadata
+    names exists and is long enough, and our own files are there."""
+    for name in (".metadata", "meta.json", "data.pkl"):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # a truncated .metadata fails to unpickle in many ways
+        return f".metadata is unreadable ({type(error).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"shard {name} is missing"
+        if os.path.getsize(file) < size:
+            return f"shard {name} is truncated ({os.path.getsize(file)} of {size} bytes)"
+    return None
+
+
+def complete_checkpoints(directory: str, warn: bool = True) -> list[str]:
+    """Complete checkpoints in `directory`, oldest first; incomplete ones are reported (`warn`) and left alone."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in sorted(os.listdir(directory)):
+        if _STEP_DIR.match(name):
+            path = os.path.join(directory, name)
+            reason = incomplete_reason(path)
+            if reason and warn:
+                log.warning(f"skipping checkpoint {path}: {reason}")
+            else:
+                found.append(path)
+    return found
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def read_data_position(path: str) -> dict:
+    with open(os.path.join(path, "data.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def rng_states() -> dict[str, Any]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(path: str, rank: int) -> bool:
+    """This rank's generators as saved, when the checkpoint has a file for this rank (same world size)."""
+    file = os.path.join(path, f"rng-{rank}.pt")
+    if not os.path.isfile(file):
+        return False
+    states = torch.load(file, weights_only=True)
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    return True
+
+
+class CheckpointManager:
+    """Saves (every rank calls `save`) and finds checkpoints in one directory."""
+
+    def __init__(self, directory: str, keep: int, use_async: bool, runtime: Runtime):
+        self.directory = directory
+        self.keep = keep
+        self.use_async = use_async
+        self.runtime = runtime
+        self._pending: tuple[Future, str, str] | None = None  # (write, tmp dir, final dir)
+        # The background writes of async_save run collectives; they get their own gloo group so that they never
+        # interleave with the training step's collectives on the default group.
+        self._group = dist.new_group(backend="gloo") if use_async and runtime.distributed else None
+
+    def latest(self) -> str | None:
+        found = complete_checkpoints(self.directory, warn=self.runtime.is_main)
+        return found[-1] if found else None
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], data_position: dict) -> None:
+        """Collective. Write checkpoint `step`: `state` (DCP: model and optimizer), `meta` and `data_position`
+        (rank 0), and every rank's generator states."""
+        self.wait()
+        final = checkpoint_path(self.directory, step)
+        tmp = f"{final}.tmp"
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self.runtime.barrier()
+        torch.save(rng_states(), os.path.join(tmp, f"rng-{self.runtime.rank}.pt"))
+        if self.runtime.is_main:
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f)
+            with open(os.path.join(tmp, "data.pkl"), "wb") as f:
+                pickle.dump(data_position, f)
+        if self.use_async:
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            self._finish(tmp, final)
+
+    def wait(self) -> None:
+        """Complete an async save still in flight (collective)."""
+        if self._pending is not None:
+            future, tmp, final = self._pending
+            self._pending = None
+            future.result()
+            self._finish(tmp, final)
+
+    def _finish(self, tmp: str, final: str) -> None:
+        """After every rank's shards are written: rank 0 renames the checkpoint complete and prunes old ones."""
+        self.runtime.barrier()
+        if self.runtime.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(self.directory)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.runtime.barrier()
+
+
+def load_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
+    dcp.load(state, checkpoint_id=path)

@@ -1,0 +1,93 @@
+"""A training run's checkpoints: what goes into one (model, optimizer, LR schedule, step and loss records, the
+data position, generator states) and how a run resumes from one, under its own layout or another."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmtrain.checkpoint.manager import (CheckpointManager, complete_checkpoints, incomplete_reason,
+                                         is_checkpoint_name, load_checkpoint, read_data_position, read_meta,
+                                         restore_rng_states)
+from llmtrain.config import ConfigError
+from llmtrain.data import Data
+from llmtrain.model import GPTConfig
+from llmtrain.parallel import Strategy
+from llmtrain.runtime import Runtime
+from llmtrain.train.loop import LoopState
+
+
+def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
+    """The checkpoint this run starts from: checkpoint.resume=auto -> the latest complete one in `directory`
+    (None when there is none), none -> None, a path -> that checkpoint (or the latest in that directory)."""
+    resume = checkpoint_cfg.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(directory, warn=is_main)
+        return found[-1] if found else None
+    path = os.path.abspath(os.path.expanduser(resume))
+    if is_checkpoint_name(path):
+        reason = incomplete_reason(path)
+        if reason:
+            raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
+                              f"another step-* directory, or at the checkpoint directory to take its latest")
+        return path
+    found = complete_checkpoints(path, warn=is_main)
+    if not found:
+        raise ConfigError(f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
+                          f"directory or a checkpoint directory, or use checkpoint.resume=auto")
+    return found[-1]
+
+
+def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
+    """A one-line ConfigError listing the model settings in which this run differs from the checkpoint."""
+    saved = read_meta(path)["model"]
+    ours = dataclasses.asdict(gpt_cfg)
+    differences = [f"model.{key}={ours.get(key)} (checkpoint: {saved.get(key)})"
+                   for key in sorted(set(saved) | set(ours)) if saved.get(key) != ours.get(key)]
+    if differences:
+        raise ConfigError(f"checkpoint {path} was trained with another model: {', '.join(differences)}: resume "
+                          f"with the checkpoint's model settings, or set checkpoint.resume=none")
+
+
+class RunCheckpoints:
+    """Every rank calls `save`; `restore` loads a checkpoint into the freshly built run (collective)."""
+
+    def __init__(self, manager: CheckpointManager, strategy: Strategy, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
+                 gpt_cfg: GPTConfig, runtime: Runtime):
+        self.manager = manager
+        self.strategy = strategy
+        self.model, self.optimizer, self.schedule = model, optimizer, schedule
+        self.data = data
+        self.gpt_cfg = gpt_cfg
+        self.runtime = runtime
+
+    def save(self, step: int, records: list[dict[str, Any]]) -> None:
+        meta = {"step": step, "model": dataclasses.asdict(self.gpt_cfg), "layout": self.strategy.describe(),
+                "world_size": self.runtime.world_size, "schedule": self.schedule.state_dict(), "records": records}
+        self.manager.save(step, self.strategy.checkpoint_state(self.model, self.optimizer), meta,
+                          self.data.train.state_dict())
+
+    def finish(self) -> None:
+        """Wait until an async save in flight is complete (collective)."""
+        self.manager.wait()
+
+    def restore(self, path: str) -> LoopState:
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)
+        load_checkpoint(path, state)
+        self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
+        meta = read_meta(path)
+        self.schedule.load_state_dict(meta["schedule"])
+        # Same world size: each rank continues its own dropout stream; otherwise ranks keep their fresh seeds.
+        if meta["world_size"] == self.runtime.world_size:
+            restore_rng_states(path, self.runtime.rank)
+        return LoopState(step=meta["step"], records=meta["records"])
+
+
+__all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path"]
