@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from llmtrain.parallel.registry import register
 from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, Strategy
@@ -36,6 +37,7 @@ class FlatBucket:
     flat_params: torch.Tensor  # all of the group's parameters, padded to a multiple of the world size
     flat_grads: torch.Tensor
     shard: nn.Parameter  # this rank's slice of flat_params: what the inner AdamW updates
+    shard_range: slice  # where that slice lies in the flat buffers
 
 
 def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
@@ -53,9 +55,10 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
         param.data = flat_params[offset:offset + n].view_as(param)
         param.grad = flat_grads[offset:offset + n].view_as(param)
         offset += n
-    shard = nn.Parameter(flat_params[rank * shard_numel:(rank + 1) * shard_numel])
-    shard.grad = flat_grads[rank * shard_numel:(rank + 1) * shard_numel]
-    return FlatBucket(params, flat_params, flat_grads, shard)
+    mine = slice(rank * shard_numel, (rank + 1) * shard_numel)
+    shard = nn.Parameter(flat_params[mine])
+    shard.grad = flat_grads[mine]
+    return FlatBucket(params, flat_params, flat_grads, shard, mine)
 
 
 class ZeroOneAdamW(torch.optim.AdamW):
@@ -99,6 +102,56 @@ class ZeroOneAdamW(torch.optim.AdamW):
         for bucket in self.buckets:
             bucket.flat_grads.zero_()
 
+    # -- checkpoints: per-parameter state under the model's names, as a plain AdamW's would be -------------------
+    def _shard_state(self, bucket: FlatBucket) -> dict[str, torch.Tensor]:
+        state = self.state[bucket.shard]
+        if not state:  # before the first step: what AdamW would start from
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(bucket.shard),
+                         exp_avg_sq=torch.zeros_like(bucket.shard))
+        return state
+
+    @torch.no_grad()
+    def flat_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, object]:
+        """Collective: "state.<name>.<exp_avg|exp_avg_sq|step>" and "param_groups.<name>.<option>", with each
+        moment all-gathered from the slices into every parameter's full tensor."""
+        flat: dict[str, object] = {}
+        for bucket, group in zip(self.buckets, self.param_groups):
+            state = self._shard_state(bucket)
+            moments = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.empty_like(bucket.flat_params)
+                all_gather(full, state[key].contiguous(), group=self.group)
+                moments[key] = full
+            offset = 0
+            for param in bucket.params:
+                name, n = names[param], param.numel()
+                for key, full in moments.items():
+                    flat[f"state.{name}.{key}"] = full[offset:offset + n].view_as(param)
+                flat[f"state.{name}.step"] = state["step"].clone()
+                for option, value in group.items():
+                    if option != "params":
+                        flat[f"param_groups.{name}.{option}"] = value
+                offset += n
+        return flat
+
+    @torch.no_grad()
+    def load_flat_state_dict(self, flat: dict[str, object], names: dict[nn.Parameter, str]) -> None:
+        """The inverse of flat_state_dict: this rank keeps its slice of each moment."""
+        for bucket, group in zip(self.buckets, self.param_groups):
+            state = self._shard_state(bucket)
+            first = names[bucket.params[0]]
+            state["step"].copy_(flat[f"state.{first}.step"])
+            for option in group:
+                if option != "params":
+                    group[option] = flat[f"param_groups.{first}.{option}"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.zeros_like(bucket.flat_params)
+                offset = 0
+                for param in bucket.params:
+                    full[offset:offset + param.numel()].copy_(flat[f"state.{names[param]}.{key}"].flatten())
+                    offset += param.numel()
+                state[key].copy_(full[bucket.shard_range])
+
 
 @register("zero1")
 class ZeroOne(Strategy):
@@ -114,6 +167,13 @@ class ZeroOne(Strategy):
         self.optimizer.reduce_scatter_gradients()
         return loss
 
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return {"model": get_model_state_dict(model), "optimizer": optimizer.flat_state_dict(_names(model))}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        set_model_state_dict(model, state["model"])
+        optimizer.load_flat_state_dict(state["optimizer"], _names(model))
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
         grads = self.optimizer.shard_gradients()
@@ -125,3 +185,7 @@ class ZeroOne(Strategy):
             for g in grads:
                 g.mul_(scale)
         return norm
+
+
+def _names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in model.named_parameters()}
