@@ -54,17 +54,23 @@ def train(tmp_path, cache_dir):
     return lambda *overrides, **options: run_train(tmp_path, cache_dir, *overrides, **options)
 
 
-def run_train(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = True, name: str = "run", nproc: int = 0,
-              timeout: float = 600) -> Run:
+def train_command(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = True, name: str = "run",
+                  nproc: int = 0, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], Path]:
+    """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks)."""
     run_dir = workdir / name
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc else [sys.executable]
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)
-    env = {**os.environ, "WANDB_SILENT": "true"}
+    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
     if nproc:
-        env["OMP_NUM_THREADS"] = "1"  # several ranks share CI's two cores
-    env.pop("WANDB_API_KEY", None)
+        full_env["OMP_NUM_THREADS"] = "1"  # several ranks share CI's two cores
+    full_env.pop("WANDB_API_KEY", None)
+    return args, full_env, run_dir
+
+
+def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 600, **options) -> Run:
+    args, env, run_dir = train_command(workdir, cache_dir, *overrides, **options)
     done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
     return Run(done.returncode, done.stdout, done.stderr, run_dir)
 
@@ -78,6 +84,8 @@ PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.bat
 # room without letting a real bug (a missed or doubled reduction moves losses by >1e-3) through.
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+# The pipeline layout whose PARITY run test_pipeline and test_checkpoint share: pp 2, GPipe, 4 micro-batches.
+PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=4")
 
 
 def layout_strategy(*overrides: str, world_size: int):
@@ -94,6 +102,20 @@ def reference(tmp_path_factory, cache_dir) -> Run:
     run = run_train(tmp_path_factory.mktemp("single"), cache_dir, *PARITY, name="single")
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+@pytest.fixture(scope="session")
+def layout_run(tmp_path_factory, cache_dir):
+    """layout_run(*overrides, nproc=N): the PARITY run of a layout, made once per session and shared by the
+    tests that need it (parity, resume, reshard)."""
+    runs: dict[tuple, Run] = {}
+
+    def get(*overrides: str, nproc: int) -> Run:
+        key = (overrides, nproc)
+        if key not in runs:
+            runs[key] = run_train(tmp_path_factory.mktemp("layout"), cache_dir, *PARITY, *overrides, nproc=nproc)
+        return runs[key]
+    return get
 
 
 def assert_parity(run: Run, reference: Run) -> None:

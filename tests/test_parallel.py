@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
     ("fsdp", 4, []),
     ("hsdp", 4, ["parallel.dp_shard=2"]),
 ])
-def test_layout_matches_single(layout, nproc, extra, reference, train):
-    run = train(*PARITY, f"parallel={layout}", *extra, nproc=nproc)
+def test_layout_matches_single(layout, nproc, extra, reference, layout_run):
+    run = layout_run(f"parallel={layout}", *extra, nproc=nproc)
     assert_parity(run, reference)
     assert f"layout    {'fsdp' if layout in ('zero2', 'hsdp') else layout}" in run.stderr + run.stdout
 
@@ -37,8 +37,8 @@ def test_ddp_accumulation_matches_single(micro_batch_size, reference, train):
     assert sorted(os.listdir(run.run_dir.parent)) == ["run"]  # one run directory for all ranks
 
 
-def test_only_rank_zero_writes_and_speaks(reference, train):
-    run = train(*PARITY, "parallel=ddp", nproc=2)
+def test_only_rank_zero_writes_and_speaks(layout_run):
+    run = layout_run("parallel=ddp", nproc=2)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (run.stdout + run.stderr).count("model     tiny") == 1
     assert len(run.metrics) == 10

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, assert_parity, layout_strategy
+from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy
 from llmtrain.config import ConfigError
 from llmtrain.model import build_model
 from llmtrain.parallel.pipeline.schedules import SCHEDULES, validate_schedule
@@ -130,9 +130,9 @@ def test_every_schedule_matches_the_unsplit_model(pp, microbatches, tmp_path):
 
 # -- the layouts, end to end ---------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_pipeline_run_matches_single_and_draws_its_schedule(reference, train):
+def test_pipeline_run_matches_single_and_draws_its_schedule(reference, layout_run):
     # 4 micro-batches of 4 sequences, not the 8 of 2 that train.micro_batch_size=2 would give.
-    run = train(*PARITY, "parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=4", nproc=2)
+    run = layout_run(*PIPELINE, nproc=2)
     assert_parity(run, reference)
     assert "(micro 4 x accumulation 4 x data-parallel 1)" in run.stderr + run.stdout
     pipeline = run.summary["pipeline"]

@@ -148,10 +148,11 @@ class CheckpointManager:
             with open(os.path.join(tmp, "data.pkl"), "wb") as f:
                 pickle.dump(data_position, f)
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group)
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
+                                    no_dist=not self.runtime.distributed)
             self._pending = (future, tmp, final)
         else:
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
             self._finish(tmp, final)
 
     def wait(self) -> None:
@@ -173,6 +174,6 @@ class CheckpointManager:
         self.runtime.barrier()
 
 
-def load_checkpoint(path: str, state: dict[str, Any]) -> None:
+def load_checkpoint(path: str, state: dict[str, Any], distributed: bool) -> None:
     """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not distributed)

@@ -80,7 +80,7 @@ class RunCheckpoints:
 
     def restore(self, path: str) -> LoopState:
         state = self.strategy.checkpoint_state(self.model, self.optimizer)
-        load_checkpoint(path, state)
+        load_checkpoint(path, state, self.runtime.distributed)
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
         meta = read_meta(path)
         self.schedule.load_state_dict(meta["schedule"])

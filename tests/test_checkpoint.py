@@ -1,0 +1,197 @@
+"""Checkpoints: exact resume after a hard kill, preemption signals, resharding across layouts, incomplete
+checkpoints, and the non-finite step guard (real runs of train.py; faults injected by tests/hooks/)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, run_train, train_command
+from llmtrain.checkpoint import load_final_model
+from llmtrain.checkpoint.manager import checkpoint_path, complete_checkpoints
+from llmtrain.tools.compare_runs import compare
+from llmtrain.train.preemption import PREEMPTED_EXIT
+
+HOOKS = str(Path(__file__).with_name("hooks"))
+
+
+def _faults(**variables: str) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([HOOKS, os.environ.get("PYTHONPATH", "")]), **variables}
+
+
+def _steps_logged(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while _steps_logged(run_dir) < steps:
+        assert process.poll() is None, f"the run ended early:\n{_stderr(run_dir)[-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _stderr(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.stderr").read_text()
+
+
+def _start(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):
+    """The run in the background, its output in files beside its run directory (a pipe could fill and block)."""
+    args, full_env, run_dir = train_command(tmp_path, cache_dir, *overrides, nproc=nproc, env=env, name=name)
+    with open(tmp_path / f"{name}.stdout", "w") as out, open(tmp_path / f"{name}.stderr", "w") as err:
+        process = subprocess.Popen(args, cwd=tmp_path, env=full_env, stdout=out, stderr=err)
+    return process, run_dir
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                 text=True).stdout.split()]
+    return children + [d for child in children for d in _descendants(child)]
+
+
+def _kill_hard(process: subprocess.Popen) -> None:
+    """SIGKILL to the launcher and every worker at once: a crash, not a polite stop."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _killed_at_step_6(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int) -> Path:
+    """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 7 runs; its checkpoints."""
+    process, run_dir = _start(tmp_path, cache_dir, *PARITY, *layout, "checkpoint.every=5", nproc=nproc,
+                              env=_faults(LLMTRAIN_TEST_HANG_AT_STEP="7"), name="killed")
+    checkpoints = run_dir / "checkpoints"
+    _wait_for_steps(run_dir, 6, process)
+    _kill_hard(process)
+    assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000005"]
+    return checkpoints
+
+
+LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 2)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoints(tmp_path_factory, cache_dir) -> Path:
+    """Checkpoints of an fsdp run on 4 ranks killed after step 6: shared by the resume and reshard tests."""
+    return _killed_at_step_6(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, reference, layout_run, request):
+    overrides, nproc = LAYOUTS[layout]
+    uninterrupted = layout_run(*overrides, nproc=nproc) if overrides else reference
+    checkpoints = (request.getfixturevalue("fsdp_checkpoints") if layout == "fsdp"
+                   else _killed_at_step_6(tmp_path, cache_dir, overrides, nproc))
+    resumed = run_train(tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc,
+                        name="resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed   from" in resumed.stdout + resumed.stderr
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in uninterrupted.metrics], key
+    final, expected = load_final_model(resumed.run_dir / "model.pt"), load_final_model(uninterrupted.run_dir / "model.pt")
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc", [("single", 0), ("ddp", 2), ("ddp_tp", 4), ("pp_fsdp", 4)])
+def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints, tmp_path, cache_dir, reference):
+    """Saved by fsdp on 4 ranks at step 5; continued under another layout, it follows the uninterrupted run: the
+    model, the optimizer state and the data position all carried over (a repeated or skipped batch, or a lost
+    AdamW moment, moves the losses by far more than the tolerance)."""
+    resumed = run_train(tmp_path, cache_dir, *PARITY, f"parallel={layout}",
+                        f"checkpoint.resume={fsdp_checkpoints / 'step-00000005'}", nproc=nproc)
+    assert_parity(resumed, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path, cache_dir):
+    process, run_dir = _start(tmp_path, cache_dir, *PARITY, nproc=0, env=_faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"),
+                              name="run")
+    _wait_for_steps(run_dir, 2, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT, _stderr(run_dir)[-3000:]
+    steps = _steps_logged(run_dir)
+    assert 2 <= steps < 10
+    assert [Path(p).name for p in complete_checkpoints(str(run_dir / "checkpoints"))] == [f"step-{steps:08d}"]
+    assert not (run_dir / "summary.json").exists()  # not a completed run
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_dir):
+    process, run_dir = _start(tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2,
+                              env=_faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run")
+    _wait_for_steps(run_dir, 2, process)
+    workers = _descendants(process.pid)
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGUSR1)  # one worker only, as a node-local signal would
+    assert process.wait(timeout=300) != 0
+    assert f"exitcode  : {PREEMPTED_EXIT}" in _stderr(run_dir)  # torchrun's report of its workers
+    steps = _steps_logged(run_dir)
+    assert [Path(p).name for p in complete_checkpoints(str(run_dir / "checkpoints"))] == [f"step-{steps:08d}"]
+
+
+def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
+    for step in steps:
+        path = Path(checkpoint_path(str(directory), step))
+        dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path))
+        (path / "meta.json").write_text("{}")
+        (path / "data.pkl").write_bytes(b"")
+
+
+def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
+    _tiny_checkpoints(tmp_path, [5, 10, 15])
+    next(Path(checkpoint_path(str(tmp_path), 15)).glob("*.distcp")).unlink()  # a lost shard
+    shard = next(Path(checkpoint_path(str(tmp_path), 10)).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a truncated one
+    (tmp_path / "step-00000020.tmp").mkdir()  # a save that never finished
+    with caplog.at_level(logging.WARNING, logger="llmtrain"):
+        found = complete_checkpoints(str(tmp_path))
+    assert [Path(p).name for p in found] == ["step-00000005"]
+    assert "step-00000015: shard __0_0.distcp is missing" in caplog.text
+    assert "step-00000010: shard __0_0.distcp is truncated" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_model_fails_with_one_line(fsdp_checkpoints, train):
+    run = train(*PARITY, "model.n_layer=2", f"checkpoint.dir={fsdp_checkpoints}")
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "model.n_layer=2 (checkpoint: 4)" in errors[0], run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_non_finite_steps_never_reach_the_weights(train, reference):
+    run = train(*PARITY, env=_faults(LLMTRAIN_TEST_INF_AT_STEPS="3"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    skipped = [m["step"] for m in run.metrics if m.get("skipped")]
+    assert skipped == [3] and not math.isfinite(run.metrics[2]["loss"])
+    assert all(math.isfinite(m["loss"]) for m in run.metrics if m["step"] != 3)
+    weights = load_final_model(run.run_dir / "model.pt")
+    trained = {name: w for name, w in weights.items() if name != "lm_head.bias"}  # the bias is the -inf padding mask
+    assert all(torch.isfinite(w).all() for w in trained.values())
+    # Steps 1-2 are the uninterrupted run's; from step 3 on the run differs by one missing update, not by NaNs.
+    assert compare(str(run.run_dir), str(reference.run_dir))["loss"] > LOSS_RTOL
+    assert [m["loss"] for m in run.metrics[:2]] == [m["loss"] for m in reference.metrics[:2]]
+
+
+@pytest.mark.slow
+def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
+    run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1",
+                env=_faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
+    assert run.returncode == 3
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 5: 2 steps in a row"), run.stderr[-2000:]
+    # Step 4 left the weights as step 3 did, so its checkpoint is good; step 5 stopped the run before saving.
+    names = [Path(p).name for p in complete_checkpoints(str(run.run_dir / "checkpoints"))]
+    assert names == ["step-00000003", "step-00000004"]
