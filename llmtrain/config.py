@@ -35,6 +35,7 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True
     vocab_multiple: int = 64  # pad the vocabulary (embedding rows, head outputs) to a multiple of this
+    init_from: Optional[str] = None  # a GPT-2 in Hugging Face format (directory or hub name) to start from
 
 
 @dataclass

@@ -5,7 +5,8 @@ A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
                                       the unsplit model's names, so any layout can load what any other saved;
   meta.json                           step, model config, layout, LR schedule, the loss records so far (rank 0);
   data.pkl                            the training stream's position after the last step (rank 0);
-  rng-<rank>.pt                       each rank's random generator states (dropout).
+  rng-<rank>.pt                       each rank's random generator states (dropout);
+  tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling.
 It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
 complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
 naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
@@ -23,8 +24,10 @@ import os
 import pickle
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,14 @@ from llmtrain.runtime import Runtime
 log = logging.getLogger("llmtrain")
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process, which is what we ask for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def checkpoint_path(directory: str, step: int) -> str:
@@ -131,9 +142,10 @@ class CheckpointManager:
         found = complete_checkpoints(self.directory, warn=self.runtime.is_main)
         return found[-1] if found else None
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], data_position: dict) -> None:
-        """Collective. Write checkpoint `step`: `state` (DCP: model and optimizer), `meta` and `data_position`
-        (rank 0), and every rank's generator states."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], data_position: dict,
+             write_main_files: Callable[[str], None] | None = None) -> None:
+        """Collective. Write checkpoint `step`: `state` (DCP: model and optimizer), `meta`, `data_position` and
+        whatever `write_main_files(directory)` writes (rank 0), and every rank's generator states."""
         self.wait()
         final = checkpoint_path(self.directory, step)
         tmp = f"{final}.tmp"
@@ -147,13 +159,16 @@ class CheckpointManager:
                 json.dump(meta, f)
             with open(os.path.join(tmp, "data.pkl"), "wb") as f:
                 pickle.dump(data_position, f)
-        if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
-                                    no_dist=not self.runtime.distributed)
-            self._pending = (future, tmp, final)
-        else:
-            dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
-            self._finish(tmp, final)
+            if write_main_files is not None:
+                write_main_files(tmp)
+        with single_process_quiet():
+            if self.use_async:
+                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
+                                        no_dist=not self.runtime.distributed)
+                self._pending = (future, tmp, final)
+            else:
+                dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
+                self._finish(tmp, final)
 
     def wait(self) -> None:
         """Complete an async save still in flight (collective)."""
@@ -176,4 +191,5 @@ class CheckpointManager:
 
 def load_checkpoint(path: str, state: dict[str, Any], distributed: bool) -> None:
     """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
-    dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed)

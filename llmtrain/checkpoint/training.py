@@ -15,6 +15,7 @@ from llmtrain.checkpoint.manager import (CheckpointManager, complete_checkpoints
                                          restore_rng_states)
 from llmtrain.config import ConfigError
 from llmtrain.data import Data
+from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
@@ -72,7 +73,10 @@ class RunCheckpoints:
         meta = {"step": step, "model": dataclasses.asdict(self.gpt_cfg), "layout": self.strategy.describe(),
                 "world_size": self.runtime.world_size, "schedule": self.schedule.state_dict(), "records": records}
         self.manager.save(step, self.strategy.checkpoint_state(self.model, self.optimizer), meta,
-                          self.data.train.state_dict())
+                          self.data.train.state_dict(), self._write_tokenizer)
+
+    def _write_tokenizer(self, directory: str) -> None:
+        save_for_transformers(self.data.tokenizer, os.path.join(directory, "tokenizer"))
 
     def finish(self) -> None:
         """Wait until an async save in flight is complete (collective)."""

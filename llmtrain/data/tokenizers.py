@@ -59,6 +59,43 @@ class FastTokenizer:
         return self.backend.decode(list(ids))
 
 
+def _byte_characters() -> list[str]:
+    """The printable character GPT-2's byte-level BPE writes for each byte: printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 up, in byte order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    characters, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            characters.append(chr(byte))
+        else:
+            characters.append(chr(256 + shifted))
+            shifted += 1
+    return characters
+
+
+def byte_tokenizer_backend() -> HFCoreTokenizer:
+    """ByteTokenizer as a `tokenizers` tokenizer with the same ids (byte b is token b, end-of-text 256): a
+    byte-level BPE without merges."""
+    vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+    vocab[EOS_TOKEN] = ByteTokenizer.eos_id
+    tok = HFCoreTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TOKEN])
+    return tok
+
+
+def save_for_transformers(tokenizer: Tokenizer, directory: str) -> None:
+    """Files `transformers.AutoTokenizer.from_pretrained(directory)` loads as this tokenizer (same ids)."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = tokenizer.backend if isinstance(tokenizer, FastTokenizer) else byte_tokenizer_backend()
+    if not isinstance(backend, HFCoreTokenizer):  # already a transformers tokenizer
+        backend.save_pretrained(directory)
+        return
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN).save_pretrained(directory)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFCoreTokenizer:
     """A GPT-2-style byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
     tok = HFCoreTokenizer(models.BPE())

@@ -14,9 +14,14 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
 
 
 def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
-    """A GPT initialised from `seed` alone: every layout starts from the same weights."""
+    """A GPT initialised from `seed` alone, or loaded from model.init_from: every layout starts from the same
+    weights."""
     model = GPT(gpt_config(model_cfg, vocab_size))
     model.init_weights(torch.Generator().manual_seed(seed))
+    if model_cfg.get("init_from"):
+        from llmtrain.model.hf import load_hf_weights
+
+        load_hf_weights(model, model_cfg.init_from)
     return model
 
 

@@ -1,0 +1,96 @@
+"""Hugging Face interop and sampling: a checkpoint exported as GPT-2 loads in transformers with our logits, a GPT-2
+in HF format loads into our model (model.init_from) with theirs, and generation agrees with transformers'."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
+from llmtrain.config import ConfigError
+from llmtrain.export import export
+from llmtrain.generate import sample
+from llmtrain.model import build_model
+from llmtrain.tools import compose_config
+
+LOGIT_ATOL = 1e-4  # fp32; measured ~1e-6
+
+
+@pytest.fixture(scope="module")
+def exported(reference, tmp_path_factory):
+    """The reference run's final checkpoint, exported."""
+    checkpoint = find_checkpoint(str(reference.run_dir))
+    out = tmp_path_factory.mktemp("exported")
+    export(checkpoint, str(out))
+    return checkpoint, out
+
+
+@pytest.mark.slow
+def test_an_exported_checkpoint_loads_in_transformers_with_our_logits(exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint, out = exported
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ours = load_checkpoint_model(checkpoint)
+    ids = torch.tensor([tokenizer("import os\nprint(os.getcwd())\n")["input_ids"]])
+    with torch.no_grad():
+        difference = (ours(ids)[..., : ours.cfg.vocab_size] - theirs(ids).logits).abs().max().item()
+    assert difference <= LOGIT_ATOL
+
+
+@pytest.mark.slow
+def test_greedy_sampling_matches_transformers_generate(exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint, out = exported
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("def ")["input_ids"]
+    ours = sample(load_checkpoint_model(checkpoint), prompt, 12, temperature=0, top_k=0, eos_id=None,
+                  generator=torch.Generator().manual_seed(0))
+    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+    assert ours == expected
+
+
+@pytest.mark.slow
+def test_the_generate_command_prints_a_continuation(exported):
+    _, out = exported
+    done = subprocess.run([sys.executable, "-m", "llmtrain.generate", str(out), "--prompt", "def ",
+                           "--max-new-tokens", "20", "--seed", "1"], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("def ") and len(done.stdout) > len("def ") + 5
+
+
+def _hf_gpt2(directory, **shape) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=4,
+                               **shape)).save_pretrained(directory)
+
+
+def test_a_hugging_face_gpt2_initialises_our_model(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    _hf_gpt2(tmp_path)
+    cfg = compose_config(["model=tiny", f"model.init_from={tmp_path}"])
+    ours = build_model(cfg.model, 257, seed=1).eval()
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 257, (2, 24))
+    with torch.no_grad():
+        assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_a_gpt2_of_another_shape_is_refused_naming_the_keys(tmp_path):
+    _hf_gpt2(tmp_path, n_inner=256)
+    cfg = compose_config(["model=tiny", f"model.init_from={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"model.d_ff=512 \(theirs: 256\)"):
+        build_model(cfg.model, 257, seed=1)
