@@ -66,12 +66,12 @@ def _kill_hard(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _killed_at_step_6(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int) -> Path:
-    """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 7 runs; its checkpoints."""
-    process, run_dir = _start(tmp_path, cache_dir, *PARITY, *layout, "checkpoint.every=5", nproc=nproc,
-                              env=_faults(LLMTRAIN_TEST_HANG_AT_STEP="7"), name="killed")
+def _killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *extra: str) -> Path:
+    """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 9 runs; its checkpoints."""
+    process, run_dir = _start(tmp_path, cache_dir, *PARITY, *layout, "checkpoint.every=5", *extra, nproc=nproc,
+                              env=_faults(LLMTRAIN_TEST_HANG_AT_STEP="9"), name="killed")
     checkpoints = run_dir / "checkpoints"
-    _wait_for_steps(run_dir, 6, process)
+    _wait_for_steps(run_dir, 8, process)
     _kill_hard(process)
     assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000005"]
     return checkpoints
@@ -82,8 +82,9 @@ LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoints(tmp_path_factory, cache_dir) -> Path:
-    """Checkpoints of an fsdp run on 4 ranks killed after step 6: shared by the resume and reshard tests."""
-    return _killed_at_step_6(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"])
+    """Checkpoints of an fsdp run on 4 ranks, saved in the background (checkpoint.async), killed after step 8:
+    shared by the resume and reshard tests."""
+    return _killed_mid_run(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"], "checkpoint.async=true")
 
 
 @pytest.mark.slow
@@ -92,7 +93,7 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
     overrides, nproc = LAYOUTS[layout]
     uninterrupted = layout_run(*overrides, nproc=nproc) if overrides else reference
     checkpoints = (request.getfixturevalue("fsdp_checkpoints") if layout == "fsdp"
-                   else _killed_at_step_6(tmp_path, cache_dir, overrides, nproc))
+                   else _killed_mid_run(tmp_path, cache_dir, overrides, nproc))
     resumed = run_train(tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc,
                         name="resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

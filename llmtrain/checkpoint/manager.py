@@ -12,8 +12,9 @@ complete; one whose files are missing or truncated anyway (a disk that lost a sh
 naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
 
 With `async`, DCP's async_save stages the state in host memory, returns, and writes in a background thread on a
-dedicated gloo group while training continues; the rename happens when the write has finished (at the next save
-or the end of the run), so a crash mid-write still leaves the previous checkpoint as the latest.
+dedicated gloo group while training continues; the rename happens at the first step end after every rank's write
+has finished (or at the next save, or the end of the run), so a crash mid-write leaves the previous checkpoint as
+the latest.
 """
 
 from __future__ import annotations
@@ -169,6 +170,17 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
                 self._finish(tmp, final)
+
+    def poll(self) -> None:
+        """Collective, once a step: complete an async save as soon as every rank's write has finished, so a
+        crash later in the run finds it complete."""
+        if self._pending is None:
+            return
+        done = torch.tensor([int(self._pending[0].done())], dtype=torch.int32, device=self.runtime.device)
+        if self.runtime.distributed:  # on the training group: the write's own group is busy in its thread
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait()
 
     def wait(self) -> None:
         """Complete an async save still in flight (collective)."""

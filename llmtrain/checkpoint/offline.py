@@ -31,6 +31,8 @@ def find_checkpoint(path: str) -> str:
 def load_checkpoint_model(path: str) -> GPT:
     """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards)."""
     model = GPT(GPTConfig(**read_meta(path)["model"]))
+    # In place, into the parameters; the tied head is stored as (and is) the embedding (Strategy.checkpoint_state).
+    weights = {name: tensor for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
     with single_process_quiet():
-        dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # in place, into the parameters
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     return model.eval()

@@ -78,6 +78,10 @@ class RunCheckpoints:
     def _write_tokenizer(self, directory: str) -> None:
         save_for_transformers(self.data.tokenizer, os.path.join(directory, "tokenizer"))
 
+    def poll(self) -> None:
+        """Collective, every step: complete a finished async save."""
+        self.manager.poll()
+
     def finish(self) -> None:
         """Wait until an async save in flight is complete (collective)."""
         self.manager.wait()

@@ -158,14 +158,31 @@ class Strategy:
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state as this rank holds it (DTensor shards where sharded), keyed by the unsplit
         model's parameter names (the optimizer's flattened: "state.<param>.exp_avg"), so that a checkpoint saved
-        under one layout loads under any other. DCP saves it, or loads into it in place."""
-        return {"model": get_model_state_dict(model),
-                "optimizer": get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)}
+        under one layout loads under any other. DCP saves it, or loads into it in place.
+
+        The LM head's weight is the embedding matrix (tied in one model, equal copies on two pipeline stages): it
+        is stored once, under the embedding's names, and handed back to every parameter that uses it on load."""
+        model_state, optimizer_state = self.model_and_optimizer_state(model, optimizer)
+        state = {}
+        self._stored_as = {}  # part -> {stored key: the keys of this rank's state it stands for}
+        for part, values in (("model", model_state), ("optimizer", optimizer_state)):
+            state[part], self._stored_as[part] = _store_tied_once(values)
+        return state
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a `checkpoint_state` that DCP has filled back into the model and optimizer."""
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_FLAT_OPTIMIZER)
+        self.load_model_and_optimizer_state(model, optimizer,
+                                            *(_restore_tied(state[part], self._stored_as[part])
+                                              for part in ("model", "optimizer")))
+
+    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return (get_model_state_dict(model),
+                get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER))
+
+    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                       model_state: dict, optimizer_state: dict) -> None:
+        set_model_state_dict(model, model_state)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
 
     def report(self, run_dir: str) -> dict:
         """Collective, after training: what this layout measured, for the end summary (rank 0 may also write
@@ -187,6 +204,31 @@ def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
 
 def squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
+
+
+_HEAD, _EMBEDDING = "lm_head.weight", "tok_emb.weight"
+
+
+def _store_tied_once(values: dict) -> tuple[dict, dict[str, list[str]]]:
+    """`values` with every "lm_head.weight" key folded into its "tok_emb.weight" twin (one kept when a rank
+    holds both), and which original keys each stored key stands for."""
+    stored: dict = {}
+    stands_for: dict[str, list[str]] = {}
+    for key, value in values.items():
+        name = key.replace(_HEAD, _EMBEDDING)
+        stands_for.setdefault(name, []).append(key)
+        stored.setdefault(name, value)
+    return stored, stands_for
+
+
+def _restore_tied(stored: dict, stands_for: dict[str, list[str]]) -> dict:
+    """The inverse of _store_tied_once, after loading: a second key gets its own copy of the tensor."""
+    values = {}
+    for name, keys in stands_for.items():
+        for i, key in enumerate(keys):
+            value = stored[name]
+            values[key] = value.clone() if i and torch.is_tensor(value) else value
+    return values
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -167,12 +167,13 @@ class ZeroOne(Strategy):
         self.optimizer.reduce_scatter_gradients()
         return loss
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return {"model": get_model_state_dict(model), "optimizer": optimizer.flat_state_dict(_names(model))}
+    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return get_model_state_dict(model), optimizer.flat_state_dict(_names(model))
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        set_model_state_dict(model, state["model"])
-        optimizer.load_flat_state_dict(state["optimizer"], _names(model))
+    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                       model_state: dict, optimizer_state: dict) -> None:
+        set_model_state_dict(model, model_state)
+        optimizer.load_flat_state_dict(optimizer_state, _names(model))
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""

@@ -33,6 +33,8 @@ class TrainingDiverged(Exception):
 class Checkpoints(Protocol):
     def save(self, step: int, records: list[dict[str, Any]]) -> None: ...
 
+    def poll(self) -> None: ...
+
     def finish(self) -> None: ...
 
 
@@ -126,6 +128,7 @@ class Trainer:
             memory = peak_memory_gib(self.runtime.device)
             if memory is not None:
                 record["peak_memory_gib"] = memory
+            self.checkpoints.poll()
             self.state.records.append(record)
             self.on_record(record)
             stop = self.preemption is not None and self.preemption.requested()

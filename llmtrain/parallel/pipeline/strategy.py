@@ -212,24 +212,6 @@ class PipelineParallel(FSDP):
         gathered = self._gather_to_main(state)
         return {name: tensor for stage_state in gathered for name, tensor in stage_state.items()} if gathered else None
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        # The head's optimizer state is the embedding's (the copies get the same updates): checkpoints keep it
-        # once, under the embedding's names, as an unsplit model's would.
-        state = super().checkpoint_state(model, optimizer)
-        optimizer_state = state["optimizer"]
-        state["optimizer"] = {_as_embedding(key): value for key, value in optimizer_state.items()
-                              if not (_HEAD in key and _as_embedding(key) in optimizer_state)}
-        return state
-
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        loaded = state["optimizer"]
-        if model.lm_head is not None:
-            head = {key.replace(_EMBEDDING, _HEAD): value.clone() if torch.is_tensor(value) else value
-                    for key, value in loaded.items() if _EMBEDDING in key}
-            kept = loaded if model.tok_emb is not None else {k: v for k, v in loaded.items() if _EMBEDDING not in k}
-            state["optimizer"] = {**kept, **head}
-        super().load_checkpoint_state(model, optimizer, state)
-
     def report(self, run_dir: str) -> dict:
         gathered = self._gather_to_main((self.timeline.events, self.timeline.peak_in_flight))
         if not gathered:
@@ -247,13 +229,6 @@ class PipelineParallel(FSDP):
         with open(os.path.join(run_dir, "pipeline.json"), "w") as f:
             json.dump({**result, "events": [[e.__dict__ for e in rank_events] for rank_events in events]}, f)
         return {"pipeline": result}
-
-
-_HEAD, _EMBEDDING = ".lm_head.weight.", ".tok_emb.weight."  # as they appear inside flattened optimizer keys
-
-
-def _as_embedding(key: str) -> str:
-    return key.replace(_HEAD, _EMBEDDING)
 
 
 def _local_grad(param: nn.Parameter) -> torch.Tensor:
