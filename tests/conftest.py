@@ -62,10 +62,11 @@ def train_command(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = 
         if nproc else [sys.executable]
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)
-    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    full_env = {**os.environ, "WANDB_SILENT": "true"}
+    full_env.pop("WANDB_API_KEY", None)  # a developer's own key never reaches a test run
     if nproc:
         full_env["OMP_NUM_THREADS"] = "1"  # several ranks share CI's two cores
-    full_env.pop("WANDB_API_KEY", None)
+    full_env.update(env or {})
     return args, full_env, run_dir
 
 
