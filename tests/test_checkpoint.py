@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, run_train, train_command
 from llmtrain.checkpoint import load_final_model
-from llmtrain.checkpoint.manager import checkpoint_path, complete_checkpoints
+from llmtrain.checkpoint.manager import checkpoint_path, complete_checkpoints, single_process_quiet
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
@@ -145,7 +145,8 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_d
 def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
     for step in steps:
         path = Path(checkpoint_path(str(directory), step))
-        dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path))
+        with single_process_quiet():
+            dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path), no_dist=True)
         (path / "meta.json").write_text("{}")
         (path / "data.pkl").write_bytes(b"")
 

@@ -86,14 +86,18 @@ def byte_tokenizer_backend() -> HFCoreTokenizer:
 
 
 def save_for_transformers(tokenizer: Tokenizer, directory: str) -> None:
-    """Files `transformers.AutoTokenizer.from_pretrained(directory)` loads as this tokenizer (same ids)."""
-    from transformers import PreTrainedTokenizerFast
-
+    """Files `transformers.AutoTokenizer.from_pretrained(directory)` loads as this tokenizer (same ids). A
+    `tokenizers` tokenizer is written directly (tokenizer.json and a config naming the end-of-text token), which
+    spares a checkpoint the import of transformers."""
     backend = tokenizer.backend if isinstance(tokenizer, FastTokenizer) else byte_tokenizer_backend()
     if not isinstance(backend, HFCoreTokenizer):  # already a transformers tokenizer
         backend.save_pretrained(directory)
         return
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN).save_pretrained(directory)
+    os.makedirs(directory, exist_ok=True)
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "bos_token": EOS_TOKEN}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFCoreTokenizer:
