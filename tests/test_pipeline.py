@@ -151,6 +151,7 @@ def test_combined_layouts_match_single(layout, nproc, reference, train):
     assert_parity(train(*PARITY, f"parallel={layout}", nproc=nproc), reference)
 
 
+@pytest.mark.slow
 def test_too_few_micro_batches_fail_with_one_line(train):
     run = train("parallel=pp", "parallel.microbatches=1", nproc=2)
     assert run.returncode != 0  # each worker exits with 2; torchrun reports 1
