@@ -21,8 +21,8 @@ from llmtrain.runtime import Runtime
 from llmtrain.train.optim import build_adamw
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
-_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 PrecisionContext = Callable[[], AbstractContextManager]
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Strategy:
@@ -123,7 +123,7 @@ class Strategy:
         for inputs, targets in micro_batches:
             with precision(), self.loss_context():
                 total += plain_value(cross_entropy_loss(model(inputs.to(self.runtime.device)),
-                                                   targets.to(self.runtime.device)))
+                                                        targets.to(self.runtime.device)))
         return total / len(micro_batches)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
