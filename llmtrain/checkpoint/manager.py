@@ -127,7 +127,7 @@ def restore_rng_states(path: str, rank: int) -> bool:
 
 
 class CheckpointManager:
-    """Saves (every rank calls `save`) and finds checkpoints in one directory."""
+    """Writes the checkpoints of one directory (every rank calls `save`), completing async ones."""
 
     def __init__(self, directory: str, keep: int, use_async: bool, runtime: Runtime):
         self.directory = directory
@@ -138,10 +138,6 @@ class CheckpointManager:
         # The background writes of async_save run collectives; they get their own gloo group so that they never
         # interleave with the training step's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if use_async and runtime.distributed else None
-
-    def latest(self) -> str | None:
-        found = complete_checkpoints(self.directory, warn=self.runtime.is_main)
-        return found[-1] if found else None
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], data_position: dict,
              write_main_files: Callable[[str], None] | None = None) -> None:

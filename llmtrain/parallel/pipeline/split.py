@@ -17,11 +17,6 @@ from torch import nn
 from llmtrain.config import ConfigError
 from llmtrain.model import GPT
 
-# How stages are dealt to ranks: "loop" gives rank r stages r, r + pp, r + 2pp, ... (GPipe, 1F1B, interleaved);
-# "v" gives rank r stages r and 2pp - 1 - r, so the first and last stage share rank 0 (ZBV, DualPipeV).
-STAGE_STYLES = ("loop", "v")
-
-
 def stage_layers(n_layer: int, n_stages: int, edge_blocks: int) -> list[range]:
     """The blocks of each stage: equal shares of the work, counting the embedding and the head as `edge_blocks`
     blocks each (so the first and last stage get that many fewer)."""
@@ -43,7 +38,9 @@ def stage_layers(n_layer: int, n_stages: int, edge_blocks: int) -> list[range]:
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
-    """The stage indices pipeline rank `pp_rank` holds, in execution order of a micro-batch's forward."""
+    """The stage indices pipeline rank `pp_rank` holds, in execution order of a micro-batch's forward. Style
+    "loop" deals rank r stages r, r + pp, r + 2pp, ... (GPipe, 1F1B, interleaved); "v" gives it stages r and
+    2pp - 1 - r, so the first and last stage share rank 0 (ZBV, DualPipeV)."""
     if style == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]

@@ -15,7 +15,6 @@ from typing import Iterator
 
 from torch.distributed.pipelining import PipelineStage
 
-KINDS = ("F", "B", "W")
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#c4a35a"}
 
 
