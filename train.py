@@ -13,9 +13,13 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg) -> None:
-    from llmtrain.job import run  # imported here so that `--help` and config errors answer without loading torch
+    from llmtrain.train.preemption import PreemptionWatch
 
-    run(cfg)
+    # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
+    with PreemptionWatch() as preemption:
+        from llmtrain.job import run  # imported here so that `--help` and config errors answer without torch
+
+        run(cfg, preemption)
 
 
 if __name__ == "__main__":

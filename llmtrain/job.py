@@ -16,7 +16,8 @@ from hydra.types import RunMode
 
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
-from llmtrain.checkpoint.training import RunCheckpoints, check_model_matches, read_data_position, resume_path
+from llmtrain.checkpoint.training import (RunCheckpoints, check_model_matches, read_data_position, resume_path,
+                                          wandb_run_id)
 from llmtrain.config import ConfigError, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
 from llmtrain.model import build_model, flops_per_token, gpt_config, num_parameters
@@ -62,14 +63,18 @@ def _check_vocab(cfg, tokenizer_vocab: int) -> None:
                           f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size")
 
 
-def run(cfg) -> None:
+def run(cfg, preemption: PreemptionWatch) -> None:
+    """Train with `cfg`, or start this node's workers to do so (parallel.nproc > 1 outside torchrun); exits with
+    the codes README lists. `preemption` has been watching for stop signals since the process started."""
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg)
         if cfg.parallel.nproc > 1 and not launched_externally():
             code = spawn_workers(cfg.parallel.nproc, list(HydraConfig.get().overrides.task), run_dir,
-                                 *_wandb_identity(cfg, run_dir))
+                                 *_wandb_identity(cfg, run_dir), preemption)
             _remove_if_empty_run(run_dir)
+            if code == PREEMPTED_EXIT and preemption.signal_name:
+                preemption.hand_over()  # e.g. submitit, which requeues the job
             if code:
                 sys.exit(code)
             return
@@ -79,7 +84,7 @@ def run(cfg) -> None:
     if not runtime.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        _train(cfg, runtime, run_dir)
+        _train(cfg, runtime, run_dir, preemption)
     except ConfigError as error:
         runtime.shutdown()
         _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
@@ -87,6 +92,8 @@ def run(cfg) -> None:
         if runtime.is_main:
             print(f"llmtrain: {stop}; exiting with {PREEMPTED_EXIT} (requeue to resume)", file=sys.stderr)
         runtime.shutdown(synchronize=True)
+        if preemption.signal_name:
+            preemption.hand_over()
         sys.exit(PREEMPTED_EXIT)
     except TrainingDiverged as error:  # every rank takes the same decision at the same step
         if runtime.is_main:
@@ -115,7 +122,7 @@ def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> 
     sys.exit(CONFIG_ERROR_EXIT)
 
 
-def _train(cfg, runtime: Runtime, run_dir: str) -> None:
+def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
     strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
     t = cfg.train
@@ -148,9 +155,10 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
     del gpt  # a pipeline stage copied its part; the whole model need not stay in memory
     optimizer = strategy.build_optimizer(model)
     schedule = build_schedule(optimizer, t.steps, cfg.optim)
+    wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
     checkpoints = RunCheckpoints(CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint["async"],
                                                    runtime),
-                                 strategy, model, optimizer, schedule, data, gpt_cfg, runtime)
+                                 strategy, model, optimizer, schedule, data, gpt_cfg, runtime, wandb_id)
     state = checkpoints.restore(resume) if resume else LoopState()
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
     log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt_cfg.vocab_size,
@@ -158,16 +166,14 @@ def _train(cfg, runtime: Runtime, run_dir: str) -> None:
                                   dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(),
                                   run_dir=run_dir, resumed=f"{resume} (step {state.step})" if resume else None))
 
-    loggers = (RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records)
+    loggers = (RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records, wandb_id=wandb_id)
                if runtime.is_main else None)
-    preemption = PreemptionWatch(runtime)
     trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
                       model_flops, loggers.record if loggers else lambda record: None, checkpoints, preemption, state)
     try:
         state = trainer.run()
         checkpoints.finish()
     finally:
-        preemption.close()
         if loggers:
             loggers.close_console()
     if t.save_model:

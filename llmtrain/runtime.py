@@ -59,6 +59,12 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
+def slurm_job_port(job_id: str) -> int:
+    """The port of a Slurm job's rendezvous: every node derives the same one from the job id, and jobs sharing a
+    node get different ones (unless their ids differ by a multiple of 20000)."""
+    return 20000 + int(job_id) % 20000
+
+
 def _process_coordinates() -> tuple[int, int, int, str]:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -67,7 +73,7 @@ def _process_coordinates() -> tuple[int, int, int, str]:
         # srun started one task per rank (SLURM_STEP_* exist only inside a job step, not in the batch shell):
         # derive the rendezvous torch expects from the step itself.
         env.setdefault("MASTER_ADDR", first_slurm_host(env["SLURM_STEP_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+        env.setdefault("MASTER_PORT", str(slurm_job_port(env["SLURM_JOB_ID"])))
         return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)),
                 "slurm")
     return 0, 1, 0, "none"

@@ -1,41 +1,121 @@
-"""`parallel.nproc=N` without torchrun: train.py starts its own N workers through torch's elastic launch API.
+"""`parallel.nproc=N` without torchrun: train.py starts this node's N workers through torch's elastic agent (the
+machinery behind torchrun).
 
 The parent composes the config as usual (so a `-m` sweep gives each job its own workers and run directory), then
 re-runs train.py in N workers with the same overrides, pinned to the parent's run directory and W&B identity.
 Workers see torchrun's environment (RANK, WORLD_SIZE, ...), so they train instead of spawning again.
+
+Inside a Slurm step of one task per node (`srun --ntasks-per-node=1 python train.py parallel.nproc=G`, as
+launch/slurm.sbatch and the submitit launcher run it) the agents of all nodes meet at a c10d rendezvous on the
+step's first host, its port and id derived from the job id: a multi-node job without torchrun. torchrun would do
+the same, but it exits 1 whatever its workers exited with, and a requeue needs the trainer's own "preempted"
+code (75) to reach the batch script: here the node's exit code is its first failed worker's.
+
+Preemption signals (SIGTERM, SIGUSR1, SIGUSR2) sent to this parent are forwarded to the workers, which save a
+checkpoint at their next step boundary and exit 75; the parent outlives the signal and waits for them. (torchrun
+would kill its workers 30 s after a SIGTERM, and dies of a SIGUSR1.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import signal
 import sys
 import uuid
+from dataclasses import dataclass
+from typing import Iterator
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from llmtrain.config import ConfigError
+from llmtrain.runtime import first_slurm_host, slurm_job_port
+from llmtrain.train.preemption import PREEMPTION_SIGNALS, PreemptionWatch
+
+# What the elastic agent itself acts on (stopping its workers); the preemption signals are forwarded instead.
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    count: int
+    rendezvous: str  # host:port of the c10d rendezvous
+    run_id: str
+
 
 def launched_externally() -> bool:
-    """True inside torchrun (or our own workers) and inside an srun step of several tasks."""
-    return "RANK" in os.environ or int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    """True inside torchrun or our own workers: the process already has its rank."""
+    return "RANK" in os.environ
 
 
-def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: str, wandb_group: str | None) -> int:
-    """Run train.py in `nproc` local workers; returns the exit code to leave with (the first failure's)."""
+def job_nodes(nproc: int) -> Nodes:
+    """The nodes whose agents start workers together: every node of a Slurm step of one task per node, else
+    this machine alone. A step of several tasks per node already has its ranks, so N more per task is an error."""
+    env = os.environ
+    tasks, nodes = int(env.get("SLURM_STEP_NUM_TASKS", "1")), int(env.get("SLURM_STEP_NUM_NODES", "1"))
+    if tasks > nodes:
+        raise ConfigError(f"parallel.nproc={nproc} starts {nproc} workers per srun task, but srun started {tasks} "
+                          f"tasks on {nodes} node(s): run srun --ntasks-per-node=1 with parallel.nproc, or drop "
+                          f"parallel.nproc and let every srun task be one rank")
+    if nodes > 1:
+        job = env["SLURM_JOB_ID"]
+        return Nodes(nodes, f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{slurm_job_port(job)}",
+                     f"slurm-{job}-{env.get('SLURM_RESTART_COUNT', '0')}")
+    return Nodes(1, "localhost:0", uuid.uuid4().hex)
+
+
+def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: str, wandb_group: str | None,
+                  preemption: PreemptionWatch) -> int:
+    """Run train.py in `nproc` workers on this node (and as many on every other node of the step); returns the
+    exit code to leave with: the first failed worker's, 0 when all succeed. A preemption signal forwarded to the
+    workers is recorded in `preemption`."""
+    nodes = job_nodes(nproc)
     pinned = [f"hydra.run.dir={_quoted(run_dir)}", f"logging.wandb.name={_quoted(wandb_name)}"]
     if wandb_group is not None:
         pinned.append(f"logging.wandb.group={_quoted(wandb_group)}")
     # As torchrun does: workers that each take every core would fight over them.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     script = os.path.abspath(sys.argv[0])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id,
+                          rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous, max_restarts=0,
+                          signals_to_handle=AGENT_SIGNALS)
     try:
-        elastic_launch(config, sys.executable)(script, *_without_pinned(overrides), *pinned)
+        with _forwarding_preemption_signals(preemption):
+            elastic_launch(config, sys.executable)(script, *_without_pinned(overrides), *pinned)
     except ChildFailedError as failure:
         _, first = failure.get_first_failure()
-        return first.exitcode if first.exitcode > 0 else 1
+        return first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by signal s: 128 + s
     return 0
+
+
+@contextlib.contextmanager
+def _forwarding_preemption_signals(preemption: PreemptionWatch) -> Iterator[None]:
+    """While the workers run, a preemption signal to this process goes on to them (a scheduler that signals the
+    whole process tree reaches them twice; they act on the first)."""
+    def forward(signum: int, frame) -> None:
+        preemption.signal_name = preemption.signal_name or signal.Signals(signum).name
+        for child in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux /proc; none found elsewhere)."""
+    pids: list[int] = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError), open(path) as f:
+            pids += [int(pid) for pid in f.read().split()]
+    return pids
 
 
 def _quoted(value: str) -> str:

@@ -24,6 +24,12 @@ FAST = ["model=tiny", "train.seq_len=64", "train.batch_size=16", "train.micro_ba
         "logging.wandb.mode=disabled", "data.tokenizer.kind=byte"]
 
 
+def faults(**variables: str) -> dict[str, str]:
+    """The environment that arms tests/hooks' fault injection (LLMTRAIN_TEST_* variables) in a run."""
+    hooks = str(Path(__file__).with_name("hooks"))
+    return {"PYTHONPATH": os.pathsep.join([hooks, os.environ.get("PYTHONPATH", "")]), **variables}
+
+
 @dataclass
 class Run:
     returncode: int

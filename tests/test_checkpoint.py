@@ -15,18 +15,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, run_train, train_command
+from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, faults, run_train, train_command
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import checkpoint_path, complete_checkpoints, single_process_quiet
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
-
-HOOKS = str(Path(__file__).with_name("hooks"))
-
-
-def _faults(**variables: str) -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([HOOKS, os.environ.get("PYTHONPATH", "")]), **variables}
-
 
 def _steps_logged(run_dir: Path) -> int:
     metrics = run_dir / "metrics.jsonl"
@@ -69,7 +62,7 @@ def _kill_hard(process: subprocess.Popen) -> None:
 def _killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *extra: str) -> Path:
     """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 9 runs; its checkpoints."""
     process, run_dir = _start(tmp_path, cache_dir, *PARITY, *layout, "checkpoint.every=5", *extra, nproc=nproc,
-                              env=_faults(LLMTRAIN_TEST_HANG_AT_STEP="9"), name="killed")
+                              env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"), name="killed")
     checkpoints = run_dir / "checkpoints"
     _wait_for_steps(run_dir, 8, process)
     _kill_hard(process)
@@ -117,7 +110,7 @@ def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path, cache_dir):
-    process, run_dir = _start(tmp_path, cache_dir, *PARITY, nproc=0, env=_faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"),
+    process, run_dir = _start(tmp_path, cache_dir, *PARITY, nproc=0, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"),
                               name="run")
     _wait_for_steps(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
@@ -131,7 +124,7 @@ def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_dir):
     process, run_dir = _start(tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2,
-                              env=_faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run")
+                              env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run")
     _wait_for_steps(run_dir, 2, process)
     workers = _descendants(process.pid)
     assert len(workers) == 2
@@ -174,7 +167,7 @@ def test_a_resume_with_another_model_fails_with_one_line(fsdp_checkpoints, train
 
 @pytest.mark.slow
 def test_non_finite_steps_never_reach_the_weights(train, reference):
-    run = train(*PARITY, env=_faults(LLMTRAIN_TEST_INF_AT_STEPS="3"))
+    run = train(*PARITY, env=faults(LLMTRAIN_TEST_INF_AT_STEPS="3"))
     assert run.returncode == 0, run.stderr[-3000:]
     skipped = [m["step"] for m in run.metrics if m.get("skipped")]
     assert skipped == [3] and not math.isfinite(run.metrics[2]["loss"])
@@ -190,7 +183,7 @@ def test_non_finite_steps_never_reach_the_weights(train, reference):
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
     run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1",
-                env=_faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
+                env=faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
     assert run.returncode == 3
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: step 5: 2 steps in a row"), run.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -45,6 +46,16 @@ def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
     return found[-1]
 
 
+def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:
+    """The W&B run this run logs to: the one stored with the checkpoint it resumes from when that checkpoint is its
+    own (a restart or requeue of the same run), else a new one (a run started from another run's weights)."""
+    if resume and os.path.dirname(resume) == checkpoint_dir:
+        stored = read_meta(resume).get("wandb_run_id")
+        if stored:
+            return stored
+    return uuid.uuid4().hex[:12]
+
+
 def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
     """A one-line ConfigError listing the model settings in which this run differs from the checkpoint."""
     saved = read_meta(path)["model"]
@@ -61,17 +72,19 @@ class RunCheckpoints:
 
     def __init__(self, manager: CheckpointManager, strategy: Strategy, model: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
-                 gpt_cfg: GPTConfig, runtime: Runtime):
+                 gpt_cfg: GPTConfig, runtime: Runtime, wandb_run_id: str | None = None):
         self.manager = manager
         self.strategy = strategy
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
         self.runtime = runtime
+        self.wandb_run_id = wandb_run_id  # a requeued or restarted run continues the same W&B run
 
     def save(self, step: int, records: list[dict[str, Any]]) -> None:
         meta = {"step": step, "model": dataclasses.asdict(self.gpt_cfg), "layout": self.strategy.describe(),
-                "world_size": self.runtime.world_size, "schedule": self.schedule.state_dict(), "records": records}
+                "world_size": self.runtime.world_size, "schedule": self.schedule.state_dict(), "records": records,
+                "wandb_run_id": self.wandb_run_id}
         self.manager.save(step, self.strategy.checkpoint_state(self.model, self.optimizer), meta,
                           self.data.train.state_dict(), self._write_tokenizer)
 
@@ -98,4 +111,4 @@ class RunCheckpoints:
         return LoopState(step=meta["step"], records=meta["records"])
 
 
-__all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path"]
+__all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path", "wandb_run_id"]

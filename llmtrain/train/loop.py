@@ -131,7 +131,7 @@ class Trainer:
             self.checkpoints.poll()
             self.state.records.append(record)
             self.on_record(record)
-            stop = self.preemption is not None and self.preemption.requested()
+            stop = self.preemption is not None and self.preemption.requested(self.runtime)
             if stop or self._is_checkpoint_step(self.state.step):
                 self.checkpoints.save(self.state.step, self.state.records)
             if stop:

@@ -1,25 +1,27 @@
-"""Stopping cleanly when asked: SIGTERM or SIGUSR1 (what SLURM sends before preempting or at the time limit with
-`--signal`), or a first Ctrl-C, make every rank finish its current step, save a checkpoint and exit with
-PREEMPTED_EXIT, so a launcher can requeue the job and the next run resumes from that step. A second Ctrl-C aborts.
+"""Stopping cleanly when asked: SIGTERM, SIGUSR1 or SIGUSR2 (what SLURM sends before preempting or at the time
+limit with `--signal`; submitit's warning is SIGUSR2), or a first Ctrl-C, make every rank finish its current step,
+save a checkpoint and exit with PREEMPTED_EXIT, so a launcher can requeue the job and the next run resumes from
+that step. A second Ctrl-C aborts.
 
-The signal may reach only some ranks (or reach them at different steps), so after each step the ranks agree on
-whether any of them was asked: one max all-reduce of a flag.
+train.py installs the watch before it loads torch, so a signal that arrives while the job starts is kept and acted
+on at the first step boundary instead of killing the process. The signal may reach only some ranks (or reach them
+at different steps), so after each step the ranks agree on whether any of them was asked: one max all-reduce.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from llmtrain.runtime import Runtime
+if TYPE_CHECKING:
+    from llmtrain.runtime import Runtime
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry" — a checkpoint was saved.
 PREEMPTED_EXIT = 75
 
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(Exception):
@@ -31,26 +33,46 @@ class Preempted(Exception):
 
 
 class PreemptionWatch:
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
+    """Records the first stop request from its construction until `close` (or the end of a `with` block)."""
+
+    def __init__(self):
         self.signal_name: str | None = None
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in _SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (*PREEMPTION_SIGNALS, signal.SIGINT)}
+
+    def __enter__(self) -> PreemptionWatch:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signal_name is not None:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            print(f"llmtrain: {self.signal_name} received on rank {self.runtime.rank}: finishing this step, "
-                  f"then saving a checkpoint and exiting with {PREEMPTED_EXIT}"
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                return  # one line per node
+            print(f"llmtrain: {self.signal_name} received on rank {os.environ.get('RANK', '0')}: finishing this "
+                  f"step, then saving a checkpoint and exiting with {PREEMPTED_EXIT}"
                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
 
-    def requested(self) -> bool:
+    def requested(self, runtime: Runtime) -> bool:
         """Collective: whether any rank has been asked to stop."""
-        flag = torch.tensor([self.signal_name is not None], dtype=torch.int32, device=self.runtime.device)
-        if self.runtime.distributed:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signal_name is not None], dtype=torch.int32, device=runtime.device)
+        if runtime.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def hand_over(self) -> None:
+        """Run the handler that watched for the received signal before this watch did, now that the checkpoint is
+        saved: under submitit that handler requeues the job (and exits)."""
+        signum = signal.Signals[self.signal_name]
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, None)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -1,0 +1,78 @@
+"""Launching without a scheduler: a local `-m` sweep whose jobs each start their own workers, and a two-"node"
+torchrun job meeting at a c10d rendezvous on loopback (what a cluster without Slurm runs). Real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FAST, PARITY, REPO, Run, assert_parity, train_command
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_group(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args, env, _ = train_command(tmp_path, cache_dir, "optim.lr=0.001,0.0003", "parallel=ddp,fsdp", "parallel.nproc=2",
+                                 "train.steps=2", "logging.wandb.mode=offline", f"hydra.sweep.dir={sweep}")
+    # `-m` before the overrides; a sweep writes under hydra.sweep.dir
+    args = args[:2] + ["-m"] + [a for a in args[2:] if not a.startswith("hydra.run.dir=")]
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    points = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in points] == ["0", "1", "2", "3"]
+    seen = set()
+    for point in points:
+        overrides = yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text())
+        lr = next(o for o in overrides if o.startswith("optim.lr="))
+        layout = next(o for o in overrides if o.startswith("parallel="))
+        seen.add((lr, layout))
+        run = Run(0, "", "", point)
+        assert len(run.metrics) == 2
+        assert run.summary["world_size"] == 2 and run.summary["layout"].startswith(layout.split("=")[1])
+        # one W&B run per point, all in the sweep's group (written into the offline run's records)
+        offline = list((point / "wandb").glob("offline-run-*/*.wandb"))
+        assert len(offline) == 1
+        assert b"sweep" in offline[0].read_bytes()
+    assert seen == {(lr, layout) for lr in ("optim.lr=0.001", "optim.lr=0.0003")
+                    for layout in ("parallel=ddp", "parallel=fsdp")}
+    assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep directory
+
+
+def test_two_torchrun_nodes_on_loopback_reproduce_one_node(tmp_path, cache_dir, reference, layout_run):
+    """`torchrun --nnodes=2` twice on one machine, rendezvous on 127.0.0.1: 2 x 2 ranks train as fsdp on 4 ranks
+    of one node does, in one run directory that both "nodes" derive from the rendezvous id."""
+    port = _free_port()
+    processes = []
+    for node in range(2):
+        args, env, _ = train_command(tmp_path, cache_dir, *PARITY, "parallel=fsdp")
+        args = [a for a in args if not a.startswith("hydra.run.dir=")]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                    "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=loopback"]
+        env["OMP_NUM_THREADS"] = "1"
+        with open(tmp_path / f"node{node}.log", "w") as log:
+            processes.append(subprocess.Popen(launcher + args[1:], cwd=tmp_path, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=600) for p in processes]
+    logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(2))
+    assert codes == [0, 0], logs
+    assert sorted(os.listdir(tmp_path / "outputs")) == ["torchrun-loopback"]
+    run = Run(0, "", "", tmp_path / "outputs" / "torchrun-loopback")
+    assert_parity(run, reference)
+    one_node = layout_run("parallel=fsdp", nproc=4)
+    assert [m["loss"] for m in run.metrics] == pytest.approx([m["loss"] for m in one_node.metrics], rel=1e-6)

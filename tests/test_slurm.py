@@ -1,0 +1,136 @@
+"""launch/slurm.sbatch against a real Slurm: a 2-node x 2-rank fsdp job, and the same job preempted mid-run
+(signal, checkpoint, requeue, resume). Runs where the slurm-sandbox (../shared/slurm-sandbox) is up and its
+environment loaded, as .ci/run does; skipped elsewhere. Both jobs run at once to keep the wait short."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, LOSS_RTOL, PARAM_ATOL, PARITY, REPO, Run, faults
+from llmtrain.checkpoint import load_final_model
+from llmtrain.checkpoint.manager import read_meta
+from llmtrain.tools.compare_runs import METRICS, compare
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+SANDBOX_HINT = ('eval "$(../shared/slurm-sandbox/slurm-sandbox env)" after `slurm-sandbox up` (as .ci/run does)')
+
+
+def _sandbox_missing() -> str | None:
+    if not os.environ.get("SLURM_SANDBOX_DIR") or shutil.which("sbatch") is None:
+        return f"no slurm-sandbox in this environment: {SANDBOX_HINT}"
+    if subprocess.run(["sinfo"], capture_output=True, timeout=60).returncode != 0:
+        return f"the slurm-sandbox does not answer (sinfo failed): {SANDBOX_HINT}"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_sandbox_missing()), reason=_sandbox_missing() or "")]
+
+
+def _job_field(job: str, field: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=60).stdout
+    match = re.search(rf"\b{field}=(\S+)", shown)
+    return match.group(1) if match else ""
+
+
+class Job:
+    """One `sbatch launch/slurm.sbatch` submission from its own directory (where outputs/ appears)."""
+
+    def __init__(self, workdir: Path, cache_dir: Path, *overrides: str, env: dict[str, str] | None = None):
+        self.workdir = workdir
+        workdir.mkdir()
+        full_env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
+                    **(env or {})}
+        full_env.pop("WANDB_API_KEY", None)
+        # CPU nodes: no GPUs, one CPU per node's launcher; 2 workers per node
+        args = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", str(REPO / "launch" / "slurm.sbatch"),
+                "parallel=fsdp", "parallel.nproc=2", f"data.cache_dir={cache_dir}", *FAST, *PARITY, *overrides]
+        submitted = subprocess.run(args, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        self.id = submitted.stdout.strip().split(";")[0]
+
+    @property
+    def state(self) -> str:
+        return _job_field(self.id, "JobState")
+
+    @property
+    def output(self) -> str:
+        path = self.workdir / f"llmtrain-{self.id}.out"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    @property
+    def run(self) -> Run:
+        return Run(0, self.output, "", self.workdir / "outputs" / f"slurm-{self.id}")
+
+    def steps_logged(self) -> int:
+        metrics = self.run.run_dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(tmp_path_factory, cache_dir):
+    """An uninterrupted job and a preempted one (SIGUSR1 to its batch shell after step 3), submitted together;
+    Slurm polled every second (`sbatch --wait` re-polls with a growing sleep)."""
+    workdir = tmp_path_factory.mktemp("slurm")
+    clean = Job(workdir / "clean", cache_dir)
+    preempted = Job(workdir / "preempted", cache_dir, "logging.wandb.mode=offline",
+                    env=faults(LLMTRAIN_TEST_STEP_SECONDS="1"))
+    signalled = False
+    deadline = time.monotonic() + 480
+    try:
+        while {clean.state, preempted.state} - FINISHED:
+            assert time.monotonic() < deadline, f"jobs still running:\n{clean.output[-2000:]}\n{preempted.output[-2000:]}"
+            if not signalled and preempted.steps_logged() >= 3:
+                subprocess.run(["scancel", "--signal=USR1", "--batch", preempted.id], check=True, timeout=60)
+                signalled = True
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", clean.id, preempted.id], capture_output=True, timeout=60)
+    assert signalled, preempted.output[-3000:]
+    return clean, preempted
+
+
+def test_a_two_node_job_trains_as_one_node_does(slurm_jobs, layout_run):
+    clean, _ = slurm_jobs
+    assert clean.state == "COMPLETED", clean.output[-3000:]
+    assert _job_field(clean.id, "Restarts") == "0"  # a clean finish is not requeued
+    assert sorted(os.listdir(clean.workdir / "outputs")) == [f"slurm-{clean.id}"]  # every node, one run directory
+    assert len(list((clean.workdir / "outputs").rglob("metrics.jsonl"))) == 1
+    assert "dp_shard 4" in clean.output and "2 nodes" in clean.output
+    one_node = layout_run("parallel=fsdp", nproc=4)  # the same layout, torchrun on one node
+    differences = compare(str(clean.run.run_dir), str(one_node.run_dir))
+    assert all(differences[key] <= LOSS_RTOL for key in METRICS), differences
+    assert differences["weights"] <= PARAM_ATOL, differences
+
+
+def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm_jobs):
+    clean, preempted = slurm_jobs
+    log = preempted.output
+    assert preempted.state == "COMPLETED", log[-3000:]
+    assert _job_field(preempted.id, "Restarts") == "1", log[-3000:]
+    stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+); checkpoint saved", log).group(1))
+    assert 3 <= stopped < 10
+    assert "requeueing job" in log and "(restart 1)" in log
+    assert f"resumed   from {preempted.run.run_dir}/checkpoints/step-{stopped:08d}" in log
+    assert sorted(os.listdir(preempted.workdir / "outputs")) == [f"slurm-{preempted.id}"]
+
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [m.get(key) for m in preempted.run.metrics] == [m.get(key) for m in clean.run.metrics], key
+    final = load_final_model(preempted.run.run_dir / "model.pt")
+    expected = load_final_model(clean.run.run_dir / "model.pt")
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+    # the requeued run logged to the same W&B run: its id is kept with the checkpoints
+    checkpoints = preempted.run.run_dir / "checkpoints"
+    run_id = read_meta(str(checkpoints / f"step-{stopped:08d}"))["wandb_run_id"]
+    assert read_meta(str(checkpoints / "step-00000010"))["wandb_run_id"] == run_id
+    offline_runs = sorted((preempted.run.run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline_runs)
