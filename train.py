@@ -4,11 +4,15 @@ Hydra composes conf/train.yaml with the overrides, checks them against the schem
 run directory and hands the config to llmtrain.job.run.
 """
 
+import os
+
 import hydra
 
 from llmtrain.config import register_schemas
 
 register_schemas()
+# This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).
+ENTRY_POINT = os.path.abspath(__file__)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -19,7 +23,7 @@ def main(cfg) -> None:
     with PreemptionWatch() as preemption:
         from llmtrain.job import run  # imported here so that `--help` and config errors answer without torch
 
-        run(cfg, preemption)
+        run(cfg, preemption, ENTRY_POINT)
 
 
 if __name__ == "__main__":

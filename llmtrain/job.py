@@ -63,14 +63,15 @@ def _check_vocab(cfg, tokenizer_vocab: int) -> None:
                           f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size")
 
 
-def run(cfg, preemption: PreemptionWatch) -> None:
-    """Train with `cfg`, or start this node's workers to do so (parallel.nproc > 1 outside torchrun); exits with
-    the codes README lists. `preemption` has been watching for stop signals since the process started."""
+def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
+    """Train with `cfg`, or start this node's workers running `entry_point` (train.py) to do so (parallel.nproc > 1
+    outside torchrun); exits with the codes README lists. `preemption` has been watching for stop signals since
+    the process started."""
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg)
         if cfg.parallel.nproc > 1 and not launched_externally():
-            code = spawn_workers(cfg.parallel.nproc, list(HydraConfig.get().overrides.task), run_dir,
+            code = spawn_workers(entry_point, cfg.parallel.nproc, list(HydraConfig.get().overrides.task), run_dir,
                                  *_wandb_identity(cfg, run_dir), preemption)
             _remove_if_empty_run(run_dir)
             if code == PREEMPTED_EXIT and preemption.signal_name:

@@ -66,11 +66,11 @@ def job_nodes(nproc: int) -> Nodes:
     return Nodes(1, "localhost:0", uuid.uuid4().hex)
 
 
-def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: str, wandb_group: str | None,
-                  preemption: PreemptionWatch) -> int:
-    """Run train.py in `nproc` workers on this node (and as many on every other node of the step); returns the
-    exit code to leave with: the first failed worker's, 0 when all succeed. A preemption signal forwarded to the
-    workers is recorded in `preemption`."""
+def spawn_workers(entry_point: str, nproc: int, overrides: list[str], run_dir: str, wandb_name: str,
+                  wandb_group: str | None, preemption: PreemptionWatch) -> int:
+    """Run `entry_point` (train.py) in `nproc` workers on this node (and as many on every other node of the step);
+    returns the exit code to leave with: the first failed worker's, 0 when all succeed. A preemption signal
+    forwarded to the workers is recorded in `preemption`."""
     nodes = job_nodes(nproc)
     pinned = [f"hydra.run.dir={_quoted(run_dir)}", f"logging.wandb.name={_quoted(wandb_name)}"]
     if wandb_group is not None:
@@ -78,13 +78,12 @@ def spawn_workers(nproc: int, overrides: list[str], run_dir: str, wandb_name: st
     # As torchrun does: workers that each take every core would fight over them.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    script = os.path.abspath(sys.argv[0])
     config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id,
                           rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous, max_restarts=0,
                           signals_to_handle=AGENT_SIGNALS)
     try:
         with _forwarding_preemption_signals(preemption):
-            elastic_launch(config, sys.executable)(script, *_without_pinned(overrides), *pinned)
+            elastic_launch(config, sys.executable)(entry_point, *_without_pinned(overrides), *pinned)
     except ChildFailedError as failure:
         _, first = failure.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by signal s: 128 + s

@@ -1,6 +1,7 @@
-"""launch/slurm.sbatch against a real Slurm: a 2-node x 2-rank fsdp job, and the same job preempted mid-run
-(signal, checkpoint, requeue, resume). Runs where the slurm-sandbox (../shared/slurm-sandbox) is up and its
-environment loaded, as .ci/run does; skipped elsewhere. Both jobs run at once to keep the wait short."""
+"""SLURM for real: launch/slurm.sbatch running a 2-node x 2-rank fsdp job, the same job preempted mid-run (signal,
+checkpoint, requeue, resume), and a `-m` sweep submitted through hydra-submitit-launcher. Runs where the
+slurm-sandbox (../shared/slurm-sandbox) is up and its environment loaded, as .ci/run does; skipped elsewhere. All
+jobs are submitted at once to keep the wait short."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import importlib.util
 
 import pytest
 import torch
@@ -75,31 +78,55 @@ class Job:
         return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
 
+HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+SWEEP_JOB_NAME = "llmtrain-test-sweep"
+
+
+def _submitit_sweep(workdir: Path, cache_dir: Path) -> subprocess.Popen:
+    """`python train.py -m hydra/launcher=slurm ...` over two learning rates: two 2-node jobs, one rank per node
+    (parallel.nproc=1: each srun task is a rank; with nproc > 1 each starts workers as under slurm.sbatch)."""
+    workdir.mkdir()
+    args = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+            f"hydra.launcher.name={SWEEP_JOB_NAME}",
+            "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={workdir / 'sweep'}", f"data.cache_dir={cache_dir}",
+            *FAST, "train.steps=2", "parallel=fsdp", "optim.lr=0.001,0.0003",
+            "logging.wandb.mode=offline"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    with open(workdir / "submit.log", "w") as log:
+        return subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 @pytest.fixture(scope="module")
 def slurm_jobs(tmp_path_factory, cache_dir):
-    """An uninterrupted job and a preempted one (SIGUSR1 to its batch shell after step 3), submitted together;
-    Slurm polled every second (`sbatch --wait` re-polls with a growing sleep)."""
+    """An uninterrupted job, a preempted one (SIGUSR1 to its batch shell after step 3) and, where the plugin is
+    installed, a submitit sweep, submitted together; Slurm polled every second (`sbatch --wait` re-polls with a
+    growing sleep)."""
     workdir = tmp_path_factory.mktemp("slurm")
     clean = Job(workdir / "clean", cache_dir)
     preempted = Job(workdir / "preempted", cache_dir, "logging.wandb.mode=offline",
                     env=faults(LLMTRAIN_TEST_STEP_SECONDS="1"))
+    sweep = _submitit_sweep(workdir / "submitit", cache_dir) if HAS_SUBMITIT else None
     signalled = False
-    deadline = time.monotonic() + 480
+    deadline = time.monotonic() + 600
     try:
-        while {clean.state, preempted.state} - FINISHED:
-            assert time.monotonic() < deadline, f"jobs still running:\n{clean.output[-2000:]}\n{preempted.output[-2000:]}"
+        while {clean.state, preempted.state} - FINISHED or (sweep and sweep.poll() is None):
+            assert time.monotonic() < deadline, f"still running:\n{clean.output[-2000:]}\n{preempted.output[-2000:]}"
             if not signalled and preempted.steps_logged() >= 3:
                 subprocess.run(["scancel", "--signal=USR1", "--batch", preempted.id], check=True, timeout=60)
                 signalled = True
             time.sleep(1)
     finally:
         subprocess.run(["scancel", clean.id, preempted.id], capture_output=True, timeout=60)
+        if sweep and sweep.poll() is None:
+            sweep.kill()
+            subprocess.run(["scancel", f"--name={SWEEP_JOB_NAME}"], capture_output=True, timeout=60)
     assert signalled, preempted.output[-3000:]
-    return clean, preempted
+    return clean, preempted, workdir / "submitit"
 
 
 def test_a_two_node_job_trains_as_one_node_does(slurm_jobs, layout_run):
-    clean, _ = slurm_jobs
+    clean, _, _ = slurm_jobs
     assert clean.state == "COMPLETED", clean.output[-3000:]
     assert _job_field(clean.id, "Restarts") == "0"  # a clean finish is not requeued
     assert sorted(os.listdir(clean.workdir / "outputs")) == [f"slurm-{clean.id}"]  # every node, one run directory
@@ -112,7 +139,7 @@ def test_a_two_node_job_trains_as_one_node_does(slurm_jobs, layout_run):
 
 
 def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm_jobs):
-    clean, preempted = slurm_jobs
+    clean, preempted, _ = slurm_jobs
     log = preempted.output
     assert preempted.state == "COMPLETED", log[-3000:]
     assert _job_field(preempted.id, "Restarts") == "1", log[-3000:]
@@ -134,3 +161,19 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm_
     assert read_meta(str(checkpoints / "step-00000010"))["wandb_run_id"] == run_id
     offline_runs = sorted((preempted.run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline_runs)
+
+
+@pytest.mark.skipif(not HAS_SUBMITIT, reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"')
+def test_a_submitit_sweep_runs_one_multi_node_job_per_point(slurm_jobs):
+    workdir = slurm_jobs[2]
+    log = (workdir / "submit.log").read_text(errors="replace")
+    points = sorted(p for p in (workdir / "sweep").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name for p in points] == ["0", "1"], log[-3000:]
+    for point in points:
+        run = Run(0, "", "", point)
+        assert len(run.metrics) == 2, log[-3000:]
+        assert run.summary["world_size"] == 2  # a rank on each of 2 nodes
+        offline = list((point / "wandb").glob("offline-run-*/*.wandb"))
+        assert len(offline) == 1 and b"sweep" in offline[0].read_bytes()  # one W&B group for the sweep
+    first_lrs = sorted(Run(0, "", "", p).metrics[0]["lr"] for p in points)  # each point got its own optim.lr
+    assert first_lrs[1] / first_lrs[0] == pytest.approx(0.001 / 0.0003)
