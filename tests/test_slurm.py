@@ -35,7 +35,8 @@ def _sandbox_missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_sandbox_missing()), reason=_sandbox_missing() or "")]
+SKIP_REASON = _sandbox_missing()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 
 
 def _job_field(job: str, field: str) -> str:

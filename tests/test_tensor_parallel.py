@@ -23,7 +23,6 @@ pytestmark = pytest.mark.slow
 # the reference without it here): the suite has a 15-minute budget on two cores.
 @pytest.mark.parametrize("nproc, layout, extra", [
     (2, "tp", []),
-    (2, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=full"]),
     (4, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=selective"]),
     (4, "fsdp_tp", ["train.activation_checkpointing=full"]),
 ])
