@@ -7,12 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import FAST, PARITY, REPO, Run, assert_parity, train_command
+from conftest import PARITY, Run, assert_parity, train_command
 
 pytestmark = pytest.mark.slow
 
