@@ -97,3 +97,56 @@ def test_slurm_job_names_the_run_directory(monkeypatch):
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert run_stamp() == "slurm-4242"
+
+
+def _clear_launch_environment(monkeypatch) -> None:
+    for key in ("RANK", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST", "SLURM_JOB_ID",
+                "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_a_launcher_per_node_meets_the_others_on_the_steps_first_host(monkeypatch):
+    from llmtrain.spawn import job_nodes
+
+    _clear_launch_environment(monkeypatch)
+    assert job_nodes(4).count == 1 and job_nodes(4).rendezvous == "localhost:0"  # no Slurm step: this machine
+    monkeypatch.setenv("SLURM_JOB_ID", "20007")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    nodes = job_nodes(4)  # what every node computes: the same rendezvous, a new id after a requeue
+    assert (nodes.count, nodes.rendezvous, nodes.run_id) == (2, "gpu07:20007", "slurm-20007-1")
+
+
+def test_workers_per_task_on_top_of_a_rank_per_task_is_refused(monkeypatch):
+    from llmtrain.config import ConfigError
+    from llmtrain.spawn import job_nodes
+
+    _clear_launch_environment(monkeypatch)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    with pytest.raises(ConfigError) as error:
+        job_nodes(4)
+    assert "parallel.nproc=4" in str(error.value) and "--ntasks-per-node=1" in str(error.value)
+
+
+def test_a_stop_signal_is_recorded_and_handed_back_to_whoever_watched_before(monkeypatch):
+    """A real SIGUSR2 to this process: the watch records it instead of dying of it; `hand_over` then runs the
+    handler installed before the watch (submitit's requeue, in a submitit job)."""
+    import signal
+
+    from llmtrain.train.preemption import PreemptionWatch
+
+    earlier = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: earlier.append(signum))
+    try:
+        with PreemptionWatch() as watch:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert watch.signal_name == "SIGUSR2" and earlier == []
+            watch.hand_over()
+            assert earlier == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR2)  # closed: the earlier handler is back
+        assert earlier == [signal.SIGUSR2, signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
