@@ -14,6 +14,8 @@ On GPU with bf16 precision, parameters are gathered and computed in bf16 while g
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -54,4 +56,7 @@ class FSDP(TensorParallel):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # The root's parameters (embeddings, final norm, tied head) are needed again at the start of backward.
         fully_shard(model, reshard_after_forward=False, **options)
+        # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
+        # in-place op on that view would skip its backward hook. The loss only reads the logits.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
         return model
