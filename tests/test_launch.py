@@ -22,10 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_group(tmp_path, cache_dir):
+def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_group(tmp_path, cache_dir, reference):
+    """`-m` over two layouts and two learning rates, each point's 2 workers started by train.py itself, with
+    accumulation (micro-batches of 4 on 2 ranks: 2 per step): the points at the default learning rate reproduce
+    `single`."""
     sweep = tmp_path / "sweep"
-    args, env, _ = train_command(tmp_path, cache_dir, "optim.lr=0.001,0.0003", "parallel=ddp,fsdp", "parallel.nproc=2",
-                                 "train.steps=2", f"hydra.sweep.dir={sweep}")
+    args, env, _ = train_command(tmp_path, cache_dir, *PARITY, "train.micro_batch_size=4", "optim.lr=0.001,0.0003",
+                                 "parallel=ddp,fsdp", "parallel.nproc=2", f"hydra.sweep.dir={sweep}")
     # `-m` before the overrides; a sweep writes under hydra.sweep.dir
     args = args[:2] + ["-m"] + [a for a in args[2:] if not a.startswith("hydra.run.dir=")]
     env["OMP_NUM_THREADS"] = "1"
@@ -41,7 +44,9 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
         layout = next(o for o in overrides if o.startswith("parallel="))
         seen.add((lr, layout))
         run = Run(0, "", "", point)
-        assert len(run.metrics) == 2
+        if lr == "optim.lr=0.001":  # the reference's learning rate
+            assert_parity(run, reference)
+        assert len(run.metrics) == 10
         assert run.summary["world_size"] == 2 and run.summary["layout"].startswith(layout.split("=")[1])
         # the W&B identity the point's workers were given (rank 0's composed overrides): the sweep's group, a
         # name of its own (W&B recording the group is tested with a real offline run in test_slurm.py)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import PARITY, REPO, assert_parity, layout_strategy
+from conftest import REPO, assert_parity, layout_strategy
 from llmtrain.config import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -27,14 +27,6 @@ def test_layout_matches_single(layout, nproc, extra, reference, layout_run):
     run = layout_run(f"parallel={layout}", *extra, nproc=nproc)
     assert_parity(run, reference)
     assert f"layout    {'fsdp' if layout in ('zero2', 'hsdp') else layout}" in run.stderr + run.stdout
-
-
-def test_ddp_accumulation_matches_single(reference, train):
-    """Accumulation over 2 micro-batches of 4 per rank, and the path without torchrun: train.py starts its own
-    workers."""
-    run = train(*PARITY, "parallel=ddp", "parallel.nproc=2", "train.micro_batch_size=4")
-    assert_parity(run, reference)
-    assert sorted(os.listdir(run.run_dir.parent)) == ["run"]  # one run directory for all ranks
 
 
 def test_only_rank_zero_writes_and_speaks(layout_run):
