@@ -95,7 +95,7 @@ def _forwarding_preemption_signals(preemption: PreemptionWatch) -> Iterator[None
     """While the workers run, a preemption signal to this process goes on to them (a scheduler that signals the
     whole process tree reaches them twice; they act on the first)."""
     def forward(signum: int, frame) -> None:
-        preemption.signal_name = preemption.signal_name or signal.Signals(signum).name
+        preemption.record(signum)
         for child in _children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signum)

@@ -45,13 +45,17 @@ class PreemptionWatch:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def record(self, signum: int) -> bool:
+        """Remember the first stop request; whether this was it."""
+        if self.signal_name is not None:
+            return False
+        self.signal_name = signal.Signals(signum).name
+        return True
+
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signal_name is not None:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
-            if os.environ.get("LOCAL_RANK", "0") != "0":
-                return  # one line per node
+        if self.record(signum) and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
             print(f"llmtrain: {self.signal_name} received on rank {os.environ.get('RANK', '0')}: finishing this "
                   f"step, then saving a checkpoint and exiting with {PREEMPTED_EXIT}"
                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
