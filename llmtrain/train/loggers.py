@@ -53,7 +53,8 @@ class WandbLogger:
     by wandb from its own environment and never passes through here. `run_id` is kept in the checkpoints, so a
     restarted or requeued run resumes the same W&B run ("allow": created if it does not exist yet)."""
 
-    def __init__(self, wandb_cfg, run_dir: str, name: str, group: str | None, config: dict[str, Any], run_id: str):
+    def __init__(self, wandb_cfg, run_dir: str, name: str, group: str | None, config: dict[str, Any],
+                 run_id: str | None):
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
