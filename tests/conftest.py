@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +24,18 @@ REPO = Path(__file__).resolve().parent.parent
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
 FAST = ["model=tiny", "train.seq_len=64", "train.batch_size=16", "train.micro_batch_size=4", "train.eval_every=0",
         "logging.wandb.mode=disabled", "data.tokenizer.kind=byte"]
+
+
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A port nobody listens on: any (low=high=0) or one in [low, high)."""
+    for candidate in ([0] if high == 0 else random.sample(range(low, high), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
 def faults(**variables: str) -> dict[str, str]:

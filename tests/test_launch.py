@@ -4,22 +4,15 @@ torchrun job meeting at a c10d rendezvous on loopback (what a cluster without Sl
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import PARITY, Run, assert_parity, train_command
+from conftest import PARITY, Run, assert_parity, free_port, train_command
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_group(tmp_path, cache_dir, reference):
@@ -63,7 +56,7 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
 def test_two_torchrun_nodes_on_loopback_reproduce_one_node(tmp_path, cache_dir, reference, layout_run):
     """`torchrun --nnodes=2` twice on one machine, rendezvous on 127.0.0.1: 2 x 2 ranks train as fsdp on 4 ranks
     of one node does, in one run directory that both "nodes" derive from the rendezvous id."""
-    port = _free_port()
+    port = free_port()
     processes = []
     for node in range(2):
         args, env, _ = train_command(tmp_path, cache_dir, *PARITY, "parallel=fsdp")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import time
 
 import pytest
@@ -12,19 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from llmtrain.runtime import first_slurm_host, init_runtime
-
-
-def _free_port(low: int = 0, high: int = 0) -> int:
-    """A port nobody listens on: any (low=high=0) or one in [low, high)."""
-    for candidate in ([0] if high == 0 else random.sample(range(low, high), 200)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port")
 
 
 def _worker(rank: int, env: dict[str, str], results) -> None:
@@ -46,14 +33,14 @@ def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:
 
 def test_torchrun_environment():
     env = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     assert _spawn(env) == [(0, 2, "torchrun", "gloo", 3.0, "127.0.0.1"), (1, 2, "torchrun", "gloo", 3.0, "127.0.0.1")]
 
 
 def test_srun_environment_without_torchrun(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    job_id = 20000 * 7 + _free_port(20000, 40000) - 20000  # the runtime derives port 20000 + job_id % 20000
+    job_id = 20000 * 7 + free_port(20000, 40000) - 20000  # the runtime derives port 20000 + job_id % 20000
     env = {"SLURM_PROCID": "{rank}", "SLURM_LOCALID": "{rank}", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
            "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": str(job_id)}
     results = _spawn(env)

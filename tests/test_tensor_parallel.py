@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import PARITY, REPO, assert_parity, layout_strategy
+from conftest import PARITY, REPO, assert_parity, free_port, layout_strategy
 from llmtrain.config import ConfigError
 from llmtrain.tools.compare_runs import compare
 
@@ -47,12 +46,6 @@ def test_compiled_blocks_do_not_change_the_loss(reference, train):
     assert_parity(train(*PARITY, "train.compile=true"), reference)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _logits_worker(rank: int, port: int, results) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
@@ -83,7 +76,7 @@ def _logits_worker(rank: int, port: int, results) -> None:
 
 def test_loss_parallel_never_materialises_full_vocabulary_logits():
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(_logits_worker, args=(_free_port(), results), nprocs=2, start_method="spawn")
+    mp.start_processes(_logits_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
     (_, shape0, kind, loss0), (_, shape1, _, loss1) = sorted(results.get(timeout=120) for _ in range(2))
     padded_vocab = 320  # 257 byte tokens padded to a multiple of 64
     assert shape0 == shape1 == (2, 16, padded_vocab // 2)
