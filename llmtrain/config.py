@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -57,7 +57,7 @@ class DataConfig:
     val_fraction: float = 0.02
     text_field: str = "text"  # jsonl / parquet / hf column holding the text
     doc_shuffle_buffer: int = 1000  # documents
-    window_shuffle_buffer: int = 256  # packed windows
+    window_shuffle_buffer: int = 4096  # packed windows
     cache_dir: str = "~/.cache/llmtrain"  # trained tokenizers
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
@@ -127,6 +127,15 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # also save every N optimizer steps; 0: only at the end of the run and on preemption
+    dir: Optional[str] = None  # None: <run dir>/checkpoints
+    keep: int = 2  # complete checkpoints kept, newest first
+    async_save: bool = False  # write in the background (DCP async_save) while training continues
+    resume: str = "auto"  # auto: the latest complete checkpoint in dir, if any | none | <checkpoint path>
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -134,9 +143,7 @@ class RootConfig:
     optim: OptimConfig = MISSING
     logging: LoggingConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    # every, dir, keep, async, resume (conf/train.yaml). Untyped because `async` is a Python keyword, which a
-    # dataclass field cannot be; validate() checks each value.
-    checkpoint: Dict[str, Any] = field(default_factory=dict)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1337
 
 
@@ -205,15 +212,7 @@ def validate(cfg) -> None:
     _validate_checkpoint(cfg.checkpoint)
 
 
-CHECKPOINT_KEYS = {"every": int, "dir": (str, type(None)), "keep": int, "async": bool, "resume": str}
-
-
 def _validate_checkpoint(c) -> None:
-    for key, kind in CHECKPOINT_KEYS.items():
-        if key not in c:
-            raise ConfigError(f"checkpoint.{key} is not set: conf/train.yaml lists the checkpoint keys")
-        if not isinstance(c[key], kind) or (kind is int and isinstance(c[key], bool)):
-            raise ConfigError(f"checkpoint.{key}={c[key]!r} has the wrong type: see conf/train.yaml")
     if c.every < 0 or c.keep < 1:
         raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end) and checkpoint.keep="
                           f"{c.keep} >= 1")

@@ -13,19 +13,21 @@ import time
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (RunCheckpoints, check_model_matches, read_data_position, resume_path,
                                           wandb_run_id)
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import ConfigError, RootConfig, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
-from llmtrain.model import build_model, flops_per_token, gpt_config, num_parameters
+from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
+from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, held_bytes
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.precision import uses_bf16
@@ -80,6 +82,7 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
                 sys.exit(code)
             return
         runtime = init_runtime(cfg.train.device)
+        preemption.attach(runtime)
     except ConfigError as error:
         _exit_with_config_error(error, run_dir, is_main=True)
     if not runtime.is_main:
@@ -116,6 +119,26 @@ def _agreed(runtime: Runtime, value):
     return box[0]
 
 
+def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -> str:
+    """Collective: what each rank holds and the build's peak, one line when every rank holds the same."""
+    values = torch.tensor([held.params, held.grads, held.optimizer, -1 if build_peak is None else build_peak],
+                          dtype=torch.int64, device=runtime.device)
+    rows = [values]
+    if runtime.distributed:
+        rows = [torch.empty_like(values) for _ in range(runtime.world_size)]
+        torch.distributed.all_gather(rows, values)
+    described = []
+    for row in rows:
+        params, grads, optimizer, peak = row.tolist()
+        built = f"; build peak {peak / MIB:,.1f} MiB" if peak >= 0 else ""
+        described.append(HeldBytes(params, grads, optimizer).describe() + built)
+    if len(described) == 1:
+        return described[0]
+    if len(set(described)) == 1:
+        return f"every rank: {described[0]}"
+    return "\n          ".join(f"rank {rank}: {line}" for rank, line in enumerate(described))
+
+
 def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
     if is_main:
         print(f"error: {error}", file=sys.stderr)
@@ -125,8 +148,9 @@ def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> 
 
 def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
-    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    t = cfg.train
+    config: RootConfig = OmegaConf.to_object(cfg)  # typed sections, each handed only to what uses it
+    strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
+    t = config.train
     per_step = t.micro_batch_size * strategy.dp_size
     if t.batch_size % per_step:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size x "
@@ -141,23 +165,25 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
 
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
-    gpt_cfg = gpt_config(cfg.model, tokenizer.vocab_size)
+    model = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
+    gpt_cfg = model.cfg
     checkpoint_dir = os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
     resume = _agreed(runtime, resume_path(cfg.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
         check_model_matches(resume, gpt_cfg)
     data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None,
                       read_data_position(resume) if resume else None)
-    gpt = build_model(cfg.model, tokenizer.vocab_size, cfg.seed).to(runtime.device)
     padding = gpt_cfg.padding_parameters
-    n_params = num_parameters(gpt) - padding
+    n_params = num_parameters(model) - padding
     model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
-    model = strategy.parallelize(gpt)
-    del gpt  # a pipeline stage copied its part; the whole model need not stay in memory
-    optimizer = strategy.build_optimizer(model)
-    schedule = build_schedule(optimizer, t.steps, cfg.optim)
+    with BuildPeak(runtime.device) as build:
+        # The layout is applied on the meta device; then each rank allocates and initialises only its part.
+        model = strategy.parallelize(model, initial_weights(config.model, model, config.seed))
+        optimizer = strategy.build_optimizer(model, config.optim)
+    memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
+    schedule = build_schedule(optimizer, t.steps, config.optim)
     wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
-    checkpoints = RunCheckpoints(CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint["async"],
+    checkpoints = RunCheckpoints(CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
                                                    runtime),
                                  strategy, model, optimizer, schedule, data, gpt_cfg, runtime, wandb_id)
     state = checkpoints.restore(resume) if resume else LoopState()
@@ -165,12 +191,14 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt_cfg.vocab_size,
                                   layout=strategy.describe(), device=str(runtime.device), precision=precision,
                                   dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(),
-                                  run_dir=run_dir, resumed=f"{resume} (step {state.step})" if resume else None))
+                                  memory=memory, run_dir=run_dir,
+                                  resumed=f"{resume} (step {state.step})" if resume else None))
 
     loggers = (RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records, wandb_id=wandb_id)
                if runtime.is_main else None)
-    trainer = Trainer(cfg, runtime, strategy, model, optimizer, schedule, data, train_slice, val_slice,
-                      model_flops, loggers.record if loggers else lambda record: None, checkpoints, preemption, state)
+    trainer = Trainer(t, config.optim.grad_clip, config.checkpoint.every, runtime, strategy, model, optimizer,
+                      schedule, data, train_slice, val_slice, model_flops,
+                      loggers.record if loggers else lambda record: None, checkpoints, preemption, state)
     try:
         state = trainer.run()
         checkpoints.finish()

@@ -1,7 +1,8 @@
 """The process's place in the job: rank and world from torchrun, from SLURM's srun, or from nothing.
 
 `init_runtime` joins the process group when there is one (NCCL on CUDA, gloo on CPU) and picks the device;
-`Runtime.shutdown` leaves it cleanly. Everything else asks the Runtime, never the environment.
+`Runtime.shutdown` leaves it cleanly. Everything else asks the Runtime, never the environment, except what runs
+before a Runtime can exist: resolvers.py (the run directory every rank agrees on) and spawn.py (the launcher).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime
@@ -112,9 +113,9 @@ PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=
 def layout_strategy(*overrides: str, world_size: int):
     """The strategy a `world_size`-rank job with these overrides builds. Its checks run before any process group
     is needed, so bad layouts can be tested in this process; a good one goes on to need the real process group."""
-    cfg = compose_config(list(overrides))
+    cfg = OmegaConf.to_object(compose_config(list(overrides)))
     runtime = Runtime(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), launcher="torchrun")
-    return get_strategy(cfg.parallel.strategy)(cfg, runtime)
+    return get_strategy(cfg.parallel.strategy)(cfg.parallel, cfg.train, cfg.model, runtime)
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,8 @@ from contextlib import nullcontext
 
 import torch
 
-from llmtrain.model import build_model
-from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime, init_runtime
-from llmtrain.tools import compose_config
+from llmtrain.tools import build_layout, compose_config
 
 STEPS = 3
 VOCAB = 257
@@ -48,9 +46,8 @@ def batches(cfg) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
 def train(cfg, runtime: Runtime):
     """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the strategy, the model."""
     torch.manual_seed(cfg.seed)
-    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    model = strategy.parallelize(build_model(cfg.model, VOCAB, cfg.seed))
-    optimizer = strategy.build_optimizer(model)
+    strategy, model = build_layout(cfg, runtime, VOCAB)
+    optimizer = strategy.build_optimizer(model, cfg.optim)
     losses, norms = [], []
     for micro_batches in batches(cfg):
         losses.append(strategy.reduce_mean(strategy.forward_backward(model, micro_batches, nullcontext)).item())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -14,10 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 
 from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, faults, run_train, train_command
 from llmtrain.checkpoint import load_final_model
-from llmtrain.checkpoint.manager import checkpoint_path, complete_checkpoints, single_process_quiet
+from llmtrain.checkpoint.manager import (IncompleteCheckpoint, checkpoint_path, complete_checkpoints, latest_checkpoint,
+                                         single_process_quiet)
+from llmtrain.checkpoint.offline import find_checkpoint
+from llmtrain.checkpoint.training import resume_path
+from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
@@ -75,9 +81,9 @@ LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoints(tmp_path_factory, cache_dir) -> Path:
-    """Checkpoints of an fsdp run on 4 ranks, saved in the background (checkpoint.async), killed after step 8:
+    """Checkpoints of an fsdp run on 4 ranks, saved in the background (checkpoint.async_save), killed after step 8:
     shared by the resume and reshard tests."""
-    return _killed_mid_run(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"], "checkpoint.async=true")
+    return _killed_mid_run(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"], "checkpoint.async_save=true")
 
 
 @pytest.mark.slow
@@ -93,7 +99,8 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
     assert "resumed   from" in resumed.stdout + resumed.stderr
     for key in ("loss", "grad_norm", "val_loss"):
         assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in uninterrupted.metrics], key
-    final, expected = load_final_model(resumed.run_dir / "model.pt"), load_final_model(uninterrupted.run_dir / "model.pt")
+    final = load_final_model(resumed.run_dir / "model.pt")
+    expected = load_final_model(uninterrupted.run_dir / "model.pt")
     assert all(torch.equal(final[name], expected[name]) for name in expected)
 
 
@@ -155,6 +162,36 @@ def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     assert [Path(p).name for p in found] == ["step-00000005"]
     assert "step-00000015: shard __0_0.distcp is missing" in caplog.text
     assert "step-00000010: shard __0_0.distcp is truncated" in caplog.text
+
+
+def test_one_lookup_finds_a_checkpoint_for_resume_export_and_sampling(tmp_path):
+    """A step-* directory, a directory of them or (export, sampling) a run directory: each caller words its own
+    error for an incomplete checkpoint or an empty directory."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    _tiny_checkpoints(checkpoints, [5, 10, 15])
+    next(Path(checkpoint_path(str(checkpoints), 15)).glob("*.distcp")).unlink()
+    latest, broken = checkpoint_path(str(checkpoints), 10), checkpoint_path(str(checkpoints), 15)
+    assert latest_checkpoint(str(checkpoints), warn=False) == latest
+    assert latest_checkpoint(str(run_dir)) is None and latest_checkpoint(str(tmp_path / "nothing")) is None
+    with pytest.raises(IncompleteCheckpoint, match="shard __0_0.distcp is missing"):
+        latest_checkpoint(broken)
+
+    assert find_checkpoint(str(run_dir)) == find_checkpoint(str(checkpoints)) == find_checkpoint(latest) == latest
+    with pytest.raises(SystemExit, match="is not a complete checkpoint: shard"):
+        find_checkpoint(broken)
+    with pytest.raises(SystemExit, match="no complete checkpoint in"):
+        find_checkpoint(str(tmp_path))
+
+    def resume(value: str, directory: Path = tmp_path / "fresh"):
+        return resume_path(OmegaConf.structured(CheckpointConfig(resume=value)), str(directory), is_main=True)
+
+    assert resume("auto") is None and resume("auto", checkpoints) == latest and resume("none", checkpoints) is None
+    assert resume(str(checkpoints)) == resume(latest) == latest
+    for value, message in ((broken, "is not a complete checkpoint"), (str(run_dir), "holds no complete checkpoint")):
+        with pytest.raises(ConfigError, match=f"^checkpoint.resume={re.escape(value)} {message}") as error:
+            resume(value)
+        assert "\n" not in str(error.value)
 
 
 @pytest.mark.slow

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from llmtrain.config import ConfigError, register_schemas, validate
+from llmtrain.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
+                             RootConfig, TrainConfig, register_schemas, validate)
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
+README = Path(__file__).resolve().parent.parent / "README.md"
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("model", "data", "parallel", "optim", "logging")}
 # Options that need a key the user must supply before they validate.
@@ -51,7 +55,8 @@ def test_unknown_option_lists_the_available_ones():
     assert "gpt2-medium" in str(error.value) and "tiny" in str(error.value)
 
 
-@pytest.mark.parametrize("override", ["train.stpes=5", "model.n_heads=4", "optim.learning_rate=1"])
+@pytest.mark.parametrize("override", ["train.stpes=5", "model.n_heads=4", "optim.learning_rate=1",
+                                      "checkpoint.async=true"])
 def test_misspelt_key_is_rejected(override):
     with pytest.raises(ConfigCompositionException) as error:
         _compose(override)
@@ -73,6 +78,7 @@ def test_wrong_type_is_rejected():
     (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
     (["model.d_model=130"], "model.d_model"),
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
 ])
 def test_validate_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as error:
@@ -86,3 +92,86 @@ def test_empty_file_counts_as_missing_data(tmp_path):
     empty.write_text("")
     with pytest.raises(ConfigError, match="data.path"):
         validate(_compose("data=local", f"data.path={empty}"))
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    """Every leaf key of a config, dotted, with its value ("???" where it is MISSING)."""
+    leaves = {}
+    for key in node:
+        value = "???" if OmegaConf.is_missing(node, key) else node[key]
+        if OmegaConf.is_config(value):
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
+
+
+def _readme_keys() -> dict[str, str]:
+    """Key -> documented default, from README's `| key | default | meaning |` tables. A row may name several keys:
+    its default is then either theirs in the same order, separated by ", ", or one value they share."""
+    documented, in_table = {}, False
+    for line in README.read_text().splitlines():
+        if line == "| key | default | meaning |":
+            in_table = True
+        elif not line.startswith("|"):
+            in_table = False
+        elif in_table and not line.startswith("|---"):
+            keys_cell, default_cell = line.split(" | ")[:2]
+            keys = re.findall(r"`([^`]+)`", keys_cell)
+            defaults = default_cell.split(", ") if len(keys) > 1 else [default_cell]
+            defaults = defaults * len(keys) if len(defaults) == 1 else defaults
+            assert len(defaults) == len(keys), f"README: {len(keys)} keys but defaults {default_cell!r}"
+            documented.update(zip(keys, defaults))
+    return documented
+
+
+def _readme_value(text: str):
+    text = text.strip().strip("`")
+    if text in ("null", "true", "false"):
+        return {"null": None, "true": True, "false": False}[text]
+    for parse in (lambda t: int(t.replace(",", "")), float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _same(documented, composed) -> bool:
+    if isinstance(documented, bool) or isinstance(composed, bool):  # True == 1 would pass otherwise
+        return documented is composed
+    return documented == composed
+
+
+def test_the_readme_documents_every_key_with_its_default():
+    """README's key tables against the default composition, as `python train.py` composes it (model=tiny,
+    data=stdlib, parallel=single, ...; not tools.compose_config, which forces the byte tokenizer): every key of the
+    config is documented, every documented key exists, and every documented default is the value."""
+    composed = _leaves(_compose())
+    documented = _readme_keys()
+    assert sorted(set(composed) - set(documented)) == [], "keys the README's key tables do not document"
+    assert sorted(set(documented) - set(composed)) == [], "keys the README documents that the config lacks"
+    wrong = {key: (text, composed[key]) for key, text in documented.items()
+             if not _same(_readme_value(text), composed[key])}
+    assert wrong == {}, "README default vs composed default"
+
+
+def test_schema_defaults_are_the_default_options_values():
+    """A key the schema gives a default means what conf/ says, so a yaml that leaves it out changes nothing. The
+    model schema is generic (each preset sets its own shape), so its defaults are left out."""
+    composed = _leaves(_compose())
+    schemas = {"data": DataConfig, "parallel": ParallelConfig, "optim": OptimConfig, "logging": LoggingConfig,
+               "train": TrainConfig, "checkpoint": CheckpointConfig}
+    defaults = {"seed": RootConfig.seed}
+    for group, schema in schemas.items():
+        defaults.update(_leaves(OmegaConf.structured(schema), f"{group}."))
+    differing = {key: (value, composed[key]) for key, value in defaults.items() if value not in ("???", composed[key])}
+    assert differing == {}, "schema default vs conf/"
+
+
+def test_the_readme_lists_every_option_of_every_group():
+    rows = {line.split(" | ")[0].strip("|` "): line for line in README.read_text().splitlines()
+            if line.startswith("| `") and line.endswith("` |")}
+    for group, options in GROUPS.items():
+        listed = re.findall(r"`([^`]+)`", rows[group].split(" | ")[1])
+        assert sorted(listed) == options, group

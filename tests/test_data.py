@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 
 import numpy as np
 import pandas as pd
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import RankSlice, build_tokenizer
-from llmtrain.data.packing import pack_windows, tokenize_documents
+from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.stream import GlobalBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
@@ -55,6 +56,21 @@ def test_packing_round_trips_the_token_stream():
     np.testing.assert_array_equal(np.concatenate(windows), stream[: len(windows) * 33])
     decoded = tokenizer.decode(stream)
     assert decoded == "".join(DOCS)  # the end-of-text ids separate documents and decode to nothing
+
+
+def test_a_packer_restored_from_its_state_continues_the_same_windows():
+    chunks = list(tokenize_documents(DOCS, ByteTokenizer()))
+    expected = list(pack_windows(chunks, 33))
+    packer = WindowPacker(33)
+    for chunk in chunks[:100]:
+        packer.add(chunk)
+    taken = [packer.take()]  # more windows are cut than taken, and tokens are left over
+    restored = WindowPacker(33)
+    restored.load_state_dict(pickle.loads(pickle.dumps(packer.state_dict())))
+    for chunk in chunks[100:]:
+        restored.add(chunk)
+    taken += list(restored.windows())
+    assert len(taken) == len(expected) and all(np.array_equal(a, b) for a, b in zip(taken, expected))
 
 
 def test_window_shuffle_is_a_seeded_permutation_of_the_packed_stream(corpus):

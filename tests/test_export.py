@@ -3,13 +3,15 @@ in HF format loads into our model (model.init_from) with theirs, and generation 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from conftest import REPO
+from conftest import REPO, free_port
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.config import ConfigError
 from llmtrain.export import export
@@ -94,3 +96,45 @@ def test_a_gpt2_of_another_shape_is_refused_naming_the_keys(tmp_path):
     cfg = compose_config(["model=tiny", f"model.init_from={tmp_path}"])
     with pytest.raises(ConfigError, match=r"model.d_ff=512 \(theirs: 256\)"):
         build_model(cfg.model, 257, seed=1)
+
+
+def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> None:
+    """Both layouts in one 2-rank process group: the GPT-2 read straight into FSDP shards and into pipeline stages."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    from transformers import GPT2LMHeadModel
+
+    from llmtrain.model import GPT
+    from llmtrain.runtime import init_runtime
+    from llmtrain.tools import build_layout
+
+    runtime = init_runtime("cpu")
+    ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = GPT2LMHeadModel.from_pretrained(directory).eval()(ids).logits
+    found = {}
+    for layout in (["parallel=fsdp"], ["parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=2"]):
+        cfg = compose_config(["model=tiny", f"model.init_from={directory}", "train.batch_size=4",
+                              "train.micro_batch_size=2", *layout])
+        strategy, model = build_layout(cfg, runtime, 257)
+        with torch.no_grad():
+            if strategy.name == "fsdp":  # every rank runs the whole model from its shards
+                found["fsdp"] = (model.eval()(ids)[..., :257] - theirs).abs().max().item()
+            weights = strategy.full_state_dict(model)  # model.pt's path: one tensor at a time to rank 0
+            if runtime.is_main:
+                with torch.device("meta"):
+                    whole = GPT(model.cfg)
+                whole.load_state_dict(weights, assign=True)
+                found[f"{strategy.name} model.pt"] = (whole.eval()(ids)[..., :257] - theirs).abs().max().item()
+    results.put((rank, found))
+    runtime.shutdown(synchronize=True)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_gpt2_loads_straight_into_shards_and_stages(tmp_path):
+    _hf_gpt2(tmp_path)
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(_sharded_init_from_worker, args=(free_port(), str(tmp_path), results), nprocs=2,
+                       start_method="spawn")
+    found = dict(results.get(timeout=300) for _ in range(2))
+    assert set(found[0]) == {"fsdp", "fsdp model.pt", "pp model.pt"} and set(found[1]) == {"fsdp"}
+    assert max(found[0].values()) <= LOGIT_ATOL and found[1]["fsdp"] <= LOGIT_ATOL, found

@@ -16,7 +16,7 @@ TINY = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
 
 def _model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
     model = GPT(cfg)
-    model.init_weights(torch.Generator().manual_seed(seed))
+    model.init_weights(seed)
     return model
 
 

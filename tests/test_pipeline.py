@@ -14,9 +14,9 @@ import torch
 
 from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy
 from llmtrain.config import ConfigError
-from llmtrain.model import build_model
+from llmtrain.model import build_model, initial_weights, materialize, meta_model
 from llmtrain.parallel.pipeline.schedules import SCHEDULES, validate_schedule
-from llmtrain.parallel.pipeline.split import build_rank_model, rank_stages, stage_layers, stage_rank, stage_view
+from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
 from llmtrain.tools import compose_config
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -50,10 +50,18 @@ def test_stages_are_dealt_in_loops_or_in_a_v():
 def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     cfg = compose_config(["model=tiny", "model.n_layer=4"])
     whole = build_model(cfg.model, 257, seed=3)
+    init = initial_weights(cfg.model, whole, seed=3)
     layers = stage_layers(4, 4, 0)
     expected = whole.state_dict()
-    # Two ranks with two stages each in a V: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2.
-    parts = [build_rank_model(whole, rank_stages(rank, 2, 2, "v"), layers) for rank in range(2)]
+    # Two ranks with two stages each in a V: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; each part is cut
+    # on the meta device and allocates only its own blocks.
+    parts = []
+    for rank in range(2):
+        stages = rank_stages(rank, 2, 2, "v")
+        part = meta_model(cfg.model, 257).pipeline_part([i for s in stages for i in layers[s]], first=0 in stages,
+                                                       last=3 in stages)
+        materialize(part, torch.device("cpu"), init)
+        parts.append(part)
     assert sorted(parts[0].blocks) == ["0", "3"] and sorted(parts[1].blocks) == ["1", "2"]
     merged = {name: tensor for part in parts for name, tensor in part.state_dict().items()}
     assert merged.keys() == expected.keys()
@@ -61,7 +69,8 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     # Rank 0 holds the embedding and the head, as two stages' copies of one matrix, not one shared tensor.
     assert parts[0].lm_head.weight is not parts[0].tok_emb.weight
     # The stage views run the parts' own modules; chained, they compute the whole model.
-    views = {stage: stage_view(parts[stage_rank(stage, 2, "v")], stage, layers) for stage in range(4)}
+    views = {stage: parts[stage_rank(stage, 2, "v")].stage_view(layers[stage], first=stage == 0, last=stage == 3)
+             for stage in range(4)}
     assert views[3].lm_head is parts[0].lm_head and views[2].blocks["2"] is parts[1].blocks["2"]
     tokens = torch.randint(0, 257, (2, 16))
     x = tokens

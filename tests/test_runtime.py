@@ -137,3 +137,42 @@ def test_a_stop_signal_is_recorded_and_handed_back_to_whoever_watched_before(mon
         assert earlier == [signal.SIGUSR2, signal.SIGUSR2]
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.parametrize("local_rank, lines", [(0, 1), (1, 0)])
+def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(monkeypatch, capsys, local_rank,
+                                                                                  lines):
+    """A signal before the runtime exists is announced once the watch learns its rank (from the Runtime, whatever
+    the environment says), by local rank 0 only; further signals add no line."""
+    import signal
+
+    from llmtrain.runtime import Runtime
+    from llmtrain.train.preemption import PreemptionWatch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    runtime = Runtime(rank=5, world_size=8, local_rank=local_rank, device=torch.device("cpu"), launcher="slurm")
+    with PreemptionWatch() as watch:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.signal_name == "SIGUSR1" and capsys.readouterr().err == ""  # no rank known yet
+        assert watch.requested(runtime)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.requested(runtime)
+    announced = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmtrain: ")]
+    assert len(announced) == lines
+    assert all(line.startswith("llmtrain: SIGUSR1 received on rank 5: ") for line in announced)
+
+
+def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
+    """The process's place in the job comes from the Runtime; only runtime.py, resolvers.py (the run directory,
+    before any Runtime) and spawn.py (the launcher) read the launchers' rank variables."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "llmtrain"
+    allowed = {"runtime.py", "resolvers.py", "spawn.py"}
+    variables = re.compile(r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
+                           r"SLURM_STEP_NUM_TASKS)\b")
+    readers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if str(path.relative_to(package)) not in allowed and variables.search(path.read_text()))
+    assert readers == []

@@ -52,18 +52,15 @@ def _logits_worker(rank: int, port: int, results) -> None:
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
-    from llmtrain.model import GPT, cross_entropy_loss, gpt_config
-    from llmtrain.parallel import get_strategy
+    from llmtrain.model import cross_entropy_loss
     from llmtrain.runtime import init_runtime
+    from llmtrain.tools import build_layout
 
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=16"])
     runtime = init_runtime("cpu")
-    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    gpt = GPT(gpt_config(cfg.model, 257))
-    gpt.init_weights(torch.Generator().manual_seed(0))
-    model = strategy.parallelize(gpt)
+    strategy, model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
     seen = []
     model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.to_local().shape)))

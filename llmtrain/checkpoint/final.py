@@ -10,8 +10,10 @@ import torch
 
 def save_final_model(state: dict[str, torch.Tensor], path: str) -> None:
     """Write `state` to `path` atomically (rank 0 only)."""
-    # clone: a ZeRO-1 parameter is a view of a flat buffer, and torch.save would store the whole buffer.
-    state = {name: tensor.detach().clone() for name, tensor in state.items()}
+    # A ZeRO-1 parameter is a view of a flat buffer, which torch.save would store whole: such views are cloned,
+    # one at a time; other tensors are written as they are (no second copy of the model in host memory).
+    state = {name: tensor.detach().clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor.detach()
+             for name, tensor in state.items()}
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)

@@ -11,10 +11,10 @@ It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a 
 complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
 naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
 
-With `async`, DCP's async_save stages the state in host memory, returns, and writes in a background thread on a
-dedicated gloo group while training continues; the rename happens at the first step end after every rank's write
-has finished (or at the next save, or the end of the run), so a crash mid-write leaves the previous checkpoint as
-the latest.
+With `checkpoint.async_save`, DCP's async_save stages the state in host memory, returns, and writes in a background
+thread on a dedicated gloo group while training continues; the rename happens at the first step end after every
+rank's write has finished (or at the next save, or the end of the run), so a crash mid-write leaves the previous
+checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def incomplete_reason(path: str) -> str | None:
 
 
 def complete_checkpoints(directory: str, warn: bool = True) -> list[str]:
-    """Complete checkpoints in `directory`, oldest first; incomplete ones are reported (`warn`) and left alone."""
+    """Complete checkpoints in `directory`, oldest first; incomplete ones are left out (and reported: `warn`)."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -90,11 +90,28 @@ def complete_checkpoints(directory: str, warn: bool = True) -> list[str]:
         if _STEP_DIR.match(name):
             path = os.path.join(directory, name)
             reason = incomplete_reason(path)
-            if reason and warn:
-                log.warning(f"skipping checkpoint {path}: {reason}")
-            else:
+            if reason is None:
                 found.append(path)
+            elif warn:
+                log.warning(f"skipping checkpoint {path}: {reason}")
     return found
+
+
+class IncompleteCheckpoint(ValueError):
+    """A path that names one checkpoint (step-<n>) which cannot be loaded; the message is the reason."""
+
+
+def latest_checkpoint(path: str, warn: bool = True) -> str | None:
+    """The checkpoint `path` stands for: itself when it names one (step-<n>), else the latest complete one in the
+    directory `path`, None when it holds none. The one lookup behind resuming, export and sampling; each caller
+    words its own error. Raises IncompleteCheckpoint when `path` names one checkpoint that is incomplete."""
+    if is_checkpoint_name(path):
+        reason = incomplete_reason(path)
+        if reason:
+            raise IncompleteCheckpoint(reason)
+        return path
+    found = complete_checkpoints(path, warn)
+    return found[-1] if found else None
 
 
 def read_meta(path: str) -> dict[str, Any]:

@@ -6,8 +6,7 @@ import os
 
 import torch.distributed.checkpoint as dcp
 
-from llmtrain.checkpoint.manager import (complete_checkpoints, incomplete_reason, is_checkpoint_name, read_meta,
-                                         single_process_quiet)
+from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, read_meta, single_process_quiet
 from llmtrain.model import GPT, GPTConfig
 
 
@@ -15,15 +14,12 @@ def find_checkpoint(path: str) -> str:
     """`path` itself when it is one checkpoint, else the latest complete one in it (a checkpoint directory, or a
     run directory with checkpoints/)."""
     path = os.path.abspath(os.path.expanduser(path))
-    if is_checkpoint_name(path):
-        reason = incomplete_reason(path)
-        if reason:
-            raise SystemExit(f"error: {path} is not a complete checkpoint: {reason}")
-        return path
-    for directory in (path, os.path.join(path, "checkpoints")):
-        found = complete_checkpoints(directory)
-        if found:
-            return found[-1]
+    try:
+        found = latest_checkpoint(path) or latest_checkpoint(os.path.join(path, "checkpoints"))
+    except IncompleteCheckpoint as reason:
+        raise SystemExit(f"error: {path} is not a complete checkpoint: {reason}") from None
+    if found:
+        return found
     raise SystemExit(f"error: no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or "
                      f"a run directory")
 
@@ -31,8 +27,8 @@ def find_checkpoint(path: str) -> str:
 def load_checkpoint_model(path: str) -> GPT:
     """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards)."""
     model = GPT(GPTConfig(**read_meta(path)["model"]))
-    # In place, into the parameters; the tied head is stored as (and is) the embedding (Strategy.checkpoint_state).
-    weights = {name: tensor for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
+    # In place, into the parameters; a tied one is stored as (and is) its source (Strategy.checkpoint_state).
+    weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
     with single_process_quiet():
         dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     return model.eval()

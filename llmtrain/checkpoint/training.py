@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmtrain.checkpoint.manager import (CheckpointManager, complete_checkpoints, incomplete_reason,
-                                         is_checkpoint_name, load_checkpoint, read_data_position, read_meta,
-                                         restore_rng_states)
+from llmtrain.checkpoint.manager import (CheckpointManager, IncompleteCheckpoint, latest_checkpoint, load_checkpoint,
+                                         read_data_position, read_meta, restore_rng_states)
 from llmtrain.config import ConfigError
 from llmtrain.data import Data
 from llmtrain.data.tokenizers import save_for_transformers
@@ -30,20 +29,20 @@ def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete_checkpoints(directory, warn=is_main)
-        return found[-1] if found else None
-    path = os.path.abspath(os.path.expanduser(resume))
-    if is_checkpoint_name(path):
-        reason = incomplete_reason(path)
-        if reason:
-            raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
-                              f"another step-* directory, or at the checkpoint directory to take its latest")
-        return path
-    found = complete_checkpoints(path, warn=is_main)
-    if not found:
+        try:
+            return latest_checkpoint(directory, warn=is_main)
+        except IncompleteCheckpoint as reason:  # checkpoint.dir itself named a step-* directory
+            raise ConfigError(f"checkpoint.dir={directory} is an incomplete checkpoint ({reason}), not a directory "
+                              f"of them: point checkpoint.dir at the directory that holds the step-* ones") from None
+    try:
+        found = latest_checkpoint(os.path.abspath(os.path.expanduser(resume)), warn=is_main)
+    except IncompleteCheckpoint as reason:
+        raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
+                          f"another step-* directory, or at the checkpoint directory to take its latest") from None
+    if found is None:
         raise ConfigError(f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
                           f"directory or a checkpoint directory, or use checkpoint.resume=auto")
-    return found[-1]
+    return found
 
 
 def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:

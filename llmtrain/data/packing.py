@@ -7,6 +7,7 @@ last seq_len). Nothing is padded, so every position of every window is a real ne
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Iterable, Iterator
 
@@ -24,18 +25,53 @@ def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, batch_docs: i
             yield np.concatenate([ids, eos])
 
 
+class WindowPacker:
+    """Cuts the concatenation of the token chunks it is given into consecutive windows of `window` tokens.
+
+    It holds the tokens not yet cut and the windows not yet taken as arrays that are never modified in place, so
+    `state_dict()` is a cheap snapshot and a packer restored from it yields exactly the windows the original would
+    have (the training stream's checkpointed position relies on it). Training and validation both pack with it.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        self._tokens: list[np.ndarray] = []  # not yet cut: fewer than `window` tokens in all
+        self._n_tokens = 0
+        self._windows: collections.deque[np.ndarray] = collections.deque()  # cut, not yet taken
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append `tokens` to the stream and cut every window it completes."""
+        self._tokens.append(tokens)
+        self._n_tokens += len(tokens)
+        if self._n_tokens < self.window:
+            return
+        stream = np.concatenate(self._tokens)
+        n_full = len(stream) // self.window
+        self._windows.extend(stream[: n_full * self.window].reshape(n_full, self.window))
+        rest = stream[n_full * self.window:]
+        self._tokens, self._n_tokens = [rest], len(rest)
+
+    def take(self) -> np.ndarray | None:
+        """The next cut window, or None until more tokens are added."""
+        return self._windows.popleft() if self._windows else None
+
+    def windows(self) -> Iterator[np.ndarray]:
+        """Take every window cut so far."""
+        while self._windows:
+            yield self._windows.popleft()
+
+    def state_dict(self) -> dict:
+        return {"tokens": list(self._tokens), "windows": list(self._windows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._tokens, self._windows = list(state["tokens"]), collections.deque(state["windows"])
+        self._n_tokens = sum(len(t) for t in self._tokens)
+
+
 def pack_windows(token_chunks: Iterable[np.ndarray], window: int) -> Iterator[np.ndarray]:
     """Cut the concatenation of `token_chunks` into consecutive windows of `window` tokens; a final partial
     window is dropped."""
-    pending: list[np.ndarray] = []
-    n_pending = 0
+    packer = WindowPacker(window)
     for chunk in token_chunks:
-        pending.append(chunk)
-        n_pending += len(chunk)
-        if n_pending < window:
-            continue
-        stream = np.concatenate(pending)
-        n_full = len(stream) // window
-        yield from stream[: n_full * window].reshape(n_full, window)
-        rest = stream[n_full * window:]
-        pending, n_pending = [rest], len(rest)
+        packer.add(chunk)
+        yield from packer.windows()

@@ -20,7 +20,7 @@ import torch
 from datasets import IterableDataset
 
 from llmtrain.config import ConfigError
-from llmtrain.data.packing import pack_windows, tokenize_documents
+from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import Tokenizer
 
 
@@ -51,17 +51,17 @@ class TrainingWindows:
     """The endless, seeded stream of (seq_len + 1)-token windows, whose position can be saved and restored exactly.
 
     Documents come in a seeded shard order (HF datasets' `shuffle`, reshuffled each epoch), pass a
-    seeded document shuffle buffer, are tokenised with an end-of-text token, concatenated and cut into windows,
-    and the windows pass a seeded shuffle buffer. Every stage keeps its state in plain attributes (the source's
-    position is HF's own `state_dict`, the buffers are lists of immutable items, the generators numpy states), so
-    `state_dict()` is a cheap snapshot and a resumed stream yields exactly the windows the original would have.
+    seeded document shuffle buffer, are tokenised with an end-of-text token, concatenated and cut into windows
+    (a WindowPacker, as the validation windows are), and the windows pass a seeded shuffle buffer. Every stage keeps
+    its state in plain attributes (the source's position is HF's own `state_dict`, the buffers are lists of
+    immutable items, the generators numpy states), so `state_dict()` is a cheap snapshot and a resumed stream
+    yields exactly the windows the original would have.
     """
 
     def __init__(self, documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, seed: int,
                  doc_shuffle_buffer: int, window_shuffle_buffer: int, tokenize_batch: int = 64):
         self.documents = documents.shuffle(seed=seed, buffer_size=1)  # shard order only; the buffer is ours
         self.tokenizer = tokenizer
-        self.window = seq_len + 1
         self.seed = seed
         self.doc_buffer_size, self.window_buffer_size = doc_shuffle_buffer, window_shuffle_buffer
         self.tokenize_batch = tokenize_batch
@@ -69,8 +69,7 @@ class TrainingWindows:
         self.docs_in_epoch = 0
         self.doc_buffer: list[str] = []
         self.doc_rng = np.random.default_rng([seed, 0])
-        self.tokens: list[np.ndarray] = []  # tokenised documents not yet cut into windows
-        self.windows: list[np.ndarray] = []  # cut windows not yet in the shuffle buffer
+        self.packer = WindowPacker(seq_len + 1)  # tokens not yet cut, windows not yet in the shuffle buffer
         self.window_buffer: list[np.ndarray] = []
         self.window_rng = np.random.default_rng(seed)
         self._source: Iterator[dict] | None = None
@@ -80,13 +79,13 @@ class TrainingWindows:
         return {"epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
                 "source": copy.deepcopy(self.documents.state_dict()) if self._source is not None else None,
                 "doc_buffer": list(self.doc_buffer), "doc_rng": self.doc_rng.bit_generator.state,
-                "tokens": list(self.tokens), "windows": list(self.windows),
+                **self.packer.state_dict(),  # flat "tokens" and "windows", as before the packer: old checkpoints load
                 "window_buffer": list(self.window_buffer), "window_rng": self.window_rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
-        self.doc_buffer, self.tokens = list(state["doc_buffer"]), list(state["tokens"])
-        self.windows, self.window_buffer = list(state["windows"]), list(state["window_buffer"])
+        self.doc_buffer, self.window_buffer = list(state["doc_buffer"]), list(state["window_buffer"])
+        self.packer.load_state_dict(state)
         self.doc_rng.bit_generator.state = state["doc_rng"]
         self.window_rng.bit_generator.state = state["window_rng"]
         self._source = None
@@ -109,19 +108,12 @@ class TrainingWindows:
         return window
 
     def _next_window(self) -> np.ndarray:
-        while not self.windows:
-            self._cut_windows()
-        return self.windows.pop(0)
-
-    def _cut_windows(self) -> None:
-        """Tokenise a batch of documents and cut every full window out of the tokens so far."""
-        texts = [self._next_document() for _ in range(self.tokenize_batch)]
-        eos = np.array([self.tokenizer.eos_id], dtype=np.int64)
-        self.tokens += [np.concatenate([ids, eos]) for ids in self.tokenizer.encode_batch(texts)]
-        stream = np.concatenate(self.tokens)
-        n_full = len(stream) // self.window
-        self.windows += list(stream[: n_full * self.window].reshape(n_full, self.window))
-        self.tokens = [stream[n_full * self.window:]]
+        """The next packed window, tokenising a batch of documents whenever the packer has none."""
+        while (window := self.packer.take()) is None:
+            texts = [self._next_document() for _ in range(self.tokenize_batch)]
+            for tokens in tokenize_documents(texts, self.tokenizer, self.tokenize_batch):
+                self.packer.add(tokens)
+        return window
 
     def _next_document(self) -> str:
         """The next document out of the document shuffle buffer; an exhausted epoch starts the next one."""

@@ -1,8 +1,12 @@
-"""The GPT model and its construction from the `model` config group."""
+"""The GPT and its construction from the `model` config group: built on the meta device, laid out, then
+materialised with the initial weights of the seed or of a Hugging Face GPT-2 (model.init_from)."""
+
+from __future__ import annotations
 
 import torch
 
-from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters
+from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
+from llmtrain.model.materialize import ParameterInit, materialize, write_parameters
 
 
 def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
@@ -13,17 +17,28 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
                      vocab_multiple=model_cfg.vocab_multiple)
 
 
-def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
-    """A GPT initialised from `seed` alone, or loaded from model.init_from: every layout starts from the same
-    weights."""
-    model = GPT(gpt_config(model_cfg, vocab_size))
-    model.init_weights(torch.Generator().manual_seed(seed))
-    if model_cfg.get("init_from"):
-        from llmtrain.model.hf import load_hf_weights
+def meta_model(model_cfg, vocab_size: int) -> GPT:
+    """The whole model on the meta device: shapes only, no memory, for a layout to cut and shard."""
+    with torch.device("meta"):
+        return GPT(gpt_config(model_cfg, vocab_size))
 
-        load_hf_weights(model, model_cfg.init_from)
+
+def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
+    """Where the initial weights come from: the GPT-2 at model.init_from (read tensor by tensor), else `seed`."""
+    if model_cfg.init_from:
+        from llmtrain.model.hf import GPT2Weights
+
+        return GPT2Weights(model_cfg.init_from, model.cfg)
+    return seeded_init(model, seed)
+
+
+def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
+    """The whole model materialised in this process on the CPU, with the weights every layout starts from (for
+    tools and tests; training lays the model out on the meta device first, llmtrain/job.py)."""
+    model = meta_model(model_cfg, vocab_size)
+    materialize(model, torch.device("cpu"), initial_weights(model_cfg, model, seed))
     return model
 
 
-__all__ = ["GPT", "GPTConfig", "build_model", "gpt_config", "cross_entropy_loss", "flops_per_token",
-           "num_parameters"]
+__all__ = ["GPT", "GPTConfig", "ParameterInit", "build_model", "cross_entropy_loss", "flops_per_token",
+           "gpt_config", "initial_weights", "materialize", "meta_model", "num_parameters", "write_parameters"]

@@ -5,14 +5,18 @@ Layout choices made for the parallel layouts that wrap it:
   and checkpoints do not care how the model was cut;
 - the embeddings, the blocks and the head are separate attributes, so a stage can own any of them;
 - q, k, v are separate projections so tensor parallelism can split each by heads with a plain column plan;
-- the head reshape is written in units of head_dim, so it holds for a rank that owns only some heads.
+- the head reshape is written in units of head_dim, so it holds for a rank that owns only some heads;
+- the model tells the layouts what they need to know about it (its tied parameters, its tensor-parallel plan, how
+  to cut a pipeline part and a stage out of it, each parameter's initial value), so llmtrain/parallel/ never
+  names one of its modules.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -146,22 +150,77 @@ class GPT(nn.Module):
             x = run_block(block, x, self.activation_checkpointing)
         return x if self.lm_head is None else self.lm_head(self.norm(x))
 
+    # -- what parallel layouts need to know about this model ------------------------------------------------
+    @property
+    def tied_parameters(self) -> dict[str, str]:
+        """Parameter name -> the name of the parameter it is (the LM head's weight is the token embedding), also
+        on a pipeline part that holds the head as its own copy: checkpoints store it once, under the source."""
+        return {"lm_head.weight": "tok_emb.weight"}
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Module name -> tensor-parallel style, for the modules this model (or part) holds."""
+        from llmtrain.model.parallel_plan import gpt_tensor_parallel_plan
+
+        return gpt_tensor_parallel_plan(self, sequence_parallel, loss_parallel)
+
+    def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
+        """A pipeline rank's part of this model, on the meta device: the blocks `layers`, the embeddings when it
+        runs the first stage, the final norm and head when it runs the last. The head is its own parameter even
+        when the part holds the embedding too: the two belong to different stages."""
+        with torch.device("meta"):
+            return GPT(self.cfg, layers=layers, embedding=first, head=last, tie_head=False)
+
+    def stage_view(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
+        """The module that runs one pipeline stage: a GPT made of this part's own modules (shared, not copied)."""
+        with torch.device("meta"):
+            view = GPT(self.cfg, layers=[], embedding=False, head=False)
+        view.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
+        if first:
+            view.tok_emb, view.pos_emb, view.emb_dropout = self.tok_emb, self.pos_emb, self.emb_dropout
+        if last:
+            view.norm, view.lm_head = self.norm, self.lm_head
+        view.activation_checkpointing = self.activation_checkpointing
+        return view
+
+    # -- initialisation ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """GPT-2 initialisation, in a fixed module order so that the same generator state gives the same weights."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and module is not self.lm_head:
-                std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-        if self.lm_head is not None and self.lm_head.bias is not None:
-            self.lm_head.bias.copy_(vocabulary_mask(self.cfg))
+    def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill `full`, the whole (unsplit) tensor of parameter `name`, with its GPT-2 initial value: N(0, 0.02)
+        for matrices and embeddings, scaled by 1/sqrt(2 n_layer) on the residual projections, LayerNorm at
+        identity, biases zero; the padded head's bias is the vocabulary mask."""
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, nn.LayerNorm):
+            full.fill_(1.0 if kind == "weight" else 0.0)
+        elif kind == "bias":
+            full.copy_(vocabulary_mask(self.cfg)) if module is self.lm_head else full.zero_()
+        else:
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if module_name.endswith(RESIDUAL_PROJECTIONS) else 0.02
+            full.normal_(mean=0.0, std=std, generator=generator)
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise this (unsplit, materialised) model in place from `seed`, as every layout does."""
+        init = seeded_init(self, seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                full = torch.empty(param.shape, dtype=param.dtype)  # drawn on the CPU, whatever the device
+                init(name, full)
+                param.copy_(full)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed per (run seed, parameter name): a parameter's initial value depends on nothing else, so
+    a rank can draw any one tensor without drawing the others first, in any order and under any split."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def seeded_init(model: GPT, seed: int) -> Callable[[str, torch.Tensor], None]:
+    """init(name, full): fill the whole CPU tensor of parameter `name` (the parameter it is tied to, for a tied
+    one) with its initial value for `seed`."""
+    def init(name: str, full: torch.Tensor) -> None:
+        name = model.tied_parameters.get(name, name)
+        model.init_parameter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
+    return init
 
 
 def vocabulary_mask(cfg: GPTConfig) -> torch.Tensor:

@@ -8,9 +8,15 @@
   blocks.i.mlp.fc_in, fc_out     transformer.h.i.mlp.c_fc, c_proj
   norm                           transformer.ln_f
 HF's Conv1D stores weights as (in, out), the transpose of nn.Linear's.
+
+Export converts a whole model (`to_hf_state_dict`, one process); import (`GPT2Weights`, model.init_from) converts
+one parameter at a time as each rank materialises its shards, reading the safetensors file lazily.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Callable
 
 import torch
 
@@ -54,39 +60,34 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return hf
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict (whole model, padded vocabulary) from GPT2LMHeadModel's."""
-    d = cfg.d_model
-    embedding = torch.zeros(cfg.padded_vocab_size, d)
-    embedding[: cfg.vocab_size] = hf["transformer.wte.weight"]
-    ours = {"tok_emb.weight": embedding, "pos_emb.weight": hf["transformer.wpe.weight"],
-            "norm.weight": hf["transformer.ln_f.weight"], "norm.bias": hf["transformer.ln_f.bias"],
-            "lm_head.weight": embedding}
-    if cfg.padded_vocab_size > cfg.vocab_size:
-        ours["lm_head.bias"] = vocabulary_mask(cfg)
-    for i in range(cfg.n_layer):
-        ours_prefix, hf_prefix = f"blocks.{i}.", f"transformer.h.{i}."
-        for our_norm, hf_norm in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            ours[f"{ours_prefix}{our_norm}.weight"] = hf[f"{hf_prefix}{hf_norm}.weight"]
-            ours[f"{ours_prefix}{our_norm}.bias"] = hf[f"{hf_prefix}{hf_norm}.bias"]
-        weight, bias = hf[f"{hf_prefix}attn.c_attn.weight"].t(), hf[f"{hf_prefix}attn.c_attn.bias"]
-        for j, p in enumerate("qkv"):
-            ours[f"{ours_prefix}attn.{p}_proj.weight"] = weight[j * d:(j + 1) * d]
-            ours[f"{ours_prefix}attn.{p}_proj.bias"] = bias[j * d:(j + 1) * d]
-        for ours_name, hf_name in (("attn.out_proj", "attn.c_proj"), ("mlp.fc_in", "mlp.c_fc"),
-                                   ("mlp.fc_out", "mlp.c_proj")):
-            ours[f"{ours_prefix}{ours_name}.weight"] = hf[f"{hf_prefix}{hf_name}.weight"].t()
-            ours[f"{ours_prefix}{ours_name}.bias"] = hf[f"{hf_prefix}{hf_name}.bias"]
-    return {name: tensor.contiguous() for name, tensor in ours.items()}
+def _hf_source(name: str, cfg: GPTConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The GPT-2 tensor (name without the "transformer." prefix) that our parameter `name` comes from, and how."""
+    d, keep = cfg.d_model, (lambda tensor: tensor)
+    transpose = (lambda tensor: tensor.t())
+    outer = {"pos_emb.weight": "wpe.weight", "norm.weight": "ln_f.weight", "norm.bias": "ln_f.bias"}
+    if name in outer:
+        return outer[name], keep
+    if name in ("tok_emb.weight", "lm_head.weight"):  # our vocabulary padding rows stay zero
+        return "wte.weight", lambda wte: torch.cat([wte, wte.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, d)])
+    _, layer, rest = name.split(".", 2)  # blocks.<i>.<rest>
+    prefix = f"h.{layer}."
+    norms = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
+    module, kind = rest.rsplit(".", 1)
+    if module in norms:
+        return f"{prefix}{norms[module]}.{kind}", keep
+    if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+        j = "qkv".index(module[5])
+        if kind == "weight":  # c_attn is (d, 3d), in then out: q, k, v side by side
+            return f"{prefix}attn.c_attn.weight", lambda w: w[:, j * d:(j + 1) * d].t()
+        return f"{prefix}attn.c_attn.bias", lambda b: b[j * d:(j + 1) * d]
+    theirs = {"attn.out_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}[module]
+    return f"{prefix}{theirs}.{kind}", transpose if kind == "weight" else keep
 
 
-def load_hf_weights(model: GPT, path: str) -> None:
-    """Overwrite `model`'s weights with a GPT-2 in HF format (a local directory, or a hub name where the hub is
-    reachable); its shape must match the model config."""
-    from transformers import GPT2LMHeadModel
+def _check_shape(path: str, cfg: GPTConfig) -> None:
+    from transformers import GPT2Config
 
-    hf_model = GPT2LMHeadModel.from_pretrained(path)
-    c, cfg = hf_model.config, model.cfg
+    c = GPT2Config.from_pretrained(path)
     ours = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "d_model": cfg.d_model, "max_seq_len": cfg.max_seq_len,
             "vocab_size": cfg.vocab_size, "d_ff": cfg.hidden}
     theirs = {"n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.n_embd, "max_seq_len": c.n_positions,
@@ -97,5 +98,43 @@ def load_hf_weights(model: GPT, path: str) -> None:
 
         raise ConfigError(f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
                           f"preset that matches it (e.g. model=gpt2) and its tokenizer (data.tokenizer.kind=hf)")
-    weights = from_hf_state_dict(hf_model.state_dict(), cfg)
-    model.load_state_dict({name: weights[name] for name in model.state_dict()})
+
+
+def local_gpt2_directory(path: str) -> str:
+    """`path` when it is a directory, else the hub snapshot of that name (config and weights only)."""
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
+
+
+class GPT2Weights:
+    """Our parameters' values from a GPT-2 in Hugging Face format, one tensor at a time (`init(name, full)`, as
+    llmtrain/model/materialize.py asks): safetensors are memory-mapped and each tensor is read when asked for, so
+    no rank ever holds the whole checkpoint. Raises ConfigError when its shape differs from the model config."""
+
+    def __init__(self, path: str, cfg: GPTConfig):
+        directory = local_gpt2_directory(path)
+        _check_shape(directory, cfg)
+        self.cfg = cfg
+        safetensors_file = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(safetensors_file):
+            from safetensors import safe_open
+
+            self._file = safe_open(safetensors_file, framework="pt")
+            keys = set(self._file.keys())
+            self._read = self._file.get_tensor
+        else:  # older checkpoints: a pickle, memory-mapped
+            state = torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu", mmap=True,
+                               weights_only=True)
+            keys, self._read = set(state), state.__getitem__
+        # save_pretrained writes "transformer.h.0..."; the original hub GPT-2 files have no prefix.
+        self._prefix = "transformer." if "transformer.wte.weight" in keys else ""
+
+    def __call__(self, name: str, full: torch.Tensor) -> None:
+        if name == "lm_head.bias":  # our padded head's vocabulary mask, not a GPT-2 weight
+            full.copy_(vocabulary_mask(self.cfg))
+            return
+        key, transform = _hf_source(name, self.cfg)
+        full.copy_(transform(self._read(self._prefix + key)))

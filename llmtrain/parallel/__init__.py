@@ -1,8 +1,8 @@
 """Parallel layouts: a registry of strategies keyed by `parallel.strategy`. Importing this package registers them:
-single.py (one process), ddp.py (DistributedDataParallel), zero.py (ZeRO-1), fsdp.py (FSDP2: zero2, fsdp, hsdp),
-tp.py (tensor parallel), pipeline/ (pipeline parallel and the 3-D layouts: pp, pp_fsdp, pp_tp, 3d)."""
+layouts.py (single, tp, ddp, zero1, fsdp) and pipeline/ (pp, and the 3-D layouts pp_fsdp, pp_tp, 3d). How a
+layout is applied to the model: parallelize.py, one step per module (tp.py, fsdp.py, ddp.py, zero.py)."""
 
-from llmtrain.parallel import ddp, fsdp, pipeline, single, tp, zero  # noqa: F401  (each registers its strategies)
+from llmtrain.parallel import layouts, pipeline  # noqa: F401  (each registers its strategies)
 from llmtrain.parallel.registry import get_strategy, register, strategy_names
 from llmtrain.parallel.strategy import Strategy
 

@@ -42,7 +42,7 @@ def _listing(values: dict[str, int]) -> str:
 def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
     """The four degrees with a -1 (at most one) replaced by the ranks that remain; their product must be the
     world size."""
-    values = {dim: int(parallel_cfg[dim]) for dim in MESH_DIMS}
+    values = {dim: int(getattr(parallel_cfg, dim)) for dim in MESH_DIMS}
     free = [dim for dim, value in values.items() if value == -1]
     if len(free) > 1:
         raise ConfigError(f"-1 ('the remaining ranks') is set on {' and '.join('parallel.' + d for d in free)}: "

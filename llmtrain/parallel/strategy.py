@@ -1,5 +1,7 @@
-"""What a parallel layout provides to the trainer. The trainer calls these methods and never asks which layout
-it runs; each layout overrides only what it changes (wrapping, gradient sync, reductions, the step itself)."""
+"""What a parallel layout provides to the trainer: the model laid out and materialised (`parallelize`), the
+optimizer, and per step forward/backward, reductions, clipping, and the state for checkpoints. The trainer calls
+these methods and never asks which layout it runs; each layout (layouts.py, pipeline/) overrides only what it
+changes. How a layout is applied to the model is parallelize.py's linear sequence of steps."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from llmtrain.config import ConfigError
-from llmtrain.model import GPT, cross_entropy_loss
+from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from llmtrain.model import ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
+from llmtrain.parallel.parallelize import Layout, apply_layout
+from llmtrain.parallel.tp import loss_context
 from llmtrain.runtime import Runtime
 from llmtrain.train.optim import build_adamw
+from llmtrain.train.precision import uses_bf16
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 PrecisionContext = Callable[[], AbstractContextManager]
@@ -32,14 +38,13 @@ class Strategy:
     name: ClassVar[str]
     supported_dims: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, cfg, runtime: Runtime):
-        self.cfg = cfg
-        self.runtime = runtime
+    def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
+        self.parallel, self.train, self.runtime = parallel, train, runtime
         if runtime.world_size == 1 and self.supported_dims:
-            raise ConfigError(f"parallel={cfg.parallel.strategy} splits the work over processes but this is a single "
+            raise ConfigError(f"parallel.strategy={self.name} splits the work over processes but this is a single "
                               f"process: launch with torchrun --nproc_per_node=N, or set parallel.nproc=N")
-        self.degrees = resolve_degrees(cfg.parallel, runtime.world_size)
-        self.validate()
+        self.degrees = resolve_degrees(parallel, runtime.world_size)
+        self.validate(model)
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
         if runtime.world_size > 1:
@@ -48,13 +53,16 @@ class Strategy:
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     # -- layout ---------------------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise ConfigError when the layout cannot run with these degrees."""
+    def validate(self, model: ModelConfig) -> None:
+        """Raise ConfigError when the layout cannot run with these degrees, or the model's shapes do not fit it
+        (before any process group or memory is needed)."""
         for dim in MESH_DIMS:
             if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
                 raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
                                   f"does not split over {dim} (it uses {', '.join(self.supported_dims) or 'no dimension'}): "
                                   f"set parallel.{dim}=1 or choose a layout that has it")
+        if self.degrees.tp > 1:
+            check_tensor_parallel(model, self.degrees.tp, self.train.seq_len, self.parallel.sequence_parallel)
 
     @property
     def dp_rank(self) -> int:
@@ -66,39 +74,49 @@ class Strategy:
 
     def micro_batching(self) -> tuple[int, int]:
         """(sequences per micro-batch, micro-batches per rank and step)."""
-        t = self.cfg.train
+        t = self.train
         return t.micro_batch_size, t.batch_size // (t.micro_batch_size * self.dp_size)
 
     def describe(self) -> str:
         """One line for the start-up summary: the layout and its mesh."""
         return f"{self.name} ({self.degrees.describe()})"
 
-    def parallelize(self, model: GPT) -> nn.Module:
-        """Apply the layout to a freshly initialised GPT, in torchtitan's order: tensor parallelism first (the
-        other steps see the sharded layers), then activation checkpointing and compilation of each block (so they
-        capture the sharded computation), and the data-parallel wrapper last (it hooks the module tree as it will
-        run)."""
-        self.apply_tensor_parallel(model)
-        model.activation_checkpointing = self.cfg.train.activation_checkpointing
-        if self.cfg.train.compile:
-            for block in model.blocks.values():
-                block.compile()
+    def layout(self) -> Layout:
+        """The steps apply_layout takes on this rank's model: tensor parallelism over the tp dimension when it has
+        one, activation checkpointing and compilation as train.* asks; layouts that shard add FSDP."""
+        return self._layout()
+
+    def _layout(self, **fsdp) -> Layout:
+        tp = self.degrees.tp > 1
+        bf16 = uses_bf16(self.train.precision, self.runtime.device)
+        return Layout(tp_mesh=self.mesh["tp"] if tp else None, sequence_parallel=tp and self.parallel.sequence_parallel,
+                      loss_parallel=tp and self.parallel.loss_parallel,
+                      activation_checkpointing=self.train.activation_checkpointing, compile=self.train.compile,
+                      param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=self.parallel.cpu_offload, **fsdp)
+
+    @property
+    def init_device(self) -> torch.device:
+        """Where parameters live: the device, or host memory when FSDP offloads them."""
+        return torch.device("cpu") if self.parallel.cpu_offload else self.runtime.device
+
+    def parallelize(self, model: nn.Module, init: ParameterInit) -> nn.Module:
+        """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
+        what the trainer runs."""
+        apply_layout(model, self.layout())
+        materialize(model, self.init_device, init)
         return self.wrap(model)
 
-    def apply_tensor_parallel(self, model: GPT) -> None:
-        """Split layers across the tp dimension (layouts with tensor parallelism)."""
-
-    def wrap(self, model: GPT) -> nn.Module:
-        """The data-parallel wrapper (DDP, FSDP), or the model itself."""
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """A wrapper that needs the materialised weights (DDP), or the model itself."""
         return model
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return build_adamw(model, self.cfg.optim)
+    def build_optimizer(self, model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+        return build_adamw(model, optim)
 
     # -- one step -------------------------------------------------------------------------------------------
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
-        return nullcontext()
+        return loss_context(self.degrees.tp, self.parallel.loss_parallel)
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward + backward; layouts that reduce gradients skip all but the last."""
@@ -114,7 +132,7 @@ class Strategy:
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)),
                                               targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
-            total += plain_value(loss)
+            total += full_tensor(loss.detach())
         return total / len(micro_batches)
 
     @torch.no_grad()
@@ -122,7 +140,7 @@ class Strategy:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
             with precision(), self.loss_context():
-                total += plain_value(cross_entropy_loss(model(inputs.to(self.runtime.device)),
+                total += full_tensor(cross_entropy_loss(model(inputs.to(self.runtime.device)),
                                                         targets.to(self.runtime.device)))
         return total / len(micro_batches)
 
@@ -142,16 +160,14 @@ class Strategy:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
         norm = self.grad_norm(model)
-        if max_norm > 0:
-            scale = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grad_norm_ formula
-            for grads in grads_by_layout(model.parameters()):
-                torch._foreach_mul_(grads, scale)
+        clip_gradients(model.parameters(), max_norm, norm)
         return norm
 
     # -- results --------------------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Collective: the whole model's weights as full CPU tensors under the unsplit GPT's names, on rank 0
-        (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards)."""
+        """Collective: the whole model's weights as full CPU tensors under the unsplit model's names, on rank 0
+        (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards). Gathered
+        one tensor at a time: the other ranks drop each one as soon as it is gathered."""
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.runtime.is_main else None
 
@@ -160,13 +176,15 @@ class Strategy:
         model's parameter names (the optimizer's flattened: "state.<param>.exp_avg"), so that a checkpoint saved
         under one layout loads under any other. DCP saves it, or loads into it in place.
 
-        The LM head's weight is the embedding matrix (tied in one model, equal copies on two pipeline stages): it
-        is stored once, under the embedding's names, and handed back to every parameter that uses it on load."""
+        A tied parameter (the LM head's weight is the embedding matrix: one tensor in one model, equal copies on
+        two pipeline stages) is stored once, under its source's names, and handed back to every parameter that
+        uses it on load."""
         model_state, optimizer_state = self.model_and_optimizer_state(model, optimizer)
+        tied = _unwrap(model).tied_parameters
         state = {}
         self._stored_as = {}  # part -> {stored key: the keys of this rank's state it stands for}
         for part, values in (("model", model_state), ("optimizer", optimizer_state)):
-            state[part], self._stored_as[part] = _store_tied_once(values)
+            state[part], self._stored_as[part] = _store_tied_once(values, tied)
         return state
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -190,32 +208,59 @@ class Strategy:
         return {}
 
 
-def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
-    """Gradients grouped by how they are laid out (plain, or DTensor mesh + placements): a norm over one group
-    is one reduction, and layouts mix in one model (tensor-parallel weights beside replicated LayerNorms)."""
-    groups: dict[object, list[torch.Tensor]] = {}
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper."""
+    return getattr(model, "module", model)
+
+
+def params_by_layout(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients, grouped by how the gradients are laid out (plain, or DTensor mesh +
+    placements): a norm or a scaling over one group is one foreach operation (and one reduction), and layouts mix
+    in one model (tensor-parallel weights beside replicated LayerNorms)."""
+    groups: dict[object, list[nn.Parameter]] = {}
     for param in params:
-        if param.grad is not None:
-            grad = param.grad
+        grad = param.grad
+        if grad is not None:
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            groups.setdefault(key, []).append(grad)
+            groups.setdefault(key, []).append(param)
     return list(groups.values())
 
 
+def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
+    return [[param.grad for param in group] for group in params_by_layout(params)]
+
+
 def squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
-    return torch.stack([_full(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
+    return torch.stack([full_tensor(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
 
 
-_HEAD, _EMBEDDING = "lm_head.weight", "tok_emb.weight"
+def clip_gradients(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), torch's clip_grad_norm_ formula, given the
+    global norm; on the device, without a host sync. max_norm 0: leave them."""
+    if max_norm > 0:
+        for group in params_by_layout(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
 
 
-def _store_tied_once(values: dict) -> tuple[dict, dict[str, list[str]]]:
-    """`values` with every "lm_head.weight" key folded into its "tok_emb.weight" twin (one kept when a rank
-    holds both), and which original keys each stored key stands for."""
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered (a loss computed on vocabulary shards is a replicated DTensor)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _store_tied_once(values: dict, tied: dict[str, str]) -> tuple[dict, dict[str, list[str]]]:
+    """`values` with every key of a tied parameter folded into its source's twin (one kept when a rank holds
+    both), and which original keys each stored key stands for."""
     stored: dict = {}
     stands_for: dict[str, list[str]] = {}
     for key, value in values.items():
-        name = key.replace(_HEAD, _EMBEDDING)
+        name = key
+        for tied_name, source in tied.items():
+            name = name.replace(tied_name, source)
         stands_for.setdefault(name, []).append(key)
         stored.setdefault(name, value)
     return stored, stands_for
@@ -229,11 +274,3 @@ def _restore_tied(stored: dict, stands_for: dict[str, list[str]]) -> dict:
             value = stored[name]
             values[key] = value.clone() if i and torch.is_tensor(value) else value
     return values
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-def plain_value(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain scalar: a loss computed on vocabulary shards is a replicated DTensor."""
-    return _full(loss.detach())

@@ -1,4 +1,4 @@
-"""`parallel=zero1`: ZeRO stage 1, written here from two collectives (Rajbhandari et al., 2020).
+"""The optimizer of `parallel=zero1`: ZeRO stage 1, written here from two collectives (Rajbhandari et al., 2020).
 
 Each rank keeps all parameters (Ψ) and accumulates full local gradients (Ψ), but AdamW state only for its own
 1/N slice of the parameters (2Ψ/N). At the end of a step:
@@ -20,10 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from llmtrain.parallel.registry import register
-from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, Strategy
 from llmtrain.train.optim import adamw_param_groups
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
@@ -88,8 +85,9 @@ class ZeroOneAdamW(torch.optim.AdamW):
             reduce_scatter(reduced, bucket.flat_grads, op=dist.ReduceOp.SUM, group=self.group)
             bucket.shard.grad.copy_(reduced.div_(self.world))
 
-    def shard_gradients(self) -> list[torch.Tensor]:
-        return [bucket.shard.grad for bucket in self.buckets]
+    def shards(self) -> list[nn.Parameter]:
+        """This rank's slices, whose gradients are the reduced ones after reduce_scatter_gradients."""
+        return [bucket.shard for bucket in self.buckets]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -151,42 +149,3 @@ class ZeroOneAdamW(torch.optim.AdamW):
                     full[offset:offset + param.numel()].copy_(flat[f"state.{names[param]}.{key}"].flatten())
                     offset += param.numel()
                 state[key].copy_(full[bucket.shard_range])
-
-
-@register("zero1")
-class ZeroOne(Strategy):
-    supported_dims = ("dp_replicate",)
-
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        self.optimizer = ZeroOneAdamW(model, self.cfg.optim, self.dp_mesh.get_group())
-        return self.optimizer
-
-    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
-                         precision: PrecisionContext) -> torch.Tensor:
-        loss = super().forward_backward(model, micro_batches, precision)
-        self.optimizer.reduce_scatter_gradients()
-        return loss
-
-    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return get_model_state_dict(model), optimizer.flat_state_dict(_names(model))
-
-    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                       model_state: dict, optimizer_state: dict) -> None:
-        set_model_state_dict(model, model_state)
-        optimizer.load_flat_state_dict(optimizer_state, _names(model))
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
-        grads = self.optimizer.shard_gradients()
-        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(squares, group=self.optimizer.group)
-        norm = squares.sqrt()
-        if max_norm > 0:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(scale)
-        return norm
-
-
-def _names(model: nn.Module) -> dict[nn.Parameter, str]:
-    return {param: name for name, param in model.named_parameters()}

@@ -17,9 +17,7 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llmtrain.model import build_model
-from llmtrain.parallel import get_strategy
-from llmtrain.tools import compose_config
+from llmtrain.tools import build_layout, compose_config
 from llmtrain.runtime import init_runtime
 from llmtrain.train.precision import precision_context
 
@@ -27,11 +25,10 @@ from llmtrain.train.precision import precision_context
 def main(argv: list[str]) -> None:
     cfg = compose_config(argv)
     runtime = init_runtime(cfg.train.device)
-    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
     # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
-    gpt = build_model(cfg.model, cfg.model.vocab_size or 256, cfg.seed)
-    model = strategy.parallelize(gpt.to(runtime.device))
-    tokens = torch.randint(0, gpt.cfg.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+    vocab_size = cfg.model.vocab_size or 256
+    strategy, model = build_layout(cfg, runtime, vocab_size)
+    tokens = torch.randint(0, vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(cfg.seed))
     tracker = MemTracker()
     with tracker:

@@ -3,8 +3,9 @@
     python -m llmtrain.tools.checkpoint_benchmark model=gpt2 [--dir /fast/disk]
 
 One process builds the model and a stepped AdamW (so the optimizer state exists), then saves the same state with
-the run's CheckpointManager twice: synchronously, and with checkpoint.async (DCP async_save). It prints the size
-on disk, the time training is blocked (the call), and for async the time until the checkpoint is complete.
+the run's CheckpointManager twice: synchronously, and in the background as checkpoint.async_save=true does (DCP
+async_save). It prints the size on disk, the time training is blocked (the call), and for async the time until the
+checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import time
 import torch
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
-from llmtrain.model import build_model, cross_entropy_loss
-from llmtrain.parallel import get_strategy
+from llmtrain.model import cross_entropy_loss
 from llmtrain.runtime import init_runtime
-from llmtrain.tools import compose_config
+from llmtrain.tools import build_layout, compose_config
 
 
 def _size(path: str) -> int:
@@ -34,9 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = compose_config(["train.device=cpu", *args.overrides])
     runtime = init_runtime("cpu")
-    strategy = get_strategy("single")(cfg, runtime)
-    model = build_model(cfg.model, cfg.model.vocab_size or 50257, cfg.seed)
-    optimizer = strategy.build_optimizer(model)
+    strategy, model = build_layout(cfg, runtime, cfg.model.vocab_size or 50257)
+    optimizer = strategy.build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 65))
     cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     optimizer.step()

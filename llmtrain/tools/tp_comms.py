@@ -20,9 +20,7 @@ from collections import Counter
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from llmtrain.model import build_model
-from llmtrain.parallel import get_strategy
-from llmtrain.tools import compose_config
+from llmtrain.tools import build_layout, compose_config
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.train.precision import precision_context
 
@@ -40,9 +38,7 @@ def _short(op) -> str:
 
 def count_step(cfg, runtime: Runtime) -> Counter:
     """Collectives of one forward + backward on one micro-batch (the strategy's own step)."""
-    strategy = get_strategy(cfg.parallel.strategy)(cfg, runtime)
-    gpt = build_model(cfg.model, 257, cfg.seed)
-    model = strategy.parallelize(gpt.to(runtime.device))
+    strategy, model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
         strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],

@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from llmtrain.config import TrainConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
@@ -47,12 +48,15 @@ class LoopState:
 
 
 class Trainer:
-    def __init__(self, cfg, runtime: Runtime, strategy: Strategy, model: nn.Module,
+    def __init__(self, train: TrainConfig, grad_clip: float, checkpoint_every: int, runtime: Runtime,
+                 strategy: Strategy, model: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
                  train_slice: RankSlice, val_slice: RankSlice, flops_per_token: float,
                  on_record: Callable[[dict[str, Any]], None], checkpoints: Checkpoints,
                  preemption: PreemptionWatch | None = None, state: LoopState | None = None):
-        self.cfg = cfg
+        self.train = train
+        self.grad_clip = grad_clip
+        self.checkpoint_every = checkpoint_every
         self.runtime = runtime
         self.strategy = strategy
         self.model = model
@@ -62,7 +66,7 @@ class Trainer:
         self.on_record = on_record
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(runtime.device)
-        self.precision = precision_context(cfg.train.precision, runtime.device)
+        self.precision = precision_context(train.precision, runtime.device)
         self.train_slice = train_slice
         self.val_slice = val_slice
         self.checkpoints = checkpoints
@@ -70,12 +74,12 @@ class Trainer:
         self.state = state or LoopState()
 
     def _is_checkpoint_step(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+        every = self.checkpoint_every
+        return step == self.train.steps or (every > 0 and step % every == 0)
 
     def _is_eval_step(self, step: int) -> bool:
-        every = self.cfg.train.eval_every
-        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+        every = self.train.eval_every
+        return every > 0 and (step % every == 0 or step == self.train.steps)
 
     def validation_loss(self) -> float:
         self.model.eval()
@@ -89,7 +93,7 @@ class Trainer:
         micro_batches = self.train_slice.micro_batches(self.data.train.next())
         loss = self.strategy.forward_backward(self.model, micro_batches, self.precision)
         loss = self.strategy.reduce_mean(loss)
-        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
         lr = self.schedule.get_last_lr()[0]
         record = {"step": self.state.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
@@ -101,7 +105,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         seconds = time.perf_counter() - started
-        tokens = self.cfg.train.batch_size * self.cfg.train.seq_len
+        tokens = self.train.batch_size * self.train.seq_len
         record["tokens_per_s"] = tokens / seconds
         record["mfu"] = mfu(tokens / seconds / self.runtime.world_size, self.flops_per_token, self.peak)
         self.state.train_seconds += seconds
@@ -112,15 +116,15 @@ class Trainer:
         self.state.bad_steps += 1
         log.warning(f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
                     f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)")
-        if self.state.bad_steps >= self.cfg.train.max_bad_steps:
+        if self.state.bad_steps >= self.train.max_bad_steps:
             raise TrainingDiverged(
                 f"step {record['step']}: {self.state.bad_steps} steps in a row with a non-finite loss or gradient "
-                f"norm (train.max_bad_steps={self.cfg.train.max_bad_steps}), the run stops; its last checkpoint is "
+                f"norm (train.max_bad_steps={self.train.max_bad_steps}), the run stops; its last checkpoint is "
                 f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data")
 
     def run(self) -> LoopState:
         self.model.train()
-        while self.state.step < self.cfg.train.steps:
+        while self.state.step < self.train.steps:
             record = self.train_step()
             self.state.step = record["step"]
             if self._is_eval_step(self.state.step):

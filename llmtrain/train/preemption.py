@@ -6,11 +6,14 @@ that step. A second Ctrl-C aborts.
 train.py installs the watch before it loads torch, so a signal that arrives while the job starts is kept and acted
 on at the first step boundary instead of killing the process. The signal may reach only some ranks (or reach them
 at different steps), so after each step the ranks agree on whether any of them was asked: one max all-reduce.
+
+Which process announces a signal (one line per node) is the Runtime's to say, but the watch exists before any
+Runtime: it learns its rank from `attach` or, at the latest, at the first step boundary (`requested`), and
+announces a signal received before that then.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -37,6 +40,8 @@ class PreemptionWatch:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self._rank: tuple[int, int] | None = None  # (rank, local rank), once a Runtime has been seen
+        self._announced = False
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (*PREEMPTION_SIGNALS, signal.SIGINT)}
 
     def __enter__(self) -> PreemptionWatch:
@@ -55,15 +60,33 @@ class PreemptionWatch:
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signal_name is not None:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        if self.record(signum) and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
-            print(f"llmtrain: {self.signal_name} received on rank {os.environ.get('RANK', '0')}: finishing this "
-                  f"step, then saving a checkpoint and exiting with {PREEMPTED_EXIT}"
-                  + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
+        if self.record(signum):
+            self._announce()
+
+    def attach(self, runtime: Runtime) -> None:
+        """Learn this process's rank now that a Runtime exists: a signal is announced from now on when it arrives,
+        one received earlier at once."""
+        self._rank = (runtime.rank, runtime.local_rank)
+        self._announce()
+
+    def _announce(self) -> None:
+        """One line per node (its local rank 0) for the recorded signal, as soon as this process knows its rank."""
+        if self.signal_name is None or self._rank is None or self._announced:
+            return
+        self._announced = True
+        rank, local_rank = self._rank
+        if local_rank == 0:
+            print(f"llmtrain: {self.signal_name} received on rank {rank}: finishing this step, then saving a "
+                  f"checkpoint and exiting with {PREEMPTED_EXIT}"
+                  + (" (Ctrl-C again to abort)" if self.signal_name == "SIGINT" else ""), file=sys.stderr, flush=True)
 
     def requested(self, runtime: Runtime) -> bool:
         """Collective: whether any rank has been asked to stop."""
         import torch
         import torch.distributed as dist
+
+        if self._rank is None:  # not attached yet: announce a signal received while the job started
+            self.attach(runtime)
 
         flag = torch.tensor([self.signal_name is not None], dtype=torch.int32, device=runtime.device)
         if runtime.distributed:

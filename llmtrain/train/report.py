@@ -8,7 +8,8 @@ from typing import Any
 
 
 def start_summary(cfg, *, n_params: int, padding: int, vocab_size: int, layout: str, device: str, precision: str,
-                  dp_size: int, micro_batching: tuple[int, int], run_dir: str, resumed: str | None = None) -> str:
+                  dp_size: int, micro_batching: tuple[int, int], run_dir: str, memory: str | None = None,
+                  resumed: str | None = None) -> str:
     t, m = cfg.train, cfg.model
     tokens_per_step = t.batch_size * t.seq_len
     micro_size, micro_count = micro_batching
@@ -21,6 +22,7 @@ def start_summary(cfg, *, n_params: int, padding: int, vocab_size: int, layout: 
         f"(micro {micro_size} x accumulation {micro_count} x data-parallel {dp_size})",
         f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; data {cfg.data.source}, tokenizer "
         f"{cfg.data.tokenizer.kind}; seed {cfg.seed}",
+        *([f"memory    {memory}"] if memory else []),
         f"run dir   {run_dir}",
         *([f"resumed   from {resumed}"] if resumed else []),
     ])

@@ -20,33 +20,34 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
-from llmtrain.model import GPT, cross_entropy_loss
-from llmtrain.parallel.fsdp import FSDP
+from llmtrain.model import ParameterInit, cross_entropy_loss, materialize
+from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.mesh import MESH_DIMS
+from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.pipeline.p2p import recv_activation, send_activation
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
-from llmtrain.parallel.pipeline.split import build_rank_model, rank_stages, stage_layers, stage_rank, stage_view
+from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
 from llmtrain.parallel.pipeline.timeline import Timeline, TimedStage, bubble_fraction, plot_gantt
 from llmtrain.parallel.registry import register
-from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, grads_by_layout, plain_value, squared_norm
+from llmtrain.parallel.strategy import (MicroBatches, PrecisionContext, Strategy, full_tensor, grads_by_layout,
+                                        local_tensor, squared_norm)
 
 
 @register("pp")
-class PipelineParallel(FSDP):
+class PipelineParallel(Strategy):
     supported_dims = MESH_DIMS
 
-    def __init__(self, cfg, runtime):
-        super().__init__(cfg, runtime)
-        self.spec = schedule_spec(cfg.parallel.pp_schedule)
+    def __init__(self, parallel, train, model, runtime):
+        super().__init__(parallel, train, model, runtime)
+        self.spec = schedule_spec(parallel.pp_schedule)
         self.pp_group = self.mesh["pp"].get_group()
         self.pp_rank = self.mesh.get_local_rank("pp")
-        self.n_stages = self.degrees.pp * cfg.parallel.pp_stages_per_rank
-        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, cfg.parallel.pp_stages_per_rank,
+        self.n_stages = self.degrees.pp * parallel.pp_stages_per_rank
+        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank,
                                          self.spec.style)
         self.timeline = Timeline()
         self.tied_group = self._tied_embedding_group()
@@ -54,15 +55,15 @@ class PipelineParallel(FSDP):
     # -- layout ---------------------------------------------------------------------------------------------
     @property
     def microbatches(self) -> int:
-        t = self.cfg.train
-        return self.cfg.parallel.microbatches or t.batch_size // (t.micro_batch_size * self.degrees.dp)
+        t = self.train
+        return self.parallel.microbatches or t.batch_size // (t.micro_batch_size * self.degrees.dp)
 
     def micro_batching(self) -> tuple[int, int]:
-        return self.cfg.train.batch_size // (self.degrees.dp * self.microbatches), self.microbatches
+        return self.train.batch_size // (self.degrees.dp * self.microbatches), self.microbatches
 
-    def validate(self) -> None:
-        super().validate()
-        p, t = self.cfg.parallel, self.cfg.train
+    def validate(self, model) -> None:
+        super().validate(model)
+        p, t = self.parallel, self.train
         if self.degrees.pp < 2:
             raise ConfigError(f"parallel.strategy=pp needs parallel.pp >= 2 (got {self.degrees.pp}): set parallel.pp, "
                               f"or choose a layout without a pipeline")
@@ -72,31 +73,39 @@ class PipelineParallel(FSDP):
                               f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
                               f"of {self.degrees.dp * m}")
         validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m, compiled=t.compile)
-        stage_layers(self.cfg.model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return False
+        stage_layers(model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
 
     def describe(self) -> str:
-        p = self.cfg.parallel
+        p = self.parallel
         within = [name for name, degree in (("FSDP", self.degrees.dp), ("TP", self.degrees.tp)) if degree > 1]
         virtual = f", {p.pp_stages_per_rank} stages/rank" if p.pp_stages_per_rank > 1 else ""
         return (f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
                 f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})")
 
-    def parallelize(self, model: GPT) -> nn.Module:
-        """This rank's part of the whole model, returned for the trainer and optimizer; each of its stages gets
-        its tensor / data parallelism, and the schedule runs them."""
-        layers = stage_layers(model.cfg.n_layer, self.n_stages, self.cfg.parallel.pp_edge_blocks)
-        part = build_rank_model(model, self.stage_indices, layers)
-        self.stages = [super(PipelineParallel, self).parallelize(stage_view(part, stage, layers))
-                       for stage in self.stage_indices]
+    def layout(self) -> Layout:
+        # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
+        # re-gather them for every micro-batch.
+        if self.degrees.dp == 1:
+            return self._layout()
+        return self._layout(fsdp_mesh=fsdp_mesh(self.mesh, self.degrees), reshard_after_forward=False)
+
+    def parallelize(self, model: nn.Module, init: ParameterInit) -> nn.Module:
+        """This rank's part of `model` (on the meta device), returned for the trainer and optimizer: the pipeline
+        cut, then each of its stages laid out (tensor / data parallelism) and allocated, and the schedule that runs
+        them."""
+        layers = stage_layers(len(model.blocks), self.n_stages, self.parallel.pp_edge_blocks)
+        last = self.n_stages - 1
+        part = model.pipeline_part([i for stage in self.stage_indices for i in layers[stage]],
+                                   first=0 in self.stage_indices, last=last in self.stage_indices)
+        self.stages = []
+        for stage in self.stage_indices:
+            view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
+            apply_layout(view, self.layout())
+            # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
+            materialize(view, self.init_device, init)
+            self.stages.append(view)
         self.schedule = self._build_schedule()
         return part
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return super().wrap(model) if self.degrees.dp > 1 else model
 
     def _build_schedule(self):
         m, device = self.microbatches, self.runtime.device
@@ -110,7 +119,7 @@ class PipelineParallel(FSDP):
                 return self.spec.torch_class(stages[0], m, loss_fn=cross_entropy_loss)
             return self.spec.torch_class(stages, m, loss_fn=cross_entropy_loss)
         except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
-            raise ConfigError(f"parallel.pp_schedule={self.cfg.parallel.pp_schedule} with parallel.microbatches="
+            raise ConfigError(f"parallel.pp_schedule={self.parallel.pp_schedule} with parallel.microbatches="
                               f"{m}: {error}") from None
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -143,17 +152,19 @@ class PipelineParallel(FSDP):
         return self._mean_from_last_stage(losses)
 
     def _sum_tied_gradients(self, model: nn.Module) -> None:
-        grads = [_local_grad(module.weight) for module in (model.tok_emb, model.lm_head) if module is not None]
-        if len(grads) == 2:
-            total = grads[0] + grads[1]
-            for grad in grads:
-                grad.copy_(total)
-        elif grads:
-            dist.all_reduce(grads[0], group=self.tied_group)
+        held = {name for name, _ in model.named_parameters()}
+        for tied, source in model.tied_parameters.items():
+            grads = [_local_grad(model.get_parameter(name)) for name in (source, tied) if name in held]
+            if len(grads) == 2:
+                total = grads[0] + grads[1]
+                for grad in grads:
+                    grad.copy_(total)
+            elif grads:
+                dist.all_reduce(grads[0], group=self.tied_group)
 
     def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline."""
-        total = (torch.stack([plain_value(loss) for loss in losses]).mean() if losses
+        total = (torch.stack([full_tensor(loss) for loss in losses]).mean() if losses
                  else torch.zeros((), device=self.runtime.device))
         dist.all_reduce(total, group=self.pp_group)
         return total
@@ -191,8 +202,8 @@ class PipelineParallel(FSDP):
         return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        # The LM head's copy of the embedding matrix is one parameter of the model: count it once.
-        counted = [param for name, param in model.named_parameters() if name != "lm_head.weight"]
+        # A tied parameter's copy (the LM head's embedding matrix) is one parameter of the model: count it once.
+        counted = [param for name, param in model.named_parameters() if name not in model.tied_parameters]
         squared = squared_norm(grads_by_layout(counted))
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
@@ -207,19 +218,43 @@ class PipelineParallel(FSDP):
         return gathered
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        state = {name: tensor.cpu() for name, tensor in
-                 get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
-        gathered = self._gather_to_main(state)
-        return {name: tensor for stage_state in gathered for name, tensor in stage_state.items()} if gathered else None
+        """Collective: the whole model on rank 0's host, assembled tensor by tensor. Every rank walks the same list
+        of (pipeline rank, parameter); the ranks of the stage holding one gather it (FSDP / TP shards), and the
+        first of them sends it to rank 0 unless rank 0 holds it itself. No rank holds more than one whole tensor
+        it does not keep; a tied copy (the head's embedding matrix) is not sent twice."""
+        tied = model.tied_parameters
+        params = dict(model.named_parameters())
+        listing = [(name, tuple(param.shape), param.dtype) for name, param in params.items() if name not in tied]
+        held: list = [None] * self.degrees.pp
+        dist.all_gather_object(held, listing, group=self.pp_group)
+        state: dict[str, torch.Tensor] = {}
+        device = self.runtime.device
+        for holder, names in enumerate(held):
+            first_rank = int(self.mesh.mesh[holder].flatten()[0])
+            for name, shape, dtype in names:
+                if holder == self.pp_rank:
+                    whole = full_tensor(params[name].detach())
+                    if self.runtime.is_main:
+                        state[name] = whole.cpu()
+                    elif self.runtime.rank == first_rank and holder != 0:
+                        dist.send(whole.contiguous(), dst=0)
+                elif self.runtime.is_main:
+                    whole = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(whole, src=first_rank)
+                    state[name] = whole.cpu()
+        if not self.runtime.is_main:
+            return None
+        state.update({name: state[source] for name, source in tied.items() if source in state})
+        return state
 
     def report(self, run_dir: str) -> dict:
         gathered = self._gather_to_main((self.timeline.events, self.timeline.peak_in_flight))
         if not gathered:
             return {}
-        p, v, m = self.degrees.pp, self.cfg.parallel.pp_stages_per_rank, self.microbatches
+        p, v, m = self.degrees.pp, self.parallel.pp_stages_per_rank, self.microbatches
         events = [rank_events for rank_events, _ in gathered]
         measured, theory = bubble_fraction(events), (p - 1) / (v * m)
-        schedule = self.cfg.parallel.pp_schedule
+        schedule = self.parallel.pp_schedule
         plot_gantt(events, os.path.join(run_dir, "pipeline.png"), stages_per_rank=v,
                    title=f"{schedule}: pp={p}, {m} micro-batches{f', {v} stages/rank' if v > 1 else ''} — "
                          f"bubble (idle / compute) measured {measured:.2f}, (p-1)/(v·m) = {theory:.2f}")
@@ -235,8 +270,6 @@ def _local_grad(param: nn.Parameter) -> torch.Tensor:
     """This rank's part of the gradient, laid out as the parameter is (a tensor-parallel embedding's gradient
     can come back replicated; the head's is sharded like the weight), so the two copies' parts line up."""
     grad = param.grad
-    if not isinstance(grad, DTensor):
-        return grad
-    if grad.placements != param.placements:
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad.to_local()
+    return local_tensor(grad)

@@ -1,0 +1,64 @@
+"""Allocate a model that was built (and laid out) on the meta device, and give every parameter its initial value,
+each rank writing only the part it keeps.
+
+`init(name, full)` fills the whole, unsplit CPU tensor of one parameter (from the seed, or read from a file); the
+rank keeps its shard of it (a DTensor's local part, under any placement: FSDP, TP, both) and drops the rest before
+the next parameter is drawn. A rank's memory therefore peaks at its own shards plus one whole tensor, whatever the
+model's size, and every layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+ParameterInit = Callable[[str, torch.Tensor], None]
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (a tied head): steps that replace parameters module by module
+    (`to_empty`, `parallelize_module`) untie them, and `retie` ties them again."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    for first, *others in groups:
+        for name in others:
+            module_name, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attribute, model.get_parameter(first))
+
+
+@torch.no_grad()
+def write_parameters(model: nn.Module, init: ParameterInit) -> None:
+    """Set every parameter of `model` (plain tensors or DTensor shards, on any device) from `init`, one whole
+    tensor at a time."""
+    for name, param in model.named_parameters():
+        full = torch.empty(param.shape, dtype=param.dtype)
+        init(name, full)
+        if isinstance(param, DTensor):
+            # Every rank drew the same whole tensor; each keeps its block without communicating. The block comes
+            # from the offsets DCP itself uses, as views of the whole tensor: no copy of it under any placement
+            # (FSDP over TP included), where distribute_tensor would make one.
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            for dim, (size, start) in enumerate(zip(shape, offset)):
+                full = full.narrow(dim, start, size)
+            param.to_local().copy_(full)
+        else:
+            param.copy_(full)
+        del full
+
+
+def materialize(model: nn.Module, device: torch.device, init: ParameterInit) -> None:
+    """Allocate `model`'s parameters (only this rank's shards, for a sharded layout) on `device`, then initialise
+    them from `init`."""
+    tied = tied_groups(model)
+    model.to_empty(device=device)
+    retie(model, tied)
+    write_parameters(model, init)

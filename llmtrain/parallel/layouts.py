@@ -1,0 +1,110 @@
+"""The registered layouts without a pipeline, keyed by `parallel.strategy` (conf/parallel/*.yaml picks one):
+what each adds to the base Strategy. The pipeline layouts live in pipeline/strategy.py.
+
+  single  one process, no wrapper: every other layout is tested against it
+  tp      tensor parallelism over all ranks (the base applies it wherever parallel.tp > 1)
+  ddp     DistributedDataParallel (ddp.py)
+  zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
+  fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from llmtrain.config import ConfigError, OptimConfig
+from llmtrain.parallel.ddp import apply_ddp
+from llmtrain.parallel.fsdp import fsdp_mesh
+from llmtrain.parallel.parallelize import Layout
+from llmtrain.parallel.registry import register
+from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, Strategy, clip_gradients
+from llmtrain.parallel.zero import ZeroOneAdamW
+
+
+@register("single")
+class Single(Strategy):
+    def __init__(self, parallel, train, model, runtime):
+        if runtime.world_size != 1:
+            raise ConfigError(f"parallel=single runs one process but the world size is {runtime.world_size}: "
+                              f"launch without torchrun or pick a multi-process layout (parallel=ddp, fsdp, ...)")
+        super().__init__(parallel, train, model, runtime)
+
+
+@register("tp")
+class TensorParallel(Strategy):
+    supported_dims = ("tp",)
+
+    def describe(self) -> str:
+        extras = [name for name, on in (("sequence parallel", self.parallel.sequence_parallel),
+                                         ("loss parallel", self.parallel.loss_parallel)) if on]
+        return f"{self.name} ({self.degrees.describe()}{', ' if extras else ''}{', '.join(extras)})"
+
+
+@register("ddp")
+class DDP(Strategy):
+    supported_dims = ("dp_replicate",)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return apply_ddp(model, self.dp_mesh.get_group(), self.runtime.device)
+
+    def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+        return nullcontext() if is_last_micro_batch else model.no_sync()
+
+
+@register("zero1")
+class ZeroOne(Strategy):
+    supported_dims = ("dp_replicate",)
+
+    def build_optimizer(self, model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+        self.optimizer = ZeroOneAdamW(model, optim, self.dp_mesh.get_group())
+        return self.optimizer
+
+    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
+                         precision: PrecisionContext) -> torch.Tensor:
+        loss = super().forward_backward(model, micro_batches, precision)
+        self.optimizer.reduce_scatter_gradients()
+        return loss
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
+        shards = self.optimizer.shards()
+        squares = torch.stack([shard.grad.float().pow(2).sum() for shard in shards]).sum()
+        dist.all_reduce(squares, group=self.optimizer.group)
+        norm = squares.sqrt()
+        clip_gradients(shards, max_norm, norm)
+        return norm
+
+    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return get_model_state_dict(model), optimizer.flat_state_dict(_names(model))
+
+    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                       model_state: dict, optimizer_state: dict) -> None:
+        set_model_state_dict(model, model_state)
+        optimizer.load_flat_state_dict(optimizer_state, _names(model))
+
+
+def _names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in model.named_parameters()}
+
+
+@register("fsdp")
+class FSDP(Strategy):
+    supported_dims = ("dp_replicate", "dp_shard", "tp")
+
+    def describe(self) -> str:
+        if self.degrees.dp_replicate > 1:
+            kind = "HSDP" if self.degrees.dp_shard > 1 else "replicated"
+        else:
+            kind = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
+        offload = ", CPU offload" if self.parallel.cpu_offload else ""
+        tp = f", TP{' + SP' if self.parallel.sequence_parallel else ''}" if self.degrees.tp > 1 else ""
+        return f"{self.name} {kind}{offload}{tp} ({self.degrees.describe()})"
+
+    def layout(self) -> Layout:
+        return self._layout(fsdp_mesh=fsdp_mesh(self.mesh, self.degrees),
+                            reshard_after_forward=self.parallel.reshard_after_forward)

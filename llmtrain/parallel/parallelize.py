@@ -1,0 +1,57 @@
+"""How a layout is applied to a model on the meta device: one linear sequence of plain steps, each in its own
+module (tp.py, fsdp.py, ddp.py; activation checkpointing and compilation are one line each, here).
+
+The ordering rule, stated once: tensor parallelism first (every later step sees the sharded layers), then
+activation checkpointing and compilation of each block (so they capture the sharded computation), then FSDP (it
+hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
+(llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
+buffers, built with the optimizer) come after that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmtrain.parallel.fsdp import apply_fsdp
+from llmtrain.parallel.tp import apply_tensor_parallel
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What `apply_layout` does to one model (or pipeline stage); a strategy decides it (Strategy.layout)."""
+
+    tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False
+    fsdp_mesh: DeviceMesh | None = None  # None: parameters are not sharded over data-parallel ranks
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None  # FSDP's gathered parameters (bf16 compute), gradients reduced in fp32
+    cpu_offload: bool = False
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute each block's activations in backward (`full`), or only the cheap ops between its matmuls
+    (`selective`): the model runs its blocks through llmtrain/model/recompute.py in this mode."""
+    model.activation_checkpointing = mode
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block: one compiled graph reused by every layer (same shapes), a short compile."""
+    for block in model.blocks.values():
+        block.compile()
+
+
+def apply_layout(model: nn.Module, layout: Layout) -> None:
+    if layout.tp_mesh is not None:
+        apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
+    apply_activation_checkpointing(model, layout.activation_checkpointing)
+    if layout.compile:
+        apply_compile(model)
+    if layout.fsdp_mesh is not None:
+        apply_fsdp(model, layout.fsdp_mesh, layout.reshard_after_forward, layout.param_dtype, layout.cpu_offload)

@@ -1,0 +1,86 @@
+"""What a rank holds, and the peak of building it: the start-up summary's memory line and the layout tools.
+
+Bytes held are counted from this rank's own tensors (DTensor local shards, distinct storages), so they show the
+shard a layout gave. The build's peak is measured, not computed: on CUDA `max_memory_allocated` since the build
+began; on the CPU the process's resident-set high-water mark (VmHWM, reset at the start of the build through
+/proc/self/clear_refs) above the resident set at that moment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from llmtrain.parallel.strategy import local_tensor
+
+MIB = 2**20
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    storages = {}
+    for tensor in tensors:
+        local = local_tensor(tensor)
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    def describe(self) -> str:
+        return (f"parameters {self.params / MIB:,.1f} MiB, gradients {self.grads / MIB:,.1f} MiB, "
+                f"optimizer state {self.optimizer / MIB:,.1f} MiB")
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
+    """What this rank holds once training runs: its parameters, a gradient per trainable parameter it holds, and
+    AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1)."""
+    params = list(model.parameters())
+    trainable = [local_tensor(p) for p in params if p.requires_grad]
+    updated = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
+    return HeldBytes(params=tensor_bytes(params), grads=sum(t.numel() * t.element_size() for t in trainable),
+                     optimizer=2 * sum(t.numel() * t.element_size() for t in updated))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
+
+
+class BuildPeak:
+    """`with BuildPeak(device) as peak: ...`, then `peak.bytes`: the most memory the block held at once above
+    what the process held when it began (CUDA: allocated tensors; CPU: resident memory), or None where it cannot
+    be measured (a CPU without Linux's /proc)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: int | None = None
+
+    def __enter__(self) -> BuildPeak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the high-water mark to the current resident set
+                self._start = _status_kib("VmRSS") * 1024
+            except OSError:
+                self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        elif self._start is not None:
+            self.bytes = _status_kib("VmHWM") * 1024 - self._start
