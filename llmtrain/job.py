@@ -17,8 +17,13 @@ from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
-from llmtrain.checkpoint.training import (RunCheckpoints, check_model_matches, read_data_position, resume_path,
-                                          wandb_run_id)
+from llmtrain.checkpoint.training import (
+    RunCheckpoints,
+    check_model_matches,
+    read_data_position,
+    resume_path,
+    wandb_run_id,
+)
 from llmtrain.config import ConfigError, RootConfig, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
@@ -29,8 +34,8 @@ from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
 from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, held_bytes
 from llmtrain.train.optim import build_schedule
-from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.precision import uses_bf16
+from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
 log = logging.getLogger("llmtrain")

@@ -15,17 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, faults, run_train, train_command
 from omegaconf import OmegaConf
 
-from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, faults, run_train, train_command
 from llmtrain.checkpoint import load_final_model
-from llmtrain.checkpoint.manager import (IncompleteCheckpoint, checkpoint_path, complete_checkpoints, latest_checkpoint,
-                                         single_process_quiet)
+from llmtrain.checkpoint.manager import (
+    IncompleteCheckpoint,
+    checkpoint_path,
+    complete_checkpoints,
+    latest_checkpoint,
+    single_process_quiet,
+)
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
+
 
 def _steps_logged(run_dir: Path) -> int:
     metrics = run_dir / "metrics.jsonl"

@@ -11,8 +11,18 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from llmtrain.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
-                             RootConfig, TrainConfig, register_schemas, validate)
+from llmtrain.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    OptimConfig,
+    ParallelConfig,
+    RootConfig,
+    TrainConfig,
+    register_schemas,
+    validate,
+)
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import REPO, free_port
+
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.config import ConfigError
 from llmtrain.export import export

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import PARITY, Run, assert_parity, free_port, train_command
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, assert_parity, layout_strategy
+
 from llmtrain.config import ConfigError
 
 pytestmark = pytest.mark.slow

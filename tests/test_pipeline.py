@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy
+
 from llmtrain.config import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
 from llmtrain.parallel.pipeline.schedules import SCHEDULES, validate_schedule

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import free_port
+
 from llmtrain.runtime import first_slurm_host, init_runtime
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, PARITY, REPO, Run, faults
+
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import read_meta
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import PARITY, REPO, assert_parity, free_port, layout_strategy
+
 from llmtrain.config import ConfigError
 from llmtrain.tools.compare_runs import compare
 

@@ -7,7 +7,6 @@ import math
 import uuid
 
 import pytest
-
 from conftest import PARITY
 
 pytestmark = pytest.mark.slow

@@ -26,9 +26,10 @@ import pickle
 import re
 import shutil
 import warnings
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist

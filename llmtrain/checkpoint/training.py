@@ -11,8 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmtrain.checkpoint.manager import (CheckpointManager, IncompleteCheckpoint, latest_checkpoint, load_checkpoint,
-                                         read_data_position, read_meta, restore_rng_states)
+from llmtrain.checkpoint.manager import (
+    CheckpointManager,
+    IncompleteCheckpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_data_position,
+    read_meta,
+    restore_rng_states,
+)
 from llmtrain.config import ConfigError
 from llmtrain.data import Data
 from llmtrain.data.tokenizers import save_for_transformers

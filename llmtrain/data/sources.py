@@ -14,7 +14,7 @@ import os
 import sysconfig
 import zlib
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import datasets
 from datasets import IterableDataset

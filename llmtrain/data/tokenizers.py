@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer

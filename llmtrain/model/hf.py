@@ -16,7 +16,7 @@ one parameter at a time as each rank materialises its shards, reading the safete
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -62,8 +62,14 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def _hf_source(name: str, cfg: GPTConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The GPT-2 tensor (name without the "transformer." prefix) that our parameter `name` comes from, and how."""
-    d, keep = cfg.d_model, (lambda tensor: tensor)
-    transpose = (lambda tensor: tensor.t())
+    d = cfg.d_model
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def transpose(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.t()
+
     outer = {"pos_emb.weight": "wpe.weight", "norm.weight": "ln_f.weight", "norm.bias": "ln_f.bias"}
     if name in outer:
         return outer[name], keep

@@ -9,7 +9,7 @@ model's size, and every layout starts from the same weights.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from llmtrain.config import ConfigError
 from llmtrain.parallel.strategy import Strategy

@@ -5,14 +5,20 @@ changes. How a layout is applied to the model is parallelize.py's linear sequenc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, ClassVar, Iterable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -58,8 +64,9 @@ class Strategy:
         (before any process group or memory is needed)."""
         for dim in MESH_DIMS:
             if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
+                uses = ", ".join(self.supported_dims) or "no dimension"
                 raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
-                                  f"does not split over {dim} (it uses {', '.join(self.supported_dims) or 'no dimension'}): "
+                                  f"does not split over {dim} (it uses {uses}): "
                                   f"set parallel.{dim}=1 or choose a layout that has it")
         if self.degrees.tp > 1:
             check_tensor_parallel(model, self.degrees.tp, self.train.seq_len, self.parallel.sequence_parallel)

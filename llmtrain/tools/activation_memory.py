@@ -17,8 +17,8 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llmtrain.tools import build_layout, compose_config
 from llmtrain.runtime import init_runtime
+from llmtrain.tools import build_layout, compose_config
 from llmtrain.train.precision import precision_context
 
 

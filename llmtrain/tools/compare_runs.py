@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-
 from llmtrain.checkpoint import load_final_model
 
 METRICS = ("loss", "val_loss", "grad_norm")

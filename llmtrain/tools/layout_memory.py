@@ -107,8 +107,8 @@ def _build_table(rows: list[dict]) -> str:
              f"{rows[0]['largest_tensor'] / mib:,.1f} MiB",
              f"{'rank':>4} {'share MiB':>10} {'build peak MiB':>15} {'peak / whole':>12}"]
     for r in rows:
-        peak = r["build_peak"] or 0
-        lines.append(f"{r['rank']:>4} {r['reported']['params'] / mib:>10,.1f} {peak / mib:>15,.1f} {peak / whole:>12.3f}")
+        peak, share = r["build_peak"] or 0, r["reported"]["params"]
+        lines.append(f"{r['rank']:>4} {share / mib:>10,.1f} {peak / mib:>15,.1f} {peak / whole:>12.3f}")
     return "\n".join(lines)
 
 

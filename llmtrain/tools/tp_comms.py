@@ -20,8 +20,8 @@ from collections import Counter
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from llmtrain.tools import build_layout, compose_config
 from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.tools import build_layout, compose_config
 from llmtrain.train.precision import precision_context
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,8 +22,8 @@ from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
-from llmtrain.train.preemption import Preempted, PreemptionWatch
 from llmtrain.train.precision import precision_context
+from llmtrain.train.preemption import Preempted, PreemptionWatch
 
 log = logging.getLogger("llmtrain")
 

@@ -9,8 +9,8 @@ began; on the CPU the process's resident-set high-water mark (VmHWM, reset at th
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn

@@ -17,7 +17,7 @@ schedules do (scale_grads), so both give the gradient of the mean loss.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

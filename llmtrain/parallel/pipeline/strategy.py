@@ -31,10 +31,17 @@ from llmtrain.parallel.pipeline.p2p import recv_activation, send_activation
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
-from llmtrain.parallel.pipeline.timeline import Timeline, TimedStage, bubble_fraction, plot_gantt
+from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
 from llmtrain.parallel.registry import register
-from llmtrain.parallel.strategy import (MicroBatches, PrecisionContext, Strategy, full_tensor, grads_by_layout,
-                                        local_tensor, squared_norm)
+from llmtrain.parallel.strategy import (
+    MicroBatches,
+    PrecisionContext,
+    Strategy,
+    full_tensor,
+    grads_by_layout,
+    local_tensor,
+    squared_norm,
+)
 
 
 @register("pp")

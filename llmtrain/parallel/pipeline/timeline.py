@@ -9,9 +9,9 @@ across nodes; the chart starts at the earliest event of the step.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch.distributed.pipelining import PipelineStage
 
