@@ -177,18 +177,30 @@ def validate(cfg) -> None:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: set {key} to one of them")
 
-    positive = ("train.steps", "train.batch_size", "train.micro_batch_size", "train.seq_len", "train.eval_batches",
-                "model.n_layer", "model.n_head", "model.d_model", "model.max_seq_len", "model.vocab_multiple",
-                "train.max_bad_steps",
-                "logging.log_every")
+    positive = (
+        "train.steps",
+        "train.batch_size",
+        "train.micro_batch_size",
+        "train.seq_len",
+        "train.eval_batches",
+        "model.n_layer",
+        "model.n_head",
+        "model.d_model",
+        "model.max_seq_len",
+        "model.vocab_multiple",
+        "train.max_bad_steps",
+        "logging.log_every",
+    )
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")
     if cfg.parallel.nproc < 1:
         raise ConfigError(f"parallel.nproc={cfg.parallel.nproc} must be at least 1")
     if cfg.parallel.microbatches is not None and cfg.parallel.microbatches < 1:
-        raise ConfigError(f"parallel.microbatches={cfg.parallel.microbatches} must be at least 1 (or null: "
-                          f"train.batch_size / (data-parallel size x train.micro_batch_size))")
+        raise ConfigError(
+            f"parallel.microbatches={cfg.parallel.microbatches} must be at least 1 (or null: "
+            f"train.batch_size / (data-parallel size x train.micro_batch_size))"
+        )
     if cfg.parallel.pp_stages_per_rank < 1 or cfg.parallel.pp_edge_blocks < 0:
         raise ConfigError("parallel.pp_stages_per_rank must be >= 1 and parallel.pp_edge_blocks >= 0")
     if cfg.train.eval_every < 0:
@@ -196,14 +208,20 @@ def validate(cfg) -> None:
 
     t, m = cfg.train, cfg.model
     if t.batch_size % t.micro_batch_size:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size="
-                          f"{t.micro_batch_size}: set train.batch_size to a multiple of {t.micro_batch_size}")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size}: set train.batch_size to a multiple of {t.micro_batch_size}"
+        )
     if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model="
-                          f"{m.name}: set train.seq_len<={m.max_seq_len} or raise model.max_seq_len")
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model="
+            f"{m.name}: set train.seq_len<={m.max_seq_len} or raise model.max_seq_len"
+        )
     if m.d_model % m.n_head:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
-                          f"choose a d_model that is a multiple of n_head")
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
+            f"choose a d_model that is a multiple of n_head"
+        )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
@@ -214,8 +232,9 @@ def validate(cfg) -> None:
 
 def _validate_checkpoint(c) -> None:
     if c.every < 0 or c.keep < 1:
-        raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end) and checkpoint.keep="
-                          f"{c.keep} >= 1")
+        raise ConfigError(
+            f"checkpoint.every={c.every} must be >= 0 (0: only at the end) and checkpoint.keep={c.keep} >= 1"
+        )
 
 
 def _validate_data(d) -> None:
@@ -223,15 +242,18 @@ def _validate_data(d) -> None:
         if not d.path:
             raise ConfigError("data.path is not set: data=local needs data.path=<file, folder or glob>")
         if not local_data_files(d.path):
-            raise ConfigError(f"data.path={d.path!r} matches no .txt, .jsonl or .parquet file: "
-                              f"point data.path at a file, a folder or a glob of such files")
+            raise ConfigError(
+                f"data.path={d.path!r} matches no .txt, .jsonl or .parquet file: "
+                f"point data.path at a file, a folder or a glob of such files"
+            )
     if d.source == "hf" and not d.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
     if d.tokenizer.kind == "hf" and not d.tokenizer.name:
         raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
     if d.tokenizer.kind == "bpe" and d.tokenizer.vocab_size < 512:
-        raise ConfigError(f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: "
-                          f"use at least 512")
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: use at least 512"
+        )
     if d.val_split is None and not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5) when data.val_split is unset")
 
@@ -246,5 +268,4 @@ def local_data_files(path: str) -> list[str]:
         candidates = glob.glob(os.path.join(path, "**", "*"), recursive=True)
     else:
         candidates = glob.glob(path, recursive=True)
-    return sorted(p for p in candidates
-                  if os.path.isfile(p) and p.endswith(DATA_EXTENSIONS) and os.path.getsize(p) > 0)
+    return sorted(p for p in candidates if os.path.isfile(p) and p.endswith(DATA_EXTENSIONS) and os.path.getsize(p) > 0)

@@ -28,8 +28,16 @@ def load_for_sampling(path: str):
 
         c = GPT2Config.from_pretrained(path)
         with torch.device("meta"):
-            model = GPT(GPTConfig(vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head, d_model=c.n_embd,
-                                  max_seq_len=c.n_positions, d_ff=c.n_inner))
+            model = GPT(
+                GPTConfig(
+                    vocab_size=c.vocab_size,
+                    n_layer=c.n_layer,
+                    n_head=c.n_head,
+                    d_model=c.n_embd,
+                    max_seq_len=c.n_positions,
+                    d_ff=c.n_inner,
+                )
+            )
         materialize(model, torch.device("cpu"), GPT2Weights(path, model.cfg))
         return model.eval(), AutoTokenizer.from_pretrained(path)
     from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
@@ -39,11 +47,18 @@ def load_for_sampling(path: str):
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-           eos_id: int | None, generator: torch.Generator) -> list[int]:
+def sample(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    eos_id: int | None,
+    generator: torch.Generator,
+) -> list[int]:
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-model.cfg.max_seq_len:]])
+        context = torch.tensor([ids[-model.cfg.max_seq_len :]])
         logits = model(context)[0, -1, : model.cfg.vocab_size].float()
         if temperature == 0:
             token = int(logits.argmax())
@@ -55,7 +70,7 @@ def sample(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: 
         if token == eos_id:
             break
         ids.append(token)
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def main() -> None:
@@ -69,8 +84,15 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = load_for_sampling(args.path)
     prompt_ids = tokenizer(args.prompt)["input_ids"] if args.prompt else [tokenizer.eos_token_id]
-    new = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, tokenizer.eos_token_id,
-                 torch.Generator().manual_seed(args.seed))
+    new = sample(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        tokenizer.eos_token_id,
+        torch.Generator().manual_seed(args.seed),
+    )
     print(args.prompt + tokenizer.decode(new))
 
 

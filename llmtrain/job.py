@@ -66,8 +66,10 @@ def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
 
 def _check_vocab(cfg, tokenizer_vocab: int) -> None:
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size")
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size"
+        )
 
 
 def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
@@ -78,8 +80,14 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
     try:
         validate(cfg)
         if cfg.parallel.nproc > 1 and not launched_externally():
-            code = spawn_workers(entry_point, cfg.parallel.nproc, list(HydraConfig.get().overrides.task), run_dir,
-                                 *_wandb_identity(cfg, run_dir), preemption)
+            code = spawn_workers(
+                entry_point,
+                cfg.parallel.nproc,
+                list(HydraConfig.get().overrides.task),
+                run_dir,
+                *_wandb_identity(cfg, run_dir),
+                preemption,
+            )
             _remove_if_empty_run(run_dir)
             if code == PREEMPTED_EXIT and preemption.signal_name:
                 preemption.hand_over()  # e.g. submitit, which requeues the job
@@ -126,8 +134,11 @@ def _agreed(runtime: Runtime, value):
 
 def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -> str:
     """Collective: what each rank holds and the build's peak, one line when every rank holds the same."""
-    values = torch.tensor([held.params, held.grads, held.optimizer, -1 if build_peak is None else build_peak],
-                          dtype=torch.int64, device=runtime.device)
+    values = torch.tensor(
+        [held.params, held.grads, held.optimizer, -1 if build_peak is None else build_peak],
+        dtype=torch.int64,
+        device=runtime.device,
+    )
     rows = [values]
     if runtime.distributed:
         rows = [torch.empty_like(values) for _ in range(runtime.world_size)]
@@ -158,9 +169,11 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     t = config.train
     per_step = t.micro_batch_size * strategy.dp_size
     if t.batch_size % per_step:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size x "
-                          f"data-parallel size = {t.micro_batch_size} x {strategy.dp_size}: "
-                          f"set train.batch_size to a multiple of {per_step}")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size x "
+            f"data-parallel size = {t.micro_batch_size} x {strategy.dp_size}: "
+            f"set train.batch_size to a multiple of {per_step}"
+        )
     train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
     # The validation set is eval_batches global batches, whatever the layout, so val_loss compares across layouts.
     val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
@@ -176,8 +189,9 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     resume = _agreed(runtime, resume_path(cfg.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
         check_model_matches(resume, gpt_cfg)
-    data = build_data(cfg, tokenizer, val_slice if t.eval_every > 0 else None,
-                      read_data_position(resume) if resume else None)
+    data = build_data(
+        cfg, tokenizer, val_slice if t.eval_every > 0 else None, read_data_position(resume) if resume else None
+    )
     padding = gpt_cfg.padding_parameters
     n_params = num_parameters(model) - padding
     model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
@@ -188,22 +202,60 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
     schedule = build_schedule(optimizer, t.steps, config.optim)
     wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
-    checkpoints = RunCheckpoints(CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                                                   runtime),
-                                 strategy, model, optimizer, schedule, data, gpt_cfg, runtime, wandb_id)
+    checkpoints = RunCheckpoints(
+        CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, runtime),
+        strategy,
+        model,
+        optimizer,
+        schedule,
+        data,
+        gpt_cfg,
+        runtime,
+        wandb_id,
+    )
     state = checkpoints.restore(resume) if resume else LoopState()
     precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
-    log.info("\n" + start_summary(cfg, n_params=n_params, padding=padding, vocab_size=gpt_cfg.vocab_size,
-                                  layout=strategy.describe(), device=str(runtime.device), precision=precision,
-                                  dp_size=strategy.dp_size, micro_batching=strategy.micro_batching(),
-                                  memory=memory, run_dir=run_dir,
-                                  resumed=f"{resume} (step {state.step})" if resume else None))
+    log.info(
+        "\n"
+        + start_summary(
+            cfg,
+            n_params=n_params,
+            padding=padding,
+            vocab_size=gpt_cfg.vocab_size,
+            layout=strategy.describe(),
+            device=str(runtime.device),
+            precision=precision,
+            dp_size=strategy.dp_size,
+            micro_batching=strategy.micro_batching(),
+            memory=memory,
+            run_dir=run_dir,
+            resumed=f"{resume} (step {state.step})" if resume else None,
+        )
+    )
 
-    loggers = (RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records, wandb_id=wandb_id)
-               if runtime.is_main else None)
-    trainer = Trainer(t, config.optim.grad_clip, config.checkpoint.every, runtime, strategy, model, optimizer,
-                      schedule, data, train_slice, val_slice, model_flops,
-                      loggers.record if loggers else lambda record: None, checkpoints, preemption, state)
+    loggers = (
+        RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records, wandb_id=wandb_id)
+        if runtime.is_main
+        else None
+    )
+    trainer = Trainer(
+        t,
+        config.optim.grad_clip,
+        config.checkpoint.every,
+        runtime,
+        strategy,
+        model,
+        optimizer,
+        schedule,
+        data,
+        train_slice,
+        val_slice,
+        model_flops,
+        loggers.record if loggers else lambda record: None,
+        checkpoints,
+        preemption,
+        state,
+    )
     try:
         state = trainer.run()
         checkpoints.finish()
@@ -216,9 +268,9 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
             save_final_model(weights, os.path.join(run_dir, "model.pt"))
     layout_results = strategy.report(run_dir)
     if loggers:
-        summary = end_summary(state.records, time.perf_counter() - wall_start, state.train_seconds,
-                              t.batch_size * t.seq_len)
-        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size,
-                       **layout_results)
+        summary = end_summary(
+            state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
+        )
+        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size, **layout_results)
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

@@ -59,7 +59,10 @@ def ranks_per_node() -> int:
 
 
 def register_resolvers() -> None:
-    for name, resolver in (("llmtrain_stamp", run_stamp), ("llmtrain_output_subdir", hydra_output_subdir),
-                           ("llmtrain_ranks_per_node", ranks_per_node)):
+    for name, resolver in (
+        ("llmtrain_stamp", run_stamp),
+        ("llmtrain_output_subdir", hydra_output_subdir),
+        ("llmtrain_ranks_per_node", ranks_per_node),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver, use_cache=True)

@@ -75,8 +75,7 @@ def _process_coordinates() -> tuple[int, int, int, str]:
         # derive the rendezvous torch expects from the step itself.
         env.setdefault("MASTER_ADDR", first_slurm_host(env["SLURM_STEP_NODELIST"]))
         env.setdefault("MASTER_PORT", str(slurm_job_port(env["SLURM_JOB_ID"])))
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                "slurm")
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
     return 0, 1, 0, "none"
 
 
@@ -94,7 +93,11 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     device = _pick_device(device_preference, local_rank)
     runtime = Runtime(rank, world_size, local_rank, device, launcher)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=runtime.backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=runtime.backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
     return runtime

@@ -56,18 +56,30 @@ def job_nodes(nproc: int) -> Nodes:
     env = os.environ
     tasks, nodes = int(env.get("SLURM_STEP_NUM_TASKS", "1")), int(env.get("SLURM_STEP_NUM_NODES", "1"))
     if tasks > nodes:
-        raise ConfigError(f"parallel.nproc={nproc} starts {nproc} workers per srun task, but srun started {tasks} "
-                          f"tasks on {nodes} node(s): run srun --ntasks-per-node=1 with parallel.nproc, or drop "
-                          f"parallel.nproc and let every srun task be one rank")
+        raise ConfigError(
+            f"parallel.nproc={nproc} starts {nproc} workers per srun task, but srun started {tasks} "
+            f"tasks on {nodes} node(s): run srun --ntasks-per-node=1 with parallel.nproc, or drop "
+            f"parallel.nproc and let every srun task be one rank"
+        )
     if nodes > 1:
         job = env["SLURM_JOB_ID"]
-        return Nodes(nodes, f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{slurm_job_port(job)}",
-                     f"slurm-{job}-{env.get('SLURM_RESTART_COUNT', '0')}")
+        return Nodes(
+            nodes,
+            f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{slurm_job_port(job)}",
+            f"slurm-{job}-{env.get('SLURM_RESTART_COUNT', '0')}",
+        )
     return Nodes(1, "localhost:0", uuid.uuid4().hex)
 
 
-def spawn_workers(entry_point: str, nproc: int, overrides: list[str], run_dir: str, wandb_name: str,
-                  wandb_group: str | None, preemption: PreemptionWatch) -> int:
+def spawn_workers(
+    entry_point: str,
+    nproc: int,
+    overrides: list[str],
+    run_dir: str,
+    wandb_name: str,
+    wandb_group: str | None,
+    preemption: PreemptionWatch,
+) -> int:
     """Run `entry_point` (train.py) in `nproc` workers on this node (and as many on every other node of the step);
     returns the exit code to leave with: the first failed worker's, 0 when all succeed. A preemption signal
     forwarded to the workers is recorded in `preemption`."""
@@ -78,9 +90,16 @@ def spawn_workers(entry_point: str, nproc: int, overrides: list[str], run_dir: s
     # As torchrun does: workers that each take every core would fight over them.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id,
-                          rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous, max_restarts=0,
-                          signals_to_handle=AGENT_SIGNALS)
+    config = LaunchConfig(
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
+        nproc_per_node=nproc,
+        run_id=nodes.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=nodes.rendezvous,
+        max_restarts=0,
+        signals_to_handle=AGENT_SIGNALS,
+    )
     try:
         with _forwarding_preemption_signals(preemption):
             elastic_launch(config, sys.executable)(entry_point, *_without_pinned(overrides), *pinned)
@@ -94,6 +113,7 @@ def spawn_workers(entry_point: str, nproc: int, overrides: list[str], run_dir: s
 def _forwarding_preemption_signals(preemption: PreemptionWatch) -> Iterator[None]:
     """While the workers run, a preemption signal to this process goes on to them (a scheduler that signals the
     whole process tree reaches them twice; they act on the first)."""
+
     def forward(signum: int, frame) -> None:
         preemption.record(signum)
         for child in _children():

@@ -23,13 +23,20 @@ from llmtrain.tools.compare_runs import METRICS, compare
 REPO = Path(__file__).resolve().parent.parent
 
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
-FAST = ["model=tiny", "train.seq_len=64", "train.batch_size=16", "train.micro_batch_size=4", "train.eval_every=0",
-        "logging.wandb.mode=disabled", "data.tokenizer.kind=byte"]
+FAST = [
+    "model=tiny",
+    "train.seq_len=64",
+    "train.batch_size=16",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "logging.wandb.mode=disabled",
+    "data.tokenizer.kind=byte",
+]
 
 
 def free_port(low: int = 0, high: int = 0) -> int:
     """A port nobody listens on: any (low=high=0) or one in [low, high)."""
-    for candidate in ([0] if high == 0 else random.sample(range(low, high), 200)):
+    for candidate in [0] if high == 0 else random.sample(range(low, high), 200):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", candidate))
@@ -75,12 +82,22 @@ def train(tmp_path, cache_dir):
     return lambda *overrides, **options: run_train(tmp_path, cache_dir, *overrides, **options)
 
 
-def train_command(workdir: Path, cache_dir: Path, *overrides: str, fast: bool = True, name: str = "run",
-                  nproc: int = 0, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], Path]:
+def train_command(
+    workdir: Path,
+    cache_dir: Path,
+    *overrides: str,
+    fast: bool = True,
+    name: str = "run",
+    nproc: int = 0,
+    env: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, str], Path]:
     """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks)."""
     run_dir = workdir / name
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)
     full_env = {**os.environ, "WANDB_SILENT": "true"}
@@ -98,8 +115,14 @@ def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 
 
 
 # 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.
-PARITY = ["train.steps=10", "train.eval_every=5", "train.seq_len=32", "train.batch_size=16",
-          "train.micro_batch_size=2", "data.window_shuffle_buffer=64"]
+PARITY = [
+    "train.steps=10",
+    "train.eval_every=5",
+    "train.seq_len=32",
+    "train.batch_size=16",
+    "train.micro_batch_size=2",
+    "data.window_shuffle_buffer=64",
+]
 # fp32 on CPU: the layouts sum the same per-sequence gradients in a different order (per-rank partial sums, then
 # a collective), which moves results by a few ulps (~1e-7 relative); AdamW's normalisation keeps that from
 # growing over 10 steps. Measured differences are ~1e-7 on losses and ~1e-7 on weights; the bounds leave 10-100x
@@ -137,6 +160,7 @@ def layout_run(tmp_path_factory, cache_dir):
         if key not in runs:
             runs[key] = run_train(tmp_path_factory.mktemp("layout"), cache_dir, *PARITY, *overrides, nproc=nproc)
         return runs[key]
+
     return get
 
 

@@ -24,13 +24,29 @@ from llmtrain.tools import build_layout, compose_config
 STEPS = 3
 VOCAB = 257
 # name -> virtual stages per rank
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "1f1b_reference": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2,
-             "dualpipev": 2}
+SCHEDULES = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "1f1b_reference": 1,
+    "interleaved_1f1b": 2,
+    "zero_bubble": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}
 
 
 def config(layout: list[str], microbatches: int):
-    return compose_config(["model=tiny", "model.n_layer=8", "train.seq_len=32", "train.batch_size=16",
-                           f"train.micro_batch_size={16 // microbatches}", "optim.warmup_steps=1", *layout])
+    return compose_config(
+        [
+            "model=tiny",
+            "model.n_layer=8",
+            "train.seq_len=32",
+            "train.batch_size=16",
+            f"train.micro_batch_size={16 // microbatches}",
+            "optim.warmup_steps=1",
+            *layout,
+        ]
+    )
 
 
 def batches(cfg) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -64,9 +80,15 @@ def main(out_dir: str, microbatches: int) -> None:
     reference = ref_strategy.full_state_dict(ref_model)
     results = {}
     for schedule, stages_per_rank in SCHEDULES.items():
-        cfg = config(["parallel=pp", f"parallel.pp_schedule={schedule}",
-                      f"parallel.pp_stages_per_rank={stages_per_rank}", f"parallel.microbatches={microbatches}"],
-                     microbatches)
+        cfg = config(
+            [
+                "parallel=pp",
+                f"parallel.pp_schedule={schedule}",
+                f"parallel.pp_stages_per_rank={stages_per_rank}",
+                f"parallel.microbatches={microbatches}",
+            ],
+            microbatches,
+        )
         losses, norms, strategy, model = train(cfg, runtime)
         weights = strategy.full_state_dict(model)
         run_dir = os.path.join(out_dir, schedule)
@@ -74,10 +96,15 @@ def main(out_dir: str, microbatches: int) -> None:
         report = strategy.report(run_dir)
         if runtime.is_main:
             results[schedule] = {
-                "losses": losses, "reference_losses": ref_losses, "norms": norms, "reference_norms": ref_norms,
+                "losses": losses,
+                "reference_losses": ref_losses,
+                "norms": norms,
+                "reference_norms": ref_norms,
                 "same_names": sorted(weights) == sorted(reference),
                 "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
-                "state": weights, **report["pipeline"]}
+                "state": weights,
+                **report["pipeline"],
+            }
     if runtime.is_main:
         # The hand-written 1F1B against torch's, step for step: same losses, norms and final weights, bit for bit.
         ours, theirs = results["1f1b_reference"].pop("state"), results["1f1b"]["state"]

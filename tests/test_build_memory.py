@@ -15,8 +15,15 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 # 8 blocks of d_model 512: ~101 MB of fp32 weights, large enough that a whole copy per rank would show.
-MODEL = ["model=tiny", "model.n_layer=8", "model.d_model=512", "model.n_head=8", "train.seq_len=32",
-         "train.micro_batch_size=2", "train.batch_size=8"]
+MODEL = [
+    "model=tiny",
+    "model.n_layer=8",
+    "model.d_model=512",
+    "model.n_head=8",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.batch_size=8",
+]
 # What a build touches besides tensors (DTensor / FSDP bookkeeping, library code paged in on first use, the
 # allocator's slack), measured at 6-12 MiB on this machine; the bound leaves room without admitting a whole model.
 MARGIN = 24 * 2**20
@@ -24,19 +31,37 @@ MARGIN = 24 * 2**20
 
 def _rows(nproc: int, *overrides: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "-m", "llmtrain.tools.layout_memory", *MODEL, *overrides],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "llmtrain.tools.layout_memory",
+            *MODEL,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == nproc
     return rows
 
 
-@pytest.mark.parametrize("nproc, overrides", [
-    (4, ["parallel=fsdp"]),
-    (2, ["parallel=pp", "parallel.pp_schedule=gpipe"]),
-])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (4, ["parallel=fsdp"]),
+        (2, ["parallel=pp", "parallel.pp_schedule=gpipe"]),
+    ],
+)
 def test_a_rank_builds_only_its_share(nproc, overrides):
     rows = _rows(nproc, *overrides)
     whole = rows[0]["whole_model"]

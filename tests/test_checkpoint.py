@@ -59,8 +59,9 @@ def _start(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: di
 
 
 def _descendants(pid: int) -> list[int]:
-    children = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                                 text=True).stdout.split()]
+    children = [
+        int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    ]
     return children + [d for child in children for d in _descendants(child)]
 
 
@@ -73,8 +74,17 @@ def _kill_hard(process: subprocess.Popen) -> None:
 
 def _killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *extra: str) -> Path:
     """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 9 runs; its checkpoints."""
-    process, run_dir = _start(tmp_path, cache_dir, *PARITY, *layout, "checkpoint.every=5", *extra, nproc=nproc,
-                              env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"), name="killed")
+    process, run_dir = _start(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        *layout,
+        "checkpoint.every=5",
+        *extra,
+        nproc=nproc,
+        env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"),
+        name="killed",
+    )
     checkpoints = run_dir / "checkpoints"
     _wait_for_steps(run_dir, 8, process)
     _kill_hard(process)
@@ -97,10 +107,14 @@ def fsdp_checkpoints(tmp_path_factory, cache_dir) -> Path:
 def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, reference, layout_run, request):
     overrides, nproc = LAYOUTS[layout]
     uninterrupted = layout_run(*overrides, nproc=nproc) if overrides else reference
-    checkpoints = (request.getfixturevalue("fsdp_checkpoints") if layout == "fsdp"
-                   else _killed_mid_run(tmp_path, cache_dir, overrides, nproc))
-    resumed = run_train(tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc,
-                        name="resumed")
+    checkpoints = (
+        request.getfixturevalue("fsdp_checkpoints")
+        if layout == "fsdp"
+        else _killed_mid_run(tmp_path, cache_dir, overrides, nproc)
+    )
+    resumed = run_train(
+        tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc, name="resumed"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed   from" in resumed.stdout + resumed.stderr
     for key in ("loss", "grad_norm", "val_loss"):
@@ -116,15 +130,22 @@ def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints
     """Saved by fsdp on 4 ranks at step 5; continued under another layout, it follows the uninterrupted run: the
     model, the optimizer state and the data position all carried over (a repeated or skipped batch, or a lost
     AdamW moment, moves the losses by far more than the tolerance)."""
-    resumed = run_train(tmp_path, cache_dir, *PARITY, f"parallel={layout}",
-                        f"checkpoint.resume={fsdp_checkpoints / 'step-00000005'}", nproc=nproc)
+    resumed = run_train(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        f"parallel={layout}",
+        f"checkpoint.resume={fsdp_checkpoints / 'step-00000005'}",
+        nproc=nproc,
+    )
     assert_parity(resumed, reference)
 
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path, cache_dir):
-    process, run_dir = _start(tmp_path, cache_dir, *PARITY, nproc=0, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"),
-                              name="run")
+    process, run_dir = _start(
+        tmp_path, cache_dir, *PARITY, nproc=0, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
+    )
     _wait_for_steps(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == PREEMPTED_EXIT, _stderr(run_dir)[-3000:]
@@ -136,8 +157,9 @@ def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_dir):
-    process, run_dir = _start(tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2,
-                              env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run")
+    process, run_dir = _start(
+        tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
+    )
     _wait_for_steps(run_dir, 2, process)
     workers = _descendants(process.pid)
     assert len(workers) == 2
@@ -225,8 +247,7 @@ def test_non_finite_steps_never_reach_the_weights(train, reference):
 
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
-    run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1",
-                env=faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
+    run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1", env=faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
     assert run.returncode == 3
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: step 5: 2 steps in a row"), run.stderr[-2000:]

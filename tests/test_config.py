@@ -26,8 +26,10 @@ from llmtrain.config import (
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 README = Path(__file__).resolve().parent.parent / "README.md"
-GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-          for group in ("model", "data", "parallel", "optim", "logging")}
+GROUPS = {
+    group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    for group in ("model", "data", "parallel", "optim", "logging")
+}
 # Options that need a key the user must supply before they validate.
 REQUIRED = {"data=local": ["data.path={tmp}/corpus.txt"], "data=hf": ["data.name=roneneldan/TinyStories"]}
 
@@ -65,8 +67,9 @@ def test_unknown_option_lists_the_available_ones():
     assert "gpt2-medium" in str(error.value) and "tiny" in str(error.value)
 
 
-@pytest.mark.parametrize("override", ["train.stpes=5", "model.n_heads=4", "optim.learning_rate=1",
-                                      "checkpoint.async=true"])
+@pytest.mark.parametrize(
+    "override", ["train.stpes=5", "model.n_heads=4", "optim.learning_rate=1", "checkpoint.async=true"]
+)
 def test_misspelt_key_is_rejected(override):
     with pytest.raises(ConfigCompositionException) as error:
         _compose(override)
@@ -79,17 +82,20 @@ def test_wrong_type_is_rejected():
     assert isinstance(error.value.__cause__, (ValidationError, ConfigKeyError))
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["train.batch_size=30"], "train.batch_size"),
-    (["train.seq_len=512"], "train.seq_len"),
-    (["data=local"], "data.path"),
-    (["data=local", "data.path=/nonexistent/corpus"], "data.path"),
-    (["data=hf"], "data.name"),
-    (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
-    (["model.d_model=130"], "model.d_model"),
-    (["train.micro_batch_size=0"], "train.micro_batch_size"),
-    (["checkpoint.keep=0"], "checkpoint.keep"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["train.batch_size=30"], "train.batch_size"),
+        (["train.seq_len=512"], "train.seq_len"),
+        (["data=local"], "data.path"),
+        (["data=local", "data.path=/nonexistent/corpus"], "data.path"),
+        (["data=hf"], "data.name"),
+        (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
+        (["model.d_model=130"], "model.d_model"),
+        (["train.micro_batch_size=0"], "train.micro_batch_size"),
+        (["checkpoint.keep=0"], "checkpoint.keep"),
+    ],
+)
 def test_validate_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         validate(_compose(*overrides))
@@ -161,8 +167,9 @@ def test_the_readme_documents_every_key_with_its_default():
     documented = _readme_keys()
     assert sorted(set(composed) - set(documented)) == [], "keys the README's key tables do not document"
     assert sorted(set(documented) - set(composed)) == [], "keys the README documents that the config lacks"
-    wrong = {key: (text, composed[key]) for key, text in documented.items()
-             if not _same(_readme_value(text), composed[key])}
+    wrong = {
+        key: (text, composed[key]) for key, text in documented.items() if not _same(_readme_value(text), composed[key])
+    }
     assert wrong == {}, "README default vs composed default"
 
 
@@ -170,8 +177,14 @@ def test_schema_defaults_are_the_default_options_values():
     """A key the schema gives a default means what conf/ says, so a yaml that leaves it out changes nothing. The
     model schema is generic (each preset sets its own shape), so its defaults are left out."""
     composed = _leaves(_compose())
-    schemas = {"data": DataConfig, "parallel": ParallelConfig, "optim": OptimConfig, "logging": LoggingConfig,
-               "train": TrainConfig, "checkpoint": CheckpointConfig}
+    schemas = {
+        "data": DataConfig,
+        "parallel": ParallelConfig,
+        "optim": OptimConfig,
+        "logging": LoggingConfig,
+        "train": TrainConfig,
+        "checkpoint": CheckpointConfig,
+    }
     defaults = {"seed": RootConfig.seed}
     for group, schema in schemas.items():
         defaults.update(_leaves(OmegaConf.structured(schema), f"{group}."))
@@ -180,8 +193,11 @@ def test_schema_defaults_are_the_default_options_values():
 
 
 def test_the_readme_lists_every_option_of_every_group():
-    rows = {line.split(" | ")[0].strip("|` "): line for line in README.read_text().splitlines()
-            if line.startswith("| `") and line.endswith("` |")}
+    rows = {
+        line.split(" | ")[0].strip("|` "): line
+        for line in README.read_text().splitlines()
+        if line.startswith("| `") and line.endswith("` |")
+    }
     for group, options in GROUPS.items():
         listed = re.findall(r"`([^`]+)`", rows[group].split(" | ")[1])
         assert sorted(listed) == options, group

@@ -85,8 +85,14 @@ def test_window_shuffle_is_a_seeded_permutation_of_the_packed_stream(corpus):
 
 
 def _windows(cfg, seed: int, seq_len: int = 16, window_shuffle_buffer: int | None = None) -> TrainingWindows:
-    return TrainingWindows(open_documents(cfg, TRAIN), ByteTokenizer(), seq_len, seed, cfg.doc_shuffle_buffer,
-                           cfg.window_shuffle_buffer if window_shuffle_buffer is None else window_shuffle_buffer)
+    return TrainingWindows(
+        open_documents(cfg, TRAIN),
+        ByteTokenizer(),
+        seq_len,
+        seed,
+        cfg.doc_shuffle_buffer,
+        cfg.window_shuffle_buffer if window_shuffle_buffer is None else window_shuffle_buffer,
+    )
 
 
 @pytest.mark.parametrize("taken", [5, 123, 400])  # the last one is past the end of the first epoch
@@ -114,8 +120,9 @@ def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
     assert not np.array_equal(taken[-1], following[0])
 
 
-@pytest.mark.parametrize("path, field", [("txt", "text"), ("docs.jsonl", "body"), ("docs.parquet", "content"),
-                                         ("*.jsonl", "body")])
+@pytest.mark.parametrize(
+    "path, field", [("txt", "text"), ("docs.jsonl", "body"), ("docs.parquet", "content"), ("*.jsonl", "body")]
+)
 def test_local_sources_load_every_document(corpus, path, field):
     cfg = _data_cfg(path=str(corpus / path), text_field=field)
     texts = _texts(cfg, TRAIN) + _texts(cfg, VALIDATION)
@@ -143,8 +150,9 @@ def test_stdlib_corpus_is_real_text_present_offline():
 
 
 def _first_batches(cfg, tokenizer, seed, n=3, batch_size=8, seq_len=16):
-    windows = TrainingWindows(open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer,
-                              cfg.window_shuffle_buffer)
+    windows = TrainingWindows(
+        open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer, cfg.window_shuffle_buffer
+    )
     batches = GlobalBatches(windows, batch_size)
     return [batches.next() for _ in range(n)]
 
@@ -163,11 +171,12 @@ def test_the_stream_is_endless_and_reshuffles_each_epoch(corpus):
     tokenizer = ByteTokenizer()
     train_tokens = sum(len(t.encode()) + 1 for t in _texts(cfg, TRAIN))
     per_epoch = train_tokens // 17
-    windows = list(itertools.islice(TrainingWindows(open_documents(cfg, TRAIN), tokenizer, 16, 0, 50, 1),
-                                    2 * per_epoch + 5))
+    windows = list(
+        itertools.islice(TrainingWindows(open_documents(cfg, TRAIN), tokenizer, 16, 0, 50, 1), 2 * per_epoch + 5)
+    )
     assert len(windows) == 2 * per_epoch + 5
     epoch1 = np.concatenate(windows[: per_epoch // 2])
-    epoch2 = np.concatenate(windows[per_epoch + 2: per_epoch + 2 + per_epoch // 2])
+    epoch2 = np.concatenate(windows[per_epoch + 2 : per_epoch + 2 + per_epoch // 2])
     assert not np.array_equal(epoch1[: len(epoch2)], epoch2[: len(epoch1)])
 
 

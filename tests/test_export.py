@@ -54,19 +54,46 @@ def test_greedy_sampling_matches_transformers_generate(exported):
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer("def ")["input_ids"]
-    ours = sample(load_checkpoint_model(checkpoint), prompt, 12, temperature=0, top_k=0, eos_id=None,
-                  generator=torch.Generator().manual_seed(0))
-    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+    ours = sample(
+        load_checkpoint_model(checkpoint),
+        prompt,
+        12,
+        temperature=0,
+        top_k=0,
+        eos_id=None,
+        generator=torch.Generator().manual_seed(0),
+    )
+    expected = theirs.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )[0, len(prompt) :].tolist()
     assert ours == expected
 
 
 @pytest.mark.slow
 def test_the_generate_command_prints_a_continuation(exported):
     _, out = exported
-    done = subprocess.run([sys.executable, "-m", "llmtrain.generate", str(out), "--prompt", "def ",
-                           "--max-new-tokens", "20", "--seed", "1"], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmtrain.generate",
+            str(out),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "20",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("def ") and len(done.stdout) > len("def ") + 5
 
@@ -75,8 +102,9 @@ def _hf_gpt2(directory, **shape) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=4,
-                               **shape)).save_pretrained(directory)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=4, **shape)
+    ).save_pretrained(directory)
 
 
 def test_a_hugging_face_gpt2_initialises_our_model(tmp_path):
@@ -100,8 +128,16 @@ def test_a_gpt2_of_another_shape_is_refused_naming_the_keys(tmp_path):
 
 def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> None:
     """Both layouts in one 2-rank process group: the GPT-2 read straight into FSDP shards and into pipeline stages."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     from transformers import GPT2LMHeadModel
 
     from llmtrain.model import GPT
@@ -113,8 +149,9 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
     theirs = GPT2LMHeadModel.from_pretrained(directory).eval()(ids).logits
     found = {}
     for layout in (["parallel=fsdp"], ["parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=2"]):
-        cfg = compose_config(["model=tiny", f"model.init_from={directory}", "train.batch_size=4",
-                              "train.micro_batch_size=2", *layout])
+        cfg = compose_config(
+            ["model=tiny", f"model.init_from={directory}", "train.batch_size=4", "train.micro_batch_size=2", *layout]
+        )
         strategy, model = build_layout(cfg, runtime, 257)
         with torch.no_grad():
             if strategy.name == "fsdp":  # every rank runs the whole model from its shards
@@ -133,8 +170,9 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
 def test_a_hugging_face_gpt2_loads_straight_into_shards_and_stages(tmp_path):
     _hf_gpt2(tmp_path)
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(_sharded_init_from_worker, args=(free_port(), str(tmp_path), results), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _sharded_init_from_worker, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="spawn"
+    )
     found = dict(results.get(timeout=300) for _ in range(2))
     assert set(found[0]) == {"fsdp", "fsdp model.pt", "pp model.pt"} and set(found[1]) == {"fsdp"}
     assert max(found[0].values()) <= LOGIT_ATOL and found[1]["fsdp"] <= LOGIT_ATOL, found

@@ -19,8 +19,16 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
     accumulation (micro-batches of 4 on 2 ranks: 2 per step): the points at the default learning rate reproduce
     `single`."""
     sweep = tmp_path / "sweep"
-    args, env, _ = train_command(tmp_path, cache_dir, *PARITY, "train.micro_batch_size=4", "optim.lr=0.001,0.0003",
-                                 "parallel=ddp,fsdp", "parallel.nproc=2", f"hydra.sweep.dir={sweep}")
+    args, env, _ = train_command(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        "train.micro_batch_size=4",
+        "optim.lr=0.001,0.0003",
+        "parallel=ddp,fsdp",
+        "parallel.nproc=2",
+        f"hydra.sweep.dir={sweep}",
+    )
     # `-m` before the overrides; a sweep writes under hydra.sweep.dir
     args = args[:2] + ["-m"] + [a for a in args[2:] if not a.startswith("hydra.run.dir=")]
     env["OMP_NUM_THREADS"] = "1"
@@ -42,12 +50,16 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
         assert run.summary["world_size"] == 2 and run.summary["layout"].startswith(layout.split("=")[1])
         # the W&B identity the point's workers were given (rank 0's composed overrides): the sweep's group, a
         # name of its own (W&B recording the group is tested with a real offline run in test_slurm.py)
-        pinned = {key: value.strip("'") for key, value in (o.split("=", 1) for o in overrides)
-                  if key.startswith("logging.wandb.")}
+        pinned = {
+            key: value.strip("'")
+            for key, value in (o.split("=", 1) for o in overrides)
+            if key.startswith("logging.wandb.")
+        }
         assert pinned["logging.wandb.group"] == "sweep"
         names.add(pinned["logging.wandb.name"])
-    assert seen == {(lr, layout) for lr in ("optim.lr=0.001", "optim.lr=0.0003")
-                    for layout in ("parallel=ddp", "parallel=fsdp")}
+    assert seen == {
+        (lr, layout) for lr in ("optim.lr=0.001", "optim.lr=0.0003") for layout in ("parallel=ddp", "parallel=fsdp")
+    }
     assert len(names) == 4
     assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep directory
 
@@ -60,13 +72,22 @@ def test_two_torchrun_nodes_on_loopback_reproduce_one_node(tmp_path, cache_dir, 
     for node in range(2):
         args, env, _ = train_command(tmp_path, cache_dir, *PARITY, "parallel=fsdp")
         args = [a for a in args if not a.startswith("hydra.run.dir=")]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                    "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                    "--rdzv-id=loopback"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=loopback",
+        ]
         env["OMP_NUM_THREADS"] = "1"
         with open(tmp_path / f"node{node}.log", "w") as log:
-            processes.append(subprocess.Popen(launcher + args[1:], cwd=tmp_path, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(launcher + args[1:], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
     codes = [p.wait(timeout=600) for p in processes]
     logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(2))
     assert codes == [0, 0], logs

@@ -35,12 +35,15 @@ def test_a_future_token_never_changes_an_earlier_logit():
     assert not torch.allclose(before[:, 7:], after[:, 7:])
 
 
-@pytest.mark.parametrize("n_layer, n_head, d_model, expected", [
-    (12, 12, 768, 124_439_808),
-    (24, 16, 1024, 354_823_168),
-    (36, 20, 1280, 774_030_080),
-    (48, 25, 1600, 1_557_611_200),
-])
+@pytest.mark.parametrize(
+    "n_layer, n_head, d_model, expected",
+    [
+        (12, 12, 768, 124_439_808),
+        (24, 16, 1024, 354_823_168),
+        (36, 20, 1280, 774_030_080),
+        (48, 25, 1600, 1_557_611_200),
+    ],
+)
 def test_gpt2_parameter_counts_on_the_meta_device(n_layer, n_head, d_model, expected):
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50257, n_layer=n_layer, n_head=n_head, d_model=d_model, max_seq_len=1024))

@@ -16,13 +16,16 @@ pytestmark = pytest.mark.slow
 
 
 # Each family once, at 4 ranks where it shards (the 15-minute suite budget on two cores).
-@pytest.mark.parametrize("layout, nproc, extra", [
-    ("ddp", 2, []),
-    ("zero1", 4, []),
-    ("zero2", 4, []),
-    ("fsdp", 4, []),
-    ("hsdp", 4, ["parallel.dp_shard=2"]),
-])
+@pytest.mark.parametrize(
+    "layout, nproc, extra",
+    [
+        ("ddp", 2, []),
+        ("zero1", 4, []),
+        ("zero2", 4, []),
+        ("fsdp", 4, []),
+        ("hsdp", 4, ["parallel.dp_shard=2"]),
+    ],
+)
 def test_layout_matches_single(layout, nproc, extra, reference, layout_run):
     run = layout_run(f"parallel={layout}", *extra, nproc=nproc)
     assert_parity(run, reference)
@@ -38,9 +41,23 @@ def test_only_rank_zero_writes_and_speaks(layout_run):
 
 def _memory_rows(layout: str, nproc: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "-m", "llmtrain.tools.layout_memory", f"parallel={layout}"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "llmtrain.tools.layout_memory",
+            f"parallel={layout}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -64,21 +81,27 @@ def test_state_per_rank_follows_the_zero_formulas(layout):
         assert during_step < 0.5 * full  # blocks re-sharded after their forward
 
 
-@pytest.mark.parametrize("overrides, world_size, message", [
-    (["parallel=ddp", "parallel.dp_replicate=3"], 2, "parallel.dp_replicate=3"),
-    (["parallel=fsdp", "parallel.dp_replicate=-1"], 2, "-1"),
-    (["parallel=hsdp", "parallel.dp_shard=2"], 3, "world size 3"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["parallel=ddp", "parallel.dp_replicate=3"], 2, "parallel.dp_replicate=3"),
+        (["parallel=fsdp", "parallel.dp_replicate=-1"], 2, "-1"),
+        (["parallel=hsdp", "parallel.dp_shard=2"], 3, "world size 3"),
+    ],
+)
 def test_bad_layouts_are_refused_before_any_process_group(overrides, world_size, message):
     with pytest.raises(ConfigError) as error:
         layout_strategy(*overrides, world_size=world_size)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("overrides, nproc, message", [
-    (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size=6"),
-    (["parallel=ddp"], 0, "single process"),
-])
+@pytest.mark.parametrize(
+    "overrides, nproc, message",
+    [
+        (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size=6"),
+        (["parallel=ddp"], 0, "single process"),
+    ],
+)
 def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
     run = train(*overrides, nproc=nproc)
     assert run.returncode != 0

@@ -29,10 +29,13 @@ def test_blocks_are_shared_out_evenly_or_with_lighter_edges():
     assert stage_layers(6, 4, 1) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
 
 
-@pytest.mark.parametrize("n_layer, n_stages, edge_blocks, message", [
-    (6, 4, 0, "model.n_layer=6 (+ 2 x parallel.pp_edge_blocks=0) does not split evenly into 4 pipeline stages"),
-    (4, 4, 2, "parallel.pp_edge_blocks=2 leaves the first or last of 4 stages without a block"),
-])
+@pytest.mark.parametrize(
+    "n_layer, n_stages, edge_blocks, message",
+    [
+        (6, 4, 0, "model.n_layer=6 (+ 2 x parallel.pp_edge_blocks=0) does not split evenly into 4 pipeline stages"),
+        (4, 4, 2, "parallel.pp_edge_blocks=2 leaves the first or last of 4 stages without a block"),
+    ],
+)
 def test_a_split_that_does_not_fit_is_refused(n_layer, n_stages, edge_blocks, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         stage_layers(n_layer, n_stages, edge_blocks)
@@ -58,8 +61,9 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     parts = []
     for rank in range(2):
         stages = rank_stages(rank, 2, 2, "v")
-        part = meta_model(cfg.model, 257).pipeline_part([i for s in stages for i in layers[s]], first=0 in stages,
-                                                       last=3 in stages)
+        part = meta_model(cfg.model, 257).pipeline_part(
+            [i for s in stages for i in layers[s]], first=0 in stages, last=3 in stages
+        )
         materialize(part, torch.device("cpu"), init)
         parts.append(part)
     assert sorted(parts[0].blocks) == ["0", "3"] and sorted(parts[1].blocks) == ["1", "2"]
@@ -69,8 +73,10 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     # Rank 0 holds the embedding and the head, as two stages' copies of one matrix, not one shared tensor.
     assert parts[0].lm_head.weight is not parts[0].tok_emb.weight
     # The stage views run the parts' own modules; chained, they compute the whole model.
-    views = {stage: parts[stage_rank(stage, 2, "v")].stage_view(layers[stage], first=stage == 0, last=stage == 3)
-             for stage in range(4)}
+    views = {
+        stage: parts[stage_rank(stage, 2, "v")].stage_view(layers[stage], first=stage == 0, last=stage == 3)
+        for stage in range(4)
+    }
     assert views[3].lm_head is parts[0].lm_head and views[2].blocks["2"] is parts[1].blocks["2"]
     tokens = torch.randint(0, 257, (2, 16))
     x = tokens
@@ -80,15 +86,18 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
 
 
 # -- schedule checks -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule, pp, per_rank, m, message", [
-    ("1f1b", 4, 1, 2, "parallel.microbatches=2 is below 4, which parallel.pp_schedule=1f1b needs"),
-    ("dualpipev", 2, 2, 2, "parallel.microbatches=2 is below 4"),
-    ("gpipe", 2, 2, 4, "runs one stage per rank but parallel.pp_stages_per_rank=2"),
-    ("interleaved_1f1b", 2, 1, 4, "interleaves virtual stages but parallel.pp_stages_per_rank=1"),
-    ("zbv", 2, 3, 8, "exactly two stages per rank in a V but parallel.pp_stages_per_rank=3"),
-    ("zero_bubble", 4, 2, 6, "parallel.microbatches=6 is not a multiple of parallel.pp=4"),
-    ("pipedream", 2, 1, 4, "parallel.pp_schedule='pipedream' is not a pipeline schedule: use one of gpipe, 1f1b"),
-])
+@pytest.mark.parametrize(
+    "schedule, pp, per_rank, m, message",
+    [
+        ("1f1b", 4, 1, 2, "parallel.microbatches=2 is below 4, which parallel.pp_schedule=1f1b needs"),
+        ("dualpipev", 2, 2, 2, "parallel.microbatches=2 is below 4"),
+        ("gpipe", 2, 2, 4, "runs one stage per rank but parallel.pp_stages_per_rank=2"),
+        ("interleaved_1f1b", 2, 1, 4, "interleaves virtual stages but parallel.pp_stages_per_rank=1"),
+        ("zbv", 2, 3, 8, "exactly two stages per rank in a V but parallel.pp_stages_per_rank=3"),
+        ("zero_bubble", 4, 2, 6, "parallel.microbatches=6 is not a multiple of parallel.pp=4"),
+        ("pipedream", 2, 1, 4, "parallel.pp_schedule='pipedream' is not a pipeline schedule: use one of gpipe, 1f1b"),
+    ],
+)
 def test_schedules_refuse_what_they_cannot_run(schedule, pp, per_rank, m, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_schedule(schedule, pp, per_rank, m)
@@ -100,12 +109,17 @@ def test_compiled_blocks_only_with_schedules_that_run_backward_whole():
         validate_schedule("zbv", 2, 2, 4, compiled=True)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.batch_size=16", "parallel.microbatches=6"],
-     "train.batch_size=16 is not divisible by data-parallel size x parallel.microbatches = 1 x 6"),
-    (["parallel.pp=1", "parallel.dp_shard=2"], "parallel.strategy=pp needs parallel.pp >= 2"),
-    (["model.n_layer=3"], "model.n_layer=3 (+ 2 x parallel.pp_edge_blocks=0) does not split evenly into 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["train.batch_size=16", "parallel.microbatches=6"],
+            "train.batch_size=16 is not divisible by data-parallel size x parallel.microbatches = 1 x 6",
+        ),
+        (["parallel.pp=1", "parallel.dp_shard=2"], "parallel.strategy=pp needs parallel.pp >= 2"),
+        (["model.n_layer=3"], "model.n_layer=3 (+ 2 x parallel.pp_edge_blocks=0) does not split evenly into 2"),
+    ],
+)
 def test_pipeline_layout_checks(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         layout_strategy("parallel=pp", *overrides, world_size=2)
@@ -116,9 +130,22 @@ def test_pipeline_layout_checks(overrides, message):
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
 def test_every_schedule_matches_the_unsplit_model(pp, microbatches, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
-                           str(WORKER), str(tmp_path), str(microbatches)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={pp}",
+            str(WORKER),
+            str(tmp_path),
+            str(microbatches),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(SCHEDULES)
@@ -149,8 +176,9 @@ def test_pipeline_run_matches_single_and_draws_its_schedule(reference, layout_ru
     assert pipeline["bubble_theory"] == pytest.approx(1 / 4) and pipeline["bubble_measured"] > 0
     assert (run.run_dir / "pipeline.png").stat().st_size > 10_000
     events = json.loads((run.run_dir / "pipeline.json").read_text())["events"]
-    assert [sorted((e["kind"], e["micro_batch"]) for e in rank) for rank in events] == \
-        [sorted((kind, i) for kind in "FB" for i in range(4))] * 2
+    assert [sorted((e["kind"], e["micro_batch"]) for e in rank) for rank in events] == [
+        sorted((kind, i) for kind in "FB" for i in range(4))
+    ] * 2
     assert "pipeline  bubble" in run.stderr + run.stdout
 
 

@@ -19,8 +19,9 @@ def _worker(rank: int, env: dict[str, str], results) -> None:
     runtime = init_runtime("cpu")
     value = torch.tensor([float(runtime.rank + 1)])
     dist.all_reduce(value)
-    results.put((runtime.rank, runtime.world_size, runtime.launcher, runtime.backend, value.item(),
-                 os.environ["MASTER_ADDR"]))
+    results.put(
+        (runtime.rank, runtime.world_size, runtime.launcher, runtime.backend, value.item(), os.environ["MASTER_ADDR"])
+    )
     runtime.shutdown(synchronize=True)
 
 
@@ -32,8 +33,13 @@ def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:
 
 
 def test_torchrun_environment():
-    env = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+    env = {
+        "RANK": "{rank}",
+        "LOCAL_RANK": "{rank}",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     assert _spawn(env) == [(0, 2, "torchrun", "gloo", 3.0, "127.0.0.1"), (1, 2, "torchrun", "gloo", 3.0, "127.0.0.1")]
 
 
@@ -41,8 +47,14 @@ def test_srun_environment_without_torchrun(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     job_id = 20000 * 7 + free_port(20000, 40000) - 20000  # the runtime derives port 20000 + job_id % 20000
-    env = {"SLURM_PROCID": "{rank}", "SLURM_LOCALID": "{rank}", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
-           "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": str(job_id)}
+    env = {
+        "SLURM_PROCID": "{rank}",
+        "SLURM_LOCALID": "{rank}",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_JOB_ID": str(job_id),
+    }
     results = _spawn(env)
     assert [r[:5] for r in results] == [(0, 2, "slurm", "gloo", 3.0), (1, 2, "slurm", "gloo", 3.0)]
     assert results[0][5] == "localhost"
@@ -55,8 +67,10 @@ def test_plain_process_has_no_group(monkeypatch):
     assert (runtime.rank, runtime.world_size, runtime.launcher, runtime.distributed) == (0, 1, "none", False)
 
 
-@pytest.mark.parametrize("nodelist, first", [("gpu[03-05,09],login1", "gpu03"), ("node7,node8", "node7"),
-                                             ("solo", "solo"), ("rack1-n[10-11]", "rack1-n10")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("gpu[03-05,09],login1", "gpu03"), ("node7,node8", "node7"), ("solo", "solo"), ("rack1-n[10-11]", "rack1-n10")],
+)
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
@@ -87,8 +101,14 @@ def test_slurm_job_names_the_run_directory(monkeypatch):
 
 
 def _clear_launch_environment(monkeypatch) -> None:
-    for key in ("RANK", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST", "SLURM_JOB_ID",
-                "SLURM_RESTART_COUNT"):
+    for key in (
+        "RANK",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_STEP_NUM_NODES",
+        "SLURM_STEP_NODELIST",
+        "SLURM_JOB_ID",
+        "SLURM_RESTART_COUNT",
+    ):
         monkeypatch.delenv(key, raising=False)
 
 
@@ -140,8 +160,7 @@ def test_a_stop_signal_is_recorded_and_handed_back_to_whoever_watched_before(mon
 
 
 @pytest.mark.parametrize("local_rank, lines", [(0, 1), (1, 0)])
-def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(monkeypatch, capsys, local_rank,
-                                                                                  lines):
+def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(monkeypatch, capsys, local_rank, lines):
     """A signal before the runtime exists is announced once the watch learns its rank (from the Runtime, whatever
     the environment says), by local rank 0 only; further signals add no line."""
     import signal
@@ -171,8 +190,13 @@ def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
 
     package = Path(__file__).resolve().parent.parent / "llmtrain"
     allowed = {"runtime.py", "resolvers.py", "spawn.py"}
-    variables = re.compile(r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
-                           r"SLURM_STEP_NUM_TASKS)\b")
-    readers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                     if str(path.relative_to(package)) not in allowed and variables.search(path.read_text()))
+    variables = re.compile(
+        r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
+        r"SLURM_STEP_NUM_TASKS)\b"
+    )
+    readers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if str(path.relative_to(package)) not in allowed and variables.search(path.read_text())
+    )
     assert readers == []

@@ -49,12 +49,28 @@ class Job:
     def __init__(self, workdir: Path, cache_dir: Path, *overrides: str, env: dict[str, str] | None = None):
         self.workdir = workdir
         workdir.mkdir()
-        full_env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
-                    **(env or {})}
+        full_env = {
+            **os.environ,
+            "PYTHON": sys.executable,
+            "OMP_NUM_THREADS": "1",
+            "WANDB_SILENT": "true",
+            **(env or {}),
+        }
         full_env.pop("WANDB_API_KEY", None)
         # CPU nodes: no GPUs, one CPU per node's launcher; 2 workers per node
-        args = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", str(REPO / "launch" / "slurm.sbatch"),
-                "parallel=fsdp", "parallel.nproc=2", f"data.cache_dir={cache_dir}", *FAST, *PARITY, *overrides]
+        args = [
+            "sbatch",
+            "--parsable",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            str(REPO / "launch" / "slurm.sbatch"),
+            "parallel=fsdp",
+            "parallel.nproc=2",
+            f"data.cache_dir={cache_dir}",
+            *FAST,
+            *PARITY,
+            *overrides,
+        ]
         submitted = subprocess.run(args, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=60)
         assert submitted.returncode == 0, submitted.stderr
         self.id = submitted.stdout.strip().split(";")[0]
@@ -85,11 +101,22 @@ def _submitit_sweep(workdir: Path, cache_dir: Path) -> subprocess.Popen:
     """`python train.py -m hydra/launcher=slurm ...` over two learning rates: two 2-node jobs, one rank per node
     (parallel.nproc=1: each srun task is a rank; with nproc > 1 each starts workers as under slurm.sbatch)."""
     workdir.mkdir()
-    args = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
-            f"hydra.launcher.name={SWEEP_JOB_NAME}",
-            "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={workdir / 'sweep'}", f"data.cache_dir={cache_dir}",
-            *FAST, "train.steps=2", "parallel=fsdp", "optim.lr=0.001,0.0003",
-            "logging.wandb.mode=offline"]
+    args = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "-m",
+        "hydra/launcher=slurm",
+        "hydra.launcher.gpus_per_node=0",
+        f"hydra.launcher.name={SWEEP_JOB_NAME}",
+        "hydra.launcher.cpus_per_task=1",
+        f"hydra.sweep.dir={workdir / 'sweep'}",
+        f"data.cache_dir={cache_dir}",
+        *FAST,
+        "train.steps=2",
+        "parallel=fsdp",
+        "optim.lr=0.001,0.0003",
+        "logging.wandb.mode=offline",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
     with open(workdir / "submit.log", "w") as log:

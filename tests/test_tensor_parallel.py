@@ -20,11 +20,14 @@ pytestmark = pytest.mark.slow
 
 # Each TP shape once, most with activation checkpointing on (full and selective recomputation are checked against
 # the reference without it here): the suite has a 15-minute budget on two cores.
-@pytest.mark.parametrize("nproc, layout, extra", [
-    (2, "tp", []),
-    (4, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=selective"]),
-    (4, "fsdp_tp", ["train.activation_checkpointing=full"]),
-])
+@pytest.mark.parametrize(
+    "nproc, layout, extra",
+    [
+        (2, "tp", []),
+        (4, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=selective"]),
+        (4, "fsdp_tp", ["train.activation_checkpointing=full"]),
+    ],
+)
 def test_tensor_parallel_layouts_match_single(nproc, layout, extra, reference, train):
     # 8 sequences per micro-batch: with tp alone every rank computes the whole global batch of 16.
     run = train(*PARITY, f"parallel={layout}", "train.micro_batch_size=8", *extra, nproc=nproc)
@@ -36,8 +39,15 @@ def test_dropout_masks_follow_the_data_not_the_split(reference, train):
     same micro-batches (a mask is drawn per micro-batch call)."""
     dropout = ["model.dropout=0.1", "train.micro_batch_size=8"]
     single = train(*PARITY, *dropout, name="single_dropout")
-    split = train(*PARITY, *dropout, "parallel=tp", "parallel.sequence_parallel=true",
-                  "train.activation_checkpointing=full", nproc=2, name="tp_dropout")
+    split = train(
+        *PARITY,
+        *dropout,
+        "parallel=tp",
+        "parallel.sequence_parallel=true",
+        "train.activation_checkpointing=full",
+        nproc=2,
+        name="tp_dropout",
+    )
     assert_parity(split, single)
     assert compare(str(single.run_dir), str(reference.run_dir))["loss"] > 1e-3  # dropout did change the run
 
@@ -47,8 +57,15 @@ def test_compiled_blocks_do_not_change_the_loss(reference, train):
 
 
 def _logits_worker(rank: int, port: int, results) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
@@ -81,9 +98,23 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
 
 
 def _tp_comms(*overrides: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "llmtrain.tools.tp_comms", *overrides], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "llmtrain.tools.tp_comms",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
 
@@ -95,11 +126,14 @@ def test_collectives_per_layer_match_the_design(sequence_parallel):
     assert measured == counts["expected_per_block"]
 
 
-@pytest.mark.parametrize("overrides, world_size, message", [
-    (["parallel=tp", "model.n_head=6", "model.d_model=132"], 4, "model.n_head=6"),
-    (["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=63"], 2, "train.seq_len=63"),
-    (["parallel=tp", "parallel.tp=4"], 2, "parallel.tp=4"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["parallel=tp", "model.n_head=6", "model.d_model=132"], 4, "model.n_head=6"),
+        (["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=63"], 2, "train.seq_len=63"),
+        (["parallel=tp", "parallel.tp=4"], 2, "parallel.tp=4"),
+    ],
+)
 def test_bad_tensor_parallel_config_is_refused(overrides, world_size, message):
     with pytest.raises(ConfigError) as error:
         layout_strategy(*overrides, world_size=world_size)

@@ -11,8 +11,14 @@ from conftest import PARITY
 
 pytestmark = pytest.mark.slow
 
-LEARNS = ["data.tokenizer.kind=bpe", "train.steps=60", "train.eval_every=30", "train.micro_batch_size=8",
-          "optim.warmup_steps=5", "logging.wandb.mode=offline"]
+LEARNS = [
+    "data.tokenizer.kind=bpe",
+    "train.steps=60",
+    "train.eval_every=30",
+    "train.micro_batch_size=8",
+    "optim.warmup_steps=5",
+    "logging.wandb.mode=offline",
+]
 
 
 def test_a_short_run_on_the_embedded_corpus_learns(train):
@@ -39,8 +45,9 @@ def test_a_short_run_on_the_embedded_corpus_learns(train):
 
 def test_offline_wandb_run_is_written_without_secrets(train):
     secret = "k" + uuid.uuid4().hex + uuid.uuid4().hex[:7]  # 40 characters no corpus or config contains
-    run = train("train.steps=3", "logging.wandb.mode=offline", "logging.wandb.project=parity",
-                env={"WANDB_API_KEY": secret})  # present in the run's environment, must not reach any file
+    run = train(
+        "train.steps=3", "logging.wandb.mode=offline", "logging.wandb.project=parity", env={"WANDB_API_KEY": secret}
+    )  # present in the run's environment, must not reach any file
     assert run.returncode == 0, run.stderr[-3000:]
     offline_runs = list((run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1
@@ -65,12 +72,15 @@ def _assert_clean_failure(run, key: str) -> None:
     assert not (run.run_dir / "metrics.jsonl").exists() and not (run.run_dir / "summary.json").exists()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["train.batch_size=30"], "train.batch_size"),
-    (["train.seq_len=4096"], "train.seq_len"),
-    (["data=local"], "data.path"),
-    (["data=local", "data.path=/nonexistent/*.txt"], "data.path"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["train.batch_size=30"], "train.batch_size"),
+        (["train.seq_len=4096"], "train.seq_len"),
+        (["data=local"], "data.path"),
+        (["data=local", "data.path=/nonexistent/*.txt"], "data.path"),
+    ],
+)
 def test_bad_values_give_one_line_and_leave_no_run(train, overrides, key):
     run = train(*overrides)
     _assert_clean_failure(run, key)

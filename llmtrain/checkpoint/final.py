@@ -12,8 +12,10 @@ def save_final_model(state: dict[str, torch.Tensor], path: str) -> None:
     """Write `state` to `path` atomically (rank 0 only)."""
     # A ZeRO-1 parameter is a view of a flat buffer, which torch.save would store whole: such views are cloned,
     # one at a time; other tensors are written as they are (no second copy of the model in host memory).
-    state = {name: tensor.detach().clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor.detach()
-             for name, tensor in state.items()}
+    state = {
+        name: tensor.detach().clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor.detach()
+        for name, tensor in state.items()
+    }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)

@@ -157,8 +157,14 @@ class CheckpointManager:
         # interleave with the training step's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if use_async and runtime.distributed else None
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], data_position: dict,
-             write_main_files: Callable[[str], None] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        data_position: dict,
+        write_main_files: Callable[[str], None] | None = None,
+    ) -> None:
         """Collective. Write checkpoint `step`: `state` (DCP: model and optimizer), `meta`, `data_position` and
         whatever `write_main_files(directory)` writes (rank 0), and every rank's generator states."""
         self.wait()
@@ -178,8 +184,9 @@ class CheckpointManager:
                 write_main_files(tmp)
         with single_process_quiet():
             if self.use_async:
-                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
-                                        no_dist=not self.runtime.distributed)
+                future = dcp.async_save(
+                    state, checkpoint_id=tmp, process_group=self._group, no_dist=not self.runtime.distributed
+                )
                 self._pending = (future, tmp, final)
             else:
                 dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
@@ -210,7 +217,7 @@ class CheckpointManager:
         if self.runtime.is_main:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for old in complete_checkpoints(self.directory)[:-self.keep]:
+            for old in complete_checkpoints(self.directory)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.runtime.barrier()
 

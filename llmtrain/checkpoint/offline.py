@@ -20,8 +20,9 @@ def find_checkpoint(path: str) -> str:
         raise SystemExit(f"error: {path} is not a complete checkpoint: {reason}") from None
     if found:
         return found
-    raise SystemExit(f"error: no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or "
-                     f"a run directory")
+    raise SystemExit(
+        f"error: no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or a run directory"
+    )
 
 
 def load_checkpoint_model(path: str) -> GPT:

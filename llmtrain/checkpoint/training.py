@@ -39,16 +39,22 @@ def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
         try:
             return latest_checkpoint(directory, warn=is_main)
         except IncompleteCheckpoint as reason:  # checkpoint.dir itself named a step-* directory
-            raise ConfigError(f"checkpoint.dir={directory} is an incomplete checkpoint ({reason}), not a directory "
-                              f"of them: point checkpoint.dir at the directory that holds the step-* ones") from None
+            raise ConfigError(
+                f"checkpoint.dir={directory} is an incomplete checkpoint ({reason}), not a directory "
+                f"of them: point checkpoint.dir at the directory that holds the step-* ones"
+            ) from None
     try:
         found = latest_checkpoint(os.path.abspath(os.path.expanduser(resume)), warn=is_main)
     except IncompleteCheckpoint as reason:
-        raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
-                          f"another step-* directory, or at the checkpoint directory to take its latest") from None
+        raise ConfigError(
+            f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
+            f"another step-* directory, or at the checkpoint directory to take its latest"
+        ) from None
     if found is None:
-        raise ConfigError(f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
-                          f"directory or a checkpoint directory, or use checkpoint.resume=auto")
+        raise ConfigError(
+            f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
+            f"directory or a checkpoint directory, or use checkpoint.resume=auto"
+        )
     return found
 
 
@@ -66,19 +72,33 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
     """A one-line ConfigError listing the model settings in which this run differs from the checkpoint."""
     saved = read_meta(path)["model"]
     ours = dataclasses.asdict(gpt_cfg)
-    differences = [f"model.{key}={ours.get(key)} (checkpoint: {saved.get(key)})"
-                   for key in sorted(set(saved) | set(ours)) if saved.get(key) != ours.get(key)]
+    differences = [
+        f"model.{key}={ours.get(key)} (checkpoint: {saved.get(key)})"
+        for key in sorted(set(saved) | set(ours))
+        if saved.get(key) != ours.get(key)
+    ]
     if differences:
-        raise ConfigError(f"checkpoint {path} was trained with another model: {', '.join(differences)}: resume "
-                          f"with the checkpoint's model settings, or set checkpoint.resume=none")
+        raise ConfigError(
+            f"checkpoint {path} was trained with another model: {', '.join(differences)}: resume "
+            f"with the checkpoint's model settings, or set checkpoint.resume=none"
+        )
 
 
 class RunCheckpoints:
     """Every rank calls `save`; `restore` loads a checkpoint into the freshly built run (collective)."""
 
-    def __init__(self, manager: CheckpointManager, strategy: Strategy, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
-                 gpt_cfg: GPTConfig, runtime: Runtime, wandb_run_id: str | None = None):
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        data: Data,
+        gpt_cfg: GPTConfig,
+        runtime: Runtime,
+        wandb_run_id: str | None = None,
+    ):
         self.manager = manager
         self.strategy = strategy
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
@@ -88,11 +108,22 @@ class RunCheckpoints:
         self.wandb_run_id = wandb_run_id  # a requeued or restarted run continues the same W&B run
 
     def save(self, step: int, records: list[dict[str, Any]]) -> None:
-        meta = {"step": step, "model": dataclasses.asdict(self.gpt_cfg), "layout": self.strategy.describe(),
-                "world_size": self.runtime.world_size, "schedule": self.schedule.state_dict(), "records": records,
-                "wandb_run_id": self.wandb_run_id}
-        self.manager.save(step, self.strategy.checkpoint_state(self.model, self.optimizer), meta,
-                          self.data.train.state_dict(), self._write_tokenizer)
+        meta = {
+            "step": step,
+            "model": dataclasses.asdict(self.gpt_cfg),
+            "layout": self.strategy.describe(),
+            "world_size": self.runtime.world_size,
+            "schedule": self.schedule.state_dict(),
+            "records": records,
+            "wandb_run_id": self.wandb_run_id,
+        }
+        self.manager.save(
+            step,
+            self.strategy.checkpoint_state(self.model, self.optimizer),
+            meta,
+            self.data.train.state_dict(),
+            self._write_tokenizer,
+        )
 
     def _write_tokenizer(self, directory: str) -> None:
         save_for_transformers(self.data.tokenizer, os.path.join(directory, "tokenizer"))

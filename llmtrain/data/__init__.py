@@ -27,8 +27,9 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
     bpe_path = None
     if data_cfg.tokenizer.kind == "bpe":
         if is_main:
-            docs = open_documents(data_cfg, TRAIN).shuffle(seed=TOKENIZER_TRAINING_SEED,
-                                                           buffer_size=data_cfg.doc_shuffle_buffer)
+            docs = open_documents(data_cfg, TRAIN).shuffle(
+                seed=TOKENIZER_TRAINING_SEED, buffer_size=data_cfg.doc_shuffle_buffer
+            )
             bpe_path = build_bpe(data_cfg, (ex["text"] for ex in docs))
         barrier()
     return load_tokenizer(data_cfg, bpe_path)
@@ -37,14 +38,21 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
 def build_data(cfg, tokenizer: Tokenizer, val_slice: RankSlice | None, position: dict | None = None) -> Data:
     """The training batch stream (started in the background, at `position` when resuming) and the validation
     windows all ranks share."""
-    windows = TrainingWindows(open_documents(cfg.data, TRAIN), tokenizer, cfg.train.seq_len, cfg.seed,
-                              cfg.data.doc_shuffle_buffer, cfg.data.window_shuffle_buffer)
+    windows = TrainingWindows(
+        open_documents(cfg.data, TRAIN),
+        tokenizer,
+        cfg.train.seq_len,
+        cfg.seed,
+        cfg.data.doc_shuffle_buffer,
+        cfg.data.window_shuffle_buffer,
+    )
     if position is not None:
         windows.load_state_dict(position)
     val = None
     if val_slice is not None:
-        val = validation_windows(open_documents(cfg.data, VALIDATION), tokenizer, cfg.train.seq_len,
-                                 val_slice.batch_size)
+        val = validation_windows(
+            open_documents(cfg.data, VALIDATION), tokenizer, cfg.train.seq_len, val_slice.batch_size
+        )
     return Data(tokenizer=tokenizer, train=GlobalBatches(windows, cfg.train.batch_size), val_windows=val)
 
 

@@ -48,7 +48,7 @@ class WindowPacker:
         stream = np.concatenate(self._tokens)
         n_full = len(stream) // self.window
         self._windows.extend(stream[: n_full * self.window].reshape(n_full, self.window))
-        rest = stream[n_full * self.window:]
+        rest = stream[n_full * self.window :]
         self._tokens, self._n_tokens = [rest], len(rest)
 
     def take(self) -> np.ndarray | None:

@@ -43,15 +43,18 @@ def _read_text_files(paths: list[str]) -> Iterator[dict]:
 
 def _from_text_files(paths: list[str]) -> IterableDataset:
     # `paths` as a gen_kwargs list makes each file a shard, so dataset.shuffle reorders files too.
-    return IterableDataset.from_generator(_read_text_files, gen_kwargs={"paths": paths},
-                                          features=datasets.Features({"text": datasets.Value("string")}))
+    return IterableDataset.from_generator(
+        _read_text_files, gen_kwargs={"paths": paths}, features=datasets.Features({"text": datasets.Value("string")})
+    )
 
 
 def _text_column(ds: IterableDataset, text_field: str, origin: str) -> IterableDataset:
     columns = ds.column_names or []
     if text_field not in columns:
-        raise ConfigError(f"{origin} has no field {text_field!r} (fields: {', '.join(columns)}): "
-                          f"set data.text_field to the field that holds the text")
+        raise ConfigError(
+            f"{origin} has no field {text_field!r} (fields: {', '.join(columns)}): "
+            f"set data.text_field to the field that holds the text"
+        )
     if text_field != "text":
         ds = ds.rename_column(text_field, "text")
     return ds.select_columns(["text"])

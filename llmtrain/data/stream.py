@@ -27,6 +27,7 @@ from llmtrain.data.tokenizers import Tokenizer
 @dataclass(frozen=True)
 class RankSlice:
     """Which part of each global batch this rank computes on."""
+
     batch_size: int  # global sequences per step
     micro_batch_size: int
     dp_rank: int
@@ -42,8 +43,9 @@ class RankSlice:
 
     def micro_batches(self, global_batch: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-batch for this rank, from a (batch_size, seq_len + 1) array."""
-        mine = torch.from_numpy(np.ascontiguousarray(
-            global_batch[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]))
+        mine = torch.from_numpy(
+            np.ascontiguousarray(global_batch[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank])
+        )
         return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
 
 
@@ -58,8 +60,16 @@ class TrainingWindows:
     yields exactly the windows the original would have.
     """
 
-    def __init__(self, documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, seed: int,
-                 doc_shuffle_buffer: int, window_shuffle_buffer: int, tokenize_batch: int = 64):
+    def __init__(
+        self,
+        documents: IterableDataset,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        seed: int,
+        doc_shuffle_buffer: int,
+        window_shuffle_buffer: int,
+        tokenize_batch: int = 64,
+    ):
         self.documents = documents.shuffle(seed=seed, buffer_size=1)  # shard order only; the buffer is ours
         self.tokenizer = tokenizer
         self.seed = seed
@@ -76,11 +86,16 @@ class TrainingWindows:
 
     # -- position ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
-                "source": copy.deepcopy(self.documents.state_dict()) if self._source is not None else None,
-                "doc_buffer": list(self.doc_buffer), "doc_rng": self.doc_rng.bit_generator.state,
-                **self.packer.state_dict(),  # flat "tokens" and "windows", as before the packer: old checkpoints load
-                "window_buffer": list(self.window_buffer), "window_rng": self.window_rng.bit_generator.state}
+        return {
+            "epoch": self.epoch,
+            "docs_in_epoch": self.docs_in_epoch,
+            "source": copy.deepcopy(self.documents.state_dict()) if self._source is not None else None,
+            "doc_buffer": list(self.doc_buffer),
+            "doc_rng": self.doc_rng.bit_generator.state,
+            **self.packer.state_dict(),  # flat "tokens" and "windows", as before the packer: old checkpoints load
+            "window_buffer": list(self.window_buffer),
+            "window_rng": self.window_rng.bit_generator.state,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
@@ -125,8 +140,9 @@ class TrainingWindows:
                 if self.doc_buffer:  # drain the buffer before the next epoch
                     return self.doc_buffer.pop(int(self.doc_rng.integers(len(self.doc_buffer))))
                 if self.docs_in_epoch == 0:
-                    raise ConfigError("the training stream has no documents: check data.path / data.name and "
-                                      "data.val_fraction")
+                    raise ConfigError(
+                        "the training stream has no documents: check data.path / data.name and data.val_fraction"
+                    )
                 self.epoch, self.docs_in_epoch, self._source = self.epoch + 1, 0, None
                 self.doc_rng = np.random.default_rng([self.seed, self.epoch])
                 continue
@@ -150,8 +166,10 @@ def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len
     texts = (ex["text"] for ex in documents)
     windows = list(itertools.islice(pack_windows(tokenize_documents(texts, tokenizer), seq_len + 1), count))
     if len(windows) < count:
-        raise ConfigError(f"the validation stream holds only {len(windows)} windows of {seq_len + 1} tokens, "
-                         f"{count} needed: lower train.eval_batches or raise data.val_fraction")
+        raise ConfigError(
+            f"the validation stream holds only {len(windows)} windows of {seq_len + 1} tokens, "
+            f"{count} needed: lower train.eval_batches or raise data.val_fraction"
+        )
     return np.stack(windows)
 
 

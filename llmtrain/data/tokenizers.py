@@ -106,8 +106,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFCoreTokenizer:
     tok = HFCoreTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -123,8 +127,9 @@ def _take_chars(texts: Iterable[str], n_chars: int) -> Iterable[str]:
 
 def bpe_cache_path(data_cfg) -> str:
     """Where the BPE for this data + tokenizer config lives: a hash of everything that changes its training text."""
-    key = {k: data_cfg[k] for k in ("source", "path", "name", "subset", "split", "val_split", "val_fraction",
-                                    "text_field")}
+    key = {
+        k: data_cfg[k] for k in ("source", "path", "name", "subset", "split", "val_split", "val_fraction", "text_field")
+    }
     key.update(vocab_size=data_cfg.tokenizer.vocab_size, train_chars=data_cfg.tokenizer.train_chars, version=1)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(os.path.expanduser(data_cfg.cache_dir), "tokenizers", f"bpe-{digest}.json")
@@ -155,4 +160,3 @@ def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
     if tok.eos_token_id is None:
         tok.add_special_tokens({"eos_token": EOS_TOKEN})
     return FastTokenizer(tok, eos_id=tok.eos_token_id, vocab_size=len(tok))
-

@@ -11,10 +11,17 @@ from llmtrain.model.materialize import ParameterInit, materialize, write_paramet
 
 def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
     """The model config group, with the vocabulary size resolved (the group's own, or the tokenizer's)."""
-    return GPTConfig(vocab_size=model_cfg.vocab_size or vocab_size, n_layer=model_cfg.n_layer,
-                     n_head=model_cfg.n_head, d_model=model_cfg.d_model, max_seq_len=model_cfg.max_seq_len,
-                     d_ff=model_cfg.d_ff, dropout=model_cfg.dropout, bias=model_cfg.bias,
-                     vocab_multiple=model_cfg.vocab_multiple)
+    return GPTConfig(
+        vocab_size=model_cfg.vocab_size or vocab_size,
+        n_layer=model_cfg.n_layer,
+        n_head=model_cfg.n_head,
+        d_model=model_cfg.d_model,
+        max_seq_len=model_cfg.max_seq_len,
+        d_ff=model_cfg.d_ff,
+        dropout=model_cfg.dropout,
+        bias=model_cfg.bias,
+        vocab_multiple=model_cfg.vocab_multiple,
+    )
 
 
 def meta_model(model_cfg, vocab_size: int) -> GPT:
@@ -40,5 +47,17 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
     return model
 
 
-__all__ = ["GPT", "GPTConfig", "ParameterInit", "build_model", "cross_entropy_loss", "flops_per_token",
-           "gpt_config", "initial_weights", "materialize", "meta_model", "num_parameters", "write_parameters"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "ParameterInit",
+    "build_model",
+    "cross_entropy_loss",
+    "flops_per_token",
+    "gpt_config",
+    "initial_weights",
+    "materialize",
+    "meta_model",
+    "num_parameters",
+    "write_parameters",
+]

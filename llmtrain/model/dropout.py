@@ -20,6 +20,7 @@ from torch import nn
 @dataclass(frozen=True)
 class Split:
     """This rank holds chunk `rank` of `parts` equal chunks along dimension `dim`."""
+
     dim: int
     rank: int
     parts: int

@@ -65,8 +65,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if self.training and self.attn_dropout.p > 0:
             # Dropout on the attention weights needs them materialised (the fused kernel draws its own mask,
             # which would depend on how heads are split across ranks).
@@ -116,8 +118,14 @@ class GPT(nn.Module):
     tied to the token embedding when the part holds both, unless `tie_head=False`: a pipeline keeps the two on
     different stages as copies whose gradients it sums (llmtrain/parallel/pipeline/)."""
 
-    def __init__(self, cfg: GPTConfig, layers: Sequence[int] | None = None, embedding: bool = True,
-                 head: bool = True, tie_head: bool = True):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        layers: Sequence[int] | None = None,
+        embedding: bool = True,
+        head: bool = True,
+        tie_head: bool = True,
+    ):
         super().__init__()
         self.cfg = cfg
         layers = range(cfg.n_layer) if layers is None else layers
@@ -217,15 +225,17 @@ def parameter_seed(seed: int, name: str) -> int:
 def seeded_init(model: GPT, seed: int) -> Callable[[str, torch.Tensor], None]:
     """init(name, full): fill the whole CPU tensor of parameter `name` (the parameter it is tied to, for a tied
     one) with its initial value for `seed`."""
+
     def init(name: str, full: torch.Tensor) -> None:
         name = model.tied_parameters.get(name, name)
         model.init_parameter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
+
     return init
 
 
 def vocabulary_mask(cfg: GPTConfig) -> torch.Tensor:
     mask = torch.zeros(cfg.padded_vocab_size)
-    mask[cfg.vocab_size:] = float("-inf")
+    mask[cfg.vocab_size :] = float("-inf")
     return mask
 
 

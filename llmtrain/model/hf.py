@@ -26,10 +26,22 @@ from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
 def hf_config(cfg: GPTConfig, eos_id: int):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-                      n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.hidden, activation_function="gelu_new",
-                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-                      layer_norm_epsilon=1e-5, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True)
+    return GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=cfg.hidden,
+        activation_function="gelu_new",
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=True,
+    )
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -41,9 +53,12 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         return ours[name] if name in ours else torch.zeros(shape)
 
     d = cfg.d_model
-    hf = {"transformer.wte.weight": ours["tok_emb.weight"][: cfg.vocab_size].clone(),
-          "transformer.wpe.weight": ours["pos_emb.weight"],
-          "transformer.ln_f.weight": ours["norm.weight"], "transformer.ln_f.bias": get("norm.bias", (d,))}
+    hf = {
+        "transformer.wte.weight": ours["tok_emb.weight"][: cfg.vocab_size].clone(),
+        "transformer.wpe.weight": ours["pos_emb.weight"],
+        "transformer.ln_f.weight": ours["norm.weight"],
+        "transformer.ln_f.bias": get("norm.bias", (d,)),
+    }
     for i in range(cfg.n_layer):
         ours_prefix, hf_prefix = f"blocks.{i}.", f"transformer.h.{i}."
         for our_norm, hf_norm in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
@@ -52,8 +67,11 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         qkv = [f"{ours_prefix}attn.{p}_proj" for p in "qkv"]
         hf[f"{hf_prefix}attn.c_attn.weight"] = torch.cat([ours[f"{n}.weight"] for n in qkv]).t().contiguous()
         hf[f"{hf_prefix}attn.c_attn.bias"] = torch.cat([get(f"{n}.bias", (d,)) for n in qkv])
-        for ours_name, hf_name, width in (("attn.out_proj", "attn.c_proj", d), ("mlp.fc_in", "mlp.c_fc", cfg.hidden),
-                                          ("mlp.fc_out", "mlp.c_proj", d)):
+        for ours_name, hf_name, width in (
+            ("attn.out_proj", "attn.c_proj", d),
+            ("mlp.fc_in", "mlp.c_fc", cfg.hidden),
+            ("mlp.fc_out", "mlp.c_proj", d),
+        ):
             hf[f"{hf_prefix}{hf_name}.weight"] = ours[f"{ours_prefix}{ours_name}.weight"].t().contiguous()
             hf[f"{hf_prefix}{hf_name}.bias"] = get(f"{ours_prefix}{ours_name}.bias", (width,))
     hf["lm_head.weight"] = hf["transformer.wte.weight"]
@@ -84,8 +102,8 @@ def _hf_source(name: str, cfg: GPTConfig) -> tuple[str, Callable[[torch.Tensor],
     if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
         j = "qkv".index(module[5])
         if kind == "weight":  # c_attn is (d, 3d), in then out: q, k, v side by side
-            return f"{prefix}attn.c_attn.weight", lambda w: w[:, j * d:(j + 1) * d].t()
-        return f"{prefix}attn.c_attn.bias", lambda b: b[j * d:(j + 1) * d]
+            return f"{prefix}attn.c_attn.weight", lambda w: w[:, j * d : (j + 1) * d].t()
+        return f"{prefix}attn.c_attn.bias", lambda b: b[j * d : (j + 1) * d]
     theirs = {"attn.out_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}[module]
     return f"{prefix}{theirs}.{kind}", transpose if kind == "weight" else keep
 
@@ -94,16 +112,30 @@ def _check_shape(path: str, cfg: GPTConfig) -> None:
     from transformers import GPT2Config
 
     c = GPT2Config.from_pretrained(path)
-    ours = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "d_model": cfg.d_model, "max_seq_len": cfg.max_seq_len,
-            "vocab_size": cfg.vocab_size, "d_ff": cfg.hidden}
-    theirs = {"n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.n_embd, "max_seq_len": c.n_positions,
-              "vocab_size": c.vocab_size, "d_ff": c.n_inner or 4 * c.n_embd}
+    ours = {
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "d_model": cfg.d_model,
+        "max_seq_len": cfg.max_seq_len,
+        "vocab_size": cfg.vocab_size,
+        "d_ff": cfg.hidden,
+    }
+    theirs = {
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "d_model": c.n_embd,
+        "max_seq_len": c.n_positions,
+        "vocab_size": c.vocab_size,
+        "d_ff": c.n_inner or 4 * c.n_embd,
+    }
     differences = [f"model.{k}={ours[k]} (theirs: {theirs[k]})" for k in ours if ours[k] != theirs[k]]
     if differences:
         from llmtrain.config import ConfigError
 
-        raise ConfigError(f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
-                          f"preset that matches it (e.g. model=gpt2) and its tokenizer (data.tokenizer.kind=hf)")
+        raise ConfigError(
+            f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
+            f"preset that matches it (e.g. model=gpt2) and its tokenizer (data.tokenizer.kind=hf)"
+        )
 
 
 def local_gpt2_directory(path: str) -> str:
@@ -132,8 +164,9 @@ class GPT2Weights:
             keys = set(self._file.keys())
             self._read = self._file.get_tensor
         else:  # older checkpoints: a pickle, memory-mapped
-            state = torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu", mmap=True,
-                               weights_only=True)
+            state = torch.load(
+                os.path.join(directory, "pytorch_model.bin"), map_location="cpu", mmap=True, weights_only=True
+            )
             keys, self._read = set(state), state.__getitem__
         # save_pretrained writes "transformer.h.0..."; the original hub GPT-2 files have no prefix.
         self._prefix = "transformer." if "transformer.wte.weight" in keys else ""

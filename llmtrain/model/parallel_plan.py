@@ -51,8 +51,9 @@ class ChunkPositions(ParallelStyle):
             positions = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
             return (positions.redistribute(mesh, [Shard(0)]),)
 
-        return distribute_module(module, device_mesh, input_fn=positions_chunk,
-                                 output_fn=lambda _module, output, _mesh: output.to_local())
+        return distribute_module(
+            module, device_mesh, input_fn=positions_chunk, output_fn=lambda _module, output, _mesh: output.to_local()
+        )
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -60,25 +61,35 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if not sequence_parallel:
         # q, k and v read one shared DTensor, so backward sums their input gradients before a single all-reduce
         # (Megatron's f), as a fused qkv projection would; three plain inputs would cost three.
-        share_input = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=False)
-        return {"attn": share_input,
-                "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-                "attn.out_proj": RowwiseParallel(),
-                "attn.attn_dropout": SplitDropout(dim=1),
-                "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"attn_norm": SequenceParallel(),
-            "attn": gather_sequence,
-            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-            "attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        share_input = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        return {
+            "attn": share_input,
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.out_proj": RowwiseParallel(),
             "attn.attn_dropout": SplitDropout(dim=1),
-            "attn.resid_dropout": SplitDropout(dim=1),
-            "mlp_norm": SequenceParallel(),
-            "mlp": gather_sequence,
             "mlp.fc_in": ColwiseParallel(),
-            "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.dropout": SplitDropout(dim=1)}
+            "mlp.fc_out": RowwiseParallel(),
+        }
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "attn_norm": SequenceParallel(),
+        "attn": gather_sequence,
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "attn.attn_dropout": SplitDropout(dim=1),
+        "attn.resid_dropout": SplitDropout(dim=1),
+        "mlp_norm": SequenceParallel(),
+        "mlp": gather_sequence,
+        "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.dropout": SplitDropout(dim=1),
+    }
 
 
 def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -94,9 +105,11 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
     if model.lm_head is not None:
         if sequence_parallel:
             plan["norm"] = SequenceParallel()
-        plan["lm_head"] = ColwiseParallel(input_layouts=residual,
-                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                          use_local_output=not loss_parallel)
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     return plan
 
 
@@ -104,14 +117,20 @@ def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: b
     """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
     m = model_cfg
     if m.n_head % tp:
-        raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "
-                          f"heads across ranks; choose a tp that divides {m.n_head}")
+        raise ConfigError(
+            f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "
+            f"heads across ranks; choose a tp that divides {m.n_head}"
+        )
     if m.d_model % tp or (m.d_ff or 4 * m.d_model) % tp:
         raise ConfigError(f"model.d_model={m.d_model} (and the MLP width) must be divisible by parallel.tp={tp}")
     if sequence_parallel and seq_len % tp:
-        raise ConfigError(f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}, which sequence "
-                          f"parallelism needs: set train.seq_len to a multiple of {tp} or "
-                          f"parallel.sequence_parallel=false")
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}, which sequence "
+            f"parallelism needs: set train.seq_len to a multiple of {tp} or "
+            f"parallel.sequence_parallel=false"
+        )
     if m.vocab_multiple % tp:
-        raise ConfigError(f"model.vocab_multiple={m.vocab_multiple} is not divisible by parallel.tp={tp}: the padded "
-                          f"vocabulary is split across tp ranks; use a multiple of {tp} (e.g. {64 * tp})")
+        raise ConfigError(
+            f"model.vocab_multiple={m.vocab_multiple} is not divisible by parallel.tp={tp}: the padded "
+            f"vocabulary is split across tp ranks; use a multiple of {tp} (e.g. {64 * tp})"
+        )

@@ -14,10 +14,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-_EXPENSIVE = {getattr(torch.ops.aten, name) for name in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, name)}
+_EXPENSIVE = {
+    getattr(torch.ops.aten, name)
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+}
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -29,5 +39,6 @@ def run_block(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
         return block(x)
     if mode == "full":
         return checkpoint(block, x, use_reentrant=False)
-    return checkpoint(block, x, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _save_expensive))
+    return checkpoint(
+        block, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_expensive)
+    )

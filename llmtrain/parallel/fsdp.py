@@ -26,11 +26,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from llmtrain.parallel.mesh import Degrees
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None,
-               cpu_offload: bool) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None, cpu_offload: bool
+) -> None:
     """Shard every block, then the root, over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP)."""
-    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    options = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     # The root's parameters (embeddings, final norm, tied head) are needed again at the start of backward.

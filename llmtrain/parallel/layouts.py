@@ -30,8 +30,10 @@ from llmtrain.parallel.zero import ZeroOneAdamW
 class Single(Strategy):
     def __init__(self, parallel, train, model, runtime):
         if runtime.world_size != 1:
-            raise ConfigError(f"parallel=single runs one process but the world size is {runtime.world_size}: "
-                              f"launch without torchrun or pick a multi-process layout (parallel=ddp, fsdp, ...)")
+            raise ConfigError(
+                f"parallel=single runs one process but the world size is {runtime.world_size}: "
+                f"launch without torchrun or pick a multi-process layout (parallel=ddp, fsdp, ...)"
+            )
         super().__init__(parallel, train, model, runtime)
 
 
@@ -40,8 +42,14 @@ class TensorParallel(Strategy):
     supported_dims = ("tp",)
 
     def describe(self) -> str:
-        extras = [name for name, on in (("sequence parallel", self.parallel.sequence_parallel),
-                                         ("loss parallel", self.parallel.loss_parallel)) if on]
+        extras = [
+            name
+            for name, on in (
+                ("sequence parallel", self.parallel.sequence_parallel),
+                ("loss parallel", self.parallel.loss_parallel),
+            )
+            if on
+        ]
         return f"{self.name} ({self.degrees.describe()}{', ' if extras else ''}{', '.join(extras)})"
 
 
@@ -64,8 +72,9 @@ class ZeroOne(Strategy):
         self.optimizer = ZeroOneAdamW(model, optim, self.dp_mesh.get_group())
         return self.optimizer
 
-    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
-                         precision: PrecisionContext) -> torch.Tensor:
+    def forward_backward(
+        self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
+    ) -> torch.Tensor:
         loss = super().forward_backward(model, micro_batches, precision)
         self.optimizer.reduce_scatter_gradients()
         return loss
@@ -82,8 +91,9 @@ class ZeroOne(Strategy):
     def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return get_model_state_dict(model), optimizer.flat_state_dict(_names(model))
 
-    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                       model_state: dict, optimizer_state: dict) -> None:
+    def load_model_and_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+    ) -> None:
         set_model_state_dict(model, model_state)
         optimizer.load_flat_state_dict(optimizer_state, _names(model))
 
@@ -106,5 +116,6 @@ class FSDP(Strategy):
         return f"{self.name} {kind}{offload}{tp} ({self.degrees.describe()})"
 
     def layout(self) -> Layout:
-        return self._layout(fsdp_mesh=fsdp_mesh(self.mesh, self.degrees),
-                            reshard_after_forward=self.parallel.reshard_after_forward)
+        return self._layout(
+            fsdp_mesh=fsdp_mesh(self.mesh, self.degrees), reshard_after_forward=self.parallel.reshard_after_forward
+        )

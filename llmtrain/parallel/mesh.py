@@ -45,22 +45,27 @@ def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
     values = {dim: int(getattr(parallel_cfg, dim)) for dim in MESH_DIMS}
     free = [dim for dim, value in values.items() if value == -1]
     if len(free) > 1:
-        raise ConfigError(f"-1 ('the remaining ranks') is set on {' and '.join('parallel.' + d for d in free)}: "
-                          f"set it on at most one degree ({_listing(values)})")
+        raise ConfigError(
+            f"-1 ('the remaining ranks') is set on {' and '.join('parallel.' + d for d in free)}: "
+            f"set it on at most one degree ({_listing(values)})"
+        )
     if any(value == 0 or value < -1 for value in values.values()):
         raise ConfigError(f"parallel degrees must be positive or -1 ({_listing(values)})")
     fixed = math.prod(value for value in values.values() if value != -1)
     if free:
         if world_size % fixed:
-            raise ConfigError(f"the world size {world_size} is not divisible by the fixed degrees' product {fixed} "
-                              f"({_listing(values)}): change them so their product divides {world_size}")
+            raise ConfigError(
+                f"the world size {world_size} is not divisible by the fixed degrees' product {fixed} "
+                f"({_listing(values)}): change them so their product divides {world_size}"
+            )
         values[free[0]] = world_size // fixed
     elif fixed != world_size:
-        raise ConfigError(f"parallel degrees multiply to {fixed} but the world size is {world_size} "
-                          f"({_listing(values)}): make their product {world_size}, or use -1 on one of them")
+        raise ConfigError(
+            f"parallel degrees multiply to {fixed} but the world size is {world_size} "
+            f"({_listing(values)}): make their product {world_size}, or use -1 on one of them"
+        )
     return Degrees(**values)
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, degrees.as_tuple(), mesh_dim_names=MESH_DIMS)
-

@@ -18,6 +18,7 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
         cls.name = name
         _STRATEGIES[name] = cls
         return cls
+
     return add
 
 
@@ -27,6 +28,7 @@ def strategy_names() -> list[str]:
 
 def get_strategy(name: str) -> type[Strategy]:
     if name not in _STRATEGIES:
-        raise ConfigError(f"parallel.strategy={name!r} is not a registered strategy: use one of "
-                          f"{', '.join(strategy_names())}")
+        raise ConfigError(
+            f"parallel.strategy={name!r} is not a registered strategy: use one of {', '.join(strategy_names())}"
+        )
     return _STRATEGIES[name]

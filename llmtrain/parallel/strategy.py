@@ -47,8 +47,10 @@ class Strategy:
     def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
         self.parallel, self.train, self.runtime = parallel, train, runtime
         if runtime.world_size == 1 and self.supported_dims:
-            raise ConfigError(f"parallel.strategy={self.name} splits the work over processes but this is a single "
-                              f"process: launch with torchrun --nproc_per_node=N, or set parallel.nproc=N")
+            raise ConfigError(
+                f"parallel.strategy={self.name} splits the work over processes but this is a single "
+                f"process: launch with torchrun --nproc_per_node=N, or set parallel.nproc=N"
+            )
         self.degrees = resolve_degrees(parallel, runtime.world_size)
         self.validate(model)
         self.mesh: DeviceMesh | None = None
@@ -65,9 +67,11 @@ class Strategy:
         for dim in MESH_DIMS:
             if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
                 uses = ", ".join(self.supported_dims) or "no dimension"
-                raise ConfigError(f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
-                                  f"does not split over {dim} (it uses {uses}): "
-                                  f"set parallel.{dim}=1 or choose a layout that has it")
+                raise ConfigError(
+                    f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
+                    f"does not split over {dim} (it uses {uses}): "
+                    f"set parallel.{dim}=1 or choose a layout that has it"
+                )
         if self.degrees.tp > 1:
             check_tensor_parallel(model, self.degrees.tp, self.train.seq_len, self.parallel.sequence_parallel)
 
@@ -96,10 +100,16 @@ class Strategy:
     def _layout(self, **fsdp) -> Layout:
         tp = self.degrees.tp > 1
         bf16 = uses_bf16(self.train.precision, self.runtime.device)
-        return Layout(tp_mesh=self.mesh["tp"] if tp else None, sequence_parallel=tp and self.parallel.sequence_parallel,
-                      loss_parallel=tp and self.parallel.loss_parallel,
-                      activation_checkpointing=self.train.activation_checkpointing, compile=self.train.compile,
-                      param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=self.parallel.cpu_offload, **fsdp)
+        return Layout(
+            tp_mesh=self.mesh["tp"] if tp else None,
+            sequence_parallel=tp and self.parallel.sequence_parallel,
+            loss_parallel=tp and self.parallel.loss_parallel,
+            activation_checkpointing=self.train.activation_checkpointing,
+            compile=self.train.compile,
+            param_dtype=torch.bfloat16 if bf16 else None,
+            cpu_offload=self.parallel.cpu_offload,
+            **fsdp,
+        )
 
     @property
     def init_device(self) -> torch.device:
@@ -129,15 +139,15 @@ class Strategy:
         """Context for one micro-batch's forward + backward; layouts that reduce gradients skip all but the last."""
         return nullcontext()
 
-    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
-                         precision: PrecisionContext) -> torch.Tensor:
+    def forward_backward(
+        self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
+    ) -> torch.Tensor:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
         total = torch.zeros((), device=self.runtime.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
                 with precision():
-                    loss = cross_entropy_loss(model(inputs.to(self.runtime.device)),
-                                              targets.to(self.runtime.device))
+                    loss = cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
             total += full_tensor(loss.detach())
         return total / len(micro_batches)
@@ -147,8 +157,9 @@ class Strategy:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
             with precision(), self.loss_context():
-                total += full_tensor(cross_entropy_loss(model(inputs.to(self.runtime.device)),
-                                                        targets.to(self.runtime.device)))
+                total += full_tensor(
+                    cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
+                )
         return total / len(micro_batches)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -196,16 +207,16 @@ class Strategy:
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a `checkpoint_state` that DCP has filled back into the model and optimizer."""
-        self.load_model_and_optimizer_state(model, optimizer,
-                                            *(_restore_tied(state[part], self._stored_as[part])
-                                              for part in ("model", "optimizer")))
+        self.load_model_and_optimizer_state(
+            model, optimizer, *(_restore_tied(state[part], self._stored_as[part]) for part in ("model", "optimizer"))
+        )
 
     def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return (get_model_state_dict(model),
-                get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER))
+        return (get_model_state_dict(model), get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER))
 
-    def load_model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                       model_state: dict, optimizer_state: dict) -> None:
+    def load_model_and_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+    ) -> None:
         set_model_state_dict(model, model_state)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
 

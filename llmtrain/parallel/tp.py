@@ -16,8 +16,9 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from llmtrain.model.materialize import retie, tied_groups
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                          loss_parallel_on: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel_on: bool
+) -> None:
     tied = tied_groups(model)
     parallelize_module(model, tp_mesh, model.tensor_parallel_plan(sequence_parallel, loss_parallel_on))
     # parallelize_module gives each module its own DTensor parameter; tied ones share one placement (the

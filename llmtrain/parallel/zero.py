@@ -46,11 +46,11 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
     offset = 0
     for param in params:
         n = param.numel()
-        flat_params[offset:offset + n].copy_(param.detach().flatten())
+        flat_params[offset : offset + n].copy_(param.detach().flatten())
         # The parameter and its gradient become views of the flat buffers: autograd accumulates into them in
         # place, and the all-gather below writes the updated weights straight into the model.
-        param.data = flat_params[offset:offset + n].view_as(param)
-        param.grad = flat_grads[offset:offset + n].view_as(param)
+        param.data = flat_params[offset : offset + n].view_as(param)
+        param.grad = flat_grads[offset : offset + n].view_as(param)
         offset += n
     mine = slice(rank * shard_numel, (rank + 1) * shard_numel)
     shard = nn.Parameter(flat_params[mine])
@@ -104,8 +104,11 @@ class ZeroOneAdamW(torch.optim.AdamW):
     def _shard_state(self, bucket: FlatBucket) -> dict[str, torch.Tensor]:
         state = self.state[bucket.shard]
         if not state:  # before the first step: what AdamW would start from
-            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(bucket.shard),
-                         exp_avg_sq=torch.zeros_like(bucket.shard))
+            state.update(
+                step=torch.tensor(0.0),
+                exp_avg=torch.zeros_like(bucket.shard),
+                exp_avg_sq=torch.zeros_like(bucket.shard),
+            )
         return state
 
     @torch.no_grad()
@@ -124,7 +127,7 @@ class ZeroOneAdamW(torch.optim.AdamW):
             for param in bucket.params:
                 name, n = names[param], param.numel()
                 for key, full in moments.items():
-                    flat[f"state.{name}.{key}"] = full[offset:offset + n].view_as(param)
+                    flat[f"state.{name}.{key}"] = full[offset : offset + n].view_as(param)
                 flat[f"state.{name}.step"] = state["step"].clone()
                 for option, value in group.items():
                     if option != "params":
@@ -146,6 +149,6 @@ class ZeroOneAdamW(torch.optim.AdamW):
                 full = torch.zeros_like(bucket.flat_params)
                 offset = 0
                 for param in bucket.params:
-                    full[offset:offset + param.numel()].copy_(flat[f"state.{names[param]}.{key}"].flatten())
+                    full[offset : offset + param.numel()].copy_(flat[f"state.{names[param]}.{key}"].flatten())
                     offset += param.numel()
                 state[key].copy_(full[bucket.shard_range])

@@ -28,17 +28,31 @@ def main(argv: list[str]) -> None:
     # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
     vocab_size = cfg.model.vocab_size or 256
     strategy, model = build_layout(cfg, runtime, vocab_size)
-    tokens = torch.randint(0, vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                           generator=torch.Generator().manual_seed(cfg.seed))
+    tokens = torch.randint(
+        0,
+        vocab_size,
+        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     tracker = MemTracker()
     with tracker:
-        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],
-                                  precision_context(cfg.train.precision, runtime.device))
+        strategy.forward_backward(
+            model, [(tokens[:, :-1], tokens[:, 1:])], precision_context(cfg.train.precision, runtime.device)
+        )
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     mib = {str(kind).split(".")[-1].lower(): round(value / 2**20, 3) for kind, value in peak.items()}
     if runtime.is_main:
-        print(json.dumps({"layout": strategy.describe(), "ac": cfg.train.activation_checkpointing,
-                          "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len, **mib}))
+        print(
+            json.dumps(
+                {
+                    "layout": strategy.describe(),
+                    "ac": cfg.train.activation_checkpointing,
+                    "micro_batch": cfg.train.micro_batch_size,
+                    "seq_len": cfg.train.seq_len,
+                    **mib,
+                }
+            )
+        )
     runtime.shutdown(synchronize=True)
 
 

@@ -50,8 +50,10 @@ def main() -> None:
             manager.wait()
             done = time.perf_counter() - started
             size = _size(checkpoint_path(directory, step))
-            print(f"{'async' if use_async else 'sync':<6} {size / 2**20:9.1f} MiB   training blocked {blocked:6.2f} s"
-                  f"   complete after {done:6.2f} s")
+            print(
+                f"{'async' if use_async else 'sync':<6} {size / 2**20:9.1f} MiB   training blocked {blocked:6.2f} s"
+                f"   complete after {done:6.2f} s"
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ def compare(run_dir: str, reference_dir: str) -> dict[str, float]:
     ours, theirs = read_metrics(run_dir), read_metrics(reference_dir)
     if [m["step"] for m in ours] != [m["step"] for m in theirs]:
         raise ValueError(f"{run_dir} and {reference_dir} logged different steps")
-    result = {key: max_relative_difference([m[key] for m in ours if key in m], [m[key] for m in theirs if key in m])
-              for key in METRICS}
+    result = {
+        key: max_relative_difference([m[key] for m in ours if key in m], [m[key] for m in theirs if key in m])
+        for key in METRICS
+    }
     final = load_final_model(os.path.join(run_dir, "model.pt"))
     expected = load_final_model(os.path.join(reference_dir, "model.pt"))
     if final.keys() != expected.keys():

@@ -23,8 +23,15 @@ DEFAULTS = ["train.steps=20", "train.eval_every=0", "logging.wandb.mode=disabled
 def run_layout(layout: str, nproc: int, overrides: list[str], workdir: str) -> dict:
     run_dir = os.path.join(workdir, "".join(c if c.isalnum() else "_" for c in layout))
     layout_args = layout.split()
-    args = [sys.executable, os.path.abspath(TRAIN_PY), f"parallel={layout_args[0]}", *layout_args[1:],
-            f"hydra.run.dir={run_dir}", *DEFAULTS, *overrides]
+    args = [
+        sys.executable,
+        os.path.abspath(TRAIN_PY),
+        f"parallel={layout_args[0]}",
+        *layout_args[1:],
+        f"hydra.run.dir={run_dir}",
+        *DEFAULTS,
+        *overrides,
+    ]
     if layout_args[0] != "single":
         args.append(f"parallel.nproc={nproc}")
     done = subprocess.run(args, capture_output=True, text=True)
@@ -37,8 +44,11 @@ def run_layout(layout: str, nproc: int, overrides: list[str], workdir: str) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4, help="workers for every layout but single")
-    parser.add_argument("--layouts", default="ddp,zero1,zero2,fsdp,hsdp parallel.dp_shard=2",
-                        help="comma-separated parallel= options, each optionally followed by overrides")
+    parser.add_argument(
+        "--layouts",
+        default="ddp,zero1,zero2,fsdp,hsdp parallel.dp_shard=2",
+        help="comma-separated parallel= options, each optionally followed by overrides",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     layouts = [layout.strip() for layout in args.layouts.split(",")]
@@ -47,8 +57,10 @@ def main() -> None:
     baseline = results[layouts[0]]["tokens_per_s"]
     print(f"{'layout':<32} {'ranks':>5} {'tokens/s':>10} {'vs ' + layouts[0].split()[0]:>10} {'final loss':>11}")
     for layout, summary in results.items():
-        print(f"{layout:<32} {summary['world_size']:>5} {summary['tokens_per_s']:>10,.0f} "
-              f"{summary['tokens_per_s'] / baseline:>9.2f}x {summary['final_loss']:>11.4f}")
+        print(
+            f"{layout:<32} {summary['world_size']:>5} {summary['tokens_per_s']:>10,.0f} "
+            f"{summary['tokens_per_s'] / baseline:>9.2f}x {summary['final_loss']:>11.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ def measure(cfg, build_only: bool = False) -> dict:
         strategy, model = build_layout(cfg, runtime, vocab_size)
         optimizer = strategy.build_optimizer(model, cfg.optim)
     will_hold = held_bytes(model, optimizer)
-    row = {"rank": runtime.rank, "layout": strategy.describe(), "parameters": n_params, "reported": will_hold.__dict__,
-           "build_peak": build.bytes, "whole_model": 4 * n_params, "largest_tensor": largest}
+    row = {
+        "rank": runtime.rank,
+        "layout": strategy.describe(),
+        "parameters": n_params,
+        "reported": will_hold.__dict__,
+        "build_peak": build.bytes,
+        "whole_model": 4 * n_params,
+        "largest_tensor": largest,
+    }
     if not build_only:
         row.update(_one_step(cfg, strategy, model, optimizer, runtime, vocab_size, n_params))
     rows = [None] * runtime.world_size
@@ -66,8 +73,9 @@ def _one_step(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: in
     """One training step on random tokens, then what the rank holds, next to the ZeRO formulas."""
     precision = precision_context(cfg.train.precision, runtime.device)
     size, count = strategy.micro_batching()
-    tokens = torch.randint(0, vocab_size, (size * count, cfg.train.seq_len + 1),
-                           generator=torch.Generator().manual_seed(strategy.dp_rank))
+    tokens = torch.randint(
+        0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(strategy.dp_rank)
+    )
     micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)]
     held_in_step = None
     if strategy.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
@@ -80,18 +88,23 @@ def _one_step(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: in
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grads += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
-    measured = {"params": tensor_bytes(model.parameters()), "grads": tensor_bytes(grads),
-                "optimizer": tensor_bytes(state)}
+    measured = {
+        "params": tensor_bytes(model.parameters()),
+        "grads": tensor_bytes(grads),
+        "optimizer": tensor_bytes(state),
+    }
     expected = {k: 4 * v for k, v in expected_elements(strategy, n_params).items()}
     return {**measured, "params_during_step": held_in_step, "expected": expected}
 
 
 def _table(rows: list[dict]) -> str:
     mib = 2**20
-    lines = [f"{rows[0]['layout']}: {rows[0]['parameters']:,} parameters, fp32, whole model "
-             f"{rows[0]['whole_model'] / mib:.1f} MiB, largest tensor {rows[0]['largest_tensor'] / mib:.1f} MiB",
-             f"{'rank':>4} {'params MiB':>18} {'grads MiB':>18} {'optimizer MiB':>18} {'params in step':>14} "
-             f"{'build peak':>10}"]
+    lines = [
+        f"{rows[0]['layout']}: {rows[0]['parameters']:,} parameters, fp32, whole model "
+        f"{rows[0]['whole_model'] / mib:.1f} MiB, largest tensor {rows[0]['largest_tensor'] / mib:.1f} MiB",
+        f"{'rank':>4} {'params MiB':>18} {'grads MiB':>18} {'optimizer MiB':>18} {'params in step':>14} "
+        f"{'build peak':>10}",
+    ]
     for r in rows:
         cells = [f"{r[k] / mib:8.3f} ({r[k] / r['expected'][k]:.3f}x)" for k in ("params", "grads", "optimizer")]
         peak = "n/a" if r["build_peak"] is None else f"{r['build_peak'] / mib:.1f}"
@@ -103,9 +116,11 @@ def _table(rows: list[dict]) -> str:
 
 def _build_table(rows: list[dict]) -> str:
     mib, whole = 2**20, rows[0]["whole_model"]
-    lines = [f"{rows[0]['layout']}: whole model {whole / mib:,.1f} MiB (fp32), largest tensor "
-             f"{rows[0]['largest_tensor'] / mib:,.1f} MiB",
-             f"{'rank':>4} {'share MiB':>10} {'build peak MiB':>15} {'peak / whole':>12}"]
+    lines = [
+        f"{rows[0]['layout']}: whole model {whole / mib:,.1f} MiB (fp32), largest tensor "
+        f"{rows[0]['largest_tensor'] / mib:,.1f} MiB",
+        f"{'rank':>4} {'share MiB':>10} {'build peak MiB':>15} {'peak / whole':>12}",
+    ]
     for r in rows:
         peak, share = r["build_peak"] or 0, r["reported"]["params"]
         lines.append(f"{r['rank']:>4} {share / mib:>10,.1f} {peak / mib:>15,.1f} {peak / whole:>12.3f}")

@@ -39,11 +39,15 @@ def main() -> None:
         pipeline = json.load(f)
     events = pipeline["events"]
     duration = max(e["end"] for r in events for e in r) - min(e["start"] for r in events for e in r)
-    print(f"{pipeline['schedule']}: pp={pipeline['pp']}, {pipeline['microbatches']} micro-batches, "
-          f"{pipeline['stages_per_rank']} stage(s)/rank, step {duration * 1e3:.1f} ms")
+    print(
+        f"{pipeline['schedule']}: pp={pipeline['pp']}, {pipeline['microbatches']} micro-batches, "
+        f"{pipeline['stages_per_rank']} stage(s)/rank, step {duration * 1e3:.1f} ms"
+    )
     print("\n".join(text_gantt(events, args.width)))
-    print(f"bubble (idle / compute): measured {pipeline['bubble_measured']:.2f}, (p-1)/(v·m) = "
-          f"{pipeline['bubble_theory']:.2f}; peak micro-batches alive per rank {pipeline['peak_in_flight']}")
+    print(
+        f"bubble (idle / compute): measured {pipeline['bubble_measured']:.2f}, (p-1)/(v·m) = "
+        f"{pipeline['bubble_theory']:.2f}; peak micro-batches alive per rank {pipeline['peak_in_flight']}"
+    )
 
 
 if __name__ == "__main__":

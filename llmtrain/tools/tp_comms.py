@@ -41,8 +41,9 @@ def count_step(cfg, runtime: Runtime) -> Counter:
     strategy, model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
-        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])],
-                                  precision_context(cfg.train.precision, runtime.device))
+        strategy.forward_backward(
+            model, [(tokens[:, :-1], tokens[:, 1:])], precision_context(cfg.train.precision, runtime.device)
+        )
     return Counter({_short(op): n for op, n in comm.get_comm_counts().items()})
 
 
@@ -50,16 +51,27 @@ def main(argv: list[str]) -> None:
     runtime = init_runtime("cpu")
     counts = {}
     for n_layer in (2, 4):
-        cfg = compose_config(["parallel=tp", "train.seq_len=32", "train.micro_batch_size=2", *argv,
-                              f"model.n_layer={n_layer}"])
+        cfg = compose_config(
+            ["parallel=tp", "train.seq_len=32", "train.micro_batch_size=2", *argv, f"model.n_layer={n_layer}"]
+        )
         counts[n_layer] = count_step(cfg, runtime)
     per_block = {op: (counts[4][op] - counts[2][op]) / 2 for op in counts[4] | counts[2]}
     expected = expected_per_block(cfg.parallel.sequence_parallel)
     if runtime.is_main:
-        print(json.dumps({"per_block": per_block, "expected_per_block": expected,
-                          "outside_blocks": {op: counts[2][op] - 2 * per_block[op] for op in per_block}}))
-        print(f"tp {runtime.world_size}, sequence_parallel={cfg.parallel.sequence_parallel}: collectives per block "
-              f"(forward + backward, one micro-batch)", file=sys.stderr)
+        print(
+            json.dumps(
+                {
+                    "per_block": per_block,
+                    "expected_per_block": expected,
+                    "outside_blocks": {op: counts[2][op] - 2 * per_block[op] for op in per_block},
+                }
+            )
+        )
+        print(
+            f"tp {runtime.world_size}, sequence_parallel={cfg.parallel.sequence_parallel}: collectives per block "
+            f"(forward + backward, one micro-batch)",
+            file=sys.stderr,
+        )
         for op in sorted(per_block):
             print(f"  {op:<28} measured {per_block[op]:4.1f}   expected {expected.get(op, 0)}", file=sys.stderr)
     runtime.shutdown(synchronize=True)

@@ -53,14 +53,24 @@ class WandbLogger:
     by wandb from its own environment and never passes through here. `run_id` is kept in the checkpoints, so a
     restarted or requeued run resumes the same W&B run ("allow": created if it does not exist yet)."""
 
-    def __init__(self, wandb_cfg, run_dir: str, name: str, group: str | None, config: dict[str, Any],
-                 run_id: str | None):
+    def __init__(
+        self, wandb_cfg, run_dir: str, name: str, group: str | None, config: dict[str, Any], run_id: str | None
+    ):
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self._run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
-                               dir=run_dir, config=config, mode=resolve_wandb_mode(wandb_cfg.mode),
-                               id=run_id, resume="allow", settings=wandb.Settings(console="off"))
+        self._run = wandb.init(
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            name=name,
+            group=group,
+            dir=run_dir,
+            config=config,
+            mode=resolve_wandb_mode(wandb_cfg.mode),
+            id=run_id,
+            resume="allow",
+            settings=wandb.Settings(console="off"),
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -111,8 +121,15 @@ class RunLoggers:
     checkpoint's records as `history`: metrics.jsonl starts with them (and nothing the crashed run logged after
     its checkpoint), the progress bar counts them as done."""
 
-    def __init__(self, cfg, run_dir: str, name: str, group: str | None, history: list[dict[str, Any]] = (),
-                 wandb_id: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str,
+        name: str,
+        group: str | None,
+        history: list[dict[str, Any]] = (),
+        wandb_id: str | None = None,
+    ):
         self.run_dir = run_dir
         self.title = name
         self.metrics = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
@@ -120,8 +137,9 @@ class RunLoggers:
             self.metrics.write(record)
         self.wandb = None
         if cfg.logging.wandb.mode != "disabled":
-            self.wandb = WandbLogger(cfg.logging.wandb, run_dir, name, group, OmegaConf.to_container(cfg, resolve=True),
-                                     wandb_id)
+            self.wandb = WandbLogger(
+                cfg.logging.wandb, run_dir, name, group, OmegaConf.to_container(cfg, resolve=True), wandb_id
+            )
         self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress, len(history))
 
     def record(self, record: dict[str, Any]) -> None:

@@ -49,12 +49,25 @@ class LoopState:
 
 
 class Trainer:
-    def __init__(self, train: TrainConfig, grad_clip: float, checkpoint_every: int, runtime: Runtime,
-                 strategy: Strategy, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, data: Data,
-                 train_slice: RankSlice, val_slice: RankSlice, flops_per_token: float,
-                 on_record: Callable[[dict[str, Any]], None], checkpoints: Checkpoints,
-                 preemption: PreemptionWatch | None = None, state: LoopState | None = None):
+    def __init__(
+        self,
+        train: TrainConfig,
+        grad_clip: float,
+        checkpoint_every: int,
+        runtime: Runtime,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        data: Data,
+        train_slice: RankSlice,
+        val_slice: RankSlice,
+        flops_per_token: float,
+        on_record: Callable[[dict[str, Any]], None],
+        checkpoints: Checkpoints,
+        preemption: PreemptionWatch | None = None,
+        state: LoopState | None = None,
+    ):
         self.train = train
         self.grad_clip = grad_clip
         self.checkpoint_every = checkpoint_every
@@ -84,8 +97,7 @@ class Trainer:
 
     def validation_loss(self) -> float:
         self.model.eval()
-        loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_windows),
-                                      self.precision)
+        loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_windows), self.precision)
         self.model.train()
         return self.strategy.reduce_mean(loss).item()
 
@@ -115,13 +127,16 @@ class Trainer:
     def _skip(self, record: dict[str, Any]) -> None:
         record["skipped"] = True
         self.state.bad_steps += 1
-        log.warning(f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
-                    f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)")
+        log.warning(
+            f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
+            f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)"
+        )
         if self.state.bad_steps >= self.train.max_bad_steps:
             raise TrainingDiverged(
                 f"step {record['step']}: {self.state.bad_steps} steps in a row with a non-finite loss or gradient "
                 f"norm (train.max_bad_steps={self.train.max_bad_steps}), the run stops; its last checkpoint is "
-                f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data")
+                f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data"
+            )
 
     def run(self) -> LoopState:
         self.model.train()

@@ -36,8 +36,10 @@ class HeldBytes:
     optimizer: int
 
     def describe(self) -> str:
-        return (f"parameters {self.params / MIB:,.1f} MiB, gradients {self.grads / MIB:,.1f} MiB, "
-                f"optimizer state {self.optimizer / MIB:,.1f} MiB")
+        return (
+            f"parameters {self.params / MIB:,.1f} MiB, gradients {self.grads / MIB:,.1f} MiB, "
+            f"optimizer state {self.optimizer / MIB:,.1f} MiB"
+        )
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
@@ -46,8 +48,11 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
     params = list(model.parameters())
     trainable = [local_tensor(p) for p in params if p.requires_grad]
     updated = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
-    return HeldBytes(params=tensor_bytes(params), grads=sum(t.numel() * t.element_size() for t in trainable),
-                     optimizer=2 * sum(t.numel() * t.element_size() for t in updated))
+    return HeldBytes(
+        params=tensor_bytes(params),
+        grads=sum(t.numel() * t.element_size() for t in trainable),
+        optimizer=2 * sum(t.numel() * t.element_size() for t in updated),
+    )
 
 
 def _status_kib(field: str) -> int:

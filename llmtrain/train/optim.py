@@ -19,8 +19,12 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_adamw(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
-    return torch.optim.AdamW(adamw_param_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
-                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+    return torch.optim.AdamW(
+        adamw_param_groups(model, optim_cfg.weight_decay),
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.beta1, optim_cfg.beta2),
+        eps=optim_cfg.eps,
+    )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -35,4 +39,5 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
 
 def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int, optim_cfg) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, optim_cfg.warmup_steps, optim_cfg.min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, total_steps, optim_cfg.warmup_steps, optim_cfg.min_lr_ratio)
+    )

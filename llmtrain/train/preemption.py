@@ -76,9 +76,13 @@ class PreemptionWatch:
         self._announced = True
         rank, local_rank = self._rank
         if local_rank == 0:
-            print(f"llmtrain: {self.signal_name} received on rank {rank}: finishing this step, then saving a "
-                  f"checkpoint and exiting with {PREEMPTED_EXIT}"
-                  + (" (Ctrl-C again to abort)" if self.signal_name == "SIGINT" else ""), file=sys.stderr, flush=True)
+            print(
+                f"llmtrain: {self.signal_name} received on rank {rank}: finishing this step, then saving a "
+                f"checkpoint and exiting with {PREEMPTED_EXIT}"
+                + (" (Ctrl-C again to abort)" if self.signal_name == "SIGINT" else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def requested(self, runtime: Runtime) -> bool:
         """Collective: whether any rank has been asked to stop."""

@@ -7,29 +7,44 @@ import os
 from typing import Any
 
 
-def start_summary(cfg, *, n_params: int, padding: int, vocab_size: int, layout: str, device: str, precision: str,
-                  dp_size: int, micro_batching: tuple[int, int], run_dir: str, memory: str | None = None,
-                  resumed: str | None = None) -> str:
+def start_summary(
+    cfg,
+    *,
+    n_params: int,
+    padding: int,
+    vocab_size: int,
+    layout: str,
+    device: str,
+    precision: str,
+    dp_size: int,
+    micro_batching: tuple[int, int],
+    run_dir: str,
+    memory: str | None = None,
+    resumed: str | None = None,
+) -> str:
     t, m = cfg.train, cfg.model
     tokens_per_step = t.batch_size * t.seq_len
     micro_size, micro_count = micro_batching
     padded = f" (+{padding:,} vocabulary padding)" if padding else ""
-    return "\n".join([
-        f"model     {m.name}: {n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
-        f"d_model {m.d_model}, vocab {vocab_size}, max_seq_len {m.max_seq_len})",
-        f"layout    {layout} on {device}, {precision}",
-        f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
-        f"(micro {micro_size} x accumulation {micro_count} x data-parallel {dp_size})",
-        f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; data {cfg.data.source}, tokenizer "
-        f"{cfg.data.tokenizer.kind}; seed {cfg.seed}",
-        *([f"memory    {memory}"] if memory else []),
-        f"run dir   {run_dir}",
-        *([f"resumed   from {resumed}"] if resumed else []),
-    ])
+    return "\n".join(
+        [
+            f"model     {m.name}: {n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
+            f"d_model {m.d_model}, vocab {vocab_size}, max_seq_len {m.max_seq_len})",
+            f"layout    {layout} on {device}, {precision}",
+            f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
+            f"(micro {micro_size} x accumulation {micro_count} x data-parallel {dp_size})",
+            f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; data {cfg.data.source}, tokenizer "
+            f"{cfg.data.tokenizer.kind}; seed {cfg.seed}",
+            *([f"memory    {memory}"] if memory else []),
+            f"run dir   {run_dir}",
+            *([f"resumed   from {resumed}"] if resumed else []),
+        ]
+    )
 
 
-def end_summary(records: list[dict[str, Any]], wall_seconds: float, train_seconds: float,
-                tokens_per_step: int) -> dict[str, Any]:
+def end_summary(
+    records: list[dict[str, Any]], wall_seconds: float, train_seconds: float, tokens_per_step: int
+) -> dict[str, Any]:
     """Totals of a finished run. Throughput leaves out the first step, which pays for warm-up."""
     val = [r for r in records if "val_loss" in r]
     steady = records[1:] or records
@@ -53,18 +68,22 @@ def end_summary(records: list[dict[str, Any]], wall_seconds: float, train_second
 
 def format_end_summary(summary: dict[str, Any]) -> str:
     val = summary["final_val_loss"]
-    lines = [f"done      {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s",
-             f"loss      {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
-             + (f" (val {val:.4f})" if val is not None else ""),
-             f"speed     {summary['tokens_per_s']:,.0f} tokens/s"
-             + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a")]
+    lines = [
+        f"done      {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s",
+        f"loss      {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+        + (f" (val {val:.4f})" if val is not None else ""),
+        f"speed     {summary['tokens_per_s']:,.0f} tokens/s"
+        + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a"),
+    ]
     if "peak_memory_gib" in summary:
         lines.append(f"memory    {summary['peak_memory_gib']:.2f} GiB peak allocated")
     if "pipeline" in summary:
         p = summary["pipeline"]
-        lines.append(f"pipeline  bubble {p['bubble_measured']:.2f} of compute time (ideal (p-1)/(v·m) = "
-                     f"{p['bubble_theory']:.2f}); peak micro-batches alive per rank {p['peak_in_flight']}; "
-                     f"chart pipeline.png")
+        lines.append(
+            f"pipeline  bubble {p['bubble_measured']:.2f} of compute time (ideal (p-1)/(v·m) = "
+            f"{p['bubble_theory']:.2f}); peak micro-batches alive per rank {p['peak_in_flight']}; "
+            f"chart pipeline.png"
+        )
     return "\n".join(lines)
 
 

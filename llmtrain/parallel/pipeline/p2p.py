@@ -19,7 +19,7 @@ _HEADER = 8  # ndim, dtype code, up to 6 dimensions
 def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
     header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-    header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
+    header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
     return [dist.isend(header, dst, group=group), dist.isend(tensor.contiguous(), dst, group=group)]
 
 
@@ -27,7 +27,7 @@ def recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) ->
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    tensor = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+    tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(tensor, src, group=group)
     return tensor
 

@@ -29,9 +29,17 @@ from llmtrain.parallel.pipeline.timeline import Timeline
 
 
 class Reference1F1B:
-    def __init__(self, module: nn.Module, stage: int, n_stages: int, group: dist.ProcessGroup,
-                 n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, timeline: Timeline):
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        n_stages: int,
+        group: dist.ProcessGroup,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        timeline: Timeline,
+    ):
         self.module = module
         self.stage, self.n_stages, self.group = stage, n_stages, group
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1

@@ -22,13 +22,16 @@ def stage_layers(n_layer: int, n_stages: int, edge_blocks: int) -> list[range]:
         raise ConfigError(
             f"model.n_layer={n_layer} (+ 2 x parallel.pp_edge_blocks={edge_blocks}) does not split evenly into "
             f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank): choose model.n_layer + "
-            f"2 x pp_edge_blocks divisible by {n_stages}")
+            f"2 x pp_edge_blocks divisible by {n_stages}"
+        )
     sizes = [per_stage] * n_stages
     sizes[0] -= edge_blocks
     sizes[-1] -= edge_blocks
     if min(sizes) < 1:
-        raise ConfigError(f"parallel.pp_edge_blocks={edge_blocks} leaves the first or last of {n_stages} stages "
-                          f"without a block (model.n_layer={n_layer}): lower parallel.pp_edge_blocks")
+        raise ConfigError(
+            f"parallel.pp_edge_blocks={edge_blocks} leaves the first or last of {n_stages} stages "
+            f"without a block (model.n_layer={n_layer}): lower parallel.pp_edge_blocks"
+        )
     starts = [sum(sizes[:i]) for i in range(n_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 

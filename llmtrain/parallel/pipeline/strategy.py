@@ -54,8 +54,7 @@ class PipelineParallel(Strategy):
         self.pp_group = self.mesh["pp"].get_group()
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.n_stages = self.degrees.pp * parallel.pp_stages_per_rank
-        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank,
-                                         self.spec.style)
+        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline()
         self.tied_group = self._tied_embedding_group()
 
@@ -72,13 +71,17 @@ class PipelineParallel(Strategy):
         super().validate(model)
         p, t = self.parallel, self.train
         if self.degrees.pp < 2:
-            raise ConfigError(f"parallel.strategy=pp needs parallel.pp >= 2 (got {self.degrees.pp}): set parallel.pp, "
-                              f"or choose a layout without a pipeline")
+            raise ConfigError(
+                f"parallel.strategy=pp needs parallel.pp >= 2 (got {self.degrees.pp}): set parallel.pp, "
+                f"or choose a layout without a pipeline"
+            )
         m = self.microbatches
         if t.batch_size % (self.degrees.dp * m):
-            raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
-                              f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
-                              f"of {self.degrees.dp * m}")
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
+                f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
+                f"of {self.degrees.dp * m}"
+            )
         validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m, compiled=t.compile)
         stage_layers(model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
 
@@ -86,8 +89,10 @@ class PipelineParallel(Strategy):
         p = self.parallel
         within = [name for name, degree in (("FSDP", self.degrees.dp), ("TP", self.degrees.tp)) if degree > 1]
         virtual = f", {p.pp_stages_per_rank} stages/rank" if p.pp_stages_per_rank > 1 else ""
-        return (f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
-                f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})")
+        return (
+            f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
+            f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})"
+        )
 
     def layout(self) -> Layout:
         # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
@@ -102,8 +107,11 @@ class PipelineParallel(Strategy):
         them."""
         layers = stage_layers(len(model.blocks), self.n_stages, self.parallel.pp_edge_blocks)
         last = self.n_stages - 1
-        part = model.pipeline_part([i for stage in self.stage_indices for i in layers[stage]],
-                                   first=0 in self.stage_indices, last=last in self.stage_indices)
+        part = model.pipeline_part(
+            [i for stage in self.stage_indices for i in layers[stage]],
+            first=0 in self.stage_indices,
+            last=last in self.stage_indices,
+        )
         self.stages = []
         for stage in self.stage_indices:
             view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
@@ -117,17 +125,21 @@ class PipelineParallel(Strategy):
     def _build_schedule(self):
         m, device = self.microbatches, self.runtime.device
         if self.spec.torch_class is None:
-            return Reference1F1B(self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss,
-                                 device, self.timeline)
-        stages = [TimedStage(module, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
-                  for stage, module in zip(self.stage_indices, self.stages)]
+            return Reference1F1B(
+                self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device, self.timeline
+            )
+        stages = [
+            TimedStage(module, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
+            for stage, module in zip(self.stage_indices, self.stages)
+        ]
         try:
             if self.spec.stages_per_rank == "one":
                 return self.spec.torch_class(stages[0], m, loss_fn=cross_entropy_loss)
             return self.spec.torch_class(stages, m, loss_fn=cross_entropy_loss)
         except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
-            raise ConfigError(f"parallel.pp_schedule={self.parallel.pp_schedule} with parallel.microbatches="
-                              f"{m}: {error}") from None
+            raise ConfigError(
+                f"parallel.pp_schedule={self.parallel.pp_schedule} with parallel.microbatches={m}: {error}"
+            ) from None
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """The two ranks (same data and tensor-parallel coordinates) holding the embedding and the LM head; None
@@ -143,8 +155,9 @@ class PipelineParallel(Strategy):
         return mine
 
     # -- one step -------------------------------------------------------------------------------------------
-    def forward_backward(self, model: nn.Module, micro_batches: MicroBatches,
-                         precision: PrecisionContext) -> torch.Tensor:
+    def forward_backward(
+        self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
+    ) -> torch.Tensor:
         device = self.runtime.device
         inputs = torch.cat([x for x, _ in micro_batches]).to(device)
         targets = torch.cat([y for _, y in micro_batches]).to(device)
@@ -171,8 +184,11 @@ class PipelineParallel(Strategy):
 
     def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline."""
-        total = (torch.stack([full_tensor(loss) for loss in losses]).mean() if losses
-                 else torch.zeros((), device=self.runtime.device))
+        total = (
+            torch.stack([full_tensor(loss) for loss in losses]).mean()
+            if losses
+            else torch.zeros((), device=self.runtime.device)
+        )
         dist.all_reduce(total, group=self.pp_group)
         return total
 
@@ -262,12 +278,22 @@ class PipelineParallel(Strategy):
         events = [rank_events for rank_events, _ in gathered]
         measured, theory = bubble_fraction(events), (p - 1) / (v * m)
         schedule = self.parallel.pp_schedule
-        plot_gantt(events, os.path.join(run_dir, "pipeline.png"), stages_per_rank=v,
-                   title=f"{schedule}: pp={p}, {m} micro-batches{f', {v} stages/rank' if v > 1 else ''} — "
-                         f"bubble (idle / compute) measured {measured:.2f}, (p-1)/(v·m) = {theory:.2f}")
-        result = {"schedule": schedule, "pp": p, "stages_per_rank": v, "microbatches": m,
-                  "bubble_measured": measured, "bubble_theory": theory,
-                  "peak_in_flight": [peak for _, peak in gathered]}
+        plot_gantt(
+            events,
+            os.path.join(run_dir, "pipeline.png"),
+            stages_per_rank=v,
+            title=f"{schedule}: pp={p}, {m} micro-batches{f', {v} stages/rank' if v > 1 else ''} — "
+            f"bubble (idle / compute) measured {measured:.2f}, (p-1)/(v·m) = {theory:.2f}",
+        )
+        result = {
+            "schedule": schedule,
+            "pp": p,
+            "stages_per_rank": v,
+            "microbatches": m,
+            "bubble_measured": measured,
+            "bubble_theory": theory,
+            "peak_in_flight": [peak for _, peak in gathered],
+        }
         with open(os.path.join(run_dir, "pipeline.json"), "w") as f:
             json.dump({**result, "events": [[e.__dict__ for e in rank_events] for rank_events in events]}, f)
         return {"pipeline": result}

@@ -71,8 +71,9 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         with self.timeline.record("B", self.stage_index, bwd_chunk_id):
-            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                       last_backward=last_backward)
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
         if full_backward:
             self.timeline.activations_freed(self.stage_index, bwd_chunk_id)
 
@@ -112,20 +113,29 @@ def plot_gantt(events_per_rank: list[list[Event]], path: str, title: str, stages
         for e in events:
             left, width = (e.start - origin) * 1e3, (e.end - e.start) * 1e3
             later_stage = stages_per_rank > 1 and e.stage >= n_ranks
-            ax.barh(rank, width, left=left, height=0.8, color=COLOURS[e.kind], edgecolor="black", linewidth=0.4,
-                    hatch="//" if later_stage else None)
+            ax.barh(
+                rank,
+                width,
+                left=left,
+                height=0.8,
+                color=COLOURS[e.kind],
+                edgecolor="black",
+                linewidth=0.4,
+                hatch="//" if later_stage else None,
+            )
             if width > span * 1e3 / 120:
                 ax.text(left + width / 2, rank, str(e.micro_batch), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first event (ms)")
     ax.set_title(title, fontsize=10)
-    legend = [Patch(color=COLOURS[k], label=label) for k, label in
-              (("F", "forward"), ("B", "backward (input grad when split)"), ("W", "weight grad"))]
+    legend = [
+        Patch(color=COLOURS[k], label=label)
+        for k, label in (("F", "forward"), ("B", "backward (input grad when split)"), ("W", "weight grad"))
+    ]
     if stages_per_rank > 1:
         legend.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="later virtual stage"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(legend), fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
