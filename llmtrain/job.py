@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from typing import cast
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -164,7 +165,7 @@ def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> 
 
 def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
-    config: RootConfig = OmegaConf.to_object(cfg)  # typed sections, each handed only to what uses it
+    config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed sections, each handed only to what uses it
     strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
     t = config.train
     per_step = t.micro_batch_size * strategy.dp_size
@@ -183,8 +184,8 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
 
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
-    model = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
-    gpt_cfg = model.cfg
+    meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
+    gpt_cfg = meta.cfg
     checkpoint_dir = os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
     resume = _agreed(runtime, resume_path(cfg.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
@@ -193,11 +194,11 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         cfg, tokenizer, val_slice if t.eval_every > 0 else None, read_data_position(resume) if resume else None
     )
     padding = gpt_cfg.padding_parameters
-    n_params = num_parameters(model) - padding
+    n_params = num_parameters(meta) - padding
     model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
     with BuildPeak(runtime.device) as build:
         # The layout is applied on the meta device; then each rank allocates and initialises only its part.
-        model = strategy.parallelize(model, initial_weights(config.model, model, config.seed))
+        model = strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
         optimizer = strategy.build_optimizer(model, config.optim)
     memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
     schedule = build_schedule(optimizer, t.steps, config.optim)
@@ -263,8 +264,8 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         if loggers:
             loggers.close_console()
     if t.save_model:
-        weights = strategy.full_state_dict(model)
-        if runtime.is_main:
+        weights = strategy.full_state_dict(model)  # on rank 0 only
+        if weights is not None:
             save_final_model(weights, os.path.join(run_dir, "model.pt"))
     layout_results = strategy.report(run_dir)
     if loggers:

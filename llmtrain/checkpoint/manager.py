@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -187,7 +187,7 @@ class CheckpointManager:
                 future = dcp.async_save(
                     state, checkpoint_id=tmp, process_group=self._group, no_dist=not self.runtime.distributed
                 )
-                self._pending = (future, tmp, final)
+                self._pending = (cast(Future, future), tmp, final)
             else:
                 dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
                 self._finish(tmp, final)

@@ -28,7 +28,7 @@ _HASH_BUCKETS = 1_000_000
 def stdlib_files() -> list[str]:
     """The standard library's .py files (site-packages excluded), sorted for a machine-independent order."""
     root = sysconfig.get_paths()["stdlib"]
-    found = []
+    found: list[str] = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "__pycache__"))
         found.extend(os.path.join(directory, f) for f in files if f.endswith(".py"))

@@ -105,7 +105,7 @@ class TrainingWindows:
         self.window_rng.bit_generator.state = state["window_rng"]
         self._source = None
         if state["source"] is not None:
-            self._open_epoch()
+            self._source = self._open_epoch()
             self.documents.load_state_dict(state["source"])
 
     # -- the stream -------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class TrainingWindows:
         """The next document out of the document shuffle buffer; an exhausted epoch starts the next one."""
         while True:
             if self._source is None:
-                self._open_epoch()
+                self._source = self._open_epoch()
             example = next(self._source, None)
             if example is None:
                 if self.doc_buffer:  # drain the buffer before the next epoch
@@ -156,9 +156,9 @@ class TrainingWindows:
             text, self.doc_buffer[i] = self.doc_buffer[i], example["text"]
             return text
 
-    def _open_epoch(self) -> None:
+    def _open_epoch(self) -> Iterator[dict]:
         self.documents.set_epoch(self.epoch)
-        self._source = iter(self.documents)
+        return iter(self.documents)
 
 
 def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:

@@ -152,11 +152,13 @@ def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        tok = HFCoreTokenizer.from_file(bpe_path or bpe_cache_path(data_cfg))
-        return FastTokenizer(tok, eos_id=tok.token_to_id(EOS_TOKEN), vocab_size=tok.get_vocab_size())
+        core = HFCoreTokenizer.from_file(bpe_path or bpe_cache_path(data_cfg))
+        eos_id = core.token_to_id(EOS_TOKEN)
+        assert eos_id is not None, "train_bpe adds the end-of-text token"
+        return FastTokenizer(core, eos_id=eos_id, vocab_size=core.get_vocab_size())
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(data_cfg.tokenizer.name)
-    if tok.eos_token_id is None:
-        tok.add_special_tokens({"eos_token": EOS_TOKEN})
-    return FastTokenizer(tok, eos_id=tok.eos_token_id, vocab_size=len(tok))
+    pretrained = AutoTokenizer.from_pretrained(data_cfg.tokenizer.name)
+    if pretrained.eos_token_id is None:
+        pretrained.add_special_tokens({"eos_token": EOS_TOKEN})
+    return FastTokenizer(pretrained, eos_id=pretrained.eos_token_id, vocab_size=len(pretrained))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
 from llmtrain.model.materialize import ParameterInit, materialize, write_parameters
 
@@ -48,6 +49,7 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
 
 
 __all__ = [
+    "LayeredModel",
     "GPT",
     "GPTConfig",
     "ParameterInit",

@@ -17,14 +17,19 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.recompute import run_block
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class Block(nn.Module):
 RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out")
 
 
-class GPT(nn.Module):
+class GPT(LayeredModel):
     """The whole model, or a pipeline rank's part of it: `layers` picks the blocks (named as in the whole model),
     `embedding` and `head` whether the part holds the input embeddings and the final norm + LM head. The head is
     tied to the token embedding when the part holds both, unless `tie_head=False`: a pipeline keeps the two on
@@ -129,7 +134,11 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         layers = range(cfg.n_layer) if layers is None else layers
-        self.tok_emb = self.pos_emb = self.emb_dropout = self.norm = self.lm_head = None
+        self.tok_emb: nn.Embedding | None = None
+        self.pos_emb: nn.Embedding | None = None
+        self.emb_dropout: Dropout | None = None
+        self.norm: nn.LayerNorm | None = None
+        self.lm_head: nn.Linear | None = None
         if embedding:
             self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
@@ -139,7 +148,7 @@ class GPT(nn.Module):
             padded = cfg.padded_vocab_size > cfg.vocab_size
             self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
-            if embedding and tie_head:
+            if self.tok_emb is not None and tie_head:
                 self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
             if padded:
                 # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the
@@ -151,12 +160,14 @@ class GPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
         stream (batch, seq, d_model) instead, and a part without the head returns it."""
-        if self.tok_emb is not None:
+        if self.tok_emb is not None and self.pos_emb is not None and self.emb_dropout is not None:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.emb_dropout(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
             x = run_block(block, x, self.activation_checkpointing)
-        return x if self.lm_head is None else self.lm_head(self.norm(x))
+        if self.lm_head is None or self.norm is None:
+            return x
+        return self.lm_head(self.norm(x))
 
     # -- what parallel layouts need to know about this model ------------------------------------------------
     @property
@@ -165,7 +176,7 @@ class GPT(nn.Module):
         on a pipeline part that holds the head as its own copy: checkpoints store it once, under the source."""
         return {"lm_head.weight": "tok_emb.weight"}
 
-    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
         """Module name -> tensor-parallel style, for the modules this model (or part) holds."""
         from llmtrain.model.parallel_plan import gpt_tensor_parallel_plan
 

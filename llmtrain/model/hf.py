@@ -49,7 +49,7 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     ours = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
 
-    def get(name: str, shape: torch.Size) -> torch.Tensor:
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ours[name] if name in ours else torch.zeros(shape)
 
     d = cfg.d_model

@@ -14,7 +14,7 @@ the cross-entropy runs on vocabulary shards and no rank ever holds full-vocabula
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from llmtrain.config import ConfigError
-from llmtrain.model.dropout import Split
+from llmtrain.model.dropout import Dropout, Split
 
 if TYPE_CHECKING:
     from llmtrain.model.gpt import GPT
@@ -38,7 +38,7 @@ class SplitDropout(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.split = Split(dim=self.dim, rank=device_mesh.get_local_rank(), parts=device_mesh.size())
+        cast(Dropout, module).split = Split(dim=self.dim, rank=device_mesh.get_local_rank(), parts=device_mesh.size())
         return module
 
 

@@ -19,26 +19,29 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from llmtrain.model.base import LayeredModel
 from llmtrain.parallel.mesh import Degrees
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None, cpu_offload: bool
+    model: LayeredModel,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+    cpu_offload: bool,
 ) -> None:
     """Shard every block, then the root, over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP)."""
-    options = dict(
-        mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-    )
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in model.blocks.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
+        )
     # The root's parameters (embeddings, final norm, tied head) are needed again at the start of backward.
-    fully_shard(model, reshard_after_forward=False, **options)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")

@@ -11,11 +11,13 @@ what each adds to the base Strategy. The pipeline layouts live in pipeline/strat
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.config import ConfigError, OptimConfig
 from llmtrain.parallel.ddp import apply_ddp
@@ -58,10 +60,10 @@ class DDP(Strategy):
     supported_dims = ("dp_replicate",)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return apply_ddp(model, self.dp_mesh.get_group(), self.runtime.device)
+        return apply_ddp(model, self.dp_group, self.runtime.device)
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
-        return nullcontext() if is_last_micro_batch else model.no_sync()
+        return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, model).no_sync()
 
 
 @register("zero1")
@@ -69,7 +71,7 @@ class ZeroOne(Strategy):
     supported_dims = ("dp_replicate",)
 
     def build_optimizer(self, model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-        self.optimizer = ZeroOneAdamW(model, optim, self.dp_mesh.get_group())
+        self.optimizer = ZeroOneAdamW(model, optim, self.dp_group)
         return self.optimizer
 
     def forward_backward(
@@ -81,21 +83,21 @@ class ZeroOne(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
-        shards = self.optimizer.shards()
-        squares = torch.stack([shard.grad.float().pow(2).sum() for shard in shards]).sum()
+        grads = self.optimizer.shard_gradients()
+        squares = torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
         dist.all_reduce(squares, group=self.optimizer.group)
         norm = squares.sqrt()
-        clip_gradients(shards, max_norm, norm)
+        clip_gradients(self.optimizer.shards(), max_norm, norm)
         return norm
 
     def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return get_model_state_dict(model), optimizer.flat_state_dict(_names(model))
+        return get_model_state_dict(model), cast(ZeroOneAdamW, optimizer).flat_state_dict(_names(model))
 
     def load_model_and_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
     ) -> None:
         set_model_state_dict(model, model_state)
-        optimizer.load_flat_state_dict(optimizer_state, _names(model))
+        cast(ZeroOneAdamW, optimizer).load_flat_state_dict(optimizer_state, _names(model))
 
 
 def _names(model: nn.Module) -> dict[nn.Parameter, str]:
@@ -117,5 +119,6 @@ class FSDP(Strategy):
 
     def layout(self) -> Layout:
         return self._layout(
-            fsdp_mesh=fsdp_mesh(self.mesh, self.degrees), reshard_after_forward=self.parallel.reshard_after_forward
+            fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees),
+            reshard_after_forward=self.parallel.reshard_after_forward,
         )

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from llmtrain.model.base import LayeredModel
 from llmtrain.parallel.fsdp import apply_fsdp
 from llmtrain.parallel.tp import apply_tensor_parallel
 
@@ -35,19 +35,19 @@ class Layout:
     cpu_offload: bool = False
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: LayeredModel, mode: str) -> None:
     """Recompute each block's activations in backward (`full`), or only the cheap ops between its matmuls
     (`selective`): the model runs its blocks through llmtrain/model/recompute.py in this mode."""
     model.activation_checkpointing = mode
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: LayeredModel) -> None:
     """torch.compile each block: one compiled graph reused by every layer (same shapes), a short compile."""
     for block in model.blocks.values():
         block.compile()
 
 
-def apply_layout(model: nn.Module, layout: Layout) -> None:
+def apply_layout(model: LayeredModel, layout: Layout) -> None:
     if layout.tp_mesh is not None:
         apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
     apply_activation_checkpointing(model, layout.activation_checkpointing)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from llmtrain.model import ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
@@ -59,6 +59,20 @@ class Strategy:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh of a multi-process layout (a single process has none)."""
+        if self.mesh is None:
+            raise RuntimeError(f"parallel.strategy={self.name} needs a mesh, which a single process does not have")
+        return self.mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel ranks' process group (replicas and shards together)."""
+        if self.dp_mesh is None:
+            raise RuntimeError(f"parallel.strategy={self.name} needs a mesh, which a single process does not have")
+        return self.dp_mesh.get_group()
 
     # -- layout ---------------------------------------------------------------------------------------------
     def validate(self, model: ModelConfig) -> None:
@@ -101,7 +115,7 @@ class Strategy:
         tp = self.degrees.tp > 1
         bf16 = uses_bf16(self.train.precision, self.runtime.device)
         return Layout(
-            tp_mesh=self.mesh["tp"] if tp else None,
+            tp_mesh=self.device_mesh["tp"] if tp else None,
             sequence_parallel=tp and self.parallel.sequence_parallel,
             loss_parallel=tp and self.parallel.loss_parallel,
             activation_checkpointing=self.train.activation_checkpointing,
@@ -116,14 +130,14 @@ class Strategy:
         """Where parameters live: the device, or host memory when FSDP offloads them."""
         return torch.device("cpu") if self.parallel.cpu_offload else self.runtime.device
 
-    def parallelize(self, model: nn.Module, init: ParameterInit) -> nn.Module:
+    def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
         what the trainer runs."""
         apply_layout(model, self.layout())
         materialize(model, self.init_device, init)
         return self.wrap(model)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: LayeredModel) -> nn.Module:
         """A wrapper that needs the materialised weights (DDP), or the model itself."""
         return model
 
@@ -187,7 +201,7 @@ class Strategy:
         (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards). Gathered
         one tensor at a time: the other ranks drop each one as soon as it is gathered."""
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if self.runtime.is_main else None
+        return cast(dict[str, torch.Tensor], state) if self.runtime.is_main else None
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state as this rank holds it (DTensor shards where sharded), keyed by the unsplit
@@ -198,7 +212,7 @@ class Strategy:
         two pipeline stages) is stored once, under its source's names, and handed back to every parameter that
         uses it on load."""
         model_state, optimizer_state = self.model_and_optimizer_state(model, optimizer)
-        tied = _unwrap(model).tied_parameters
+        tied = unwrap(model).tied_parameters
         state = {}
         self._stored_as = {}  # part -> {stored key: the keys of this rank's state it stands for}
         for part, values in (("model", model_state), ("optimizer", optimizer_state)):
@@ -226,9 +240,9 @@ class Strategy:
         return {}
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> LayeredModel:
     """The model inside a DDP wrapper."""
-    return getattr(model, "module", model)
+    return cast(LayeredModel, getattr(model, "module", model))
 
 
 def params_by_layout(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -245,7 +259,7 @@ def params_by_layout(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]
 
 
 def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
-    return [[param.grad for param in group] for group in params_by_layout(params)]
+    return [[param.grad for param in group if param.grad is not None] for group in params_by_layout(params)]
 
 
 def squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from llmtrain.model.base import LayeredModel
 from llmtrain.model.materialize import retie, tied_groups
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel_on: bool
+    model: LayeredModel, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel_on: bool
 ) -> None:
     tied = tied_groups(model)
     parallelize_module(model, tp_mesh, model.tensor_parallel_plan(sequence_parallel, loss_parallel_on))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,11 +84,14 @@ class ZeroOneAdamW(torch.optim.AdamW):
         for bucket in self.buckets:
             reduced = torch.empty_like(bucket.shard)
             reduce_scatter(reduced, bucket.flat_grads, op=dist.ReduceOp.SUM, group=self.group)
-            bucket.shard.grad.copy_(reduced.div_(self.world))
+            bucket.flat_grads[bucket.shard_range].copy_(reduced.div_(self.world))
 
     def shards(self) -> list[nn.Parameter]:
         """This rank's slices, whose gradients are the reduced ones after reduce_scatter_gradients."""
         return [bucket.shard for bucket in self.buckets]
+
+    def shard_gradients(self) -> list[torch.Tensor]:
+        return [bucket.flat_grads[bucket.shard_range] for bucket in self.buckets]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,10 +116,10 @@ class ZeroOneAdamW(torch.optim.AdamW):
         return state
 
     @torch.no_grad()
-    def flat_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, object]:
+    def flat_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, Any]:
         """Collective: "state.<name>.<exp_avg|exp_avg_sq|step>" and "param_groups.<name>.<option>", with each
         moment all-gathered from the slices into every parameter's full tensor."""
-        flat: dict[str, object] = {}
+        flat: dict[str, Any] = {}
         for bucket, group in zip(self.buckets, self.param_groups):
             state = self._shard_state(bucket)
             moments = {}
@@ -136,7 +140,7 @@ class ZeroOneAdamW(torch.optim.AdamW):
         return flat
 
     @torch.no_grad()
-    def load_flat_state_dict(self, flat: dict[str, object], names: dict[nn.Parameter, str]) -> None:
+    def load_flat_state_dict(self, flat: dict[str, Any], names: dict[nn.Parameter, str]) -> None:
         """The inverse of flat_state_dict: this rank keeps its slice of each moment."""
         for bucket, group in zip(self.buckets, self.param_groups):
             state = self._shard_state(bucket)

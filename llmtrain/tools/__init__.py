@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from hydra import compose, initialize_config_dir
 
-from llmtrain.config import register_schemas
+from llmtrain.config import RootConfig, register_schemas
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 
@@ -27,7 +28,7 @@ def build_layout(cfg, runtime, vocab_size: int):
     from llmtrain.model import initial_weights, meta_model
     from llmtrain.parallel import get_strategy
 
-    config = OmegaConf.to_object(cfg)
+    config = cast(RootConfig, OmegaConf.to_object(cfg))
     strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
     model = meta_model(config.model, vocab_size)
     return strategy, strategy.parallelize(model, initial_weights(config.model, model, config.seed))

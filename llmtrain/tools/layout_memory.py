@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def measure(cfg, build_only: bool = False) -> dict:
     }
     if not build_only:
         row.update(_one_step(cfg, strategy, model, optimizer, runtime, vocab_size, n_params))
-    rows = [None] * runtime.world_size
+    rows: list[Any] = [None] * runtime.world_size
     if runtime.distributed:
         dist.all_gather_object(rows, row)
     else:

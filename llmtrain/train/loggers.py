@@ -7,7 +7,8 @@ import logging
 import netrc
 import os
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal, cast
 
 from omegaconf import OmegaConf
 from tqdm import tqdm
@@ -41,11 +42,11 @@ def wandb_credentials_present() -> bool:
         return False
 
 
-def resolve_wandb_mode(mode: str) -> str:
+def resolve_wandb_mode(mode: str) -> Literal["online", "offline", "disabled"]:
     """`auto` becomes online when an API key is configured (env or ~/.netrc from `wandb login`), else offline."""
     if mode == "auto":
         return "online" if wandb_credentials_present() else "offline"
-    return mode
+    return cast(Literal["online", "offline", "disabled"], mode)  # one of these: config.validate checked it
 
 
 class WandbLogger:
@@ -127,7 +128,7 @@ class RunLoggers:
         run_dir: str,
         name: str,
         group: str | None,
-        history: list[dict[str, Any]] = (),
+        history: Sequence[dict[str, Any]] = (),
         wandb_id: str | None = None,
     ):
         self.run_dir = run_dir
@@ -138,7 +139,12 @@ class RunLoggers:
         self.wandb = None
         if cfg.logging.wandb.mode != "disabled":
             self.wandb = WandbLogger(
-                cfg.logging.wandb, run_dir, name, group, OmegaConf.to_container(cfg, resolve=True), wandb_id
+                cfg.logging.wandb,
+                run_dir,
+                name,
+                group,
+                cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)),
+                wandb_id,
             )
         self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress, len(history))
 

@@ -97,6 +97,7 @@ class Trainer:
 
     def validation_loss(self) -> float:
         self.model.eval()
+        assert self.data.val_windows is not None, "validation windows are built when train.eval_every > 0"
         loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_windows), self.precision)
         self.model.train()
         return self.strategy.reduce_mean(loss).item()
@@ -108,7 +109,12 @@ class Trainer:
         loss = self.strategy.reduce_mean(loss)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
         lr = self.schedule.get_last_lr()[0]
-        record = {"step": self.state.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
+        record: dict[str, Any] = {
+            "step": self.state.step + 1,
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+        }
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
             self.optimizer.step()
@@ -156,5 +162,6 @@ class Trainer:
                 self.checkpoints.save(self.state.step, self.state.records)
             if stop:
                 self.checkpoints.finish()
-                raise Preempted(self.state.step, self.preemption.signal_name or "a signal on another rank")
+                signal_name = self.preemption.signal_name if self.preemption is not None else None
+                raise Preempted(self.state.step, signal_name or "a signal on another rank")
         return self.state

@@ -57,7 +57,10 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
+        found = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    if found is None:
+        raise OSError(f"/proc/self/status has no {field}")
+    return int(found.group(1))
 
 
 class BuildPeak:
@@ -68,6 +71,7 @@ class BuildPeak:
     def __init__(self, device: torch.device):
         self.device = device
         self.bytes: int | None = None
+        self._start: int | None = None
 
     def __enter__(self) -> BuildPeak:
         if self.device.type == "cuda":
@@ -84,8 +88,10 @@ class BuildPeak:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._start is None:
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
-        elif self._start is not None:
+        else:
             self.bytes = _status_kib("VmHWM") * 1024 - self._start

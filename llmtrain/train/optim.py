@@ -11,7 +11,8 @@ from torch import nn
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (Linear weights, embeddings); none on biases and LayerNorm parameters, whose
     decay would only pull scales and offsets towards zero."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)

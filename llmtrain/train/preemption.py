@@ -100,6 +100,8 @@ class PreemptionWatch:
     def hand_over(self) -> None:
         """Run the handler that watched for the received signal before this watch did, now that the checkpoint is
         saved: under submitit that handler requeues the job (and exits)."""
+        if self.signal_name is None:
+            return
         signum = signal.Signals[self.signal_name]
         previous = self._previous.get(signum)
         if callable(previous):

@@ -16,11 +16,17 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # ndim, dtype code, up to 6 dimensions
 
 
+def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
+    work = dist.isend(tensor, dst, group=group)
+    assert work is not None, "this rank is in the group"
+    return work
+
+
 def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
     header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
     header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-    return [dist.isend(header, dst, group=group), dist.isend(tensor.contiguous(), dst, group=group)]
+    return [_isend(header, dst, group), _isend(tensor.contiguous(), dst, group)]
 
 
 def recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -33,7 +39,7 @@ def recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) ->
 
 
 def send_gradient(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
-    return [dist.isend(grad.contiguous(), dst, group=group)]
+    return [_isend(grad.contiguous(), dst, group)]
 
 
 def recv_gradient(like: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:

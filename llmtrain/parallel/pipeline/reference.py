@@ -43,8 +43,9 @@ class Reference1F1B:
         self.module = module
         self.stage, self.n_stages, self.group = stage, n_stages, group
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.prev = None if self.is_first else dist.get_global_rank(group, stage - 1)
-        self.next = None if self.is_last else dist.get_global_rank(group, stage + 1)
+        # Global ranks of the neighbouring stages (-1: none, at the ends).
+        self.prev = -1 if self.is_first else dist.get_global_rank(group, stage - 1)
+        self.next = -1 if self.is_last else dist.get_global_rank(group, stage + 1)
         self.m = n_microbatches
         self.loss_fn = loss_fn
         self.device = device
@@ -53,9 +54,10 @@ class Reference1F1B:
     def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor, losses: list[torch.Tensor]) -> None:
         """One optimizer step's forward and backward over the m micro-batches of `inputs` (first stage) and
         `target` (last stage); the last stage appends each micro-batch's loss to `losses`."""
-        self.inputs = inputs.tensor_split(self.m) if self.is_first else None
-        self.targets = target.tensor_split(self.m) if self.is_last else None
-        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
+        self.inputs = inputs.tensor_split(self.m) if inputs is not None else ()
+        self.targets = target.tensor_split(self.m) if self.is_last else ()
+        # micro-batch -> (the input activation received, None on the first stage; the output or loss)
+        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.pending: list[dist.Work] = []
         warmup = min(self.n_stages - self.stage - 1, self.m)
         for i in range(warmup):
@@ -92,6 +94,7 @@ class Reference1F1B:
                 # Reduce-scatter the gradients once, on the last micro-batch; accumulate unsharded before that.
                 self.module.set_requires_gradient_sync(i == self.m - 1)
             torch.autograd.backward(output, grad)
-            if not self.is_first:
+            if received is not None:  # not on the first stage
+                assert received.grad is not None, "the stage's input requires grad"
                 self.pending += send_gradient(received.grad, self.prev, self.group)
         self.timeline.activations_freed(self.stage, i)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
-from llmtrain.model import ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.mesh import MESH_DIMS
 from llmtrain.parallel.parallelize import Layout, apply_layout
@@ -41,6 +41,7 @@ from llmtrain.parallel.strategy import (
     grads_by_layout,
     local_tensor,
     squared_norm,
+    unwrap,
 )
 
 
@@ -51,8 +52,8 @@ class PipelineParallel(Strategy):
     def __init__(self, parallel, train, model, runtime):
         super().__init__(parallel, train, model, runtime)
         self.spec = schedule_spec(parallel.pp_schedule)
-        self.pp_group = self.mesh["pp"].get_group()
-        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.pp_group = self.device_mesh["pp"].get_group()
+        self.pp_rank = self.device_mesh.get_local_rank("pp")
         self.n_stages = self.degrees.pp * parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline()
@@ -99,9 +100,9 @@ class PipelineParallel(Strategy):
         # re-gather them for every micro-batch.
         if self.degrees.dp == 1:
             return self._layout()
-        return self._layout(fsdp_mesh=fsdp_mesh(self.mesh, self.degrees), reshard_after_forward=False)
+        return self._layout(fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees), reshard_after_forward=False)
 
-    def parallelize(self, model: nn.Module, init: ParameterInit) -> nn.Module:
+    def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """This rank's part of `model` (on the meta device), returned for the trainer and optimizer: the pipeline
         cut, then each of its stages laid out (tensor / data parallelism) and allocated, and the schedule that runs
         them."""
@@ -147,7 +148,7 @@ class PipelineParallel(Strategy):
         if stage_rank(self.n_stages - 1, self.degrees.pp, self.spec.style) == 0:
             return None
         mine = None
-        ends = self.mesh.mesh[[0, -1]].reshape(2, -1)
+        ends = self.device_mesh.mesh[[0, -1]].reshape(2, -1)
         for pair in ends.T.tolist():  # every rank creates every group, in the same order
             group = dist.new_group(pair)
             if self.runtime.rank in pair:
@@ -173,7 +174,7 @@ class PipelineParallel(Strategy):
 
     def _sum_tied_gradients(self, model: nn.Module) -> None:
         held = {name for name, _ in model.named_parameters()}
-        for tied, source in model.tied_parameters.items():
+        for tied, source in unwrap(model).tied_parameters.items():
             grads = [_local_grad(model.get_parameter(name)) for name in (source, tied) if name in held]
             if len(grads) == 2:
                 total = grads[0] + grads[1]
@@ -226,7 +227,8 @@ class PipelineParallel(Strategy):
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         # A tied parameter's copy (the LM head's embedding matrix) is one parameter of the model: count it once.
-        counted = [param for name, param in model.named_parameters() if name not in model.tied_parameters]
+        tied = unwrap(model).tied_parameters
+        counted = [param for name, param in model.named_parameters() if name not in tied]
         squared = squared_norm(grads_by_layout(counted))
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
@@ -245,7 +247,7 @@ class PipelineParallel(Strategy):
         of (pipeline rank, parameter); the ranks of the stage holding one gather it (FSDP / TP shards), and the
         first of them sends it to rank 0 unless rank 0 holds it itself. No rank holds more than one whole tensor
         it does not keep; a tied copy (the head's embedding matrix) is not sent twice."""
-        tied = model.tied_parameters
+        tied = unwrap(model).tied_parameters
         params = dict(model.named_parameters())
         listing = [(name, tuple(param.shape), param.dtype) for name, param in params.items() if name not in tied]
         held: list = [None] * self.degrees.pp
@@ -253,7 +255,7 @@ class PipelineParallel(Strategy):
         state: dict[str, torch.Tensor] = {}
         device = self.runtime.device
         for holder, names in enumerate(held):
-            first_rank = int(self.mesh.mesh[holder].flatten()[0])
+            first_rank = int(self.device_mesh.mesh[holder].flatten()[0])
             for name, shape, dtype in names:
                 if holder == self.pp_rank:
                     whole = full_tensor(params[name].detach())
@@ -303,6 +305,7 @@ def _local_grad(param: nn.Parameter) -> torch.Tensor:
     """This rank's part of the gradient, laid out as the parameter is (a tensor-parallel embedding's gradient
     can come back replicated; the head's is sharded like the weight), so the two copies' parts line up."""
     grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
+    assert grad is not None, "called after backward"
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
     return local_tensor(grad)

@@ -1,0 +1,44 @@
+"""What a model family tells the parallel layouts about itself: llmtrain/parallel/ works on any `LayeredModel` and
+never names one of its modules, so a second family (Llama-style, ...) needs no change there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class LayeredModel(nn.Module):
+    """A stack of blocks (`blocks`, named "0".."n-1" as in the whole model) between an input and an output part.
+    Subclasses build their modules, then implement the methods below."""
+
+    blocks: nn.ModuleDict
+    activation_checkpointing: str = "none"  # none | full | selective: how `forward` runs each block
+
+    @property
+    def tied_parameters(self) -> dict[str, str]:
+        """Parameter name -> the name of the parameter it is (a head tied to the embedding), also on a pipeline
+        part that holds it as its own copy: checkpoints store it once, under the source."""
+        return {}
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+        """Module name -> DTensor parallel style, for the modules this model (or part) holds."""
+        raise NotImplementedError
+
+    def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> LayeredModel:
+        """A pipeline rank's part on the meta device: the blocks `layers`, the input part when it runs the first
+        stage, the output part when it runs the last (its own copy of a tied parameter)."""
+        raise NotImplementedError
+
+    def stage_view(self, layers: Sequence[int], first: bool, last: bool) -> LayeredModel:
+        """The module that runs one pipeline stage, made of this part's own modules (shared, not copied)."""
+        raise NotImplementedError
+
+    def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill `full`, the whole (unsplit) tensor of parameter `name`, with its initial value."""
+        raise NotImplementedError
