@@ -46,6 +46,41 @@ def free_port(low: int = 0, high: int = 0) -> int:
     raise RuntimeError("no free port")
 
 
+def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc <args>` from the repository, one thread per rank; asserts that
+    it succeeded."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def json_lines(output: str) -> list[dict]:
+    """The JSON objects a tool printed one per line."""
+    return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+
+
+def join_as_rank(rank: int, world_size: int, port: int) -> None:
+    """In a `torch.multiprocessing` worker: the environment torchrun would give rank `rank`, so that
+    init_runtime joins the process group."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+
+
 def faults(**variables: str) -> dict[str, str]:
     """The environment that arms tests/hooks' fault injection (LLMTRAIN_TEST_* variables) in a run."""
     hooks = str(Path(__file__).with_name("hooks"))

@@ -4,13 +4,8 @@ process's resident-set high-water mark (llmtrain/train/memory.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO
+from conftest import json_lines, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +25,7 @@ MARGIN = 24 * 2**20
 
 
 def _rows(nproc: int, *overrides: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "llmtrain.tools.layout_memory",
-            *MODEL,
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = json_lines(torchrun(nproc, "-m", "llmtrain.tools.layout_memory", *MODEL, *overrides).stdout)
     assert len(rows) == nproc
     return rows
 

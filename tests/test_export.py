@@ -3,14 +3,13 @@ in HF format loads into our model (model.init_from) with theirs, and generation 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, free_port
+from conftest import REPO, free_port, join_as_rank
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.config import ConfigError
@@ -128,16 +127,7 @@ def test_a_gpt2_of_another_shape_is_refused_naming_the_keys(tmp_path):
 
 def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> None:
     """Both layouts in one 2-rank process group: the GPT-2 read straight into FSDP shards and into pipeline stages."""
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    join_as_rank(rank, 2, port)
     from transformers import GPT2LMHeadModel
 
     from llmtrain.model import GPT

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, assert_parity, layout_strategy
+from conftest import assert_parity, json_lines, layout_strategy, torchrun
 
 from llmtrain.config import ConfigError
 
@@ -40,26 +35,7 @@ def test_only_rank_zero_writes_and_speaks(layout_run):
 
 
 def _memory_rows(layout: str, nproc: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "llmtrain.tools.layout_memory",
-            f"parallel={layout}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return json_lines(torchrun(nproc, "-m", "llmtrain.tools.layout_memory", f"parallel={layout}").stdout)
 
 
 @pytest.mark.parametrize("layout", ["zero1", "zero2", "fsdp"])  # DDP holds everything; HSDP is FSDP per node

@@ -4,14 +4,11 @@ torchrun per pipeline depth, tests/pipeline_worker.py), and the pp / pp_fsdp / p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy
+from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy, torchrun
 
 from llmtrain.config import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
@@ -129,24 +126,7 @@ def test_pipeline_layout_checks(overrides, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
 def test_every_schedule_matches_the_unsplit_model(pp, microbatches, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={pp}",
-            str(WORKER),
-            str(tmp_path),
-            str(microbatches),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(pp, str(WORKER), str(tmp_path), str(microbatches), timeout=600)
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(SCHEDULES)
     for schedule, r in results.items():

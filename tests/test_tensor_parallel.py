@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import PARITY, REPO, assert_parity, free_port, layout_strategy
+from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_strategy, torchrun
 
 from llmtrain.config import ConfigError
 from llmtrain.tools.compare_runs import compare
@@ -57,15 +52,7 @@ def test_compiled_blocks_do_not_change_the_loss(reference, train):
 
 
 def _logits_worker(rank: int, port: int, results) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    join_as_rank(rank, 2, port)
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
@@ -98,25 +85,7 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
 
 
 def _tp_comms(*overrides: str) -> dict:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "llmtrain.tools.tp_comms",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    return json_lines(torchrun(2, "-m", "llmtrain.tools.tp_comms", *overrides).stdout)[0]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

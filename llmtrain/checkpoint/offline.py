@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, read_meta, single_process_quiet
 from llmtrain.model import GPT, GPTConfig
+from llmtrain.model.materialize import allocate
 
 
 def find_checkpoint(path: str) -> str:
@@ -27,7 +29,9 @@ def find_checkpoint(path: str) -> str:
 
 def load_checkpoint_model(path: str) -> GPT:
     """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards)."""
-    model = GPT(GPTConfig(**read_meta(path)["model"]))
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**read_meta(path)["model"]))
+    allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
     # In place, into the parameters; a tied one is stored as (and is) its source (Strategy.checkpoint_state).
     weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
     with single_process_quiet():

@@ -55,10 +55,15 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
         del full
 
 
-def materialize(model: nn.Module, device: torch.device, init: ParameterInit) -> None:
-    """Allocate `model`'s parameters (only this rank's shards, for a sharded layout) on `device`, then initialise
-    them from `init`."""
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give `model`'s parameters (only this rank's shards, for a sharded layout) uninitialised memory on `device`,
+    keeping tied parameters tied."""
     tied = tied_groups(model)
     model.to_empty(device=device)
     retie(model, tied)
+
+
+def materialize(model: nn.Module, device: torch.device, init: ParameterInit) -> None:
+    """Allocate `model` on `device`, then initialise it from `init`."""
+    allocate(model, device)
     write_parameters(model, init)
