@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from llmtrain.model import GPT, GPTConfig, materialize
+from llmtrain.model import GPT, materialize
 
 
 def load_for_sampling(path: str):
@@ -22,22 +22,10 @@ def load_for_sampling(path: str):
     from transformers import AutoTokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import GPT2Config
+        from llmtrain.model.hf import GPT2Weights, gpt_config_of
 
-        from llmtrain.model.hf import GPT2Weights
-
-        c = GPT2Config.from_pretrained(path)
         with torch.device("meta"):
-            model = GPT(
-                GPTConfig(
-                    vocab_size=c.vocab_size,
-                    n_layer=c.n_layer,
-                    n_head=c.n_head,
-                    d_model=c.n_embd,
-                    max_seq_len=c.n_positions,
-                    d_ff=c.n_inner,
-                )
-            )
+            model = GPT(gpt_config_of(path))
         materialize(model, torch.device("cpu"), GPT2Weights(path, model.cfg))
         return model.eval(), AutoTokenizer.from_pretrained(path)
     from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model

@@ -108,27 +108,35 @@ def _hf_source(name: str, cfg: GPTConfig) -> tuple[str, Callable[[torch.Tensor],
     return f"{prefix}{theirs}.{kind}", transpose if kind == "weight" else keep
 
 
-def _check_shape(path: str, cfg: GPTConfig) -> None:
+def gpt_config_of(path: str) -> GPTConfig:
+    """The shape of the GPT-2 in directory `path` (its config.json), in our terms."""
     from transformers import GPT2Config
 
     c = GPT2Config.from_pretrained(path)
-    ours = {
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "d_model": cfg.d_model,
-        "max_seq_len": cfg.max_seq_len,
-        "vocab_size": cfg.vocab_size,
-        "d_ff": cfg.hidden,
-    }
-    theirs = {
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
-        "d_model": c.n_embd,
-        "max_seq_len": c.n_positions,
-        "vocab_size": c.vocab_size,
-        "d_ff": c.n_inner or 4 * c.n_embd,
-    }
-    differences = [f"model.{k}={ours[k]} (theirs: {theirs[k]})" for k in ours if ours[k] != theirs[k]]
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        d_model=c.n_embd,
+        max_seq_len=c.n_positions,
+        d_ff=c.n_inner,
+    )
+
+
+def _check_shape(path: str, cfg: GPTConfig) -> None:
+    theirs = gpt_config_of(path)
+    differences = [
+        f"model.{key}={getattr(cfg, attribute)} (theirs: {getattr(theirs, attribute)})"
+        for key, attribute in (
+            ("n_layer", "n_layer"),
+            ("n_head", "n_head"),
+            ("d_model", "d_model"),
+            ("max_seq_len", "max_seq_len"),
+            ("vocab_size", "vocab_size"),
+            ("d_ff", "hidden"),
+        )
+        if getattr(cfg, attribute) != getattr(theirs, attribute)
+    ]
     if differences:
         from llmtrain.config import ConfigError
 
