@@ -191,7 +191,13 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     if resume:
         check_model_matches(resume, gpt_cfg)
     data = build_data(
-        cfg, tokenizer, val_slice if t.eval_every > 0 else None, read_data_position(resume) if resume else None
+        config.data,
+        tokenizer,
+        t.seq_len,
+        t.batch_size,
+        config.seed,
+        val_slice if t.eval_every > 0 else None,
+        read_data_position(resume) if resume else None,
     )
     padding = gpt_cfg.padding_parameters
     n_params = num_parameters(meta) - padding

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmtrain.config import DataConfig
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
 from llmtrain.data.stream import GlobalBatches, RankSlice, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
@@ -35,25 +36,32 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
     return load_tokenizer(data_cfg, bpe_path)
 
 
-def build_data(cfg, tokenizer: Tokenizer, val_slice: RankSlice | None, position: dict | None = None) -> Data:
-    """The training batch stream (started in the background, at `position` when resuming) and the validation
-    windows all ranks share."""
+def build_data(
+    data_cfg: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    val_slice: RankSlice | None,
+    position: dict | None = None,
+) -> Data:
+    """The training batch stream (global batches of `batch_size` windows of seq_len + 1 tokens in the order
+    `seed` gives, started in the background, at `position` when resuming) and the validation windows all ranks
+    share."""
     windows = TrainingWindows(
-        open_documents(cfg.data, TRAIN),
+        open_documents(data_cfg, TRAIN),
         tokenizer,
-        cfg.train.seq_len,
-        cfg.seed,
-        cfg.data.doc_shuffle_buffer,
-        cfg.data.window_shuffle_buffer,
+        seq_len,
+        seed,
+        data_cfg.doc_shuffle_buffer,
+        data_cfg.window_shuffle_buffer,
     )
     if position is not None:
         windows.load_state_dict(position)
     val = None
     if val_slice is not None:
-        val = validation_windows(
-            open_documents(cfg.data, VALIDATION), tokenizer, cfg.train.seq_len, val_slice.batch_size
-        )
-    return Data(tokenizer=tokenizer, train=GlobalBatches(windows, cfg.train.batch_size), val_windows=val)
+        val = validation_windows(open_documents(data_cfg, VALIDATION), tokenizer, seq_len, val_slice.batch_size)
+    return Data(tokenizer=tokenizer, train=GlobalBatches(windows, batch_size), val_windows=val)
 
 
 __all__ = ["Data", "GlobalBatches", "RankSlice", "build_data", "build_tokenizer"]

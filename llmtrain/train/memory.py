@@ -3,7 +3,9 @@
 Bytes held are counted from this rank's own tensors (DTensor local shards, distinct storages), so they show the
 shard a layout gave. The build's peak is measured, not computed: on CUDA `max_memory_allocated` since the build
 began; on the CPU the process's resident-set high-water mark (VmHWM, reset at the start of the build through
-/proc/self/clear_refs) above the resident set at that moment.
+/proc/self/clear_refs) above the resident set at that moment. The CPU figure can read low when the process had
+freed memory it has not returned to the system (a trained tokenizer, say), which the build then reuses; the
+layout tools measure in a fresh process.
 """
 
 from __future__ import annotations
