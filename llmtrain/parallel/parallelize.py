@@ -48,6 +48,7 @@ def apply_compile(model: LayeredModel) -> None:
 
 
 def apply_layout(model: LayeredModel, layout: Layout) -> None:
+    """The steps of `layout`, in the order above, on a model that is still on the meta device."""
     if layout.tp_mesh is not None:
         apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
     apply_activation_checkpointing(model, layout.activation_checkpointing)
