@@ -34,13 +34,15 @@ def test_only_rank_zero_writes_and_speaks(layout_run):
     assert len(run.metrics) == 10
 
 
-def _memory_rows(layout: str, nproc: int) -> list[dict]:
-    return json_lines(torchrun(nproc, "-m", "llmtrain.tools.layout_memory", f"parallel={layout}").stdout)
+@pytest.fixture(scope="module")
+def memory_rows() -> list[dict]:
+    """layout_memory's rows for three layouts measured one after another in one 4-rank process group."""
+    return json_lines(torchrun(4, "-m", "llmtrain.tools.layout_memory", "--layouts=zero1,zero2,fsdp").stdout)
 
 
 @pytest.mark.parametrize("layout", ["zero1", "zero2", "fsdp"])  # DDP holds everything; HSDP is FSDP per node
-def test_state_per_rank_follows_the_zero_formulas(layout):
-    rows = _memory_rows(layout, 4)
+def test_state_per_rank_follows_the_zero_formulas(layout, memory_rows):
+    rows = [row for row in memory_rows if row["parallel"] == layout]
     assert len(rows) == 4
     n_params = rows[0]["parameters"]
     # Shards are padded to equal size per parameter (FSDP) or per flat buffer (ZeRO-1): at most one row of each

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 -m llmtrain.tools.layout_memory parallel=fsdp [model=gpt2 ...]
     torchrun ... -m llmtrain.tools.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
+    torchrun ... -m llmtrain.tools.layout_memory --layouts=zero1,zero2,fsdp                    # one process group
 
 Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py), runs one training step
 on random tokens, and counts the bytes each rank holds in parameters, gradients and optimizer state (distinct
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
-from llmtrain.runtime import init_runtime
+from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
 from llmtrain.train.precision import precision_context
@@ -39,8 +40,8 @@ def expected_elements(strategy: Strategy, n_params: int) -> dict[str, float]:
     return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params}
 
 
-def measure(cfg, build_only: bool = False) -> dict:
-    runtime = init_runtime(cfg.train.device)
+def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
+    """Collective: every rank's row for the layout of `cfg`."""
     torch.manual_seed(cfg.seed)
     vocab_size = cfg.model.vocab_size or 257
     whole = meta_model(cfg.model, vocab_size)
@@ -66,8 +67,7 @@ def measure(cfg, build_only: bool = False) -> dict:
         dist.all_gather_object(rows, row)
     else:
         rows = [row]
-    runtime.shutdown(synchronize=True)
-    return {"rank": runtime.rank, "rows": rows}
+    return rows
 
 
 def _one_step(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: int, n_params: int) -> dict:
@@ -129,12 +129,23 @@ def _build_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Options: --build-only; --layouts=a,b,c (several parallel= options measured one after another in one process
+    group, each in a row's "parallel" field: the bytes held are exact for each, the build peak only for the first,
+    since later builds reuse memory the earlier ones freed); the rest are Hydra overrides."""
     build_only = "--build-only" in argv
-    result = measure(compose_config([arg for arg in argv if arg != "--build-only"]), build_only)
-    if result["rank"] == 0:
-        for row in result["rows"]:
-            print(json.dumps(row))
-        print(_build_table(result["rows"]) if build_only else _table(result["rows"]), file=sys.stderr)
+    layouts = next((arg.split("=", 1)[1].split(",") for arg in argv if arg.startswith("--layouts=")), [None])
+    overrides = [arg for arg in argv if not arg.startswith("--")]
+    runtime = None
+    for layout in layouts:
+        cfg = compose_config(overrides + ([f"parallel={layout}"] if layout else []))
+        runtime = runtime or init_runtime(cfg.train.device)
+        rows = measure(cfg, runtime, build_only)
+        if runtime.is_main:
+            for row in rows:
+                print(json.dumps({"parallel": layout, **row}))
+            print(_build_table(rows) if build_only else _table(rows), file=sys.stderr)
+    if runtime is not None:
+        runtime.shutdown(synchronize=True)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Preempted(Exception):
 class PreemptionWatch:
     """Records the first stop request from its construction until `close` (or the end of a `with` block)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None
         self._rank: tuple[int, int] | None = None  # (rank, local rank), once a Runtime has been seen
         self._announced = False
