@@ -7,7 +7,7 @@ import torch
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
-from llmtrain.model.materialize import ParameterInit, materialize, write_parameters
+from llmtrain.model.materialize import ParameterInit, materialize
 
 
 def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
@@ -61,5 +61,4 @@ __all__ = [
     "materialize",
     "meta_model",
     "num_parameters",
-    "write_parameters",
 ]

@@ -26,6 +26,7 @@ from torch import nn
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
+from llmtrain.model.materialize import write_parameters
 from llmtrain.model.recompute import run_block
 
 if TYPE_CHECKING:
@@ -218,13 +219,8 @@ class GPT(LayeredModel):
             full.normal_(mean=0.0, std=std, generator=generator)
 
     def init_weights(self, seed: int) -> None:
-        """Initialise this (unsplit, materialised) model in place from `seed`, as every layout does."""
-        init = seeded_init(self, seed)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                full = torch.empty(param.shape, dtype=param.dtype)  # drawn on the CPU, whatever the device
-                init(name, full)
-                param.copy_(full)
+        """Initialise this (materialised) model in place from `seed`, as every layout does."""
+        write_parameters(self, seeded_init(self, seed))
 
 
 def parameter_seed(seed: int, name: str) -> int:
