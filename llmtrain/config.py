@@ -40,20 +40,22 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    kind: str = "bpe"  # byte | bpe | hf
-    vocab_size: int = 4096  # bpe: size of the vocabulary to train
-    train_chars: int = 4_000_000  # bpe: characters of the training stream used to train it
+    # data=prepared leaves these null: the store's manifest names its tokenizer, and a key set here must agree.
+    kind: Optional[str] = "bpe"  # byte | bpe | hf
+    vocab_size: Optional[int] = 4096  # bpe: size of the vocabulary to train
+    train_chars: Optional[int] = 4_000_000  # bpe: characters of the training stream used to train it
     name: Optional[str] = None  # hf: a transformers tokenizer name or local directory
 
 
 @dataclass
 class DataConfig:
-    source: str = MISSING  # stdlib | local | hf
-    path: Optional[str] = None  # local: a file, a folder or a glob
+    source: str = MISSING  # stdlib | local | hf | prepared
+    path: Optional[str] = None  # local: a file, a folder or a glob; prepared: the directory prepare wrote
     name: Optional[str] = None  # hf: dataset name on the hub
     subset: Optional[str] = None  # hf: configuration / subset
     split: str = "train"
-    val_split: Optional[str] = None  # None: hold out val_fraction of the documents by hash
+    val_split: Optional[str] = None  # hf: the validation split; None: hold out val_fraction of the text
+    val_path: Optional[str] = None  # local: validation files (file, folder or glob); None: hold out val_fraction
     val_fraction: float = 0.02
     text_field: str = "text"  # jsonl / parquet / hf column holding the text
     doc_shuffle_buffer: int = 1000  # documents
@@ -147,14 +149,26 @@ class RootConfig:
     seed: int = 1337
 
 
+@dataclass
+class PrepareConfig:
+    out: Optional[str] = None  # required: the directory the token store is written to
+    num_proc: Optional[int] = None  # tokenising processes; None: one per core this process may use
+
+
+@dataclass
+class PrepareRootConfig:
+    data: DataConfig = MISSING
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+
 def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
+    ConfigStore.instance().store(name="prepare_schema", node=PrepareRootConfig)
     register_resolvers()
 
 
 _CHOICES = {
-    "data.source": ("stdlib", "local", "hf"),
-    "data.tokenizer.kind": ("byte", "bpe", "hf"),
+    "data.source": ("stdlib", "local", "hf", "prepared"),
     "optim.name": ("adamw",),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
     "logging.progress": ("auto", "bar", "lines"),
@@ -226,7 +240,7 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
-    _validate_data(cfg.data)
+    validate_data(cfg.data)
     _validate_checkpoint(cfg.checkpoint)
 
 
@@ -237,27 +251,47 @@ def _validate_checkpoint(c) -> None:
         )
 
 
-def _validate_data(d) -> None:
+def validate_data(d) -> None:
+    if d.source in ("local", "prepared") and not d.path:
+        what = "<file, folder or glob>" if d.source == "local" else "<directory written by llmtrain.data.prepare>"
+        raise ConfigError(f"data.path is not set: data={d.source} needs data.path={what}")
     if d.source == "local":
-        if not d.path:
-            raise ConfigError("data.path is not set: data=local needs data.path=<file, folder or glob>")
-        if not local_data_files(d.path):
-            raise ConfigError(
-                f"data.path={d.path!r} matches no .txt, .jsonl or .parquet file: "
-                f"point data.path at a file, a folder or a glob of such files"
-            )
+        _check_local_files("data.path", d.path)
+        if d.val_path is not None:
+            _check_local_files("data.val_path", d.val_path)
+    elif d.val_path is not None:
+        raise ConfigError(
+            f"data.val_path is for data=local (data={d.source}): use data.val_split for data=hf, "
+            f"or unset data.val_path to hold out data.val_fraction"
+        )
     if d.source == "hf" and not d.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
+    if d.source == "prepared":
+        return  # the store's manifest fixes the tokenizer and the split: llmtrain/data/prepared.py checks them
+    if d.tokenizer.kind not in TOKENIZER_KINDS:
+        raise ConfigError(
+            f"data.tokenizer.kind={d.tokenizer.kind!r} is not one of {', '.join(TOKENIZER_KINDS)}: "
+            f"set data.tokenizer.kind to one of them"
+        )
     if d.tokenizer.kind == "hf" and not d.tokenizer.name:
         raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
-    if d.tokenizer.kind == "bpe" and d.tokenizer.vocab_size < 512:
+    if d.tokenizer.kind == "bpe" and (d.tokenizer.vocab_size or 0) < 512:
         raise ConfigError(
             f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: use at least 512"
         )
-    if d.val_split is None and not 0.0 < d.val_fraction < 0.5:
+    if d.val_split is None and d.val_path is None and not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5) when data.val_split is unset")
 
 
+def _check_local_files(key: str, path: str) -> None:
+    if not local_data_files(path):
+        raise ConfigError(
+            f"{key}={path!r} matches no .txt, .jsonl or .parquet file: "
+            f"point {key} at a file, a folder or a glob of such files"
+        )
+
+
+TOKENIZER_KINDS = ("byte", "bpe", "hf")
 DATA_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 

@@ -45,6 +45,8 @@ log = logging.getLogger("llmtrain")
 HYDRA_ONLY = {".hydra", "train.log"}
 CONFIG_ERROR_EXIT = 2
 DIVERGED_EXIT = 3
+# Above this many data-parallel ranks the streamed path's repeated tokenisation is worth a warning (README, "Data").
+STREAMING_DP_LIMIT = 8
 
 
 def _remove_if_empty_run(run_dir: str) -> None:
@@ -182,6 +184,13 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     # tensor-parallel ranks of one replica share one (llmtrain/model/dropout.py).
     torch.manual_seed(cfg.seed + strategy.dp_rank)
 
+    if config.data.source != "prepared" and strategy.dp_size > STREAMING_DP_LIMIT and runtime.is_main:
+        log.warning(
+            f"warning: data={config.data.source} is streamed, so each of the {strategy.dp_size} data-parallel ranks "
+            f"tokenises the whole stream to keep 1/{strategy.dp_size} of it: tokenise once with `python -m "
+            f"llmtrain.data.prepare data={config.data.source} ... prepare.out=DIR` and train with data=prepared "
+            f"data.path=DIR"
+        )
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
     meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
@@ -194,8 +203,8 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         config.data,
         tokenizer,
         t.seq_len,
-        t.batch_size,
         config.seed,
+        train_slice,
         val_slice if t.eval_every > 0 else None,
         read_data_position(resume) if resume else None,
     )
@@ -236,6 +245,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
             micro_batching=strategy.micro_batching(),
             memory=memory,
             run_dir=run_dir,
+            data=data.description,
             resumed=f"{resume} (step {state.step})" if resume else None,
         )
     )

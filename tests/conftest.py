@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from llmtrain.checkpoint.manager import complete_checkpoints
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
@@ -206,3 +209,62 @@ def assert_parity(run: Run, reference: Run) -> None:
     for key in METRICS:
         assert differences[key] <= LOSS_RTOL, differences
     assert differences["weights"] <= PARAM_ATOL, differences
+
+
+def steps_logged(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_logged(run_dir) < steps:
+        assert process.poll() is None, f"the run ended early:\n{run_stderr(run_dir)[-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def run_stderr(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.stderr").read_text()
+
+
+def start_run(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):
+    """The run in the background, its output in files beside its run directory (a pipe could fill and block)."""
+    args, full_env, run_dir = train_command(tmp_path, cache_dir, *overrides, nproc=nproc, env=env, name=name)
+    with open(tmp_path / f"{name}.stdout", "w") as out, open(tmp_path / f"{name}.stderr", "w") as err:
+        process = subprocess.Popen(args, cwd=tmp_path, env=full_env, stdout=out, stderr=err)
+    return process, run_dir
+
+
+def descendants(pid: int) -> list[int]:
+    children = [
+        int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    ]
+    return children + [d for child in children for d in descendants(child)]
+
+
+def kill_hard(process: subprocess.Popen) -> None:
+    """SIGKILL to the launcher and every worker at once: a crash, not a polite stop."""
+    for pid in [process.pid, *descendants(process.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *extra: str) -> Path:
+    """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 9 runs; its checkpoints."""
+    process, run_dir = start_run(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        *layout,
+        "checkpoint.every=5",
+        *extra,
+        nproc=nproc,
+        env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"),
+        name="killed",
+    )
+    checkpoints = run_dir / "checkpoints"
+    wait_for_steps(run_dir, 8, process)
+    kill_hard(process)
+    assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000005"]
+    return checkpoints

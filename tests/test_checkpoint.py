@@ -8,14 +8,25 @@ import math
 import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import LOSS_RTOL, PARITY, PIPELINE, assert_parity, faults, run_train, train_command
+from conftest import (
+    LOSS_RTOL,
+    PARITY,
+    PIPELINE,
+    assert_parity,
+    descendants,
+    faults,
+    killed_mid_run,
+    run_stderr,
+    run_train,
+    start_run,
+    steps_logged,
+    wait_for_steps,
+)
 from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import load_final_model
@@ -32,66 +43,6 @@ from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
-
-def _steps_logged(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-
-
-def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while _steps_logged(run_dir) < steps:
-        assert process.poll() is None, f"the run ended early:\n{_stderr(run_dir)[-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
-def _stderr(run_dir: Path) -> str:
-    return (run_dir.parent / f"{run_dir.name}.stderr").read_text()
-
-
-def _start(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):
-    """The run in the background, its output in files beside its run directory (a pipe could fill and block)."""
-    args, full_env, run_dir = train_command(tmp_path, cache_dir, *overrides, nproc=nproc, env=env, name=name)
-    with open(tmp_path / f"{name}.stdout", "w") as out, open(tmp_path / f"{name}.stderr", "w") as err:
-        process = subprocess.Popen(args, cwd=tmp_path, env=full_env, stdout=out, stderr=err)
-    return process, run_dir
-
-
-def _descendants(pid: int) -> list[int]:
-    children = [
-        int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    ]
-    return children + [d for child in children for d in _descendants(child)]
-
-
-def _kill_hard(process: subprocess.Popen) -> None:
-    """SIGKILL to the launcher and every worker at once: a crash, not a polite stop."""
-    for pid in [process.pid, *_descendants(process.pid)]:
-        os.kill(pid, signal.SIGKILL)
-    process.wait()
-
-
-def _killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *extra: str) -> Path:
-    """A run checkpointing every 5 steps, killed (SIGKILL to every process) while step 9 runs; its checkpoints."""
-    process, run_dir = _start(
-        tmp_path,
-        cache_dir,
-        *PARITY,
-        *layout,
-        "checkpoint.every=5",
-        *extra,
-        nproc=nproc,
-        env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"),
-        name="killed",
-    )
-    checkpoints = run_dir / "checkpoints"
-    _wait_for_steps(run_dir, 8, process)
-    _kill_hard(process)
-    assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000005"]
-    return checkpoints
-
-
 LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 2)}
 
 
@@ -99,7 +50,7 @@ LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 
 def fsdp_checkpoints(tmp_path_factory, cache_dir) -> Path:
     """Checkpoints of an fsdp run on 4 ranks, saved in the background (checkpoint.async_save), killed after step 8:
     shared by the resume and reshard tests."""
-    return _killed_mid_run(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"], "checkpoint.async_save=true")
+    return killed_mid_run(tmp_path_factory.mktemp("fsdp"), cache_dir, *LAYOUTS["fsdp"], "checkpoint.async_save=true")
 
 
 @pytest.mark.slow
@@ -110,7 +61,7 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
     checkpoints = (
         request.getfixturevalue("fsdp_checkpoints")
         if layout == "fsdp"
-        else _killed_mid_run(tmp_path, cache_dir, overrides, nproc)
+        else killed_mid_run(tmp_path, cache_dir, overrides, nproc)
     )
     resumed = run_train(
         tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc, name="resumed"
@@ -143,13 +94,13 @@ def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path, cache_dir):
-    process, run_dir = _start(
+    process, run_dir = start_run(
         tmp_path, cache_dir, *PARITY, nproc=0, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
     )
-    _wait_for_steps(run_dir, 2, process)
+    wait_for_steps(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=300) == PREEMPTED_EXIT, _stderr(run_dir)[-3000:]
-    steps = _steps_logged(run_dir)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT, run_stderr(run_dir)[-3000:]
+    steps = steps_logged(run_dir)
     assert 2 <= steps < 10
     assert [Path(p).name for p in complete_checkpoints(str(run_dir / "checkpoints"))] == [f"step-{steps:08d}"]
     assert not (run_dir / "summary.json").exists()  # not a completed run
@@ -157,16 +108,16 @@ def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_dir):
-    process, run_dir = _start(
+    process, run_dir = start_run(
         tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
     )
-    _wait_for_steps(run_dir, 2, process)
-    workers = _descendants(process.pid)
+    wait_for_steps(run_dir, 2, process)
+    workers = descendants(process.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGUSR1)  # one worker only, as a node-local signal would
     assert process.wait(timeout=300) != 0
-    assert f"exitcode  : {PREEMPTED_EXIT}" in _stderr(run_dir)  # torchrun's report of its workers
-    steps = _steps_logged(run_dir)
+    assert f"exitcode  : {PREEMPTED_EXIT}" in run_stderr(run_dir)  # torchrun's report of its workers
+    steps = steps_logged(run_dir)
     assert [Path(p).name for p in complete_checkpoints(str(run_dir / "checkpoints"))] == [f"step-{steps:08d}"]
 
 

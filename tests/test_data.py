@@ -16,7 +16,7 @@ from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import RankSlice, build_tokenizer
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
-from llmtrain.data.stream import GlobalBatches, TrainingWindows
+from llmtrain.data.stream import StreamedBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(300)]
@@ -109,13 +109,13 @@ def test_a_restored_stream_continues_exactly_where_it_stopped(corpus, taken):
 
 def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
     cfg = _data_cfg(path=str(corpus / "txt"))
-    batches = GlobalBatches(_windows(cfg, seed=1), batch_size=8)
+    batches = StreamedBatches(_windows(cfg, seed=1), RankSlice(8, 8, 0, 1))
     taken = [batches.next() for _ in range(3)]
     position = batches.state_dict()
     following = [batches.next() for _ in range(2)]
     resumed_windows = _windows(cfg, seed=1)
     resumed_windows.load_state_dict(position)
-    resumed = GlobalBatches(resumed_windows, batch_size=8)
+    resumed = StreamedBatches(resumed_windows, RankSlice(8, 8, 0, 1))
     assert all(np.array_equal(x, resumed.next()) for x in following)
     assert not np.array_equal(taken[-1], following[0])
 
@@ -153,7 +153,7 @@ def _first_batches(cfg, tokenizer, seed, n=3, batch_size=8, seq_len=16):
     windows = TrainingWindows(
         open_documents(cfg, TRAIN), tokenizer, seq_len, seed, cfg.doc_shuffle_buffer, cfg.window_shuffle_buffer
     )
-    batches = GlobalBatches(windows, batch_size)
+    batches = StreamedBatches(windows, RankSlice(batch_size, batch_size, 0, 1))
     return [batches.next() for _ in range(n)]
 
 
@@ -186,7 +186,7 @@ def test_rank_slices_partition_the_global_batch(dp_size, micro):
     rows = []
     for rank in range(dp_size):
         rank_slice = RankSlice(8, micro, rank, dp_size)
-        micro_batches = rank_slice.micro_batches(global_batch)
+        micro_batches = rank_slice.micro_batches(rank_slice.rows(global_batch))
         assert len(micro_batches) == rank_slice.accumulation == 8 // dp_size // micro
         for inputs, targets in micro_batches:
             assert inputs.shape == targets.shape == (micro, 4)

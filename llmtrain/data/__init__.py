@@ -1,30 +1,50 @@
-"""Data: sources -> tokenizer -> packed windows in one global order -> this rank's slice of batch k."""
+"""Data: sources -> tokenizer -> packed windows in one global order -> this rank's rows of batch k.
+
+Two paths give the same kind of batches: streamed (stdlib / local / hf, tokenised while training; stream.py) and
+prepared (tokenised once by `python -m llmtrain.data.prepare`, read by index; prepared.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from llmtrain.config import DataConfig
+from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
-from llmtrain.data.stream import GlobalBatches, RankSlice, TrainingWindows, validation_windows
+from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
 
 # The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
 TOKENIZER_TRAINING_SEED = 0
 
 
+class Batches(Protocol):
+    def next(self) -> np.ndarray:
+        """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch taken: what a checkpoint stores to resume exactly there."""
+        ...
+
+
 @dataclass
 class Data:
     tokenizer: Tokenizer
-    train: GlobalBatches
-    val_windows: np.ndarray | None  # the fixed validation set, (n, seq_len + 1); None when eval is disabled
+    train: Batches
+    val_rows: np.ndarray | None  # this rank's rows of the fixed validation set; None when eval is disabled
+    description: str  # for the start summary
 
 
 def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tokenizer:
-    """Load the configured tokenizer; a BPE not yet cached is trained by rank 0 while the others wait."""
+    """Load the configured tokenizer (a prepared store's own); a BPE not yet cached is trained by rank 0 while the
+    others wait."""
+    if data_cfg.source == "prepared":
+        from llmtrain.data.prepared import store_tokenizer
+
+        return store_tokenizer(data_cfg)
     bpe_path = None
     if data_cfg.tokenizer.kind == "bpe":
         if is_main:
@@ -40,14 +60,25 @@ def build_data(
     data_cfg: DataConfig,
     tokenizer: Tokenizer,
     seq_len: int,
-    batch_size: int,
     seed: int,
+    train_slice: RankSlice,
     val_slice: RankSlice | None,
     position: dict | None = None,
 ) -> Data:
-    """The training batch stream (global batches of `batch_size` windows of seq_len + 1 tokens in the order
-    `seed` gives, started in the background, at `position` when resuming) and the validation windows all ranks
-    share."""
+    """This rank's training batches (global batches of train_slice.batch_size windows of seq_len + 1 tokens in
+    the order `seed` gives, at `position` when resuming) and its rows of the validation set."""
+    if data_cfg.source == "prepared":
+        from llmtrain.data.prepared import PreparedBatches, prepared_validation_rows
+
+        assert data_cfg.path is not None, "config.validate requires data.path for data=prepared"
+        val_rows = prepared_validation_rows(data_cfg.path, seq_len, val_slice) if val_slice else None
+        batches = PreparedBatches(data_cfg.path, seq_len, seed, train_slice, position)
+        description = (
+            f"prepared {data_cfg.path} ({batches.windows.count:,} windows, each rank reads its rows), "
+            f"tokenizer {batches.tokenizer_kind}"
+        )
+        return Data(tokenizer, batches, val_rows, description)
+
     windows = TrainingWindows(
         open_documents(data_cfg, TRAIN),
         tokenizer,
@@ -58,10 +89,34 @@ def build_data(
     )
     if position is not None:
         windows.load_state_dict(position)
-    val = None
+    val_rows = None
     if val_slice is not None:
         val = validation_windows(open_documents(data_cfg, VALIDATION), tokenizer, seq_len, val_slice.batch_size)
-    return Data(tokenizer=tokenizer, train=GlobalBatches(windows, batch_size), val_windows=val)
+        if len(val) < val_slice.batch_size:
+            fix = _validation_fix(data_cfg, len(val), val_slice.batch_size, train_slice.batch_size)
+            raise ConfigError(
+                f"the validation set holds only {len(val)} windows of {seq_len + 1} tokens, {val_slice.batch_size} "
+                f"needed (train.eval_batches x train.batch_size): {fix}"
+            )
+        val_rows = val_slice.rows(val)
+    description = (
+        f"{data_cfg.source} streamed (every rank tokenises the whole stream), tokenizer {data_cfg.tokenizer.kind}"
+    )
+    return Data(tokenizer, StreamedBatches(windows, train_slice), val_rows, description)
 
 
-__all__ = ["Data", "GlobalBatches", "RankSlice", "build_data", "build_tokenizer"]
+def _validation_fix(data_cfg: DataConfig, held: int, needed: int, batch_size: int) -> str:
+    """A change that gives the validation set enough windows."""
+    fits = [f"lower train.eval_batches to {held // batch_size}"] if held >= batch_size else []
+    if data_cfg.val_split is not None or data_cfg.val_path is not None:
+        named = "data.val_split" if data_cfg.val_split is not None else "data.val_path"
+        return " or ".join([*fits, f"name more validation text with {named}", "lower train.batch_size"])
+    # The held-out share of the text grows in proportion to val_fraction (sources.held_out_chunks).
+    enough = data_cfg.val_fraction * needed / max(held, 1) * 1.2
+    if held and enough < 0.5:
+        return " or ".join([f"raise data.val_fraction to {enough:.2g}", *fits])
+    named = "data.val_path=<validation files>" if data_cfg.source == "local" else "a larger corpus"
+    return " or ".join([f"use {named}", *fits, "lower train.eval_batches or train.batch_size"])
+
+
+__all__ = ["Batches", "Data", "RankSlice", "build_data", "build_tokenizer"]

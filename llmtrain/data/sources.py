@@ -4,8 +4,9 @@ Every source ends in the same shape, so tokenisation, packing and batching never
 - `stdlib`: the running Python's standard-library source files, one document per file (offline, on every machine);
 - `local`: .txt (one document per file), .jsonl and .parquet (one document per record, text in `text_field`);
 - `hf`: a hub dataset by name, with `streaming=True`.
-The validation stream is the dataset's own validation split when `data.val_split` names one; otherwise the
-documents whose text hashes into `val_fraction` are held out of training, which keeps the two disjoint and stable.
+The validation stream is the dataset's own validation split when `data.val_split` names one, or the files
+`data.val_path` names for local data; otherwise `val_fraction` of the text is held out of training by chunk
+(`held_out_chunks`), which keeps the two disjoint and stable and gives even a one-file corpus a validation set.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from datasets import IterableDataset
 from llmtrain.config import ConfigError, local_data_files
 
 TRAIN, VALIDATION = "train", "validation"
-_HASH_BUCKETS = 1_000_000
+# Documents are held out for validation in pieces of about this many characters (cut at line ends).
+HOLDOUT_CHUNK_CHARS = 4096
 
 
 def stdlib_files() -> list[str]:
@@ -60,9 +62,9 @@ def _text_column(ds: IterableDataset, text_field: str, origin: str) -> IterableD
     return ds.select_columns(["text"])
 
 
-def _local_dataset(data_cfg) -> IterableDataset:
+def _local_dataset(data_cfg, files: str) -> IterableDataset:
     by_kind: dict[str, list[str]] = defaultdict(list)
-    for path in local_data_files(data_cfg.path):
+    for path in local_data_files(files):
         by_kind[os.path.splitext(path)[1]].append(path)
     parts = []
     if ".txt" in by_kind:
@@ -79,21 +81,70 @@ def _hub_dataset(data_cfg, split: str) -> IterableDataset:
     return _text_column(ds, data_cfg.text_field, f"dataset {data_cfg.name}")
 
 
-def _in_validation(example: dict, fraction: float) -> bool:
-    return zlib.crc32(example["text"].encode("utf-8", "replace")) % _HASH_BUCKETS < fraction * _HASH_BUCKETS
+def _holdout_chunks(text: str) -> list[str]:
+    """`text` cut into consecutive pieces of about HOLDOUT_CHUNK_CHARS characters, each ending at a line end
+    where one follows within another chunk's length."""
+    chunks, start = [], 0
+    while start < len(text):
+        end = start + HOLDOUT_CHUNK_CHARS
+        if end < len(text):
+            line_end = text.find("\n", end, end + HOLDOUT_CHUNK_CHARS)
+            end = line_end + 1 if line_end != -1 else end
+        chunks.append(text[start:end])
+        start = end
+    return chunks
+
+
+def held_out_chunks(text: str, fraction: float) -> list[tuple[str, bool]]:
+    """The document's holdout chunks, each with whether it belongs to validation.
+
+    Chunk j is held out when floor(u + (j + 1) * fraction) > floor(u + j * fraction), with u in [0, 1) a hash of
+    the document: a long document gives `fraction` of its chunks, spread evenly through it, and a one-chunk document
+    is held out whole with probability `fraction`. It depends only on the text, so it is the same on every run and
+    every rank."""
+    offset = zlib.crc32(text.encode("utf-8", "replace")) / 2**32
+    return [
+        (chunk, int(offset + (j + 1) * fraction) > int(offset + j * fraction))
+        for j, chunk in enumerate(_holdout_chunks(text))
+    ]
+
+
+def _split_for(texts: list[str], fraction: float, validation: bool) -> list[str]:
+    """The pieces of `texts` on one side of the holdout: maximal runs of consecutive chunks on that side, each a
+    document of its own."""
+    pieces = []
+    for text in texts:
+        run: list[str] = []
+        for chunk, held_out in held_out_chunks(text, fraction):
+            if held_out == validation:
+                run.append(chunk)
+            elif run:
+                pieces.append("".join(run))
+                run = []
+        if run:
+            pieces.append("".join(run))
+    return pieces
 
 
 def open_documents(data_cfg, split: str) -> IterableDataset:
     """The document stream of `split` (TRAIN or VALIDATION), unshuffled, as an IterableDataset of {"text"}."""
     if data_cfg.source == "hf" and data_cfg.val_split is not None:
         return _hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split)
+    if data_cfg.source == "local" and data_cfg.val_path is not None:
+        return _local_dataset(data_cfg, data_cfg.path if split == TRAIN else data_cfg.val_path)
     if data_cfg.source == "stdlib":
         ds = _from_text_files(stdlib_files())
     elif data_cfg.source == "local":
-        ds = _local_dataset(data_cfg)
+        ds = _local_dataset(data_cfg, data_cfg.path)
     else:
         ds = _hub_dataset(data_cfg, data_cfg.split)
-    fraction = data_cfg.val_fraction
-    if split == VALIDATION:
-        return ds.filter(lambda ex: _in_validation(ex, fraction))
-    return ds.filter(lambda ex: not _in_validation(ex, fraction))
+    return ds.map(
+        _split_side,
+        batched=True,
+        batch_size=16,
+        fn_kwargs={"fraction": data_cfg.val_fraction, "validation": split == VALIDATION},
+    )
+
+
+def _split_side(batch: dict, fraction: float, validation: bool) -> dict:
+    return {"text": _split_for(batch["text"], fraction, validation)}

@@ -1,9 +1,12 @@
-"""One global order of training windows, sliced per data-parallel rank.
+"""The streamed path: one global order of training windows, sliced per data-parallel rank.
 
 Every rank reads the same seeded window stream and cuts global batch k out of it: windows
 [k * batch_size, (k + 1) * batch_size). Data-parallel rank r keeps rows [r * per_rank, (r + 1) * per_rank) of that
 batch and splits them into micro-batches. So which sequences form batch k depends only on the seed and the data
 config, never on how many ranks share it or how it is split for accumulation (Megatron's global sample order).
+
+The price is that every rank tokenises the whole stream: dp times the text it trains on. A prepared store
+(llmtrain/data/prepared.py) keeps the same property while each rank reads only its own rows.
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ class RankSlice:
     def accumulation(self) -> int:
         return self.per_rank // self.micro_batch_size
 
-    def micro_batches(self, global_batch: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) per micro-batch for this rank, from a (batch_size, seq_len + 1) array."""
-        mine = torch.from_numpy(
-            np.ascontiguousarray(global_batch[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank])
-        )
+    def rows(self, global_batch: np.ndarray) -> np.ndarray:
+        """This rank's rows of a (batch_size, seq_len + 1) global batch."""
+        return global_batch[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+
+    def micro_batches(self, rows: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) per micro-batch, from this rank's (per_rank, seq_len + 1) rows."""
+        mine = torch.from_numpy(np.ascontiguousarray(rows))
         return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
 
 
@@ -162,25 +167,21 @@ class TrainingWindows:
 
 
 def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:
-    """The first `count` windows of the (unshuffled) validation stream, as one array; it is the same every eval."""
+    """The first `count` windows of the (unshuffled) validation stream, or as many as it holds, as one
+    (n, seq_len + 1) array; it is the same every eval."""
     texts = (ex["text"] for ex in documents)
     windows = list(itertools.islice(pack_windows(tokenize_documents(texts, tokenizer), seq_len + 1), count))
-    if len(windows) < count:
-        raise ConfigError(
-            f"the validation stream holds only {len(windows)} windows of {seq_len + 1} tokens, "
-            f"{count} needed: lower train.eval_batches or raise data.val_fraction"
-        )
-    return np.stack(windows)
+    return np.stack(windows) if windows else np.zeros((0, seq_len + 1), dtype=np.int64)
 
 
-class GlobalBatches:
-    """Global batch k, built in a background thread so tokenisation overlaps the training step. Each batch comes
-    with the stream's position after it, so `state_dict()` is the position after the last batch *taken*, however
-    far the thread has read ahead."""
+class StreamedBatches:
+    """This rank's rows of global batch k, built in a background thread so tokenisation overlaps the training
+    step. Each batch comes with the stream's position after it, so `state_dict()` is the position after the last
+    batch *taken*, however far the thread has read ahead."""
 
-    def __init__(self, windows: TrainingWindows, batch_size: int, prefetch: int = 2):
+    def __init__(self, windows: TrainingWindows, rank_slice: RankSlice, prefetch: int = 2):
         self._windows = windows
-        self._batch_size = batch_size
+        self._rank_slice = rank_slice
         self._position = windows.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
@@ -189,12 +190,13 @@ class GlobalBatches:
     def _produce(self) -> None:
         try:
             while True:
-                rows = list(itertools.islice(self._windows, self._batch_size))
-                self._queue.put((np.stack(rows), self._windows.state_dict()))
+                rows = list(itertools.islice(self._windows, self._rank_slice.batch_size))
+                self._queue.put((self._rank_slice.rows(np.stack(rows)), self._windows.state_dict()))
         except BaseException as error:  # surfaced to the training thread, which owns error handling
             self._queue.put(error)
 
     def next(self) -> np.ndarray:
+        """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item

@@ -127,10 +127,10 @@ def _take_chars(texts: Iterable[str], n_chars: int) -> Iterable[str]:
 
 def bpe_cache_path(data_cfg) -> str:
     """Where the BPE for this data + tokenizer config lives: a hash of everything that changes its training text."""
-    key = {
-        k: data_cfg[k] for k in ("source", "path", "name", "subset", "split", "val_split", "val_fraction", "text_field")
-    }
-    key.update(vocab_size=data_cfg.tokenizer.vocab_size, train_chars=data_cfg.tokenizer.train_chars, version=1)
+    sources = ("source", "path", "name", "subset", "split", "val_split", "val_path", "val_fraction", "text_field")
+    key = {k: getattr(data_cfg, k) for k in sources}
+    # version 2: validation is held out by chunk, which changes the training text
+    key.update(vocab_size=data_cfg.tokenizer.vocab_size, train_chars=data_cfg.tokenizer.train_chars, version=2)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(os.path.expanduser(data_cfg.cache_dir), "tokenizers", f"bpe-{digest}.json")
 
@@ -162,3 +162,17 @@ def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
     if pretrained.eos_token_id is None:
         pretrained.add_special_tokens({"eos_token": EOS_TOKEN})
     return FastTokenizer(pretrained, eos_id=pretrained.eos_token_id, vocab_size=len(pretrained))
+
+
+def load_saved_tokenizer(directory: str, kind: str, eos_id: int, vocab_size: int) -> Tokenizer:
+    """A tokenizer `save_for_transformers` wrote: the byte tokenizer itself, else its tokenizer.json read with
+    `tokenizers` alone (the same ids as the transformers tokenizer, without importing transformers), else, for a
+    tokenizer with no fast version, transformers."""
+    if kind == "byte":
+        return ByteTokenizer()
+    tokenizer_json = os.path.join(directory, "tokenizer.json")
+    if os.path.isfile(tokenizer_json):
+        return FastTokenizer(HFCoreTokenizer.from_file(tokenizer_json), eos_id=eos_id, vocab_size=vocab_size)
+    from transformers import AutoTokenizer
+
+    return FastTokenizer(AutoTokenizer.from_pretrained(directory), eos_id=eos_id, vocab_size=vocab_size)

@@ -97,8 +97,8 @@ class Trainer:
 
     def validation_loss(self) -> float:
         self.model.eval()
-        assert self.data.val_windows is not None, "validation windows are built when train.eval_every > 0"
-        loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_windows), self.precision)
+        assert self.data.val_rows is not None, "validation rows are read when train.eval_every > 0"
+        loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_rows), self.precision)
         self.model.train()
         return self.strategy.reduce_mean(loss).item()
 

@@ -19,6 +19,7 @@ def start_summary(
     dp_size: int,
     micro_batching: tuple[int, int],
     run_dir: str,
+    data: str,
     memory: str | None = None,
     resumed: str | None = None,
 ) -> str:
@@ -33,8 +34,8 @@ def start_summary(
             f"layout    {layout} on {device}, {precision}",
             f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
             f"(micro {micro_size} x accumulation {micro_count} x data-parallel {dp_size})",
-            f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; data {cfg.data.source}, tokenizer "
-            f"{cfg.data.tokenizer.kind}; seed {cfg.seed}",
+            f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; seed {cfg.seed}",
+            f"data      {data}",
             *([f"memory    {memory}"] if memory else []),
             f"run dir   {run_dir}",
             *([f"resumed   from {resumed}"] if resumed else []),

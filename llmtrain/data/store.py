@@ -1,0 +1,102 @@
+"""The prepared token store: what `llmtrain.data.prepare` writes and `data=prepared` reads.
+
+    <dir>/manifest.json      written last: the tokenizer, token and document counts per split, the data config
+    <dir>/tokenizer/         the tokenizer, in the format `transformers.AutoTokenizer` loads
+    <dir>/train.bin          every training document's token ids, each followed by end-of-text, as one flat
+    <dir>/validation.bin     array of uint16 (uint32 for vocabularies above 65,536), in document order
+
+A flat array of fixed-width ids (nanoGPT's and llm.c's shards, Megatron's .bin) is the cheapest thing to read at
+random: window i of w tokens is bytes [i * w * itemsize, (i + 1) * w * itemsize) of a memory map, one read, no
+decoding and no index. Arrow (HF `datasets`) would add a per-document offsets column and a copy out of its list
+arrays for windows that cross documents, which is most of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from llmtrain.config import ConfigError
+
+MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+STORE_VERSION = 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def split_file(directory: str, split: str) -> str:
+    return os.path.join(directory, f"{split}.bin")
+
+
+class SplitWriter:
+    """Appends documents' token ids to one split's file and counts them."""
+
+    def __init__(self, path: str, dtype: np.dtype):
+        self.path = path
+        self.dtype = dtype
+        self.tokens = 0
+        self.documents = 0
+        self._file: BinaryIO = open(path, "wb")
+
+    def append(self, tokens: np.ndarray, documents: int) -> None:
+        """The ids of `documents` consecutive documents, each ending in end-of-text."""
+        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self.tokens += len(tokens)
+        self.documents += documents
+
+    def close(self) -> dict[str, Any]:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return {"file": os.path.basename(self.path), "tokens": self.tokens, "documents": self.documents}
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    """The manifest of a complete store; a one-line error names what is wrong with anything else."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"data.path={directory!r} is not a prepared store (no {MANIFEST}): write one with "
+            f"`python -m llmtrain.data.prepare data=<source> prepare.out={directory}`"
+        )
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("version") != STORE_VERSION:
+        raise ConfigError(
+            f"data.path={directory!r} holds a store of version {manifest.get('version')}, this llmtrain reads "
+            f"version {STORE_VERSION}: prepare it again"
+        )
+    return manifest
+
+
+class TokenWindows:
+    """One split of a store as consecutive, non-overlapping windows of `window` tokens, memory-mapped: reading a
+    window touches only its own pages, so a process holds what it reads, never the split."""
+
+    def __init__(self, directory: str, split: str, window: int, manifest: dict[str, Any]):
+        entry = manifest["splits"][split]
+        path = os.path.join(directory, entry["file"])
+        dtype = np.dtype(manifest["dtype"])
+        if os.path.getsize(path) != entry["tokens"] * dtype.itemsize:
+            raise ConfigError(
+                f"{path} holds {os.path.getsize(path)} bytes, its manifest says {entry['tokens']} tokens of "
+                f"{dtype.name}: the store is damaged, prepare it again"
+            )
+        # An empty file cannot be mapped; a split with no tokens has no windows either way.
+        self.tokens = np.memmap(path, dtype=dtype, mode="r") if entry["tokens"] else np.zeros(0, dtype)
+        self.window = window
+        self.count = entry["tokens"] // window
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """Windows `indices` as a (len(indices), window) int64 array."""
+        rows = np.empty((len(indices), self.window), dtype=np.int64)
+        for row, index in zip(rows, indices):
+            start = int(index) * self.window
+            row[:] = self.tokens[start : start + self.window]
+        return rows
