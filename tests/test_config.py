@@ -31,7 +31,11 @@ GROUPS = {
     for group in ("model", "data", "parallel", "optim", "logging")
 }
 # Options that need a key the user must supply before they validate.
-REQUIRED = {"data=local": ["data.path={tmp}/corpus.txt"], "data=hf": ["data.name=roneneldan/TinyStories"]}
+REQUIRED = {
+    "data=local": ["data.path={tmp}/corpus.txt"],
+    "data=hf": ["data.name=roneneldan/TinyStories"],
+    "data=prepared": ["data.path={tmp}"],
+}
 
 register_schemas()
 
@@ -122,12 +126,12 @@ def _leaves(node, prefix: str = "") -> dict:
     return leaves
 
 
-def _readme_keys() -> dict[str, str]:
-    """Key -> documented default, from README's `| key | default | meaning |` tables. A row may name several keys:
-    its default is then either theirs in the same order, separated by ", ", or one value they share."""
+def _readme_keys(header: str = "| key | default | meaning |") -> dict[str, str]:
+    """Key -> documented default, from README's tables with this header. A row may name several keys: its default
+    is then either theirs in the same order, separated by ", ", or one value they share."""
     documented, in_table = {}, False
     for line in README.read_text().splitlines():
-        if line == "| key | default | meaning |":
+        if line == header:
             in_table = True
         elif not line.startswith("|"):
             in_table = False
@@ -171,6 +175,14 @@ def test_the_readme_documents_every_key_with_its_default():
         key: (text, composed[key]) for key, text in documented.items() if not _same(_readme_value(text), composed[key])
     }
     assert wrong == {}, "README default vs composed default"
+
+
+def test_the_readme_documents_every_prepare_key_with_its_default():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        composed = _leaves(compose("prepare"))
+    prepare_keys = {key: value for key, value in composed.items() if key.startswith("prepare.")}
+    documented = _readme_keys("| prepare key | default | meaning |")
+    assert {key: _readme_value(text) for key, text in documented.items()} == prepare_keys
 
 
 def test_schema_defaults_are_the_default_options_values():

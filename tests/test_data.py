@@ -1,4 +1,4 @@
-"""Data: packing, local sources, tokenizers, the held-out split and the global batch order."""
+"""Data: packing, local sources, tokenizers, the held-out split and the global batch order (streamed path)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import itertools
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from llmtrain.config import ConfigError, DataConfig
-from llmtrain.data import RankSlice, build_tokenizer
+from llmtrain.config import ConfigError, DataConfig, validate_data
+from llmtrain.data import RankSlice, build_data, build_tokenizer
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.stream import StreamedBatches, TrainingWindows
@@ -226,3 +227,53 @@ def test_a_transformers_tokenizer_loads_from_a_local_directory(tmp_path, corpus)
     tokenizer = build_tokenizer(cfg, is_main=True, barrier=lambda: None)
     assert tokenizer.eos_id == backend.token_to_id(EOS_TOKEN)
     assert tokenizer.decode(tokenizer.encode_batch([DOCS[3]])[0]) == DOCS[3]
+
+
+def _one_long_document(tmp_path, chars: int = 400_000):
+    from test_prepare import write_corpus
+
+    return write_corpus(tmp_path / "one", chars) / "part-00.txt"
+
+
+def test_a_long_document_is_held_out_by_chunk(tmp_path):
+    one_file = _one_long_document(tmp_path)
+    text = one_file.read_text()
+    cfg = _data_cfg(path=str(one_file), val_fraction=0.05)
+    train, val = _texts(cfg, TRAIN), _texts(cfg, VALIDATION)
+    assert 0.04 < sum(map(len, val)) / len(text) < 0.06
+    assert sum(map(len, train)) + sum(map(len, val)) == len(text)  # every character on exactly one side
+    assert all(piece in text for piece in train + val)
+    assert not any(piece in t for piece in val for t in train)
+    assert _texts(cfg, VALIDATION) == val  # stable
+
+
+def test_a_restored_stream_of_split_documents_continues_exactly(tmp_path):
+    """The holdout splits one document into many training pieces; a resume lands between two of them."""
+    cfg = _data_cfg(path=str(_one_long_document(tmp_path, 200_000)), doc_shuffle_buffer=4)
+    stream = _windows(cfg, seed=2, seq_len=64)
+    list(itertools.islice(stream, 700))
+    position = pickle.loads(pickle.dumps(stream.state_dict()))
+    expected = list(itertools.islice(stream, 300))
+    resumed = _windows(cfg, seed=2, seq_len=64)
+    resumed.load_state_dict(position)
+    assert all(np.array_equal(x, y) for x, y in zip(expected, itertools.islice(resumed, 300)))
+
+
+def test_val_path_names_the_validation_files(corpus, tmp_path):
+    (tmp_path / "val.txt").write_text("held-out text " * 50)
+    cfg = _data_cfg(path=str(corpus / "txt"), val_path=str(tmp_path / "val.txt"))
+    assert _texts(cfg, VALIDATION) == ["held-out text " * 50]
+    assert sorted(_texts(cfg, TRAIN)) == sorted(DOCS)  # nothing held out of training
+    validate_data(cfg)
+    with pytest.raises(ConfigError, match=r"^data.val_path='.*missing.txt' matches no .txt, .jsonl or .parquet file"):
+        validate_data(_data_cfg(path=str(corpus / "txt"), val_path=str(tmp_path / "missing.txt")))
+
+
+def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
+    cfg = _data_cfg(path=str(_one_long_document(tmp_path, 200_000)), val_fraction=0.01)
+    train_slice, val_slice = RankSlice(16, 16, 0, 1), RankSlice(128, 16, 0, 1)
+    with pytest.raises(ConfigError, match=r"raise data.val_fraction to (\S+)") as error:
+        build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice)
+    assert "\n" not in str(error.value)
+    cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
+    assert build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice).val_rows.shape == (128, 64)

@@ -5,6 +5,8 @@ prepared (tokenised once by `python -m llmtrain.data.prepare`, read by index; pr
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -91,9 +93,9 @@ def build_data(
         windows.load_state_dict(position)
     val_rows = None
     if val_slice is not None:
-        val = validation_windows(open_documents(data_cfg, VALIDATION), tokenizer, seq_len, val_slice.batch_size)
+        val = _validation_windows(data_cfg, tokenizer, seq_len, val_slice.batch_size)
         if len(val) < val_slice.batch_size:
-            fix = _validation_fix(data_cfg, len(val), val_slice.batch_size, train_slice.batch_size)
+            fix = _validation_fix(data_cfg, tokenizer, seq_len, len(val), val_slice.batch_size, train_slice.batch_size)
             raise ConfigError(
                 f"the validation set holds only {len(val)} windows of {seq_len + 1} tokens, {val_slice.batch_size} "
                 f"needed (train.eval_batches x train.batch_size): {fix}"
@@ -105,18 +107,44 @@ def build_data(
     return Data(tokenizer, StreamedBatches(windows, train_slice), val_rows, description)
 
 
-def _validation_fix(data_cfg: DataConfig, held: int, needed: int, batch_size: int) -> str:
-    """A change that gives the validation set enough windows."""
+def _validation_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:
+    return validation_windows(open_documents(data_cfg, VALIDATION), tokenizer, seq_len, count)
+
+
+def _validation_fix(
+    data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, held: int, needed: int, batch_size: int
+) -> str:
+    """Changes that give the validation set enough windows; a val_fraction is only named once it was tried."""
     fits = [f"lower train.eval_batches to {held // batch_size}"] if held >= batch_size else []
     if data_cfg.val_split is not None or data_cfg.val_path is not None:
         named = "data.val_split" if data_cfg.val_split is not None else "data.val_path"
         return " or ".join([*fits, f"name more validation text with {named}", "lower train.batch_size"])
-    # The held-out share of the text grows in proportion to val_fraction (sources.held_out_chunks).
-    enough = data_cfg.val_fraction * needed / max(held, 1) * 1.2
-    if held and enough < 0.5:
-        return " or ".join([f"raise data.val_fraction to {enough:.2g}", *fits])
+    if (fraction := _enough_val_fraction(data_cfg, tokenizer, seq_len, held, needed)) is not None:
+        return " or ".join([f"raise data.val_fraction to {fraction:g}", *fits])
     named = "data.val_path=<validation files>" if data_cfg.source == "local" else "a larger corpus"
     return " or ".join([f"use {named}", *fits, "lower train.eval_batches or train.batch_size"])
+
+
+def _enough_val_fraction(
+    data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, held: int, needed: int
+) -> float | None:
+    """The first of a few growing val_fraction values (below the 0.5 cap) whose validation set holds `needed`
+    windows, each tried on the corpus (this only runs when the set was too small, so the corpus is finite and
+    was just read whole); None when none does."""
+    fraction = data_cfg.val_fraction
+    for _ in range(4):
+        # The held-out text grows about in proportion to val_fraction, give or take a ~4 KB chunk per document.
+        fraction *= 1.2 * needed / held if held else 4
+        scale = 10.0 ** (math.floor(math.log10(fraction)) - 1)
+        fraction = round(math.ceil(fraction / scale) * scale, 6)  # two significant digits, rounded up
+        if fraction >= 0.5:
+            return None
+        trial = copy.deepcopy(data_cfg)
+        trial.val_fraction = fraction
+        held = len(_validation_windows(trial, tokenizer, seq_len, needed))
+        if held >= needed:
+            return fraction
+    return None
 
 
 __all__ = ["Batches", "Data", "RankSlice", "build_data", "build_tokenizer"]

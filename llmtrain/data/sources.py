@@ -98,15 +98,15 @@ def _holdout_chunks(text: str) -> list[str]:
 def held_out_chunks(text: str, fraction: float) -> list[tuple[str, bool]]:
     """The document's holdout chunks, each with whether it belongs to validation.
 
-    Chunk j is held out when floor(u + (j + 1) * fraction) > floor(u + j * fraction), with u in [0, 1) a hash of
-    the document: a long document gives `fraction` of its chunks, spread evenly through it, and a one-chunk document
-    is held out whole with probability `fraction`. It depends only on the text, so it is the same on every run and
-    every rank."""
-    offset = zlib.crc32(text.encode("utf-8", "replace")) / 2**32
-    return [
-        (chunk, int(offset + (j + 1) * fraction) > int(offset + j * fraction))
-        for j, chunk in enumerate(_holdout_chunks(text))
-    ]
+    Chunk j is held out when floor(u + (j + 1) * fraction) > floor(u + j * fraction). A document of n >= 1 /
+    fraction chunks takes u = 0.5: exactly round(n * fraction) chunks, spread evenly through it, so a one-file
+    corpus's validation set grows in proportion to `fraction`. A shorter one takes u from a hash of its text: it
+    is held out whole (n = 1) or by one chunk with probability about n * fraction. Either way the split depends
+    only on the text: the same on every run and every rank."""
+    chunks = _holdout_chunks(text)
+    long_document = len(chunks) * fraction >= 1
+    offset = 0.5 if long_document else zlib.crc32(text.encode("utf-8", "replace")) / 2**32
+    return [(chunk, int(offset + (j + 1) * fraction) > int(offset + j * fraction)) for j, chunk in enumerate(chunks)]
 
 
 def _split_for(texts: list[str], fraction: float, validation: bool) -> list[str]:
