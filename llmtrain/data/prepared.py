@@ -2,7 +2,7 @@
 
 The global sample order is a seeded permutation of the split's windows, a new one each epoch: global batch k is
 samples [k * batch_size, (k + 1) * batch_size) of it, and data-parallel rank r reads rows
-[r * per_rank, (r + 1) * per_rank) of that batch straight from the memory map. So batch k depends only on the seed,
+[r * per_rank, (r + 1) * per_rank) of that batch straight from the file. So batch k depends only on the seed,
 the store and seq_len (never on the number of ranks), no rank reads or decodes a token it does not train on, and
 the position is one integer: a resume at step 10,000 costs what one at step 10 does.
 """

@@ -10,17 +10,18 @@ The data config is the one `train.py` would run with the same overrides (conf/da
 Throughput (tokens/s per rank, ranks simulated one after another in this process). A streamed rank
 reads and tokenises the whole global stream and keeps its 1/dp of each batch, so its work per step is
 batch_size x (seq_len + 1) tokens whatever dp is, and the tokens it trains on per second fall as 1/dp. A prepared
-rank reads only its own batch_size/dp rows from the memory-mapped store, so its rate stays about level. Read
+rank reads only its own batch_size/dp rows from the store, so its rate stays about level. Read
 "prepared/streaming" as how much faster the input side of one rank is; whether it matters depends on how the step
 time compares with the streamed rate (a step that takes longer than the stream does to make a batch hides it).
-The streamed rate is timed over at least --min-seconds as well as --steps batches: tokenisation comes in lumps of
-64 documents, and a short window may see none of them.
+Each dp is timed over at least --min-seconds as well as --steps batches per path: streamed tokenisation comes in
+lumps of 64 documents, which a short window may miss, and a prepared batch takes well under a millisecond.
 
 Resume latency: seconds from "the process holds the checkpoint's data position" to "the first batch after it is in
 hand", at each --resume-steps step. Streamed: a new TrainingWindows, load_state_dict, StreamedBatches.next() (the
 position holds both shuffle buffers, so nothing is re-tokenised, but the source may have to skip to its place in
 a shard). Prepared: PreparedBatches at position {"next_sample": step x batch_size, ...}.next(), one index
-computation. Each resumed batch is checked against the batch an uninterrupted stream gives there (same_batch).
+computation. The median of --repeats resumes is reported, each checked against the batch an uninterrupted stream
+gives there (same_batch).
 
 Each measurement prints one JSON line as it finishes ({"kind": "prepare" | "throughput" | "resume", ...}); the
 tables follow at the end.
@@ -35,6 +36,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -123,33 +125,56 @@ def streaming_throughput(
     }
 
 
-def prepared_throughput(store: str, seq_len: int, batch_size: int, seed: int, dp: int, steps: int) -> dict[str, Any]:
-    """Every rank of dp reading `steps` batches from the store, one after another: mean trained tokens/s per rank,
-    and the tokens each read per step (counted from what next() returned)."""
+def prepared_throughput(
+    store: str, seq_len: int, batch_size: int, seed: int, dp: int, steps: int, min_seconds: float
+) -> dict[str, Any]:
+    """Every rank of dp reading at least `steps` batches (and min_seconds / dp) from the store, one rank after
+    another: mean trained tokens/s per rank, and the tokens each read per step (counted from what next() returned)."""
     per_rank = batch_size // dp
-    rates, read = [], 0
+    rates, read, taken = [], 0, 0
     for rank in range(dp):
         batches = PreparedBatches(store, seq_len, seed, RankSlice(batch_size, per_rank, rank, dp), None)
         batches.next()  # warm-up: the epoch's permutation of the store's windows
-        started = time.perf_counter()
-        for _ in range(steps):
+        # A batch takes well under a millisecond: fewer than a few hundred of them time mostly the clock's noise.
+        rank_taken, started = 0, time.perf_counter()
+        while rank_taken < steps or time.perf_counter() - started < min_seconds / dp:
             read += batches.next().size
-        rates.append(steps * per_rank * seq_len / (time.perf_counter() - started))
+            rank_taken += 1
+        rates.append(rank_taken * per_rank * seq_len / (time.perf_counter() - started))
+        taken += rank_taken
     return {
         "kind": "throughput",
         "path": "prepared",
         "dp": dp,
         "tokens_per_s_per_rank": float(np.mean(rates)),
         "tokens_per_s_per_rank_min": min(rates),
-        "steps": steps,
+        "steps": taken // dp,
         "ranks_timed": dp,
         "rows_per_rank": per_rank,
-        "tokens_read_per_rank_per_step": read // (dp * steps),
+        "tokens_read_per_rank_per_step": read // taken,
     }
 
 
+def _timed(resume: Callable[[], np.ndarray], expected: np.ndarray, repeats: int) -> dict[str, Any]:
+    """The median of `repeats` fresh resumes (one can catch a garbage collection or a cold page), each checked
+    against the batch the uninterrupted stream gives there."""
+    seconds, same = [], True
+    for _ in range(repeats):
+        started = time.perf_counter()
+        batch = resume()
+        seconds.append(time.perf_counter() - started)
+        same = same and bool(np.array_equal(batch, expected))
+    return {"seconds": float(np.median(seconds)), "seconds_each": [round(t, 5) for t in seconds], "same_batch": same}
+
+
 def streaming_resume(
-    data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: int, resume_steps: list[int]
+    data_cfg: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    resume_steps: list[int],
+    repeats: int,
 ) -> list[dict[str, Any]]:
     """For each step S (ascending), one stream advanced to S gives the position; the timed part is what a
     resumed run does with it. dp = 1: a streamed rank's work does not depend on dp."""
@@ -171,26 +196,23 @@ def streaming_resume(
         expected = np.stack(list(itertools.islice(stream, batch_size)))  # what the uninterrupted run trains on next
         done += 1
 
-        started = time.perf_counter()
-        resumed = _windows(data_cfg, tokenizer, seq_len, seed)
-        resumed.load_state_dict(position)
-        batch = StreamedBatches(resumed, rank_slice).next()
-        seconds = time.perf_counter() - started
-        resumed.stopped = True
-        row = {
-            "kind": "resume",
-            "path": "streaming",
-            "step": step,
-            "seconds": seconds,
-            "same_batch": bool(np.array_equal(batch, expected)),
-            "seconds_to_reach_step": round(advancing, 2),  # not part of the resume: what reaching the step took
-        }
+        def resume(position: dict = position) -> np.ndarray:
+            resumed = _windows(data_cfg, tokenizer, seq_len, seed)
+            resumed.load_state_dict(position)
+            batch = StreamedBatches(resumed, rank_slice).next()
+            resumed.stopped = True  # after the clock stops: a resumed run would go on reading ahead
+            return batch
+
+        row = {"kind": "resume", "path": "streaming", "step": step, **_timed(resume, expected, repeats)}
+        row["seconds_to_reach_step"] = round(advancing, 2)  # not part of the resume: what reaching the step took
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-def prepared_resume(store: str, seq_len: int, batch_size: int, seed: int, resume_steps: list[int]) -> list[dict]:
+def prepared_resume(
+    store: str, seq_len: int, batch_size: int, seed: int, resume_steps: list[int], repeats: int
+) -> list[dict[str, Any]]:
     """For each step S, PreparedBatches at S's position and its first batch, timed; dp = 1 as for streaming."""
     rank_slice = RankSlice(batch_size, batch_size, 0, 1)
     reference = PreparedBatches(store, seq_len, seed, rank_slice, None)
@@ -202,17 +224,12 @@ def prepared_resume(store: str, seq_len: int, batch_size: int, seed: int, resume
         position = reference.state_dict()
         expected = reference.next()
         done += 1
-        started = time.perf_counter()
-        batch = PreparedBatches(store, seq_len, seed, rank_slice, position).next()
-        seconds = time.perf_counter() - started
-        assert position["next_sample"] == step * batch_size, position
-        row = {
-            "kind": "resume",
-            "path": "prepared",
-            "step": step,
-            "seconds": seconds,
-            "same_batch": bool(np.array_equal(batch, expected)),
-        }
+        assert position == {"next_sample": step * batch_size, "windows": reference.windows.count, "window": seq_len + 1}
+
+        def resume(position: dict = position) -> np.ndarray:
+            return PreparedBatches(store, seq_len, seed, rank_slice, position).next()
+
+        row = {"kind": "resume", "path": "prepared", "step": step, **_timed(resume, expected, repeats)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -266,7 +283,7 @@ def _resume_table(rows: list[dict[str, Any]], steps: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """Every measurement `args` asks for; prints JSON lines as they finish and the tables at the end."""
-    dps, resume_steps = _int_list(args.dp), _int_list(args.resume_steps)
+    dps, resume_steps = list(dict.fromkeys(_int_list(args.dp))), sorted(set(_int_list(args.resume_steps)))
     for dp in dps:
         if dp < 1 or args.batch_size % dp:
             raise ConfigError(f"--dp {dp} does not divide --batch-size {args.batch_size}")
@@ -303,15 +320,15 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             )
             print(json.dumps(row), flush=True)
             results["throughput"].append(row)
-            row = prepared_throughput(store, args.seq_len, args.batch_size, seed, dp, args.steps)
+            row = prepared_throughput(store, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds)
             print(json.dumps(row), flush=True)
             results["throughput"].append(row)
 
         if resume_steps:
             results["resume"] += streaming_resume(
-                data_cfg, tokenizer, args.seq_len, args.batch_size, seed, resume_steps
+                data_cfg, tokenizer, args.seq_len, args.batch_size, seed, resume_steps, args.repeats
             )
-            results["resume"] += prepared_resume(store, args.seq_len, args.batch_size, seed, resume_steps)
+            results["resume"] += prepared_resume(store, args.seq_len, args.batch_size, seed, resume_steps, args.repeats)
 
     for row in results["prepare"]:
         print(
@@ -336,9 +353,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="global sequences per step")
     parser.add_argument("--seed", type=int, default=None, help="default: the training config's")
     parser.add_argument("--steps", type=int, default=50, help="batches timed per measurement")
-    parser.add_argument("--min-seconds", type=float, default=5.0, help="the streamed path is timed at least this long")
+    parser.add_argument("--min-seconds", type=float, default=5.0, help="time each dp's measurement at least this long")
     parser.add_argument("--dp", default="1,2,4,8", help="data-parallel sizes, comma-separated")
     parser.add_argument("--resume-steps", default="10,10000", help="steps to resume at, comma-separated ('' for none)")
+    parser.add_argument("--repeats", type=int, default=3, help="resumes timed per step (the median is reported)")
     parser.add_argument("--store", default=None, help="a prepared store to read (default: prepare one, temporarily)")
     parser.add_argument("--num-proc", type=int, default=None, help="processes preparing the store (default: cores)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.window_shuffle_buffer=256")
