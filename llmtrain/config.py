@@ -152,7 +152,7 @@ class RootConfig:
 @dataclass
 class PrepareConfig:
     out: Optional[str] = None  # required: the directory the token store is written to
-    num_proc: Optional[int] = None  # tokenising processes; None: one per core this process may use
+    num_proc: int = 1  # tokenising processes (1: this one, whose fast tokenizer uses every core by itself)
 
 
 @dataclass

@@ -73,6 +73,7 @@ def test_the_store_holds_the_documents_training_would_stream(corpus, store):
     assert manifest["tokenizer"]["kind"] == "byte" and manifest["data"]["path"] == str(corpus)
 
 
+@pytest.mark.slow  # starts two worker processes
 def test_any_number_of_workers_writes_the_same_store_and_a_rerun_does_nothing(corpus, store, tmp_path):
     parallel = tmp_path / "parallel"
     _prepare(_data_cfg(corpus), parallel, num_proc=2)

@@ -126,9 +126,9 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
     if not prepare_cfg.out:
         raise ConfigError("prepare.out is not set: name the directory to write, e.g. prepare.out=data/corpus")
     out = os.path.abspath(os.path.expanduser(prepare_cfg.out))
-    num_proc = prepare_cfg.num_proc or len(os.sched_getaffinity(0))
+    num_proc = prepare_cfg.num_proc
     if num_proc < 1:
-        raise ConfigError(f"prepare.num_proc={num_proc} must be at least 1 (or null: one per core)")
+        raise ConfigError(f"prepare.num_proc={num_proc} must be at least 1: set prepare.num_proc=1 or more")
     validate_data(data_cfg)
     if data_cfg.source == "prepared":
         raise ConfigError("data=prepared is already prepared: choose the source to prepare (data=stdlib|local|hf)")

@@ -5,7 +5,7 @@
 
 The data config is the one `train.py` would run with the same overrides (conf/data/<source>.yaml). Without
 --store, the corpus is first prepared into a temporary directory with `llmtrain.data.prepare` (prepare.num_proc =
---num-proc, one per core by default), and its throughput is printed.
+--num-proc, 1 by default as for prepare), and its throughput is printed.
 
 Throughput (tokens/s per rank, ranks simulated one after another in this process). A streamed rank
 reads and tokenises the whole global stream and keeps its 1/dp of each batch, so its work per step is
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         store = args.store
         if store is None:
             store = os.path.join(scratch, "store")
-            results["prepare"].append(_prepare_store(data_cfg, store, args.num_proc or len(os.sched_getaffinity(0))))
+            results["prepare"].append(_prepare_store(data_cfg, store, args.num_proc))
         manifest = read_manifest(store)
         if manifest["tokenizer"]["kind"] != args.tokenizer:
             print(
@@ -358,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume-steps", default="10,10000", help="steps to resume at, comma-separated ('' for none)")
     parser.add_argument("--repeats", type=int, default=3, help="resumes timed per step (the median is reported)")
     parser.add_argument("--store", default=None, help="a prepared store to read (default: prepare one, temporarily)")
-    parser.add_argument("--num-proc", type=int, default=None, help="processes preparing the store (default: cores)")
+    parser.add_argument("--num-proc", type=int, default=1, help="processes preparing the store (prepare.num_proc)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.window_shuffle_buffer=256")
     return parser.parse_args(argv)
 
