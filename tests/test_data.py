@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from llmtrain.config import ConfigError, DataConfig, validate_data
 from llmtrain.data import RankSlice, build_data, build_tokenizer
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
+from llmtrain.data.prefetch import Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.stream import StreamedBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
@@ -110,13 +111,13 @@ def test_a_restored_stream_continues_exactly_where_it_stopped(corpus, taken):
 
 def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
     cfg = _data_cfg(path=str(corpus / "txt"))
-    batches = StreamedBatches(_windows(cfg, seed=1), RankSlice(8, 8, 0, 1))
+    batches = Prefetched(StreamedBatches(_windows(cfg, seed=1), RankSlice(8, 8, 0, 1)))
     taken = [batches.next() for _ in range(3)]
     position = batches.state_dict()
     following = [batches.next() for _ in range(2)]
     resumed_windows = _windows(cfg, seed=1)
     resumed_windows.load_state_dict(position)
-    resumed = StreamedBatches(resumed_windows, RankSlice(8, 8, 0, 1))
+    resumed = Prefetched(StreamedBatches(resumed_windows, RankSlice(8, 8, 0, 1)))
     assert all(np.array_equal(x, resumed.next()) for x in following)
     assert not np.array_equal(taken[-1], following[0])
 

@@ -9,27 +9,17 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 
 from llmtrain.config import ConfigError, DataConfig
+from llmtrain.data.prefetch import Batches, Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
 
 # The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
 TOKENIZER_TRAINING_SEED = 0
-
-
-class Batches(Protocol):
-    def next(self) -> np.ndarray:
-        """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch taken: what a checkpoint stores to resume exactly there."""
-        ...
 
 
 @dataclass
@@ -79,7 +69,7 @@ def build_data(
             f"prepared {data_cfg.path} ({batches.windows.count:,} windows, each rank reads its rows), "
             f"tokenizer {batches.tokenizer_kind}"
         )
-        return Data(tokenizer, batches, val_rows, description)
+        return Data(tokenizer, Prefetched(batches), val_rows, description)
 
     windows = TrainingWindows(
         open_documents(data_cfg, TRAIN),
@@ -104,7 +94,7 @@ def build_data(
     description = (
         f"{data_cfg.source} streamed (every rank tokenises the whole stream), tokenizer {data_cfg.tokenizer.kind}"
     )
-    return Data(tokenizer, StreamedBatches(windows, train_slice), val_rows, description)
+    return Data(tokenizer, Prefetched(StreamedBatches(windows, train_slice)), val_rows, description)
 
 
 def _validation_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:

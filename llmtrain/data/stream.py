@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import queue
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -175,33 +173,15 @@ def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len
 
 
 class StreamedBatches:
-    """This rank's rows of global batch k, built in a background thread so tokenisation overlaps the training
-    step. Each batch comes with the stream's position after it, so `state_dict()` is the position after the last
-    batch *taken*, however far the thread has read ahead."""
+    """This rank's rows of global batch k, k = 0, 1, ...: the next batch_size windows of the stream, sliced."""
 
-    def __init__(self, windows: TrainingWindows, rank_slice: RankSlice, prefetch: int = 2):
+    def __init__(self, windows: TrainingWindows, rank_slice: RankSlice):
         self._windows = windows
         self._rank_slice = rank_slice
-        self._position = windows.state_dict()
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
-        self._thread.start()
-
-    def _produce(self) -> None:
-        try:
-            while True:
-                rows = list(itertools.islice(self._windows, self._rank_slice.batch_size))
-                self._queue.put((self._rank_slice.rows(np.stack(rows)), self._windows.state_dict()))
-        except BaseException as error:  # surfaced to the training thread, which owns error handling
-            self._queue.put(error)
 
     def next(self) -> np.ndarray:
         """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        batch, self._position = item
-        return batch
+        return self._rank_slice.rows(np.stack(list(itertools.islice(self._windows, self._rank_slice.batch_size))))
 
     def state_dict(self) -> dict:
-        return self._position
+        return self._windows.state_dict()

@@ -7,7 +7,8 @@ The data config is the one `train.py` would run with the same overrides (conf/da
 --store, the corpus is first prepared into a temporary directory with `llmtrain.data.prepare` (prepare.num_proc =
 --num-proc, 1 by default as for prepare), and its throughput is printed.
 
-Throughput (tokens/s per rank, ranks simulated one after another in this process). A streamed rank
+Throughput (tokens/s per rank, ranks simulated one after another in this process; training makes the same
+batches in a background thread, llmtrain/data/prefetch.py, timed here without it). A streamed rank
 reads and tokenises the whole global stream and keeps its 1/dp of each batch, so its work per step is
 batch_size x (seq_len + 1) tokens whatever dp is, and the tokens it trains on per second fall as 1/dp. A prepared
 rank reads only its own batch_size/dp rows from the store, so its rate stays about level. Read
@@ -55,18 +56,6 @@ from llmtrain.tools import compose_config
 PROGRESS_EVERY_S = 10.0
 
 
-class _StoppableWindows(TrainingWindows):
-    """TrainingWindows that end when told to. A StreamedBatches thread reads ahead of the batches taken, and one
-    left running would tokenise on the cores (and hold the GIL) the next measurement is timing."""
-
-    stopped = False
-
-    def __next__(self) -> np.ndarray:
-        if self.stopped:
-            raise StopIteration
-        return super().__next__()
-
-
 def data_config(source: str, path: str | None, tokenizer: str, overrides: list[str]) -> tuple[DataConfig, int]:
     """The data config and seed `train.py data=<source> ...` would run with."""
     cfg = compose_config([f"data={source}", *overrides])
@@ -79,8 +68,8 @@ def data_config(source: str, path: str | None, tokenizer: str, overrides: list[s
     return data_cfg, int(cfg.seed)
 
 
-def _windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> _StoppableWindows:
-    return _StoppableWindows(
+def _windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:
+    return TrainingWindows(
         open_documents(data_cfg, TRAIN),
         tokenizer,
         seq_len,
@@ -111,7 +100,6 @@ def streaming_throughput(
         assert rows.shape == (per_rank, seq_len + 1), rows.shape
         taken += 1
     seconds = time.perf_counter() - started
-    windows.stopped = True
     return {
         "kind": "throughput",
         "path": "streaming",
@@ -200,7 +188,6 @@ def streaming_resume(
             resumed = _windows(data_cfg, tokenizer, seq_len, seed)
             resumed.load_state_dict(position)
             batch = StreamedBatches(resumed, rank_slice).next()
-            resumed.stopped = True  # after the clock stops: a resumed run would go on reading ahead
             return batch
 
         row = {"kind": "resume", "path": "streaming", "step": step, **_timed(resume, expected, repeats)}

@@ -1,0 +1,51 @@
+"""Batches made ahead in a background thread, so reading (and, streamed, tokenising) overlaps the training step
+instead of stalling it between steps."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Batches(Protocol):
+    def next(self) -> np.ndarray:
+        """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch taken: what a checkpoint stores to resume exactly there."""
+        ...
+
+
+class Prefetched:
+    """`source`'s batches, up to `prefetch` of them made ahead by a daemon thread. Each comes with the source's
+    position after it, so `state_dict()` is the position after the last batch *taken*, however far the thread
+    has read ahead. The source is only ever touched by that thread."""
+
+    def __init__(self, source: Batches, prefetch: int = 2):
+        self._source = source
+        self._position = source.state_dict()
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            while True:
+                rows = self._source.next()
+                self._queue.put((rows, self._source.state_dict()))
+        except BaseException as error:  # surfaced to the training thread, which owns error handling
+            self._queue.put(error)
+
+    def next(self) -> np.ndarray:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        rows, self._position = item
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._position
