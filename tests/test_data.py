@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from llmtrain.config import ConfigError, DataConfig, validate_data
-from llmtrain.data import RankSlice, build_data, build_tokenizer
+from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.prefetch import Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
@@ -278,3 +278,12 @@ def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
     assert "\n" not in str(error.value)
     cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
     assert build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice).val_rows.shape == (128, 64)
+
+
+def test_a_streamed_source_on_many_data_parallel_ranks_points_at_prepare(corpus):
+    streamed = _data_cfg(path=str(corpus / "txt"))
+    assert streaming_scale_warning(streamed, 8) is None
+    warning = streaming_scale_warning(streamed, 16)
+    assert warning is not None and "\n" not in warning
+    assert "each of the 16 data-parallel ranks" in warning and "python -m llmtrain.data.prepare data=local" in warning
+    assert streaming_scale_warning(_data_cfg(source="prepared", path=str(corpus)), 64) is None

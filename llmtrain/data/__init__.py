@@ -30,6 +30,21 @@ class Data:
     description: str  # for the start summary
 
 
+# Above this many data-parallel ranks the streamed path's repeated tokenisation is worth a warning (README, "Data").
+STREAMING_DP_LIMIT = 8
+
+
+def streaming_scale_warning(data_cfg: DataConfig, dp_size: int) -> str | None:
+    """The start-up warning for a streamed source read by more than STREAMING_DP_LIMIT data-parallel ranks."""
+    if data_cfg.source == "prepared" or dp_size <= STREAMING_DP_LIMIT:
+        return None
+    return (
+        f"warning: data={data_cfg.source} is streamed, so each of the {dp_size} data-parallel ranks tokenises the "
+        f"whole stream to keep 1/{dp_size} of it: tokenise once with `python -m llmtrain.data.prepare "
+        f"data={data_cfg.source} ... prepare.out=DIR` and train with data=prepared data.path=DIR"
+    )
+
+
 def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tokenizer:
     """Load the configured tokenizer (a prepared store's own); a BPE not yet cached is trained by rank 0 while the
     others wait."""
@@ -137,4 +152,4 @@ def _enough_val_fraction(
     return None
 
 
-__all__ = ["Batches", "Data", "RankSlice", "build_data", "build_tokenizer"]
+__all__ = ["Batches", "Data", "RankSlice", "build_data", "build_tokenizer", "streaming_scale_warning"]
