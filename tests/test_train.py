@@ -88,6 +88,20 @@ def test_bad_values_give_one_line_and_leave_no_run(train, overrides, key):
     assert run.returncode == 2 and not run.run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data=local", "data.path={tmp}/corpus.txt", "data.val_path={tmp}/missing/*.txt"], "data.val_path"),
+        (["data=prepared", "data.path={tmp}"], "data.path"),  # a directory, but no store in it
+    ],
+)
+def test_missing_validation_files_or_store_give_one_line(train, tmp_path, overrides, key):
+    (tmp_path / "corpus.txt").write_text("some text " * 100)
+    run = train(*(o.format(tmp=tmp_path) for o in overrides))
+    _assert_clean_failure(run, key)
+    assert run.stderr.strip().count("\n") == 0 and run.returncode == 2
+
+
 def test_empty_data_file(train, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     run = train("data=local", f"data.path={tmp_path / 'empty.txt'}")
