@@ -184,10 +184,6 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
 
     if runtime.is_main and (warning := streaming_scale_warning(config.data, strategy.dp_size)):
         log.warning(warning)
-    if runtime.device.type == "cpu":
-        # The tokenizer's thread pool and torch's would share the cores the model trains on: measured on 2 cores, the
-        # streamed quickstart ran at 1,338 tokens/s with it and 6,522 without (README, "Data").
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
     _check_vocab(cfg, tokenizer.vocab_size)
     meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
