@@ -231,7 +231,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
             n_params=n_params,
             padding=padding,
             vocab_size=gpt_cfg.vocab_size,
-            layout=strategy.describe(),
+            layout=strategy.summary(),
             device=str(runtime.device),
             precision=precision,
             dp_size=strategy.dp_size,
@@ -281,6 +281,6 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         summary = end_summary(
             state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
         )
-        summary.update(parameters=n_params, layout=strategy.describe(), world_size=runtime.world_size, **layout_results)
+        summary.update(parameters=n_params, layout=strategy.summary(), world_size=runtime.world_size, **layout_results)
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

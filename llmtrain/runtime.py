@@ -34,10 +34,6 @@ class Runtime:
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
@@ -79,13 +75,30 @@ def _process_coordinates() -> tuple[int, int, int, str]:
     return 0, 1, 0, "none"
 
 
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU of the process with this node-local rank; more processes than GPUs on a node is refused (two ranks
+    sharing one device make NCCL fail with "Duplicate GPU", or silently halve the memory each can use)."""
+    if local_rank >= device_count:
+        raise ConfigError(
+            f"local rank {local_rank} but only {device_count} CUDA device(s) are visible on this node: start at most "
+            f"{device_count} processes per node (torchrun --nproc_per_node={device_count}), or train.device=cpu"
+        )
+    return local_rank
+
+
 def _pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible: use train.device=auto or cpu")
     if preference != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors and gloo for CPU ones on a GPU job (CPU-offloaded FSDP reduces gradients that live in
+    host memory; a NCCL-only group has no backend for them), gloo alone on a CPU job."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -> Runtime:
@@ -94,10 +107,24 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     runtime = Runtime(rank, world_size, local_rank, device, launcher)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
-            backend=runtime.backend,
+            backend=process_group_backend(device),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
         )
     return runtime
+
+
+def join_single_process_group(runtime: Runtime) -> None:
+    """A process group of this one process, so that a layout written for many ranks (FSDP, TP, PP, DDP of degree
+    1) runs unchanged on one: what `torchrun train.py parallel=fsdp` (one process by default) and a one-GPU debug
+    run of a multi-GPU config need. Its store lives in this process: nothing listens on a port."""
+    if runtime.world_size == 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=process_group_backend(runtime.device),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=runtime.device if runtime.device.type == "cuda" else None,
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_parity, json_lines, layout_strategy, torchrun
+from conftest import PARITY, assert_parity, json_lines, layout_strategy, run_train, torchrun
 
 from llmtrain.config import ConfigError
 
@@ -77,7 +77,7 @@ def test_bad_layouts_are_refused_before_any_process_group(overrides, world_size,
     "overrides, nproc, message",
     [
         (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size=6"),
-        (["parallel=ddp"], 0, "single process"),
+        (["parallel=ddp_tp"], 0, "parallel.tp=2"),  # a degree above 1 needs more than one process
     ],
 )
 def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
@@ -86,6 +86,15 @@ def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
     assert not (run.run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("layout, nproc", [("parallel=fsdp", 1), ("parallel=pp", 0)])
+def test_a_multi_process_layout_on_one_process_trains_as_single(layout, nproc, reference, tmp_path, cache_dir):
+    """`torchrun train.py parallel=fsdp` (torchrun starts one process unless told otherwise) and `python train.py
+    parallel=pp`: every degree is 1, so the layout runs on a process group of one and learns what single does."""
+    run = run_train(tmp_path, cache_dir, *PARITY, layout, nproc=nproc)
+    assert_parity(run, reference)
+    assert "(one process: nothing is split)" in run.stdout + run.stderr
 
 
 def test_unknown_layout_lists_the_options(train):

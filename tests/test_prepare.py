@@ -253,7 +253,12 @@ def test_a_resume_with_fewer_data_parallel_ranks_continues_the_same_global_batch
 def test_a_one_file_corpus_trains_and_validates_with_every_default(train, tmp_path):
     corpus = write_corpus(tmp_path / "corpus", 1_100_000)
     run = train(
-        "data=local", f"data.path={corpus / 'part-00.txt'}", "train.steps=2", "logging.wandb.mode=disabled", fast=False
+        "data=local",
+        f"data.path={corpus / 'part-00.txt'}",
+        "train.steps=2",
+        "logging.wandb.mode=disabled",
+        "train.device=cpu",
+        fast=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert [m["step"] for m in run.metrics if "val_loss" in m] == [2]

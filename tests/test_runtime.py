@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from llmtrain.runtime import first_slurm_host, init_runtime
+from llmtrain.config import ConfigError
+from llmtrain.runtime import cuda_device_index, first_slurm_host, init_runtime, process_group_backend
 
 
 def _worker(rank: int, env: dict[str, str], results) -> None:
@@ -200,3 +201,16 @@ def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
         if str(path.relative_to(package)) not in allowed and variables.search(path.read_text())
     )
     assert readers == []
+
+
+def test_more_processes_on_a_node_than_gpus_is_one_line():
+    assert cuda_device_index(1, 2) == 1
+    with pytest.raises(ConfigError, match=r"^local rank 2 but only 2 CUDA device\(s\) are visible") as error:
+        cuda_device_index(2, 2)
+    assert "--nproc_per_node=2" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_gpu_jobs_get_a_gloo_backend_beside_nccl_for_host_tensors():
+    """CPU-offloaded FSDP reduces gradients that live in host memory: a NCCL-only group has no backend for them."""
+    assert process_group_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(torch.device("cpu")) == "gloo"

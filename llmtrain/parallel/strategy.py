@@ -28,7 +28,7 @@ from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.tp import loss_context
-from llmtrain.runtime import Runtime
+from llmtrain.runtime import Runtime, join_single_process_group
 from llmtrain.train.optim import build_adamw
 from llmtrain.train.precision import uses_bf16
 
@@ -46,16 +46,13 @@ class Strategy:
 
     def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
         self.parallel, self.train, self.runtime = parallel, train, runtime
-        if runtime.world_size == 1 and self.supported_dims:
-            raise ConfigError(
-                f"parallel.strategy={self.name} splits the work over processes but this is a single "
-                f"process: launch with torchrun --nproc_per_node=N, or set parallel.nproc=N"
-            )
         self.degrees = resolve_degrees(parallel, runtime.world_size)
         self.validate(model)
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
-        if runtime.world_size > 1:
+        if runtime.world_size == 1 and self.supported_dims:
+            join_single_process_group(runtime)  # every degree is 1: the layout runs as one rank of many would
+        if runtime.world_size > 1 or self.supported_dims:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -103,8 +100,13 @@ class Strategy:
         return t.micro_batch_size, t.batch_size // (t.micro_batch_size * self.dp_size)
 
     def describe(self) -> str:
-        """One line for the start-up summary: the layout and its mesh."""
+        """The layout and its mesh, in a few words (layouts add what they configure)."""
         return f"{self.name} ({self.degrees.describe()})"
+
+    def summary(self) -> str:
+        """The start-up summary's layout line: `describe()`, and on one process that nothing is split."""
+        alone = " (one process: nothing is split)" if self.runtime.world_size == 1 and self.supported_dims else ""
+        return self.describe() + alone
 
     def layout(self) -> Layout:
         """The steps apply_layout takes on this rank's model: tensor parallelism over the tp dimension when it has

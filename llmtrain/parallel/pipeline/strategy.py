@@ -71,11 +71,6 @@ class PipelineParallel(Strategy):
     def validate(self, model) -> None:
         super().validate(model)
         p, t = self.parallel, self.train
-        if self.degrees.pp < 2:
-            raise ConfigError(
-                f"parallel.strategy=pp needs parallel.pp >= 2 (got {self.degrees.pp}): set parallel.pp, "
-                f"or choose a layout without a pipeline"
-            )
         m = self.microbatches
         if t.batch_size % (self.degrees.dp * m):
             raise ConfigError(
