@@ -11,6 +11,10 @@
 # builds that try it can hang or fall back slowly; NCCL_P2P_DISABLE=1 routes GPU-to-GPU traffic through host
 # memory, which is what the hardware does anyway. NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
 # OMP_NUM_THREADS caps CPU threads per worker so N workers do not oversubscribe the cores.
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the caching allocator grow segments instead of splitting
+# fixed blocks: less fragmentation, which is what runs out first on 16 GB cards.
+# In a container, NCCL's shared-memory transport (used when P2P is off) needs a large /dev/shm: start it with
+# `docker run --shm-size=16g` (or --ipc=host); the default 64 MB makes NCCL fail or fall back to sockets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +25,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q 
   export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
 fi
 export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 
 exec torchrun --standalone --nproc_per_node="$NPROC" train.py "$@"
