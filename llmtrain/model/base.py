@@ -18,7 +18,6 @@ class LayeredModel(nn.Module):
     Subclasses build their modules, then implement the methods below."""
 
     blocks: nn.ModuleDict
-    activation_checkpointing: str = "none"  # none | full | selective: how `forward` runs each block
 
     @property
     def tied_parameters(self) -> dict[str, str]:

@@ -27,7 +27,6 @@ from torch import nn
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
-from llmtrain.model.recompute import run_block
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -156,7 +155,6 @@ class GPT(LayeredModel):
                 # softmax and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that
                 # tensor parallelism shards it with the head's rows.
                 self.lm_head.bias.requires_grad_(False)
-        self.activation_checkpointing = "none"  # none | full | selective: see recompute.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
@@ -165,7 +163,7 @@ class GPT(LayeredModel):
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.emb_dropout(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
-            x = run_block(block, x, self.activation_checkpointing)
+            x = block(x)
         if self.lm_head is None or self.norm is None:
             return x
         return self.lm_head(self.norm(x))
@@ -199,7 +197,6 @@ class GPT(LayeredModel):
             view.tok_emb, view.pos_emb, view.emb_dropout = self.tok_emb, self.pos_emb, self.emb_dropout
         if last:
             view.norm, view.lm_head = self.norm, self.lm_head
-        view.activation_checkpointing = self.activation_checkpointing
         return view
 
     # -- initialisation ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
@@ -34,11 +35,23 @@ def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in _EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_block(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
-    if mode == "none":
-        return block(x)
+def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:
     if mode == "full":
-        return checkpoint(block, x, use_reentrant=False)
+        return checkpoint(forward, x, use_reentrant=False)
     return checkpoint(
-        block, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_expensive)
+        forward, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_expensive)
     )
+
+
+def checkpoint_blocks(blocks: Iterable[nn.Module], mode: str) -> None:
+    """Make each block recompute its activations in backward (`mode` full or selective; none leaves them be).
+
+    The checkpoint goes *inside* each block's forward rather than around its call: parameter names stay as they
+    are (the seeded initialisation and checkpoints are keyed by them), and a block compiled afterwards traces the
+    checkpoint from inside. Checkpointing a compiled block from outside fails in backward under the selective
+    policy ("Tensor cached during selective activation checkpoint has been mutated"); torchtitan's order is the
+    same: checkpoint, then compile, then FSDP."""
+    if mode == "none":
+        return
+    for block in blocks:
+        block.forward = partial(_checkpointed, block.forward, mode)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.fsdp import apply_fsdp
 from llmtrain.parallel.tp import apply_tensor_parallel
 
@@ -37,8 +38,8 @@ class Layout:
 
 def apply_activation_checkpointing(model: LayeredModel, mode: str) -> None:
     """Recompute each block's activations in backward (`full`), or only the cheap ops between its matmuls
-    (`selective`): the model runs its blocks through llmtrain/model/recompute.py in this mode."""
-    model.activation_checkpointing = mode
+    (`selective`): llmtrain/model/recompute.py."""
+    checkpoint_blocks(model.blocks.values(), mode)
 
 
 def apply_compile(model: LayeredModel) -> None:
