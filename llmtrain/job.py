@@ -33,7 +33,7 @@ from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
-from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, held_bytes
+from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, OutOfMemory, held_bytes, out_of_memory
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
@@ -45,6 +45,7 @@ log = logging.getLogger("llmtrain")
 HYDRA_ONLY = {".hydra", "train.log"}
 CONFIG_ERROR_EXIT = 2
 DIVERGED_EXIT = 3
+OUT_OF_MEMORY_EXIT = 4
 
 
 def _remove_if_empty_run(run_dir: str) -> None:
@@ -113,6 +114,12 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         if preemption.signal_name:
             preemption.hand_over()
         sys.exit(PREEMPTED_EXIT)
+    except (OutOfMemory, torch.OutOfMemoryError) as error:  # the rank that ran out says so; its peers then fail too
+        if isinstance(error, torch.OutOfMemoryError):  # before the first step: building the model or its state
+            error = out_of_memory(runtime.rank, "while building the model", runtime.device, cfg.train.micro_batch_size)
+        print(f"error: {error}", file=sys.stderr)
+        runtime.shutdown()
+        sys.exit(OUT_OF_MEMORY_EXIT)
     except TrainingDiverged as error:  # every rank takes the same decision at the same step
         if runtime.is_main:
             print(f"error: {error}", file=sys.stderr)
@@ -269,6 +276,10 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     try:
         state = trainer.run()
         checkpoints.finish()
+    except torch.OutOfMemoryError:
+        raise out_of_memory(
+            runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size
+        ) from None
     finally:
         if loggers:
             loggers.close_console()

@@ -205,3 +205,16 @@ def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
     # Step 4 left the weights as step 3 did, so its checkpoint is good; step 5 stopped the run before saving.
     names = [Path(p).name for p in complete_checkpoints(str(run.run_dir / "checkpoints"))]
     assert names == ["step-00000003", "step-00000004"]
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_one_line_naming_the_rank_the_step_and_the_knobs(train):
+    run = train(*PARITY, "checkpoint.every=1", env=faults(LLMTRAIN_TEST_OOM_AT_STEP="3"))
+    assert run.returncode == 4
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 ran out of cpu memory in step 3 ("), run.stderr
+    assert "Traceback" not in run.stderr
+    for knob in ("train.micro_batch_size (now 2", "train.activation_checkpointing=", "parallel=fsdp"):
+        assert knob in errors[0]
+    names = [Path(p).name for p in complete_checkpoints(str(run.run_dir / "checkpoints"))]
+    assert names == ["step-00000001", "step-00000002"]  # what was saved before it stays

@@ -97,3 +97,26 @@ class BuildPeak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
         else:
             self.bytes = _status_kib("VmHWM") * 1024 - self._start
+
+
+class OutOfMemory(RuntimeError):
+    """A rank's device ran out of memory; the message is the one line a person reads (what was held, what to
+    change)."""
+
+
+def out_of_memory(rank: int, where: str, device: torch.device, micro_batch_size: int) -> OutOfMemory:
+    """The one-line account of an out-of-memory error on `rank` `where` (e.g. "in step 12")."""
+    gib = 2**30
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        held = (
+            f"{torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved of {total / gib:.2f} GiB"
+        )
+    else:
+        held = f"{_status_kib('VmRSS') * 1024 / gib:.2f} GiB resident"
+    return OutOfMemory(
+        f"rank {rank} ran out of {device.type} memory {where} ({held}): lower train.micro_batch_size (now "
+        f"{micro_batch_size}; gradient accumulation keeps the global batch), set train.activation_checkpointing="
+        f"selective or full, or shard the model over more ranks (parallel=fsdp, or parallel=pp across GPUs)"
+    )

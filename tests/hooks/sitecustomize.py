@@ -4,6 +4,7 @@
   LLMTRAIN_TEST_HANG_AT_STEP=k     step k never finishes (a test then kills the process: a crash mid-run)
   LLMTRAIN_TEST_STEP_SECONDS=s     every step takes at least s seconds (time to send a signal mid-run)
   LLMTRAIN_TEST_INF_AT_STEPS=3,4   those steps' loss and gradients become non-finite (an overflow)
+  LLMTRAIN_TEST_OOM_AT_STEP=k      step k raises torch.OutOfMemoryError, as the CUDA allocator does
 
 The trainer is patched when llmtrain.train.loop is first imported, so the entry point itself is untouched.
 """
@@ -17,6 +18,7 @@ import time
 HANG_AT = int(os.environ.get("LLMTRAIN_TEST_HANG_AT_STEP", "0"))
 STEP_SECONDS = float(os.environ.get("LLMTRAIN_TEST_STEP_SECONDS", "0"))
 INF_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_AT_STEPS", "").split(",") if s}
+OOM_AT = int(os.environ.get("LLMTRAIN_TEST_OOM_AT_STEP", "0"))
 
 
 def _patch(loop) -> None:
@@ -27,6 +29,10 @@ def _patch(loop) -> None:
         if step == HANG_AT:
             while True:
                 time.sleep(1)
+        if step == OOM_AT:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated by the test)")
         started = time.perf_counter()
         if step in INF_AT:
             forward_backward = self.strategy.forward_backward
@@ -67,5 +73,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if HANG_AT or STEP_SECONDS or INF_AT:
+if HANG_AT or STEP_SECONDS or INF_AT or OOM_AT:
     sys.meta_path.insert(0, _PatchOnImport())
