@@ -73,6 +73,26 @@ def train(cfg, runtime: Runtime):
     return losses, norms, strategy, model
 
 
+class PostedGroups:
+    """Records, without changing it, every group of point-to-point operations this rank posts together through
+    `dist.batch_isend_irecv`: a list of [("send" | "recv", peer rank), ...] per group."""
+
+    def __init__(self):
+        self.groups: list[list[tuple[str, int]]] = []
+        self._post = torch.distributed.batch_isend_irecv
+
+    def __enter__(self) -> PostedGroups:
+        def post(ops):
+            self.groups.append([("send" if op.op is torch.distributed.isend else "recv", op.peer) for op in ops])
+            return self._post(ops)
+
+        torch.distributed.batch_isend_irecv = post
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.distributed.batch_isend_irecv = self._post
+
+
 def main(out_dir: str, microbatches: int) -> None:
     runtime = init_runtime("cpu")
     local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
@@ -89,7 +109,10 @@ def main(out_dir: str, microbatches: int) -> None:
             ],
             microbatches,
         )
-        losses, norms, strategy, model = train(cfg, runtime)
+        with PostedGroups() as posted:
+            losses, norms, strategy, model = train(cfg, runtime)
+        groups = [None] * runtime.world_size
+        torch.distributed.all_gather_object(groups, posted.groups)
         weights = strategy.full_state_dict(model)
         run_dir = os.path.join(out_dir, schedule)
         os.makedirs(run_dir, exist_ok=True)
@@ -103,6 +126,7 @@ def main(out_dir: str, microbatches: int) -> None:
                 "same_names": sorted(weights) == sorted(reference),
                 "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
                 "state": weights,
+                "posted_groups": groups,  # per rank, its batch_isend_irecv groups in order (hand-written only)
                 **report["pipeline"],
             }
     if runtime.is_main:

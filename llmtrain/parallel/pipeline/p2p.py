@@ -1,10 +1,12 @@
 """Point-to-point messages between pipeline ranks, for the hand-written schedule and pipelined evaluation.
 
-An activation travels as two messages: a small header (rank count, shape, dtype) so the receiver can allocate
-the buffer, then the data. A gradient needs no header: it has the shape and dtype of the activation the receiver
-itself sent. Sends are asynchronous; the caller keeps the returned `Work` handles (and so the tensors) alive and
-waits for them before the tensors are freed or reused, which is also what lets two neighbours send to each other at
-the same time without deadlocking.
+Messages go out as `P2POp`s posted together by `exchange` (`dist.batch_isend_irecv`): on NCCL the sends and
+receives between two ranks run in order on one stream, so a schedule that posts "send to you" and "receive from
+you" one at a time can wait forever on a peer doing the same the other way round; posted together, as one group,
+they complete together. (gloo buffers sends, so the one-at-a-time version passes on CPU and hangs on GPUs.)
+
+An activation's shape and dtype travel once per step, ahead of the first micro-batch (`send_header` /
+`recv_header`): every micro-batch of a step has the same, and reading a header is a host synchronisation.
 """
 
 from __future__ import annotations
@@ -16,33 +18,35 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # ndim, dtype code, up to 6 dimensions
 
 
-def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
-    work = dist.isend(tensor, dst, group=group)
-    assert work is not None, "this rank is in the group"
-    return work
+def exchange(ops: list[dist.P2POp]) -> None:
+    """Post `ops` as one group and wait for all of them (the received tensors are then filled)."""
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
-def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
-    header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-    header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-    return [_isend(header, dst, group), _isend(tensor.contiguous(), dst, group)]
+def send_header(like: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=like.device)
+    header[0], header[1] = like.ndim, _DTYPES.index(like.dtype)
+    header[2 : 2 + like.ndim] = torch.tensor(like.shape)
+    exchange([dist.P2POp(dist.isend, header, dst, group)])
+
+
+def recv_header(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[list[int], torch.dtype]:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    exchange([dist.P2POp(dist.irecv, header, src, group)])
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    return header[2 : 2 + ndim].tolist(), dtype
+
+
+def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """Header and data, on their own: for forward-only pipelines, where no two ranks ever wait on each other."""
+    send_header(tensor, dst, group)
+    exchange([dist.P2POp(dist.isend, tensor.contiguous(), dst, group)])
 
 
 def recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(tensor, src, group=group)
+    shape, dtype = recv_header(src, group, device)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    exchange([dist.P2POp(dist.irecv, tensor, src, group)])
     return tensor
-
-
-def send_gradient(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
-    return [_isend(grad.contiguous(), dst, group)]
-
-
-def recv_gradient(like: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
-    grad = torch.empty_like(like)
-    dist.recv(grad, src, group=group)
-    return grad

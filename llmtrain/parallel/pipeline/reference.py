@@ -7,9 +7,10 @@ With p stages and m micro-batches, stage s runs:
              activations, so at most p - s micro-batches are alive on stage s (GPipe keeps all m);
   cool-down  the remaining backwards, draining the pipe.
 A forward receives its input activation from stage s - 1 and sends its output to s + 1; a backward receives the
-output's gradient from s + 1 and sends the input's gradient to s - 1. Receives block (the work needs the data);
-sends are asynchronous and their handles are kept until the end of the step: a blocking send to a neighbour that
-is itself blocked sending to us would deadlock, and a send's buffer must outlive the send.
+output's gradient from s + 1 and sends the input's gradient to s - 1. In the steady phase each send is posted
+together with the next receive, as one `batch_isend_irecv` group (p2p.py), exactly where the neighbour posts the
+matching pair: "send activation j, receive gradient i" here meets "send gradient i, receive activation j" on
+stage s + 1. A schedule that posts them one at a time passes on gloo, which buffers sends, and can hang on NCCL.
 
 Gradients are accumulated over the micro-batches' unscaled losses and divided by m at the end, as torch's
 schedules do (scale_grads), so both give the gradient of the mean loss.
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from llmtrain.parallel.pipeline.p2p import recv_activation, recv_gradient, send_activation, send_gradient
+from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.timeline import Timeline
 
 
@@ -58,43 +59,70 @@ class Reference1F1B:
         self.targets = target.tensor_split(self.m) if self.is_last else ()
         # micro-batch -> (the input activation received, None on the first stage; the output or loss)
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.pending: list[dist.Work] = []
+        self.received: dict[int, torch.Tensor] = {}  # activations received ahead of their forward
+        self.activation: tuple[list[int], torch.dtype] | None = None  # shape and dtype of this step's inputs
         warmup = min(self.n_stages - self.stage - 1, self.m)
         for i in range(warmup):
-            self._forward(i, losses)
+            exchange(self._recv_activation(i))
+            exchange(self._forward(i, losses))
+        backward_sends: list[dist.P2POp] = []
         for i in range(self.m - warmup):
-            self._forward(warmup + i, losses)
-            self._backward(i)
+            j = warmup + i
+            exchange(backward_sends + self._recv_activation(j))  # the previous backward's send, this input
+            forward_sends = self._forward(j, losses)
+            gradient, receive_gradient = self._recv_gradient(i)
+            exchange(forward_sends + receive_gradient)  # this output out, the oldest micro-batch's gradient in
+            backward_sends = self._backward(i, gradient)
         for i in range(self.m - warmup, self.m):
-            self._backward(i)
-        for work in self.pending:
-            work.wait()
+            exchange(backward_sends)
+            gradient, receive_gradient = self._recv_gradient(i)
+            exchange(receive_gradient)
+            backward_sends = self._backward(i, gradient)
+        exchange(backward_sends)
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.div_(self.m)
 
-    def _forward(self, i: int, losses: list[torch.Tensor]) -> None:
-        # The receive stays outside the recorded box: waiting for a neighbour is bubble, not work.
-        received = None if self.is_first else recv_activation(self.prev, self.group, self.device).requires_grad_()
+    # Each method below returns the P2POps it needs posted; `step` decides what is posted together.
+    def _recv_activation(self, i: int) -> list[dist.P2POp]:
+        if self.is_first:
+            return []
+        if self.activation is None:  # the first micro-batch of the step: its header says what all of them are
+            self.activation = recv_header(self.prev, self.group, self.device)
+        shape, dtype = self.activation
+        self.received[i] = torch.empty(shape, dtype=dtype, device=self.device)
+        return [dist.P2POp(dist.irecv, self.received[i], self.prev, self.group)]
+
+    def _forward(self, i: int, losses: list[torch.Tensor]) -> list[dist.P2POp]:
+        received = self.received.pop(i).requires_grad_() if not self.is_first else None
         with self.timeline.record("F", self.stage, i):
-            output = self.module(self.inputs[i] if self.is_first else received)
+            output = self.module(self.inputs[i] if received is None else received)
             if self.is_last:
                 output = self.loss_fn(output, self.targets[i])
                 losses.append(output.detach())
-            else:
-                self.pending += send_activation(output.detach(), self.next, self.group)
         self.saved[i] = (received, output)
         self.timeline.activations_saved(self.stage, i)
+        if self.is_last:
+            return []
+        if i == 0:
+            send_header(output, self.next, self.group)
+        return [dist.P2POp(dist.isend, output.detach(), self.next, self.group)]
 
-    def _backward(self, i: int) -> None:
+    def _recv_gradient(self, i: int) -> tuple[torch.Tensor | None, list[dist.P2POp]]:
+        if self.is_last:
+            return None, []
+        gradient = torch.empty_like(self.saved[i][1])
+        return gradient, [dist.P2POp(dist.irecv, gradient, self.next, self.group)]
+
+    def _backward(self, i: int, gradient: torch.Tensor | None) -> list[dist.P2POp]:
         received, output = self.saved.pop(i)
-        grad = None if self.is_last else recv_gradient(output, self.next, self.group)
         with self.timeline.record("B", self.stage, i):
             if isinstance(self.module, FSDPModule):
                 # Reduce-scatter the gradients once, on the last micro-batch; accumulate unsharded before that.
                 self.module.set_requires_gradient_sync(i == self.m - 1)
-            torch.autograd.backward(output, grad)
-            if received is not None:  # not on the first stage
-                assert received.grad is not None, "the stage's input requires grad"
-                self.pending += send_gradient(received.grad, self.prev, self.group)
+            torch.autograd.backward(output, gradient)
         self.timeline.activations_freed(self.stage, i)
+        if received is None:  # the first stage sends no gradient
+            return []
+        assert received.grad is not None, "the stage's input requires grad"
+        return [dist.P2POp(dist.isend, received.grad, self.prev, self.group)]

@@ -191,11 +191,10 @@ class PipelineParallel(Strategy):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
         """Forward-only pipelining: each rank runs its stages in increasing order, each over all micro-batches,
-        sending outputs on asynchronously (a stage only waits on lower stages, so no rank waits on one that waits
-        on it)."""
+        sending each output on as it is made. A stage only waits on lower stages, so no two ranks ever wait on
+        each other: a send completes once the next stage's rank, which waits for nothing else, receives it."""
         device, last = self.runtime.device, self.n_stages - 1
         losses: list[torch.Tensor] = []
-        pending: list[dist.Work] = []
         carried: dict[int, torch.Tensor] = {}  # outputs for the next stage when this rank holds it too
         with precision(), self.loss_context():
             for stage, module in sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0]):
@@ -212,9 +211,7 @@ class PipelineParallel(Strategy):
                     elif stage + 1 in self.stage_indices:
                         carried[i] = output
                     else:
-                        pending += send_activation(output, self._global_rank(stage + 1), self.pp_group)
-        for work in pending:
-            work.wait()
+                        send_activation(output, self._global_rank(stage + 1), self.pp_group)
         return self._mean_from_last_stage(losses)
 
     def _global_rank(self, stage: int) -> int:
