@@ -7,7 +7,7 @@ import math
 import uuid
 
 import pytest
-from conftest import PARITY
+from conftest import PARITY, faults
 
 pytestmark = pytest.mark.slow
 
@@ -121,3 +121,17 @@ def test_hydra_rejects_unknown_options_and_keys(train, overrides, key):
     _assert_clean_failure(run, key)
     if overrides[0].startswith("model="):
         assert "Available options in 'model'" in run.stderr and "gpt2-medium" in run.stderr
+
+
+@pytest.mark.parametrize("layout, nproc", [("parallel=single", 0), ("parallel=pp", 2)])
+def test_a_training_step_reads_the_device_once(layout, nproc, train, tmp_path):
+    """Loss, gradient norm and the stop flag reach the host together, once per step (on a GPU every read of a
+    device value stalls the CPU until the device catches up). torch's pipeline schedules infer their stages'
+    shapes during the first step, which reads a little more."""
+    reads = tmp_path / "host_reads.txt"
+    run = train(layout, "train.steps=4", nproc=nproc, env=faults(LLMTRAIN_TEST_HOST_READS=str(reads)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    per_step = [int(line) for line in reads.read_text().split()]
+    assert len(per_step) == 4 * max(nproc, 1)
+    steady = per_step if nproc == 0 else sorted(per_step)[: 3 * nproc]  # every rank's steps after its first
+    assert set(steady) == {1}, per_step

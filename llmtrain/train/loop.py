@@ -20,6 +20,7 @@ from torch import nn
 from llmtrain.config import TrainConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
+from llmtrain.parallel.strategy import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
 from llmtrain.train.precision import precision_context
@@ -85,6 +86,7 @@ class Trainer:
         self.val_slice = val_slice
         self.checkpoints = checkpoints
         self.preemption = preemption
+        self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
         self.state = state or LoopState()
 
     def _is_checkpoint_step(self, step: int) -> bool:
@@ -105,15 +107,22 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         micro_batches = self.train_slice.micro_batches(self.data.train.next())
-        loss = self.strategy.forward_backward(self.model, micro_batches, self.precision)
-        loss = self.strategy.reduce_mean(loss)
+        loss = self.strategy.reduce_mean(self.strategy.forward_backward(self.model, micro_batches, self.precision))
         grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
-        lr = self.schedule.get_last_lr()[0]
+        stop = (
+            self.preemption.requested_flag(self.runtime)
+            if self.preemption is not None
+            else torch.zeros((), device=grad_norm.device)
+        )
+        # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
+        # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped.
+        loss_value, norm_value, stop_value = torch.stack([full_tensor(loss).float(), grad_norm.float(), stop]).tolist()
+        self.stop_requested = stop_value > 0
         record: dict[str, Any] = {
             "step": self.state.step + 1,
-            "loss": loss.item(),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
+            "loss": loss_value,
+            "lr": self.schedule.get_last_lr()[0],
+            "grad_norm": norm_value,
         }
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
@@ -157,7 +166,7 @@ class Trainer:
             self.checkpoints.poll()
             self.state.records.append(record)
             self.on_record(record)
-            stop = self.preemption is not None and self.preemption.requested(self.runtime)
+            stop = self.stop_requested
             if stop or self._is_checkpoint_step(self.state.step):
                 self.checkpoints.save(self.state.step, self.state.records)
             if stop:

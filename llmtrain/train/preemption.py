@@ -84,18 +84,23 @@ class PreemptionWatch:
                 flush=True,
             )
 
-    def requested(self, runtime: Runtime) -> bool:
-        """Collective: whether any rank has been asked to stop."""
+    def requested_flag(self, runtime: Runtime):
+        """Collective: a device tensor, 1 when any rank has been asked to stop. Left on the device: the trainer
+        reads it with the step's loss and gradient norm, in the step's one host synchronisation."""
         import torch
         import torch.distributed as dist
 
         if self._rank is None:  # not attached yet: announce a signal received while the job started
             self.attach(runtime)
 
-        flag = torch.tensor([self.signal_name is not None], dtype=torch.int32, device=runtime.device)
+        flag = torch.tensor(float(self.signal_name is not None), device=runtime.device)
         if runtime.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return flag
+
+    def requested(self, runtime: Runtime) -> bool:
+        """Collective: whether any rank has been asked to stop."""
+        return bool(self.requested_flag(runtime).item())
 
     def hand_over(self) -> None:
         """Run the handler that watched for the received signal before this watch did, now that the checkpoint is

@@ -5,6 +5,11 @@
   LLMTRAIN_TEST_STEP_SECONDS=s     every step takes at least s seconds (time to send a signal mid-run)
   LLMTRAIN_TEST_INF_AT_STEPS=3,4   those steps' loss and gradients become non-finite (an overflow)
   LLMTRAIN_TEST_OOM_AT_STEP=k      step k raises torch.OutOfMemoryError, as the CUDA allocator does
+  LLMTRAIN_TEST_HOST_READS=FILE    each step appends one line to FILE: how many times the training thread read a
+                                   tensor's value on the host (item, tolist, float, int, bool): each one a sync on
+                                   a GPU. Reads inside optimizer.step are left out: torch's AdamW keeps its step
+                                   counters in host memory on every device, so reading them syncs nothing. The
+                                   reads are counted and performed as usual.
 
 The trainer is patched when llmtrain.train.loop is first imported, so the entry point itself is untouched.
 """
@@ -19,6 +24,50 @@ HANG_AT = int(os.environ.get("LLMTRAIN_TEST_HANG_AT_STEP", "0"))
 STEP_SECONDS = float(os.environ.get("LLMTRAIN_TEST_STEP_SECONDS", "0"))
 INF_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_AT_STEPS", "").split(",") if s}
 OOM_AT = int(os.environ.get("LLMTRAIN_TEST_OOM_AT_STEP", "0"))
+HOST_READS = os.environ.get("LLMTRAIN_TEST_HOST_READS", "")
+_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def _counting_host_reads(step_fn):
+    """step_fn, counting the training thread's host reads of tensor values while it runs."""
+    import threading
+
+    import torch
+
+    def counted(self):
+        thread, count, in_optimizer = threading.get_ident(), [0], [False]
+        originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+        def spy(original):
+            def read(tensor, *args, **kwargs):
+                if threading.get_ident() == thread and not in_optimizer[0]:
+                    count[0] += 1
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        optimizer_step = self.optimizer.step
+
+        def step_uncounted(*args, **kwargs):
+            in_optimizer[0] = True
+            try:
+                return optimizer_step(*args, **kwargs)
+            finally:
+                in_optimizer[0] = False
+
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, spy(original))
+        self.optimizer.step = step_uncounted
+        try:
+            return step_fn(self)
+        finally:
+            del self.optimizer.step
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            with open(HOST_READS, "a") as f:
+                f.write(f"{count[0]}\n")
+
+    return counted
 
 
 def _patch(loop) -> None:
@@ -54,7 +103,7 @@ def _patch(loop) -> None:
         time.sleep(max(0.0, STEP_SECONDS - (time.perf_counter() - started)))
         return record
 
-    loop.Trainer.train_step = train_step
+    loop.Trainer.train_step = _counting_host_reads(train_step) if HOST_READS else train_step
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -73,5 +122,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if HANG_AT or STEP_SECONDS or INF_AT or OOM_AT:
+if HANG_AT or STEP_SECONDS or INF_AT or OOM_AT or HOST_READS:
     sys.meta_path.insert(0, _PatchOnImport())
