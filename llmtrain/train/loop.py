@@ -100,13 +100,15 @@ class Trainer:
     def validation_loss(self) -> float:
         self.model.eval()
         assert self.data.val_rows is not None, "validation rows are read when train.eval_every > 0"
-        loss = self.strategy.evaluate(self.model, self.val_slice.micro_batches(self.data.val_rows), self.precision)
+        loss = self.strategy.evaluate(
+            self.model, self.val_slice.micro_batches(self.data.val_rows, self.runtime.device), self.precision
+        )
         self.model.train()
         return self.strategy.reduce_mean(loss).item()
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
-        micro_batches = self.train_slice.micro_batches(self.data.train.next())
+        micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
         loss = self.strategy.reduce_mean(self.strategy.forward_backward(self.model, micro_batches, self.precision))
         grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
         stop = (
