@@ -35,7 +35,6 @@ from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
 from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, OutOfMemory, held_bytes, out_of_memory
 from llmtrain.train.optim import build_schedule
-from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
@@ -230,7 +229,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         wandb_id,
     )
     state = checkpoints.restore(resume) if resume else LoopState()
-    precision = "bf16 autocast" if uses_bf16(t.precision, runtime.device) else "fp32"
+    _, precision = strategy.precision()
     log.info(
         "\n"
         + start_summary(

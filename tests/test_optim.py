@@ -1,4 +1,6 @@
-"""Optimizer groups and the warmup + cosine schedule."""
+"""Optimizer groups, the warmup + cosine schedule, and the precision policy."""
+
+import contextlib
 
 import pytest
 import torch
@@ -6,6 +8,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.model import GPT, GPTConfig
 from llmtrain.train.optim import build_adamw, build_schedule, lr_factor
+from llmtrain.train.precision import precision_policy
 
 OPTIM = OmegaConf.create(
     dict(lr=1e-3, min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, warmup_steps=10)
@@ -38,3 +41,16 @@ def test_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_one_precision_policy_fsdp_casts_where_it_applies_autocast_elsewhere():
+    """bf16 under FSDP: its mixed precision alone (no autocast on top); bf16 elsewhere: autocast; fp32: neither."""
+    cuda = torch.device("cuda", 0)
+    context, described = precision_policy(cuda, bf16=True, fsdp_mixed_precision=True)
+    assert context is contextlib.nullcontext and described.startswith("bf16 (FSDP mixed precision")
+    context, described = precision_policy(torch.device("cpu"), bf16=True, fsdp_mixed_precision=False)
+    assert isinstance(context(), torch.autocast) and described.startswith("bf16 autocast")
+    assert precision_policy(torch.device("cpu"), bf16=False, fsdp_mixed_precision=True) == (
+        contextlib.nullcontext,
+        "fp32",
+    )

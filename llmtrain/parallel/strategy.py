@@ -5,7 +5,7 @@ changes. How a layout is applied to the model is parallelize.py's linear sequenc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar, cast
 
@@ -30,10 +30,9 @@ from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.tp import loss_context
 from llmtrain.runtime import Runtime, join_single_process_group
 from llmtrain.train.optim import build_adamw
-from llmtrain.train.precision import uses_bf16
+from llmtrain.train.precision import PrecisionContext, precision_policy, uses_bf16
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
-PrecisionContext = Callable[[], AbstractContextManager]
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -47,6 +46,7 @@ class Strategy:
     def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
         self.parallel, self.train, self.runtime = parallel, train, runtime
         self.degrees = resolve_degrees(parallel, runtime.world_size)
+        self.fsdp_mixed_precision = False  # FSDP casts parameters to bf16 for compute (set by parallelize)
         self.validate(model)
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
@@ -135,9 +135,18 @@ class Strategy:
     def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
         what the trainer runs."""
-        apply_layout(model, self.layout())
+        layout = self.layout()
+        self.fsdp_mixed_precision = layout.fsdp_mesh is not None and layout.param_dtype is not None
+        apply_layout(model, layout)
         materialize(model, self.init_device, init)
         return self.wrap(model)
+
+    def precision(self) -> tuple[PrecisionContext, str]:
+        """The forward passes' precision context and its description, once the model is laid out
+        (train/precision.py: FSDP's mixed precision where it applies, autocast elsewhere)."""
+        return precision_policy(
+            self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), self.fsdp_mixed_precision
+        )
 
     def wrap(self, model: LayeredModel) -> nn.Module:
         """A wrapper that needs the materialised weights (DDP), or the model itself."""

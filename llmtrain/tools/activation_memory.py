@@ -19,7 +19,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from llmtrain.runtime import init_runtime
 from llmtrain.tools import build_layout, compose_config
-from llmtrain.train.precision import precision_context
 
 
 def main(argv: list[str]) -> None:
@@ -36,9 +35,7 @@ def main(argv: list[str]) -> None:
     )
     tracker = MemTracker()
     with tracker:
-        strategy.forward_backward(
-            model, [(tokens[:, :-1], tokens[:, 1:])], precision_context(cfg.train.precision, runtime.device)
-        )
+        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], strategy.precision()[0])
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     mib = {str(kind).split(".")[-1].lower(): round(value / 2**20, 3) for kind, value in peak.items()}
     if runtime.is_main:

@@ -27,7 +27,6 @@ from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
-from llmtrain.train.precision import precision_context
 
 
 def expected_elements(strategy: Strategy, n_params: int) -> dict[str, float]:
@@ -72,7 +71,7 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
 
 def _one_step(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: int, n_params: int) -> dict:
     """One training step on random tokens, then what the rank holds, next to the ZeRO formulas."""
-    precision = precision_context(cfg.train.precision, runtime.device)
+    precision, _ = strategy.precision()
     size, count = strategy.micro_batching()
     tokens = torch.randint(
         0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(strategy.dp_rank)

@@ -22,7 +22,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
-from llmtrain.train.precision import precision_context
 
 
 def expected_per_block(sequence_parallel: bool) -> dict[str, int]:
@@ -41,9 +40,7 @@ def count_step(cfg, runtime: Runtime) -> Counter:
     strategy, model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
-        strategy.forward_backward(
-            model, [(tokens[:, :-1], tokens[:, 1:])], precision_context(cfg.train.precision, runtime.device)
-        )
+        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], strategy.precision()[0])
     return Counter({_short(op): n for op, n in comm.get_comm_counts().items()})
 
 

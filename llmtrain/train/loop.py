@@ -23,7 +23,6 @@ from llmtrain.parallel import Strategy
 from llmtrain.parallel.strategy import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
-from llmtrain.train.precision import precision_context
 from llmtrain.train.preemption import Preempted, PreemptionWatch
 
 log = logging.getLogger("llmtrain")
@@ -81,7 +80,7 @@ class Trainer:
         self.on_record = on_record
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(runtime.device)
-        self.precision = precision_context(train.precision, runtime.device)
+        self.precision, _ = strategy.precision()
         self.train_slice = train_slice
         self.val_slice = val_slice
         self.checkpoints = checkpoints
