@@ -22,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import complete_checkpoints
 from llmtrain.parallel import get_strategy
 from llmtrain.runtime import Runtime
@@ -206,6 +207,18 @@ def layout_run(tmp_path_factory, cache_dir):
         return runs[key]
 
     return get
+
+
+def assert_resumed_exactly(resumed: Run, uninterrupted: Run) -> None:
+    """A run resumed from a checkpoint logged what the uninterrupted run did, to the bit, and ended with its
+    weights."""
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed   from" in resumed.stdout + resumed.stderr
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in uninterrupted.metrics], key
+    final = load_final_model(resumed.run_dir / "model.pt")
+    expected = load_final_model(uninterrupted.run_dir / "model.pt")
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
 
 
 def assert_parity(run: Run, reference: Run) -> None:

@@ -18,6 +18,7 @@ from conftest import (
     PARITY,
     PIPELINE,
     assert_parity,
+    assert_resumed_exactly,
     descendants,
     faults,
     killed_mid_run,
@@ -66,13 +67,7 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
     resumed = run_train(
         tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc, name="resumed"
     )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed   from" in resumed.stdout + resumed.stderr
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in uninterrupted.metrics], key
-    final = load_final_model(resumed.run_dir / "model.pt")
-    expected = load_final_model(uninterrupted.run_dir / "model.pt")
-    assert all(torch.equal(final[name], expected[name]) for name in expected)
+    assert_resumed_exactly(resumed, uninterrupted)
 
 
 @pytest.mark.slow

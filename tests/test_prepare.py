@@ -10,12 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import PARITY, PIPELINE, REPO, assert_parity, killed_mid_run, run_train
+from conftest import PARITY, PIPELINE, REPO, assert_parity, assert_resumed_exactly, killed_mid_run, run_train
 from omegaconf import OmegaConf
 
 import llmtrain.data.prepare as prepare_module
-from llmtrain.checkpoint import load_final_model
 from llmtrain.config import ConfigError, DataConfig, PrepareConfig
 from llmtrain.data import RankSlice, build_tokenizer
 from llmtrain.data.prepare import prepare
@@ -230,12 +228,7 @@ def test_prepared_data_trains_the_same_under_every_layout(layout, nproc, prepare
 def test_a_killed_run_on_prepared_data_resumes_bit_identically(prepared, prepared_single, tmp_path, cache_dir):
     checkpoints = killed_mid_run(tmp_path, cache_dir, prepared, 0)
     resumed = run_train(tmp_path, cache_dir, *PARITY, *prepared, f"checkpoint.dir={checkpoints}", name="resumed")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in prepared_single.metrics], key
-    final = load_final_model(resumed.run_dir / "model.pt")
-    expected = load_final_model(prepared_single.run_dir / "model.pt")
-    assert all(torch.equal(final[name], expected[name]) for name in expected)
+    assert_resumed_exactly(resumed, prepared_single)
 
 
 @pytest.mark.slow

@@ -86,14 +86,7 @@ def build_data(
         )
         return Data(tokenizer, Prefetched(batches), val_rows, description)
 
-    windows = TrainingWindows(
-        open_documents(data_cfg, TRAIN),
-        tokenizer,
-        seq_len,
-        seed,
-        data_cfg.doc_shuffle_buffer,
-        data_cfg.window_shuffle_buffer,
-    )
+    windows = training_windows(data_cfg, tokenizer, seq_len, seed)
     if position is not None:
         windows.load_state_dict(position)
     val_rows = None
@@ -110,6 +103,18 @@ def build_data(
         f"{data_cfg.source} streamed (every rank tokenises the whole stream), tokenizer {data_cfg.tokenizer.kind}"
     )
     return Data(tokenizer, Prefetched(StreamedBatches(windows, train_slice)), val_rows, description)
+
+
+def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:
+    """The streamed path's seeded window stream for `data_cfg`, from its start."""
+    return TrainingWindows(
+        open_documents(data_cfg, TRAIN),
+        tokenizer,
+        seq_len,
+        seed,
+        data_cfg.doc_shuffle_buffer,
+        data_cfg.window_shuffle_buffer,
+    )
 
 
 def _validation_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:
@@ -152,4 +157,12 @@ def _enough_val_fraction(
     return None
 
 
-__all__ = ["Batches", "Data", "RankSlice", "build_data", "build_tokenizer", "streaming_scale_warning"]
+__all__ = [
+    "Batches",
+    "Data",
+    "RankSlice",
+    "build_data",
+    "build_tokenizer",
+    "streaming_scale_warning",
+    "training_windows",
+]

@@ -44,12 +44,12 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from llmtrain.config import ConfigError, DataConfig, PrepareConfig, validate_data
-from llmtrain.data import build_tokenizer
+from llmtrain.data import build_tokenizer, training_windows
 from llmtrain.data.prepare import prepare
 from llmtrain.data.prepared import PreparedBatches
-from llmtrain.data.sources import TRAIN, open_documents
+from llmtrain.data.sources import TRAIN
 from llmtrain.data.store import read_manifest
-from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows
+from llmtrain.data.stream import RankSlice, StreamedBatches
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.tools import compose_config
 
@@ -68,17 +68,6 @@ def data_config(source: str, path: str | None, tokenizer: str, overrides: list[s
     return data_cfg, int(cfg.seed)
 
 
-def _windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:
-    return TrainingWindows(
-        open_documents(data_cfg, TRAIN),
-        tokenizer,
-        seq_len,
-        seed,
-        data_cfg.doc_shuffle_buffer,
-        data_cfg.window_shuffle_buffer,
-    )
-
-
 def streaming_throughput(
     data_cfg: DataConfig,
     tokenizer: Tokenizer,
@@ -91,7 +80,7 @@ def streaming_throughput(
 ) -> dict[str, Any]:
     """Rank 0 of dp streaming: its trained tokens/s over at least `steps` batches and `min_seconds`."""
     per_rank = batch_size // dp
-    windows = _windows(data_cfg, tokenizer, seq_len, seed)
+    windows = training_windows(data_cfg, tokenizer, seq_len, seed)
     batches = StreamedBatches(windows, RankSlice(batch_size, per_rank, 0, dp))
     batches.next()  # warm-up: fills the document and window shuffle buffers, which a running job has done long ago
     taken, started = 0, time.perf_counter()
@@ -167,7 +156,7 @@ def streaming_resume(
     """For each step S (ascending), one stream advanced to S gives the position; the timed part is what a
     resumed run does with it. dp = 1: a streamed rank's work does not depend on dp."""
     rank_slice = RankSlice(batch_size, batch_size, 0, 1)
-    stream = _windows(data_cfg, tokenizer, seq_len, seed)
+    stream = training_windows(data_cfg, tokenizer, seq_len, seed)
     done, advancing, last_note = 0, 0.0, time.perf_counter()
     rows = []
     for step in sorted(resume_steps):
@@ -185,7 +174,7 @@ def streaming_resume(
         done += 1
 
         def resume(position: dict = position) -> np.ndarray:
-            resumed = _windows(data_cfg, tokenizer, seq_len, seed)
+            resumed = training_windows(data_cfg, tokenizer, seq_len, seed)
             resumed.load_state_dict(position)
             batch = StreamedBatches(resumed, rank_slice).next()
             return batch
