@@ -20,9 +20,8 @@ def _worker(rank: int, env: dict[str, str], results) -> None:
     runtime = init_runtime("cpu")
     value = torch.tensor([float(runtime.rank + 1)])
     dist.all_reduce(value)
-    results.put(
-        (runtime.rank, runtime.world_size, runtime.launcher, runtime.backend, value.item(), os.environ["MASTER_ADDR"])
-    )
+    backend = dist.get_backend()
+    results.put((runtime.rank, runtime.world_size, runtime.launcher, backend, value.item(), os.environ["MASTER_ADDR"]))
     runtime.shutdown(synchronize=True)
 
 
