@@ -98,10 +98,6 @@ class PreemptionWatch:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
-    def requested(self, runtime: Runtime) -> bool:
-        """Collective: whether any rank has been asked to stop."""
-        return bool(self.requested_flag(runtime).item())
-
     def hand_over(self) -> None:
         """Run the handler that watched for the received signal before this watch did, now that the checkpoint is
         saved: under submitit that handler requeues the job (and exits)."""
