@@ -32,7 +32,8 @@ class ModelConfig:
     d_ff: Optional[int] = None  # None: 4 * d_model
     max_seq_len: int = 1024
     vocab_size: Optional[int] = None  # None: the tokenizer's vocabulary size
-    dropout: float = 0.0
+    dropout: float = 0.0  # embeddings and residual branches
+    attention_dropout: float = 0.0  # attention weights: materialises them (no fused attention kernel)
     bias: bool = True
     vocab_multiple: int = 64  # pad the vocabulary (embedding rows, head outputs) to a multiple of this
     init_from: Optional[str] = None  # a GPT-2 in Hugging Face format (directory or hub name) to start from
@@ -236,8 +237,9 @@ def validate(cfg) -> None:
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
             f"choose a d_model that is a multiple of n_head"
         )
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    for key in ("dropout", "attention_dropout"):
+        if not 0.0 <= m[key] < 1.0:
+            raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
     validate_data(cfg.data)

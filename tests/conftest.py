@@ -153,10 +153,39 @@ def train_command(
     return args, full_env, run_dir
 
 
-def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 600, **options) -> Run:
+def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 480, **options) -> Run:
+    """The run, or (past `timeout`, before pytest's own limit) a failure showing where each process waited: a
+    hang is aborted with SIGABRT, on which Python's fault handler prints every thread's stack."""
     args, env, run_dir = train_command(workdir, cache_dir, *overrides, **options)
-    done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
-    return Run(done.returncode, done.stdout, done.stderr, run_dir)
+    process = subprocess.Popen(
+        args,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(process.pid), process.pid]:  # torchrun's workers run in sessions of their own
+            os.kill(pid, signal.SIGABRT)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"no result after {timeout:.0f}s from {' '.join(args)}\n{stderr[-30_000:]}")
+    return Run(process.returncode, stdout, stderr, run_dir)
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process has just exited
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
 
 
 # 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.

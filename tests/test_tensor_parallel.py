@@ -30,9 +30,9 @@ def test_tensor_parallel_layouts_match_single(nproc, layout, extra, reference, t
 
 
 def test_dropout_masks_follow_the_data_not_the_split(reference, train):
-    """Dropout on: tensor + sequence parallel with recomputed blocks drops exactly what one process drops with the
-    same micro-batches (a mask is drawn per micro-batch call)."""
-    dropout = ["model.dropout=0.1", "train.micro_batch_size=8"]
+    """Dropout on (residual and attention weights): tensor + sequence parallel with recomputed blocks drops exactly
+    what one process drops with the same micro-batches, each rank hashing only its own elements' indices."""
+    dropout = ["model.dropout=0.1", "model.attention_dropout=0.1", "train.micro_batch_size=8"]
     single = train(*PARITY, *dropout, name="single_dropout")
     split = train(
         *PARITY,

@@ -20,6 +20,7 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         max_seq_len=model_cfg.max_seq_len,
         d_ff=model_cfg.d_ff,
         dropout=model_cfg.dropout,
+        attention_dropout=model_cfg.attention_dropout,
         bias=model_cfg.bias,
         vocab_multiple=model_cfg.vocab_multiple,
     )

@@ -1,12 +1,16 @@
-"""Dropout whose mask does not depend on how the tensor is split across ranks.
+"""Dropout whose mask does not depend on how the tensor is split across ranks, and that compiles into one kernel.
 
-Each call draws one seed from the global CPU generator, which the tensor-parallel ranks of one data-parallel
-group advance in lockstep (the job seeds it with seed + data-parallel rank) and activation checkpointing restores
-before a recompute; it then draws the mask of the *whole* (unsplit) tensor from that seed and keeps the part this
-rank holds. So ranks holding the same data drop the same elements, ranks holding different shards or sequences
-drop different ones, a recomputed block drops the same elements again, and a tensor-parallel run drops exactly
-what the single-process run drops. The price: each rank draws the full mask (t times the random numbers of its
-shard), paid only when dropout is on.
+The mask is counter-based: element i of the *whole* (unsplit) tensor is kept when hash(seed, i) clears the drop
+threshold. A rank holding a chunk computes the hashes of its own elements' global indices only, so ranks holding
+the same data drop the same elements, ranks holding different shards or sequences drop different ones, and a
+tensor- or sequence-parallel run drops exactly what the single-process run drops, without any rank drawing the
+whole mask. (JAX's partitionable threefry makes the same trade.)
+
+The seed is one draw per call from the global CPU generator, kept as a tensor (no host read): the tensor-parallel
+ranks of one data-parallel group advance that generator in lockstep (the job seeds it with seed + data-parallel
+rank) and activation checkpointing restores it before a recompute, so a recomputed block drops the same elements.
+Under torch.compile the draw and the hash become part of the block's graph (no break, no torch.Generator), and
+the mask is made in registers by the fused kernel; eager mode pays a handful of integer kernels instead.
 """
 
 from __future__ import annotations
@@ -26,28 +30,53 @@ class Split:
     parts: int
 
 
+def _signed(constant: int) -> int:
+    """A 64-bit constant as torch's int64 holds it."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+# splitmix64's finaliser (Steele, Lea & Flood, 2014) on int64 tensors: multiplications wrap; right shifts are
+# masked to be logical ones.
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def global_indices(shape: torch.Size, split: Split | None, device: torch.device) -> torch.Tensor:
+    """Each element's position (row-major) in the unsplit tensor that this rank's `shape` is a chunk of."""
+    local = torch.arange(shape.numel(), device=device, dtype=torch.int64).view(shape)
+    if split is None or split.parts == 1:
+        return local
+    chunk = shape[split.dim :].numel()  # elements of one chunk per index of the dimensions before `dim`
+    return local + (local // chunk) * ((split.parts - 1) * chunk) + split.rank * chunk
+
+
+def keep_mask(
+    shape: torch.Size, p: float, seed: torch.Tensor, split: Split | None, device: torch.device
+) -> torch.Tensor:
+    """True where an element survives dropout with probability `p`, the same for any split of the tensor."""
+    # (i + seed) * golden: splitmix64's state for step i of the seed (the seed added first: the compiler keeps
+    # index arithmetic exact, and i * golden alone would overflow there).
+    z = (global_indices(shape, split, device) + seed) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (z & 0xFFFFFFFF) >= int(p * 2**32)
+
+
 class Dropout(nn.Module):
     def __init__(self, p: float):
         super().__init__()
         self.p = p
         self.split: Split | None = None  # set by tensor parallelism when the input is a shard
 
-    def _keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        seed = int(torch.randint(0, 2**62, (1,)))
-        full_shape = list(shape)
-        if self.split is not None:
-            full_shape[self.split.dim] *= self.split.parts
-        generator = torch.Generator(device=device).manual_seed(seed)
-        keep = torch.rand(full_shape, generator=generator, device=device) >= self.p
-        if self.split is not None:
-            local = shape[self.split.dim]
-            keep = keep.narrow(self.split.dim, self.split.rank * local, local)
-        return keep
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        return x * self._keep_mask(x.shape, x.device) / (1 - self.p)
+        seed = torch.randint(0, 2**62, ())
+        return x * keep_mask(x.shape, self.p, seed, self.split, x.device) / (1 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, split={self.split}"

@@ -41,6 +41,7 @@ class GPTConfig:
     max_seq_len: int
     d_ff: int | None = None
     dropout: float = 0.0
+    attention_dropout: float = 0.0
     bias: bool = True
     vocab_multiple: int = 1  # pad the embedding and head to a multiple of this (GPUs and tensor parallelism)
 
@@ -66,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.attn_dropout = Dropout(cfg.dropout)
+        self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +76,8 @@ class CausalSelfAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         if self.training and self.attn_dropout.p > 0:
-            # Dropout on the attention weights needs them materialised (the fused kernel draws its own mask,
-            # which would depend on how heads are split across ranks).
+            # Dropout on the attention weights needs them materialised, (batch, heads, t, t): the fused kernel
+            # draws its own mask, which would depend on how heads are split across ranks. Hence its own key.
             t = q.shape[2]
             future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
             scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(future, float("-inf"))

@@ -36,7 +36,7 @@ def hf_config(cfg: GPTConfig, eos_id: int):
         activation_function="gelu_new",
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout,
+        attn_pdrop=cfg.attention_dropout,
         layer_norm_epsilon=1e-5,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
