@@ -9,12 +9,14 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
+from torch import nn
 
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
@@ -28,7 +30,7 @@ from llmtrain.checkpoint.training import (
 from llmtrain.config import ConfigError, RootConfig, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
-from llmtrain.parallel import get_strategy
+from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
@@ -169,8 +171,23 @@ def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> 
     sys.exit(CONFIG_ERROR_EXIT)
 
 
-def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
-    wall_start = time.perf_counter()
+@dataclass
+class Training:
+    """A job ready to train: its trainer, and what the end of the run needs beside it."""
+
+    config: RootConfig
+    strategy: Strategy
+    model: nn.Module
+    checkpoints: RunCheckpoints
+    trainer: Trainer
+    n_params: int
+    wandb_id: str | None
+
+
+def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch | None) -> Training:
+    """Everything before the first step: the layout, the data at its position, the model and optimizer laid out
+    (restored from the checkpoint being resumed), and the start summary logged. The trainer records nowhere yet:
+    the caller sets `trainer.on_record`."""
     config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed sections, each handed only to what uses it
     strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
     t = config.train
@@ -249,11 +266,6 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         )
     )
 
-    loggers = (
-        RunLoggers(cfg, run_dir, *_wandb_identity(cfg, run_dir), history=state.records, wandb_id=wandb_id)
-        if runtime.is_main
-        else None
-    )
     trainer = Trainer(
         t,
         config.optim.grad_clip,
@@ -267,11 +279,28 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         train_slice,
         val_slice,
         model_flops,
-        loggers.record if loggers else lambda record: None,
+        lambda record: None,
         checkpoints,
         preemption,
         state,
     )
+    return Training(config, strategy, model, checkpoints, trainer, n_params, wandb_id)
+
+
+def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
+    wall_start = time.perf_counter()
+    training = build_training(cfg, runtime, run_dir, preemption)
+    trainer, checkpoints, strategy, model = training.trainer, training.checkpoints, training.strategy, training.model
+    t, n_params = training.config.train, training.n_params
+    loggers = (
+        RunLoggers(
+            cfg, run_dir, *_wandb_identity(cfg, run_dir), history=trainer.state.records, wandb_id=training.wandb_id
+        )
+        if runtime.is_main
+        else None
+    )
+    if loggers:
+        trainer.on_record = loggers.record
     try:
         state = trainer.run()
         checkpoints.finish()

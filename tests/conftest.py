@@ -164,28 +164,15 @@ def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 
         stderr=subprocess.PIPE,
         text=True,
         env={**env, "PYTHONFAULTHANDLER": "1"},
-        start_new_session=True,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [*_children(process.pid), process.pid]:  # torchrun's workers run in sessions of their own
+        for pid in [*descendants(process.pid), process.pid]:  # torchrun's workers run in sessions of their own
             os.kill(pid, signal.SIGABRT)
         stdout, stderr = process.communicate()
         pytest.fail(f"no result after {timeout:.0f}s from {' '.join(args)}\n{stderr[-30_000:]}")
     return Run(process.returncode, stdout, stderr, run_dir)
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process has just exited
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
 
 
 # 10 steps of the tiny model on a global batch of 16 sequences, validated at steps 5 and 10.

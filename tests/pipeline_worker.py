@@ -59,6 +59,17 @@ def batches(cfg) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return steps
 
 
+def validation_loss(strategy, model) -> float:
+    """The trained model's loss on micro-batches of 3, 5 and 2 sequences: the receiving stages learn only the first
+    one's shape from a header, the others' from their own micro-batch sizes."""
+    tokens = torch.randint(0, VOCAB, (10, 33), generator=torch.Generator().manual_seed(1))
+    micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split([3, 5, 2])]
+    model.eval()
+    loss = strategy.reduce_mean(strategy.evaluate(model, micro_batches, nullcontext)).item()
+    model.train()
+    return loss
+
+
 def train(cfg, runtime: Runtime):
     """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the strategy, the model."""
     torch.manual_seed(cfg.seed)
@@ -98,6 +109,7 @@ def main(out_dir: str, microbatches: int) -> None:
     local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
     ref_losses, ref_norms, ref_strategy, ref_model = train(config(["parallel=single"], microbatches), local)
     reference = ref_strategy.full_state_dict(ref_model)
+    ref_validation = validation_loss(ref_strategy, ref_model)
     results = {}
     for schedule, stages_per_rank in SCHEDULES.items():
         cfg = config(
@@ -111,6 +123,7 @@ def main(out_dir: str, microbatches: int) -> None:
         )
         with PostedGroups() as posted:
             losses, norms, strategy, model = train(cfg, runtime)
+        validation = validation_loss(strategy, model)
         groups = [None] * runtime.world_size
         torch.distributed.all_gather_object(groups, posted.groups)
         weights = strategy.full_state_dict(model)
@@ -123,6 +136,8 @@ def main(out_dir: str, microbatches: int) -> None:
                 "reference_losses": ref_losses,
                 "norms": norms,
                 "reference_norms": ref_norms,
+                "validation": validation,
+                "reference_validation": ref_validation,
                 "same_names": sorted(weights) == sorted(reference),
                 "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
                 "state": weights,

@@ -32,15 +32,18 @@ from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import (
+    CheckpointManager,
     IncompleteCheckpoint,
     checkpoint_path,
     complete_checkpoints,
     latest_checkpoint,
+    load_checkpoint,
     single_process_quiet,
 )
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
 from llmtrain.config import CheckpointConfig, ConfigError
+from llmtrain.runtime import Runtime
 from llmtrain.tools.compare_runs import compare
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
@@ -123,6 +126,21 @@ def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
             dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path), no_dist=True)
         (path / "meta.json").write_text("{}")
         (path / "data.pkl").write_bytes(b"")
+
+
+def test_async_saves_reuse_their_staging_buffers_and_write_each_steps_values(tmp_path):
+    """The stager keeps its host copies between saves: the second save must refill them, not write the first's."""
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+    manager = CheckpointManager(str(tmp_path), keep=2, use_async=True, runtime=runtime)
+    weights = torch.zeros(64, 32)
+    for step in (1, 2):
+        weights.fill_(step)
+        manager.save(step, {"weights": weights}, meta={"step": step}, data_position={})
+    manager.wait()
+    for step in (1, 2):
+        loaded = {"weights": torch.empty(64, 32)}
+        load_checkpoint(checkpoint_path(str(tmp_path), step), loaded, distributed=False)
+        assert torch.equal(loaded["weights"], torch.full((64, 32), float(step)))
 
 
 def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):

@@ -130,7 +130,11 @@ def test_every_schedule_matches_the_unsplit_model(pp, microbatches, tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(SCHEDULES)
     for schedule, r in results.items():
-        for ours, reference in ((r["losses"], r["reference_losses"]), (r["norms"], r["reference_norms"])):
+        for ours, reference in (
+            (r["losses"], r["reference_losses"]),
+            (r["norms"], r["reference_norms"]),
+            ([r["validation"]], [r["reference_validation"]]),
+        ):
             assert max(abs(a - b) / b for a, b in zip(ours, reference)) <= LOSS_RTOL, (schedule, r)
         assert r["same_names"] and r["weight_difference"] <= PARAM_ATOL, (schedule, r)
         assert (tmp_path / schedule / "pipeline.png").stat().st_size > 10_000

@@ -12,7 +12,13 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from llmtrain.config import ConfigError
-from llmtrain.runtime import cuda_device_index, first_slurm_host, init_runtime, process_group_backend
+from llmtrain.runtime import (
+    cuda_device_index,
+    first_slurm_host,
+    init_runtime,
+    process_group_backend,
+    use_tf32_for_fp32_matmuls,
+)
 
 
 def _worker(rank: int, env: dict[str, str], results) -> None:
@@ -213,3 +219,14 @@ def test_gpu_jobs_get_a_gloo_backend_beside_nccl_for_host_tensors():
     """CPU-offloaded FSDP reduces gradients that live in host memory: a NCCL-only group has no backend for them."""
     assert process_group_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert process_group_backend(torch.device("cpu")) == "gloo"
+
+
+def test_fp32_matmuls_use_tf32_tensor_cores_on_gpus_only():
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        use_tf32_for_fp32_matmuls(torch.device("cpu"))
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == before
+        use_tf32_for_fp32_matmuls(torch.device("cuda", 0))
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before

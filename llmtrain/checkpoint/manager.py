@@ -12,7 +12,9 @@ complete; one whose files are missing or truncated anyway (a disk that lost a sh
 naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
 
 With `checkpoint.async_save`, DCP's async_save stages the state in host memory, returns, and writes in a background
-thread on a dedicated gloo group while training continues; the rename happens at the first step end after every
+thread on a dedicated gloo group while training continues. The staging buffers are allocated at the first save and
+reused by every later one (pinned on GPUs, so the copy runs at full PCIe speed): the training pause is the copy,
+not an allocation of the whole state; the rename happens at the first step end after every
 rank's write has finished (or at the next save, or the end of the run), so a crash mid-write leaves the previous
 checkpoint as the latest.
 """
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from llmtrain.runtime import Runtime
 
@@ -144,6 +147,15 @@ def restore_rng_states(path: str, rank: int) -> bool:
     return True
 
 
+def staging_options(device: torch.device) -> StagingOptions:
+    """Async saves copy into host buffers that persist between saves (DCP's stager keeps them by storage), pinned
+    when the state lives on a GPU; the copy itself stays on the training thread, where DCP expects it."""
+    on_gpu = device.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+
+
 class CheckpointManager:
     """Writes the checkpoints of one directory (every rank calls `save`), completing async ones."""
 
@@ -156,6 +168,7 @@ class CheckpointManager:
         # The background writes of async_save run collectives; they get their own gloo group so that they never
         # interleave with the training step's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if use_async and runtime.distributed else None
+        self._stager = DefaultStager(staging_options(runtime.device)) if use_async else None
 
     def save(
         self,
@@ -185,7 +198,11 @@ class CheckpointManager:
         with single_process_quiet():
             if self.use_async:
                 future = dcp.async_save(
-                    state, checkpoint_id=tmp, process_group=self._group, no_dist=not self.runtime.distributed
+                    state,
+                    checkpoint_id=tmp,
+                    process_group=self._group,
+                    async_stager=self._stager,
+                    no_dist=not self.runtime.distributed,
                 )
                 self._pending = (cast(Future, future), tmp, final)
             else:
@@ -197,8 +214,10 @@ class CheckpointManager:
         crash later in the run finds it complete."""
         if self._pending is None:
             return
-        done = torch.tensor([int(self._pending[0].done())], dtype=torch.int32, device=self.runtime.device)
-        if self.runtime.distributed:  # on the training group: the write's own group is busy in its thread
+        # A host tensor, reduced by the training group's gloo backend (a GPU job's group has one for host tensors):
+        # no device synchronisation. Not on the write's own group: that one is busy in the write's thread.
+        done = torch.tensor([int(self._pending[0].done())], dtype=torch.int32)
+        if self.runtime.distributed:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item():
             self.wait()

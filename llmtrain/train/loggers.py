@@ -90,6 +90,8 @@ def _format(record: dict[str, Any]) -> str:
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
+    if "peak_memory_gib" in record:
+        parts.append(f"mem {record['peak_memory_gib']:.1f}/{record['peak_reserved_gib']:.1f} GiB")
     return " | ".join(parts)
 
 

@@ -22,7 +22,8 @@ from llmtrain.data import Data, RankSlice
 from llmtrain.parallel import Strategy
 from llmtrain.parallel.strategy import full_tensor
 from llmtrain.runtime import Runtime
-from llmtrain.train.metrics import mfu, peak_flops, peak_memory_gib
+from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
+from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import Preempted, PreemptionWatch
 
 log = logging.getLogger("llmtrain")
@@ -79,8 +80,8 @@ class Trainer:
         self.data = data
         self.on_record = on_record
         self.flops_per_token = flops_per_token
-        self.peak = peak_flops(runtime.device)
         self.precision, _ = strategy.precision()
+        self.peak = peak_flops(runtime.device, bf16=uses_bf16(train.precision, runtime.device))
         self.train_slice = train_slice
         self.val_slice = val_slice
         self.checkpoints = checkpoints
@@ -107,6 +108,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
+        begin_step_memory(self.runtime.device)
         micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
         loss = self.strategy.reduce_mean(self.strategy.forward_backward(self.model, micro_batches, self.precision))
         grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
@@ -157,21 +159,24 @@ class Trainer:
     def run(self) -> LoopState:
         self.model.train()
         while self.state.step < self.train.steps:
-            record = self.train_step()
-            self.state.step = record["step"]
-            if self._is_eval_step(self.state.step):
-                record["val_loss"] = self.validation_loss()
-            memory = peak_memory_gib(self.runtime.device)
-            if memory is not None:
-                record["peak_memory_gib"] = memory
-            self.checkpoints.poll()
-            self.state.records.append(record)
-            self.on_record(record)
-            stop = self.stop_requested
-            if stop or self._is_checkpoint_step(self.state.step):
-                self.checkpoints.save(self.state.step, self.state.records)
-            if stop:
-                self.checkpoints.finish()
-                signal_name = self.preemption.signal_name if self.preemption is not None else None
-                raise Preempted(self.state.step, signal_name or "a signal on another rank")
+            self.advance()
         return self.state
+
+    def advance(self) -> None:
+        """One step and what the run does around it: validation, memory, checkpoint completion, the record,
+        saving, stopping when asked."""
+        record = self.train_step()
+        self.state.step = record["step"]
+        if self._is_eval_step(self.state.step):
+            record["val_loss"] = self.validation_loss()
+        record.update(step_memory(self.runtime.device))
+        self.checkpoints.poll()
+        self.state.records.append(record)
+        self.on_record(record)
+        stop = self.stop_requested
+        if stop or self._is_checkpoint_step(self.state.step):
+            self.checkpoints.save(self.state.step, self.state.records)
+        if stop:
+            self.checkpoints.finish()
+            signal_name = self.preemption.signal_name if self.preemption is not None else None
+            raise Preempted(self.state.step, signal_name or "a signal on another rank")

@@ -63,7 +63,9 @@ def end_summary(
     if any(r.get("mfu") is not None for r in steady):
         summary["mfu"] = sum(r["mfu"] for r in steady) / len(steady)
     if "peak_memory_gib" in records[-1]:
-        summary["peak_memory_gib"] = max(r["peak_memory_gib"] for r in records)
+        for key in ("peak_memory_gib", "peak_reserved_gib"):
+            summary[key] = max(r.get(key, 0.0) for r in records)
+        summary["alloc_retries"] = records[-1].get("alloc_retries", 0)  # counts since the process started
     return summary
 
 
@@ -77,7 +79,16 @@ def format_end_summary(summary: dict[str, Any]) -> str:
         + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a"),
     ]
     if "peak_memory_gib" in summary:
-        lines.append(f"memory    {summary['peak_memory_gib']:.2f} GiB peak allocated")
+        lines.append(
+            f"memory    {summary['peak_memory_gib']:.2f} GiB peak allocated, {summary['peak_reserved_gib']:.2f} GiB "
+            f"reserved"
+            + (
+                f"; the allocator flushed its cache {summary['alloc_retries']} times to find room (fragmentation, "
+                f"slow steps): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower train.micro_batch_size"
+                if summary["alloc_retries"]
+                else ""
+            )
+        )
     if "pipeline" in summary:
         p = summary["pipeline"]
         lines.append(

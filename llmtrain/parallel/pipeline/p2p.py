@@ -5,8 +5,9 @@ receives between two ranks run in order on one stream, so a schedule that posts 
 you" one at a time can wait forever on a peer doing the same the other way round; posted together, as one group,
 they complete together. (gloo buffers sends, so the one-at-a-time version passes on CPU and hangs on GPUs.)
 
-An activation's shape and dtype travel once per step, ahead of the first micro-batch (`send_header` /
-`recv_header`): every micro-batch of a step has the same, and reading a header is a host synchronisation.
+An activation's shape and dtype travel once per step (once per stage in evaluation), ahead of the first
+micro-batch (`send_header` / `recv_header`): reading a header is a host synchronisation, and the micro-batches
+after the first have the same trailing shape and dtype.
 """
 
 from __future__ import annotations
@@ -35,18 +36,5 @@ def send_header(like: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
 def recv_header(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[list[int], torch.dtype]:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     exchange([dist.P2POp(dist.irecv, header, src, group)])
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    return header[2 : 2 + ndim].tolist(), dtype
-
-
-def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    """Header and data, on their own: for forward-only pipelines, where no two ranks ever wait on each other."""
-    send_header(tensor, dst, group)
-    exchange([dist.P2POp(dist.isend, tensor.contiguous(), dst, group)])
-
-
-def recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    shape, dtype = recv_header(src, group, device)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    exchange([dist.P2POp(dist.irecv, tensor, src, group)])
-    return tensor
+    ndim, dtype_code, *shape = header.tolist()  # the one host read
+    return shape[:ndim], _DTYPES[dtype_code]

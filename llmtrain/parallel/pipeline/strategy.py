@@ -27,7 +27,7 @@ from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, mate
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.mesh import MESH_DIMS
 from llmtrain.parallel.parallelize import Layout, apply_layout
-from llmtrain.parallel.pipeline.p2p import recv_activation, send_activation
+from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
@@ -56,7 +56,7 @@ class PipelineParallel(Strategy):
         self.pp_rank = self.device_mesh.get_local_rank("pp")
         self.n_stages = self.degrees.pp * parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank, self.spec.style)
-        self.timeline = Timeline()
+        self.timeline = Timeline(runtime.device)
         self.tied_group = self._tied_embedding_group()
 
     # -- layout ---------------------------------------------------------------------------------------------
@@ -192,28 +192,43 @@ class PipelineParallel(Strategy):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
-        """Forward-only pipelining: each rank runs its stages in increasing order, each over all micro-batches,
-        sending each output on as it is made. A stage only waits on lower stages, so no two ranks ever wait on
-        each other: a send completes once the next stage's rank, which waits for nothing else, receives it."""
+        """Forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages
+        in increasing order, receiving each input from the previous stage's rank and sending each output on. Every
+        rank goes through (micro-batch, stage) in the same order, so the k-th message between two ranks is the
+        k-th on both sides and each waits only on work that comes earlier in that order: no cycle, even where a
+        send blocks until received (NCCL; a rank with several stages sends both ways). With one stage per rank the
+        ranks still overlap: rank 0 computes micro-batch i + 1 while rank 1 computes i.
+        The first output of each stage travels with a header (its trailing shape and dtype, a host read on the
+        receiver); the others' shapes follow from the micro-batch sizes every pipeline rank already holds."""
         device, last = self.runtime.device, self.n_stages - 1
         losses: list[torch.Tensor] = []
-        carried: dict[int, torch.Tensor] = {}  # outputs for the next stage when this rank holds it too
+        stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
+        received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         with precision(), self.loss_context():
-            for stage, module in sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0]):
-                for i, (inputs, targets) in enumerate(micro_batches):
+            for i, (inputs, targets) in enumerate(micro_batches):
+                carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
+                for stage, module in stages:
                     if stage == 0:
                         x = inputs.to(device)
-                    elif stage - 1 in self.stage_indices:
-                        x = carried.pop(i)
+                    elif carried is not None:
+                        x = carried
                     else:
-                        x = recv_activation(self._global_rank(stage - 1), self.pp_group, device)
-                    output = module(x)
+                        previous = self._global_rank(stage - 1)
+                        if stage not in received:
+                            received[stage] = recv_header(previous, self.pp_group, device)
+                        shape, dtype = received[stage]
+                        x = torch.empty([len(inputs), *shape[1:]], dtype=dtype, device=device)
+                        exchange([dist.P2POp(dist.irecv, x, previous, self.pp_group)])
+                    output, carried = module(x), None
                     if stage == last:
                         losses.append(cross_entropy_loss(output, targets.to(device)))
                     elif stage + 1 in self.stage_indices:
-                        carried[i] = output
+                        carried = output
                     else:
-                        send_activation(output, self._global_rank(stage + 1), self.pp_group)
+                        following = self._global_rank(stage + 1)
+                        if i == 0:
+                            send_header(output, following, self.pp_group)
+                        exchange([dist.P2POp(dist.isend, output.contiguous(), following, self.pp_group)])
         return self._mean_from_last_stage(losses)
 
     def _global_rank(self, stage: int) -> int:

@@ -2,8 +2,12 @@
 the schedule splits it) and weight-gradient (W) ran on each rank, how many micro-batches held activations at once,
 the bubble, and a Gantt chart of one step.
 
-Times are wall-clock (`time.time()`), comparable across the processes of one machine and, to NTP precision,
-across nodes; the chart starts at the earliest event of the step.
+On CPU the times are the host's wall clock. On a GPU the host only launches kernels, so a host clock would time
+the launches: there each piece is bracketed by CUDA events recorded on the stream, read (one synchronisation) only
+when the events are collected after the run, and placed on the wall clock from an event recorded at the step's
+start. The previous step ended with a host synchronisation, so that anchor is off by at most the optimizer step's
+launch time; times are comparable across the processes of one machine and, to NTP precision, across nodes. The
+chart starts at the earliest event of the step.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.distributed.pipelining import PipelineStage
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#c4a35a"}
@@ -27,25 +33,68 @@ class Event:
     end: float
 
 
+class HostClock:
+    """Marks are wall-clock seconds."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def mark(self) -> float:
+        return time.time()
+
+    def seconds(self, mark: float) -> float:
+        return mark
+
+
+class CudaClock:
+    """Marks are CUDA events on the current stream: when the device reached that point of the work."""
+
+    def __init__(self) -> None:
+        self._origin: torch.cuda.Event | None = None
+        self._origin_seconds = 0.0
+
+    def begin_step(self) -> None:
+        self._origin = self.mark()
+        self._origin_seconds = time.time()
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: torch.cuda.Event) -> float:
+        assert self._origin is not None, "marks are made within a step"
+        mark.synchronize()
+        return self._origin_seconds + self._origin.elapsed_time(mark) / 1e3
+
+
 class Timeline:
     """One rank's record of the current step, and the peak number of (stage, micro-batch) pairs whose activations
     were alive at once over the whole run: alive from the end of F until the last backward piece (B, or W when
     the schedule splits the backward) has run."""
 
-    def __init__(self) -> None:
-        self.events: list[Event] = []
+    def __init__(self, device: torch.device) -> None:
+        self.clock: HostClock | CudaClock = CudaClock() if device.type == "cuda" else HostClock()
         self.peak_in_flight = 0
+        self._marked: list[tuple[str, int, int, Any, Any]] = []  # (kind, stage, micro-batch, start, end marks)
         self._alive: set[tuple[int, int]] = set()
 
     def begin_step(self) -> None:
-        self.events = []
+        self._marked = []
         self._alive.clear()
+        self.clock.begin_step()
 
     @contextmanager
     def record(self, kind: str, stage: int, micro_batch: int) -> Iterator[None]:
-        start = time.time()
+        start = self.clock.mark()
         yield
-        self.events.append(Event(kind, stage, micro_batch, start, time.time()))
+        self._marked.append((kind, stage, micro_batch, start, self.clock.mark()))
+
+    @property
+    def events(self) -> list[Event]:
+        """The current step's events in seconds (on a GPU this waits for them: read it after the run)."""
+        seconds = self.clock.seconds
+        return [Event(kind, stage, i, seconds(start), seconds(end)) for kind, stage, i, start, end in self._marked]
 
     def activations_saved(self, stage: int, micro_batch: int) -> None:
         self._alive.add((stage, micro_batch))

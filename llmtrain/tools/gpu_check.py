@@ -1,0 +1,258 @@
+"""The GPU path, end to end, in one command: precision, compile x activation checkpointing, dropout, async
+checkpoints and resume, speed and memory; with two or more GPUs every layout and pipeline schedule.
+
+    python -m llmtrain.tools.gpu_check [--out gpu_check.json] [--only NAME,...] [--timeout 240]
+
+Each check is a real `train.py` run (torchrun for the multi-GPU ones) of `model=gpt2` on the embedded corpus with
+byte tokens and GPT-2's padded vocabulary of 50,304, so the model has GPT-2's shape and no tokenizer is trained.
+A run that outlives --timeout is stopped and reported as a HANG: a deadlock is a result, not a stuck tool.
+Designed to finish in under 8 minutes on one recent GPU (most of it start-up and compilation).
+
+Rows (tolerances are on the per-step training loss, max relative difference over the run):
+  bf16 / fp32            bf16 (eager, no activation checkpointing) is the reference of the rest; fp32 (TF32
+                         matmuls) within 3% of it; no skipped steps anywhere
+  eager|compiled x none|full|selective
+                         activation checkpointing changes nothing but memory and time: within 1% of the same
+                         compile mode without it (compiled bf16 kernels round differently from eager ones, so
+                         compiled runs are compared with compiled none, and that one with bf16 within 3%)
+  dropout eager|compiled model.dropout=0.1 and attention_dropout=0.1: trains, no skipped steps; its tokens/s
+                         against the run without dropout is what dropout costs
+  async save / resume    checkpoint.async_save every 5 steps, then a new run resumed from step 5: steps 6-10
+                         within 1e-3 of the first run's (GPU kernels are not bit-deterministic)
+  2+ GPUs                ddp, fsdp, tp, and pp with every schedule on 2 GPUs, each within 3% of one GPU
+Speed columns: tokens/s and MFU (steps after the first), peak allocated / reserved GiB over the run.
+
+`--device cpu --model tiny --seq-len 64` runs the same checks on CPU (what the test suite does for two of them): the
+harness is proven there, the numbers only on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEDULES = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "1f1b_reference": 1,
+    "interleaved_1f1b": 2,
+    "zero_bubble": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}
+
+
+@dataclass
+class Check:
+    name: str
+    overrides: list[str]
+    reference: str | None = None  # the check whose losses this one's must match ...
+    tolerance: float = 0.0  # ... within this max relative difference per step
+    nproc: int = 0  # > 0: torchrun with this many ranks
+    resume_from: str | None = None  # resume from step 5 of this check's checkpoints
+
+
+@dataclass
+class Row:
+    name: str
+    status: str = "ok"
+    seconds: float = 0.0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    difference: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_gib: float | None = None
+    reserved_gib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def single_gpu_checks() -> list[Check]:
+    """bf16 eager without activation checkpointing is the reference of the rest."""
+    checks = [
+        Check("bf16", ["train.precision=bf16"]),
+        Check("fp32", ["train.precision=fp32"], reference="bf16", tolerance=0.03),
+    ]
+    for compiled in (False, True):
+        mode = "compiled" if compiled else "eager"
+        flag = f"train.compile={str(compiled).lower()}"
+        if compiled:
+            checks.append(Check("compiled none", [flag], reference="bf16", tolerance=0.03))
+        for ac in ("full", "selective"):
+            reference = "compiled none" if compiled else "bf16"
+            overrides = [flag, f"train.activation_checkpointing={ac}"]
+            checks.append(Check(f"{mode} {ac}", overrides, reference=reference, tolerance=0.01))
+        checks.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"]))
+    resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
+    return [*checks, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
+
+
+def multi_gpu_checks() -> list[Check]:
+    layouts: list[tuple[str, list[str]]] = [("ddp", []), ("fsdp", []), ("tp", [])]
+    for schedule, per_rank in SCHEDULES.items():
+        pipeline = [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={per_rank}"]
+        layouts.append((f"pp {schedule}", [*pipeline, "parallel.microbatches=4"]))
+    return [
+        Check(name, [f"parallel={name.split()[0]}", *extra], reference="bf16", tolerance=0.03, nproc=2)
+        for name, extra in layouts
+    ]
+
+
+def run_check(check: Check, base: list[str], workdir: Path, timeout: float) -> Row:
+    run_dir = workdir / check.name.replace(" ", "_")
+    overrides = [*base, *check.overrides, f"hydra.run.dir={run_dir}"]
+    if check.resume_from:
+        source = workdir / check.resume_from.replace(" ", "_") / "checkpoints" / "step-00000005"
+        overrides.append(f"checkpoint.resume={source}")
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={check.nproc}"]
+        if check.nproc
+        else [sys.executable]
+    )
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the whole group can be stopped on a hang
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return Row(check.name, status=f"HANG (>{timeout:.0f}s)", seconds=time.monotonic() - started)
+    row = Row(check.name, seconds=time.monotonic() - started)
+    if process.returncode != 0:
+        row.status = f"FAIL (exit {process.returncode})"
+        row.notes.append(output.strip().splitlines()[-1] if output.strip() else "no output")
+        return row
+    records = read_metrics(str(run_dir))
+    fill_row(row, records)
+    return row
+
+
+def fill_row(row: Row, records: list[dict[str, Any]]) -> None:
+    """Loss, speed and memory columns from a run's metrics, and a failure when a step was skipped."""
+    row.first_loss, row.final_loss = records[0]["loss"], records[-1]["loss"]
+    steady = records[1:] or records
+    row.tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    if steady[-1].get("mfu") is not None:
+        row.mfu = sum(r["mfu"] for r in steady) / len(steady)
+    if "peak_memory_gib" in records[-1]:
+        row.peak_gib = max(r["peak_memory_gib"] for r in records)
+        row.reserved_gib = max(r["peak_reserved_gib"] for r in records)
+        if records[-1]["alloc_retries"]:
+            row.notes.append(f"{records[-1]['alloc_retries']} allocation retries")
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    if skipped:
+        row.status = "FAIL"
+        row.notes.append(f"non-finite steps {skipped}")
+
+
+def compare_losses(row: Row, check: Check, losses: dict[str, list[dict[str, Any]]]) -> None:
+    """Fail the row when its losses stray from its reference's by more than the check's tolerance."""
+    if check.reference is None or row.status != "ok" or check.reference not in losses:
+        return
+    ours = {r["step"]: r["loss"] for r in losses[check.name]}
+    theirs = {r["step"]: r["loss"] for r in losses[check.reference]}
+    steps = sorted(set(ours) & set(theirs))
+    if check.resume_from:
+        steps = [s for s in steps if s > 5]
+    row.difference = max_relative_difference([ours[s] for s in steps], [theirs[s] for s in steps])
+    if row.difference > check.tolerance:
+        row.status = "FAIL"
+        row.notes.append(f"loss differs from {check.reference} by {row.difference:.2%} > {check.tolerance:.2%}")
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ["check", "status", "s", "loss first->final", "vs ref", "tokens/s", "MFU", "peak/reserved GiB", "notes"]
+    lines = []
+    for r in rows:
+        loss = f"{r.first_loss:.3f}->{r.final_loss:.3f}" if r.first_loss is not None else ""
+        memory = f"{r.peak_gib:.1f}/{r.reserved_gib:.1f}" if r.peak_gib is not None else ""
+        lines.append(
+            [
+                r.name,
+                r.status,
+                f"{r.seconds:.0f}",
+                loss,
+                f"{r.difference:.2%}" if r.difference is not None else "",
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "",
+                f"{r.mfu:.1%}" if r.mfu is not None else "",
+                memory,
+                "; ".join(r.notes),
+            ]
+        )
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
+    return "\n".join(" | ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_check.json", help="where the table goes as JSON")
+    parser.add_argument("--only", default="", help="comma-separated check names (default: all that apply)")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds before a run counts as a hang")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu to prove the harness on a CPU")
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus == 0:
+        sys.exit("gpu_check: no CUDA GPU is visible; nothing was checked (--device cpu proves the harness on CPU)")
+    checks = single_gpu_checks() + (multi_gpu_checks() if gpus >= 2 else [])
+    if args.only:
+        wanted = set(args.only.split(","))
+        checks = [c for c in checks if c.name in wanted]
+    base = [
+        f"model={args.model}",
+        f"train.device={args.device}",
+        "data.tokenizer.kind=byte",
+        "model.vocab_size=50304" if args.model.startswith("gpt") else "model.vocab_size=null",
+        f"train.seq_len={args.seq_len}",
+        "train.batch_size=16",
+        "train.micro_batch_size=8",
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "train.save_model=false",
+        "logging.wandb.mode=disabled",
+        "optim.warmup_steps=2",
+    ]
+    rows, losses = [], {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for check in checks:
+            row = run_check(check, base, Path(workdir), args.timeout)
+            if row.status == "ok":
+                losses[check.name] = read_metrics(str(Path(workdir) / check.name.replace(" ", "_")))
+            compare_losses(row, check, losses)
+            rows.append(row)
+            print(f"{row.name}: {row.status} ({row.seconds:.0f}s)", file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name(0) if gpus else "cpu"
+    print(f"\ngpu_check on {device} x {max(gpus, 1)}, {args.model} at seq {args.seq_len}, {args.steps} steps\n")
+    print(format_table(rows))
+    with open(args.out, "w") as f:
+        json.dump({"device": device, "gpus": gpus, "args": vars(args), "rows": [r.__dict__ for r in rows]}, f, indent=1)
+    print(f"\nwritten to {args.out}")
+    sys.exit(0 if all(r.status == "ok" for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

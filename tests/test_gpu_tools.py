@@ -1,0 +1,51 @@
+"""The GPU check and the overhead benchmark, run on CPU: the harnesses are proven here, their numbers on a GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+
+def _tool(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_the_gpu_check_says_so_when_there_is_no_gpu():
+    done = _tool("llmtrain.tools.gpu_check")
+    assert done.returncode != 0 and "no CUDA GPU is visible; nothing was checked" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_check_compares_each_run_with_its_reference_and_resumes_async_checkpoints(tmp_path):
+    out = tmp_path / "check.json"
+    done = _tool(
+        "llmtrain.tools.gpu_check",
+        *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--out", str(out)),
+        *("--only", "bf16,eager selective,async save,resume"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["bf16", "eager selective", "async save", "resume"]
+    assert all(row["status"] == "ok" for row in rows.values())
+    assert rows["eager selective"]["difference"] <= 0.01 and rows["resume"]["difference"] <= 1e-3
+    assert rows["bf16"]["final_loss"] < rows["bf16"]["first_loss"]
+    assert re.search(r"^resume +\| ok ", done.stdout, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_the_overhead_benchmark_times_both_loops_on_the_same_work():
+    done = _tool(
+        "llmtrain.tools.overhead",
+        *("--steps", "2", "--rounds", "2"),
+        *("model=tiny", "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=4"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"bare loop ([\d.]+) ms/step, trainer ([\d.]+) ms/step, overhead ([-+][\d.]+)%", done.stdout)
+    assert found, done.stdout
+    bare, trainer, overhead = (float(x) for x in found.groups())
+    assert bare > 0 and trainer > 0 and overhead == pytest.approx((trainer / bare - 1) * 100, abs=1.0)
