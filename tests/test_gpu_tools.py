@@ -26,13 +26,13 @@ def test_the_gpu_check_compares_each_run_with_its_reference_and_resumes_async_ch
     done = _tool(
         "llmtrain.tools.gpu_check",
         *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--out", str(out)),
-        *("--only", "bf16,eager selective,async save,resume"),
+        *("--only", "bf16,async save,resume"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["bf16", "eager selective", "async save", "resume"]
+    assert list(rows) == ["bf16", "async save", "resume"]
     assert all(row["status"] == "ok" for row in rows.values())
-    assert rows["eager selective"]["difference"] <= 0.01 and rows["resume"]["difference"] <= 1e-3
+    assert rows["resume"]["difference"] <= 1e-3
     assert rows["bf16"]["final_loss"] < rows["bf16"]["first_loss"]
     assert re.search(r"^resume +\| ok ", done.stdout, re.MULTILINE)
 
@@ -45,7 +45,11 @@ def test_the_overhead_benchmark_times_both_loops_on_the_same_work():
         *("model=tiny", "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=4"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    found = re.search(r"bare loop ([\d.]+) ms/step, trainer ([\d.]+) ms/step, overhead ([-+][\d.]+)%", done.stdout)
+    found = re.search(
+        r"bare loop ([\d.]+) ms/step, trainer ([\d.]+) ms/step, overhead ([-+][\d.]+)%.*"
+        r"rounds ranged ([-+][\d.]+)% to ([-+][\d.]+)%",
+        done.stdout,
+    )
     assert found, done.stdout
-    bare, trainer, overhead = (float(x) for x in found.groups())
-    assert bare > 0 and trainer > 0 and overhead == pytest.approx((trainer / bare - 1) * 100, abs=1.0)
+    bare, trainer, overhead, lowest, highest = (float(x) for x in found.groups())
+    assert bare > 0 and trainer > 0 and lowest <= overhead <= highest

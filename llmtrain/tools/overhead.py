@@ -8,8 +8,9 @@ checkpoints, which cost what the config asks for) and, beside it, a bare loop: t
 weights, a separate copy), torch's AdamW over the same parameter groups, the same LR schedule, gradient
 accumulation, clipping, and one `.item()` for the loss. The bare loop is fed batches the trainer's data pipeline
 made beforehand, so the pipeline's own cost counts as overhead. The two then alternate, --steps steps each per
-round, for --rounds rounds after one warm-up round each; the ratio of their median seconds per step is the overhead.
-Alternation spreads a machine's drift (another process, thermal limits) over both.
+round, for --rounds rounds after one warm-up round each; the overhead is the median over rounds of the round's
+trainer / bare time ratio, minus one, and the spread of those ratios says how far to trust it. Alternation exposes
+both loops to the machine's drift (another process, thermal limits) alike.
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
                 seconds = seconds_per_step(step, steps, runtime.device)
                 if round_index:  # the first round warms both up
                     timings[name].append(seconds)
-    bare_s, trainer_s = (statistics.median(timings[name]) for name in ("bare", "trainer"))
+    # Paired by round: each ratio compares two loops that ran back to back, under the same machine conditions.
+    ratios = [trainer / bare - 1 for bare, trainer in zip(timings["bare"], timings["trainer"])]
     return {
         "overrides": overrides,
-        "bare_s_per_step": bare_s,
-        "trainer_s_per_step": trainer_s,
-        "overhead": trainer_s / bare_s - 1,
+        "bare_s_per_step": statistics.median(timings["bare"]),
+        "trainer_s_per_step": statistics.median(timings["trainer"]),
+        "overhead": statistics.median(ratios),
+        "overhead_range": (min(ratios), max(ratios)),
         "rounds": timings,
     }
 
@@ -113,7 +116,8 @@ def main() -> None:
     print(
         f"{' '.join(result['overrides'])}: bare loop {result['bare_s_per_step'] * 1e3:.1f} ms/step, trainer "
         f"{result['trainer_s_per_step'] * 1e3:.1f} ms/step, overhead {result['overhead']:+.1%} "
-        f"(median of {args.rounds} alternating rounds of {args.steps} steps on {runtime.device})"
+        f"(median of {args.rounds} alternating rounds of {args.steps} steps on {runtime.device}; rounds ranged "
+        f"{result['overhead_range'][0]:+.1%} to {result['overhead_range'][1]:+.1%})"
     )
 
 
