@@ -139,12 +139,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """The machines a run is planned for (conf/hardware/): what the planner's memory and time estimates use."""
+
+    name: str = MISSING
+    nodes: int = 1
+    gpus_per_node: int = 1  # devices (ranks) per node
+    device_memory_gib: Optional[float] = None  # memory of one device; None: host memory / ranks per node (CPU)
+    intra_node_gbps: float = MISSING  # GB/s per device, one direction, to the other devices of its node
+    inter_node_gbps: float = MISSING  # GB/s per device, one direction, across nodes
+    peak_tflops: Optional[float] = None  # dense bf16 (fp32 accumulate) per device; None: unknown (CPU)
+    peer_to_peer: bool = True  # devices of a node reach each other directly (NVLink, PCIe P2P), not via host memory
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     parallel: ParallelConfig = MISSING
     optim: OptimConfig = MISSING
     logging: LoggingConfig = MISSING
+    hardware: HardwareConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1337
@@ -240,6 +255,13 @@ def validate(cfg) -> None:
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")
+    for key in ("nodes", "gpus_per_node", "device_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops"):
+        value = cfg.hardware[key]
+        if value is not None and value <= 0:
+            raise ConfigError(
+                f"hardware.{key}={value} must be positive: fix it in conf/hardware/{cfg.hardware.name}.yaml or on the "
+                f"command line"
+            )
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
     validate_data(cfg.data)

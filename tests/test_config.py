@@ -28,7 +28,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 README = Path(__file__).resolve().parent.parent / "README.md"
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-    for group in ("model", "data", "parallel", "optim", "logging")
+    for group in ("model", "data", "parallel", "optim", "logging", "hardware")
 }
 # Options that need a key the user must supply before they validate.
 REQUIRED = {
@@ -98,6 +98,9 @@ def test_wrong_type_is_rejected():
         (["model.d_model=130"], "model.d_model"),
         (["train.micro_batch_size=0"], "train.micro_batch_size"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
+        (["model.attention_dropout=1.0"], "model.attention_dropout"),
+        (["hardware=rtx4080x4", "hardware.device_memory_gib=0"], "hardware.device_memory_gib"),
+        (["hardware.nodes=0"], "hardware.nodes"),
     ],
 )
 def test_validate_names_the_key(overrides, key):
