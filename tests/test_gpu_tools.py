@@ -15,6 +15,7 @@ def _tool(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow  # a process of its own
 def test_the_gpu_check_says_so_when_there_is_no_gpu():
     done = _tool("llmtrain.tools.gpu_check")
     assert done.returncode != 0 and "no CUDA GPU is visible; nothing was checked" in done.stderr
