@@ -18,21 +18,15 @@ from contextlib import nullcontext
 
 import torch
 
+from llmtrain.parallel.pipeline.schedules import SCHEDULES as ALL_SCHEDULES
+from llmtrain.parallel.pipeline.schedules import fewest_stages_per_rank
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
 
 STEPS = 3
 VOCAB = 257
 # name -> virtual stages per rank
-SCHEDULES = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "1f1b_reference": 1,
-    "interleaved_1f1b": 2,
-    "zero_bubble": 2,
-    "zbv": 2,
-    "dualpipev": 2,
-}
+SCHEDULES = {name: fewest_stages_per_rank(name) for name in ALL_SCHEDULES}
 
 
 def config(layout: list[str], microbatches: int):

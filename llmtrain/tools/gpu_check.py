@@ -40,18 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmtrain.parallel.pipeline.schedules import SCHEDULES, fewest_stages_per_rank
 from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEDULES = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "1f1b_reference": 1,
-    "interleaved_1f1b": 2,
-    "zero_bubble": 2,
-    "zbv": 2,
-    "dualpipev": 2,
-}
 
 
 @dataclass
@@ -101,8 +93,11 @@ def single_gpu_checks() -> list[Check]:
 
 def multi_gpu_checks() -> list[Check]:
     layouts: list[tuple[str, list[str]]] = [("ddp", []), ("fsdp", []), ("tp", [])]
-    for schedule, per_rank in SCHEDULES.items():
-        pipeline = [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={per_rank}"]
+    for schedule in SCHEDULES:
+        pipeline = [
+            f"parallel.pp_schedule={schedule}",
+            f"parallel.pp_stages_per_rank={fewest_stages_per_rank(schedule)}",
+        ]
         layouts.append((f"pp {schedule}", [*pipeline, "parallel.microbatches=4"]))
     return [
         Check(name, [f"parallel={name.split()[0]}", *extra], reference="bf16", tolerance=0.03, nproc=2)

@@ -55,6 +55,11 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
+def fewest_stages_per_rank(name: str) -> int:
+    """The smallest parallel.pp_stages_per_rank the schedule runs with."""
+    return 1 if schedule_spec(name).stages_per_rank == "one" else 2
+
+
 def validate_schedule(name: str, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
     spec = schedule_spec(name)
     if compiled and spec.splits_backward:
