@@ -153,6 +153,22 @@ class HardwareConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner's knobs (llmtrain.tools.plan; parallel=auto reads `measured`, `mfu` and `reserved_gib`)."""
+
+    world_size: Optional[int] = None  # None: hardware.nodes x hardware.gpus_per_node
+    parameters: Optional[int] = None  # plan model states for this many parameters instead of the model's ("what if")
+    param_bytes: float = 2  # bytes per parameter of the weights (bf16)
+    grad_bytes: float = 2  # ... of the gradients (bf16)
+    optimizer_bytes: float = 12  # ... of the optimizer state (fp32 master copy + two AdamW moments)
+    layouts: str = "dp"  # dp: the data-parallel layouts | all: also tensor, pipeline and 3-D layouts
+    measured: Optional[str] = None  # a comm_bench.csv whose bus bandwidths replace the hardware's link numbers
+    mfu: float = 0.4  # fraction of peak FLOP/s the compute is assumed to reach
+    reserved_gib: float = 1.0  # per device: CUDA context, communication buffers, allocator fragmentation
+    out: str = "plan.json"  # where llmtrain.tools.plan writes its JSON
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -160,6 +176,7 @@ class RootConfig:
     optim: OptimConfig = MISSING
     logging: LoggingConfig = MISSING
     hardware: HardwareConfig = MISSING
+    plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1337
@@ -262,10 +279,23 @@ def validate(cfg) -> None:
                 f"hardware.{key}={value} must be positive: fix it in conf/hardware/{cfg.hardware.name}.yaml or on the "
                 f"command line"
             )
+    _validate_plan(cfg.plan)
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
     validate_data(cfg.data)
     _validate_checkpoint(cfg.checkpoint)
+
+
+def _validate_plan(p) -> None:
+    for key in ("world_size", "parameters", "param_bytes", "grad_bytes", "optimizer_bytes"):
+        if p[key] is not None and p[key] <= 0:
+            raise ConfigError(f"plan.{key}={p[key]} must be positive: set plan.{key} to a value above 0")
+    if not 0 < p.mfu <= 1 or p.reserved_gib < 0:
+        raise ConfigError(
+            f"plan.mfu={p.mfu} must be in (0, 1] and plan.reserved_gib={p.reserved_gib} >= 0: e.g. plan.mfu=0.4"
+        )
+    if p.layouts not in ("dp", "all"):
+        raise ConfigError(f"plan.layouts={p.layouts!r} is not one of dp, all: set plan.layouts=dp or plan.layouts=all")
 
 
 def _validate_checkpoint(c) -> None:

@@ -37,6 +37,7 @@ from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
 from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, OutOfMemory, held_bytes, out_of_memory
 from llmtrain.train.optim import build_schedule
+from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from llmtrain.train.report import end_summary, format_end_summary, start_summary
 
@@ -189,6 +190,14 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
     (restored from the checkpoint being resumed), and the start summary logged. The trainer records nowhere yet:
     the caller sets `trainer.on_record`."""
     config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed sections, each handed only to what uses it
+    tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
+    _check_vocab(cfg, tokenizer.vocab_size)
+    auto = None
+    if config.parallel.strategy == "auto":
+        auto = _agreed(runtime, _auto_layout(cfg, config, runtime, tokenizer.vocab_size) if runtime.is_main else None)
+        config.parallel = auto.parallel
+        OmegaConf.update(cfg, "parallel", OmegaConf.structured(auto.parallel), merge=False)  # W&B and the summary
+        log.info(auto.summary)
     strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
     t = config.train
     per_step = t.micro_batch_size * strategy.dp_size
@@ -207,8 +216,6 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
 
     if runtime.is_main and (warning := streaming_scale_warning(config.data, strategy.dp_size)):
         log.warning(warning)
-    tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
-    _check_vocab(cfg, tokenizer.vocab_size)
     meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
     gpt_cfg = meta.cfg
     checkpoint_dir = os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
@@ -254,7 +261,7 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
             n_params=n_params,
             padding=padding,
             vocab_size=gpt_cfg.vocab_size,
-            layout=strategy.summary(),
+            layout=("auto -> " if auto else "") + strategy.summary(),
             device=str(runtime.device),
             precision=precision,
             dp_size=strategy.dp_size,
@@ -285,6 +292,17 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
         state,
     )
     return Training(config, strategy, model, checkpoints, trainer, n_params, wandb_id)
+
+
+def _auto_layout(cfg, config: RootConfig, runtime: Runtime, vocab_size: int):
+    """parallel=auto's choice for this world (decided on rank 0: it times the host when the hardware gives no
+    peak)."""
+    from llmtrain.planner.auto import auto_layout
+    from llmtrain.resolvers import ranks_per_node
+
+    bf16 = uses_bf16(config.train.precision, runtime.device)
+    per_node = min(ranks_per_node(), runtime.world_size)
+    return auto_layout(cfg, config.parallel, runtime.world_size, per_node, vocab_size, bf16)
 
 
 def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:

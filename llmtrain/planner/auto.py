@@ -1,0 +1,49 @@
+"""`parallel=auto`: the planner picks the layout and degrees for this world, model and batch at start-up.
+
+It weighs every layout (data-parallel, tensor, pipeline, 3-D) with llmtrain's own state sizes (fp32 weights,
+gradients and AdamW moments; activations in the run's precision), the hardware config's memory and links or the
+links measured in plan.measured, and returns the parallel config of the fastest that fits (llmtrain/planner/plan.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmtrain.config import ConfigError, ParallelConfig
+from llmtrain.planner import choose, enumerate_candidates, llmtrain_state_bytes, machine_for, plan_layout, workload_for
+from llmtrain.planner.plan import GIB
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    parallel: ParallelConfig  # what the run uses in place of parallel=auto
+    summary: str  # the decision, its reason and the runner-up, for the start summary
+
+
+def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,
+                bf16: bool) -> AutoLayout:  # fmt: skip
+    """The layout to train with; a one-line ConfigError when none fits."""
+    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16))
+    machine = machine_for(cfg, world_size, ranks_per_node, bf16)
+    candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", parallel.pp_schedule)
+    plans = [plan_layout(c, work, machine) for c in candidates]
+    if not plans:
+        raise ConfigError(
+            f"parallel=auto found no layout for {world_size} ranks with train.batch_size={cfg.train.batch_size} and "
+            f"train.micro_batch_size={cfg.train.micro_batch_size}: make batch_size a multiple of micro_batch_size x "
+            f"{world_size}"
+        )
+    decision = choose(plans, machine)
+    if decision.chosen is None:
+        raise ConfigError(
+            f"parallel=auto: {decision.reason} of {machine.usable_bytes / GIB:.1f}: lower train.micro_batch_size, set "
+            f"train.activation_checkpointing=full or add ranks (python -m llmtrain.tools.plan "
+            f"model={cfg.model.name} hardware={cfg.hardware.name} plan.world_size={world_size} plan.layouts=all "
+            f"shows every layout)"
+        )
+    chosen = decision.chosen.candidate
+    values = chosen.parallel_values()
+    # keep the user's pipeline schedule knobs and nproc; the degrees and the strategy come from the plan
+    resolved = replace(parallel, **{k: v for k, v in values.items() if k not in ("microbatches", "pp_edge_blocks")})
+    summary = f"auto -> {chosen.name} ({chosen.command_line()}): {decision.reason}"
+    return AutoLayout(resolved, summary)

@@ -1,0 +1,172 @@
+"""The layouts the planner weighs: each a registered strategy with its mesh degrees, named as conf/parallel/ names
+them, checked against the model and batch with the same checks training runs (a layout that cannot run is not a
+candidate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmtrain.config import ConfigError
+from llmtrain.model.parallel_plan import check_tensor_parallel
+from llmtrain.parallel.mesh import Degrees, resolve_degrees
+from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
+from llmtrain.parallel.pipeline.split import stage_layers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: `strategy` over `degrees`, with the parallel.* keys that shape its memory and traffic."""
+
+    name: str
+    strategy: str
+    degrees: Degrees
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = False
+    loss_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    microbatches: int | None = None
+    pp_edge_blocks: int = 0
+
+    @property
+    def sharding(self) -> str:
+        """How model states split over the data-parallel ranks: none (replicas), optimizer (ZeRO-1), gradients
+        (ZeRO-2: FSDP keeping gathered parameters through the step) or parameters (ZeRO-3)."""
+        if self.degrees.dp_shard == 1 and self.strategy != "zero1":
+            return "none"
+        if self.strategy == "zero1":
+            return "optimizer"
+        if self.strategy == "pp" or not self.reshard_after_forward:
+            return "gradients"
+        return "parameters"
+
+    def pipeline_microbatches(self, batch_size: int, micro_batch_size: int) -> int:
+        """Micro-batches per step that each rank runs (a pipeline's m, or gradient accumulation's count)."""
+        if self.degrees.pp > 1 and self.microbatches:
+            return self.microbatches
+        return batch_size // (micro_batch_size * self.degrees.dp)
+
+    def micro_batch_rows(self, batch_size: int, micro_batch_size: int) -> int:
+        return batch_size // (self.degrees.dp * self.pipeline_microbatches(batch_size, micro_batch_size))
+
+    def parallel_values(self) -> dict[str, Any]:
+        """The parallel.* keys that run this layout."""
+        d = self.degrees
+        return {
+            "strategy": self.strategy,
+            "pp": d.pp,
+            "dp_replicate": d.dp_replicate,
+            "dp_shard": d.dp_shard,
+            "tp": d.tp,
+            "reshard_after_forward": self.reshard_after_forward,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+            "pp_schedule": self.pp_schedule,
+            "pp_stages_per_rank": self.pp_stages_per_rank,
+            "microbatches": self.microbatches,
+            "pp_edge_blocks": self.pp_edge_blocks,
+        }
+
+    def command_line(self) -> str:
+        """The overrides that select this layout on a train.py command line."""
+        base = f"parallel={self.name}" if self.name in _PLAIN else f"parallel={self.strategy}"
+        d, extra = self.degrees, []
+        for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
+            extra.append(f"parallel.{dim}={getattr(d, dim)}")
+        if self.degrees.tp > 1:
+            extra.append(f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
+        if self.strategy == "fsdp":
+            extra.append(f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}")
+        return " ".join([base, *extra])
+
+
+_PLAIN = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "pp")
+
+
+def describe_layout(parallel_cfg, world_size: int) -> Candidate:
+    """The candidate a configured parallel group (not `auto`) runs."""
+    degrees = resolve_degrees(parallel_cfg, world_size)
+    p = parallel_cfg
+    candidate = Candidate(
+        name=p.strategy,
+        strategy=p.strategy,
+        degrees=degrees,
+        reshard_after_forward=p.reshard_after_forward,
+        sequence_parallel=degrees.tp > 1 and p.sequence_parallel,
+        loss_parallel=p.loss_parallel,
+        pp_schedule=p.pp_schedule,
+        pp_stages_per_rank=p.pp_stages_per_rank,
+        microbatches=p.microbatches,
+        pp_edge_blocks=p.pp_edge_blocks,
+    )
+    return replace(candidate, name=_layout_name(candidate))
+
+
+def _layout_name(c: Candidate) -> str:
+    d = c.degrees
+    if c.strategy == "pp":
+        inner = [name for name, on in (("fsdp", d.dp > 1), ("tp", d.tp > 1)) if on]
+        return "3d" if len(inner) == 2 else "_".join(["pp", *inner])
+    if c.strategy != "fsdp":
+        return c.strategy
+    if d.tp > 1:
+        return "fsdp_tp" if d.dp_shard > 1 else "ddp_tp"
+    if d.dp_replicate > 1:
+        return "hsdp" if d.dp_shard > 1 else "ddp"
+    return "fsdp" if c.reshard_after_forward else "zero2"
+
+
+def enumerate_candidates(
+    world_size: int, ranks_per_node: int, model_cfg, train_cfg, which: str, pp_schedule: str = "1f1b"
+) -> list[Candidate]:
+    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline and
+    3-D ones ("all"), with tensor parallelism kept inside a node. Layouts the model or batch cannot split into are
+    left out."""
+    w = world_size
+    if w == 1:
+        return [Candidate("single", "single", Degrees())]
+    found = [
+        Candidate("ddp", "ddp", Degrees(dp_replicate=w)),
+        Candidate("zero1", "zero1", Degrees(dp_replicate=w)),
+        Candidate("zero2", "fsdp", Degrees(dp_shard=w), reshard_after_forward=False),
+        Candidate("fsdp", "fsdp", Degrees(dp_shard=w)),
+    ]
+    if w > ranks_per_node and w % ranks_per_node == 0:
+        found.append(Candidate("hsdp", "fsdp", Degrees(dp_replicate=w // ranks_per_node, dp_shard=ranks_per_node)))
+    if which == "all":
+        stages_per_rank = 1 if schedule_spec(pp_schedule).stages_per_rank == "one" else 2
+        for tp in _divisors(w):
+            for pp in _divisors(w // tp):
+                dp = w // (tp * pp)
+                if (tp == 1 and pp == 1) or tp > ranks_per_node:
+                    continue
+                degrees = Degrees(pp=pp, dp_shard=dp, tp=tp)
+                pipeline = dict(pp_schedule=pp_schedule, pp_stages_per_rank=stages_per_rank) if pp > 1 else {}
+                candidate = Candidate(
+                    "", "pp" if pp > 1 else ("tp" if dp == 1 else "fsdp"), degrees, sequence_parallel=tp > 1,
+                    **pipeline,  # type: ignore[arg-type]
+                )  # fmt: skip
+                found.append(replace(candidate, name=_layout_name(candidate)))
+    return [c for c in found if _runs(c, model_cfg, train_cfg)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
+    """Whether training could run this layout (the checks the strategies make before building anything)."""
+    d, t = c.degrees, train_cfg
+    try:
+        if d.tp > 1:
+            check_tensor_parallel(model_cfg, d.tp, t.seq_len, c.sequence_parallel)
+        m = c.pipeline_microbatches(t.batch_size, t.micro_batch_size)
+        if m < 1 or t.batch_size % (d.dp * m) or t.batch_size % (d.dp * t.micro_batch_size):
+            return False
+        if d.pp > 1:
+            validate_schedule(c.pp_schedule, d.pp, c.pp_stages_per_rank, m)
+            stage_layers(model_cfg.n_layer, d.pp * c.pp_stages_per_rank, c.pp_edge_blocks)
+    except ConfigError:
+        return False
+    return True

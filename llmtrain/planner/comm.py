@@ -1,0 +1,122 @@
+"""Bytes one rank communicates per optimizer step, by collective, as llmtrain's layouts issue them.
+
+Sizes follow nccl-tests (the whole buffer: an all-gather's output, a reduce-scatter's input), with Ψ the
+parameters of the rank's part (after tensor and pipeline parallelism), k micro-batches per step and b·s·h one
+micro-batch's residual stream:
+- ddp: one all-reduce of the gradients, Ψ (no_sync skips all but the last micro-batch);
+- zero1: reduce-scatter Ψ of gradients, all-gather Ψ of updated parameters;
+- zero2: per micro-batch all-gather Ψ (kept to backward), reduce-scatter Ψ;
+- fsdp: per micro-batch all-gather Ψ in forward and Ψ − root again in backward (the root unit stays gathered),
+  reduce-scatter Ψ: about 3Ψ;
+- hsdp: fsdp's over dp_shard, plus an all-reduce of the Ψ/dp_shard gradient shard over dp_replicate;
+- FSDP inside pipeline stages: gathered once and reduced once per step (the schedule defers both);
+- tp: per micro-batch and block 4 all-reduces of b·s·h (Megatron's f and g, forward and backward), or with
+  sequence parallelism 4 all-gathers + 4 reduce-scatters; the vocabulary-parallel embedding adds one forward
+  and the head one backward (an all-gather and a reduce-scatter with sequence parallelism), and sequence
+  parallelism all-reduces the replicated position embedding's gradient (max_seq_len·h) each micro-batch;
+- pp: b·s·h sent per micro-batch across each stage boundary that leaves the rank, forward (activations) and
+  backward (their gradients); the tied embedding and head, on the first and last stage, all-reduce their
+  gradient (V·h/t) once per step.
+Scalars (losses, gradient norms) are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from llmtrain.parallel.pipeline.schedules import schedule_spec
+from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
+from llmtrain.planner.candidates import Candidate
+from llmtrain.planner.memory import StateBytes
+from llmtrain.planner.shapes import Holding
+
+# The ops a plan names, as comm_bench and the counter name them.
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
+@dataclass
+class Traffic:
+    """Bytes and calls per op of one rank's step (calls give the message size the link's speed depends on)."""
+
+    bytes: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)
+
+    def add(self, op: str, nbytes: float, calls: int) -> None:
+        if nbytes > 0:
+            self.bytes[op] += round(nbytes)
+            self.calls[op] += calls
+
+    def merge(self, other: Traffic) -> Traffic:
+        return Traffic(self.bytes + other.bytes, self.calls + other.calls)
+
+    def message_bytes(self, op: str) -> float:
+        return self.bytes[op] / max(self.calls[op], 1)
+
+
+def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: StateBytes) -> Traffic:
+    """Gradient and parameter traffic over the data-parallel ranks, per step."""
+    d, traffic = candidate.degrees, Traffic()
+    params, grads = held.total, held.trainable
+    units = held.blocks + 1  # FSDP units: each block and the root
+    if d.dp == 1:
+        return traffic
+    if candidate.strategy == "ddp":
+        traffic.add("all_reduce", grads * sizes.grad, math.ceil(grads * sizes.grad / DDP_BUCKET_BYTES))
+    elif candidate.strategy == "zero1":
+        traffic.add("reduce_scatter", grads * sizes.grad, 2)  # one flat buffer per weight-decay group
+        traffic.add("all_gather", grads * sizes.param, 2)
+    else:
+        times = 1 if candidate.strategy == "pp" else k
+        if d.dp_shard == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
+            traffic.add("all_reduce", grads * sizes.grad * times, units * times)
+            return traffic
+        gathers = 2 if candidate.strategy != "pp" and candidate.reshard_after_forward else 1
+        gathered = params * gathers - (held.root if gathers == 2 else 0)
+        traffic.add("all_gather", gathered * sizes.compute * times, (units * gathers - (gathers - 1)) * times)
+        traffic.add("reduce_scatter", grads * sizes.grad * times, units * times)
+        if d.dp_replicate > 1:
+            traffic.add("all_reduce", grads / d.dp_shard * sizes.grad * times, units * times)
+    return traffic
+
+
+def tensor_parallel_traffic(
+    candidate: Candidate, held: Holding, h: int, max_seq_len: int, rows: int, seq_len: int, k: int, sizes: StateBytes
+) -> Traffic:
+    d, traffic = candidate.degrees, Traffic()
+    if d.tp == 1:
+        return traffic
+    activation = rows * seq_len * h * sizes.compute
+    exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
+    if candidate.sequence_parallel:
+        traffic.add("all_gather", exchanges * activation, exchanges)
+        traffic.add("reduce_scatter", exchanges * activation, exchanges)
+        if held.first:
+            traffic.add("all_reduce", max_seq_len * h * sizes.grad * k, k)
+    else:
+        traffic.add("all_reduce", exchanges * activation, exchanges)
+    return traffic
+
+
+def pipeline_traffic(
+    candidate: Candidate, cfg, pp_rank: int, h: int, rows: int, seq_len: int, m: int, sizes: StateBytes
+) -> Traffic:
+    d, traffic = candidate.degrees, Traffic()
+    if d.pp == 1:
+        return traffic
+    style = schedule_spec(candidate.pp_schedule).style
+    n_stages = d.pp * candidate.pp_stages_per_rank
+    activation = rows * seq_len * h // (d.tp if candidate.sequence_parallel else 1) * sizes.compute
+    for stage in rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style):
+        if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:
+            traffic.add("send", activation * m, m)
+            traffic.add("recv", activation * m, m)  # the gradient coming back
+        if stage > 0 and stage_rank(stage - 1, d.pp, style) != pp_rank:
+            traffic.add("recv", activation * m, m)
+            traffic.add("send", activation * m, m)
+    stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
+    if (0 in stages) != (n_stages - 1 in stages):  # one copy of the tied matrix here, the other on another rank
+        traffic.add("all_reduce", cfg.padded_vocab_size * h // d.tp * sizes.grad, 1)
+    return traffic

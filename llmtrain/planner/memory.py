@@ -1,0 +1,159 @@
+"""Per-rank memory of a layout: model states by the ZeRO paper's accounting, activations by Korthikanti et al.
+
+Model states (Rajbhandari et al., 2020), with Ψ the parameters a rank's part holds (after tensor and pipeline
+parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter:
+    replicas (single, ddp, tp, pp)   Ψ·param + Ψ·grad + Ψ·K
+    ZeRO-1 (zero1)                   Ψ·param + Ψ·grad + Ψ·K/N
+    ZeRO-2 (zero2, FSDP in stages)   Ψ·param/N + Ψ·grad/N + Ψ·K/N, plus Ψ gathered (compute dtype) for the step
+    ZeRO-3 (fsdp, hsdp)              Ψ·param/N + Ψ·grad/N + Ψ·K/N, plus the two largest units gathered at a time
+The paper's ZeRO-2 keeps whole parameters and no shard; llmtrain's is FSDP keeping what it gathered from forward
+to backward, which holds the shard too ("gathered" is reported apart so the formulas stay visible).
+
+Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models"), bytes
+per layer and micro-batch of s tokens × b sequences, width h, a heads, 16-bit activations, tensor degree t:
+    no parallelism                       s·b·h·(34 + 5·a·s/h)
+    tensor parallel                      s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    tensor + sequence parallel           s·b·h·(34 + 5·a·s/h)/t
+    selective recompute                  the 5·a·s/h term (attention scores, softmax, its dropout) is dropped
+    full recompute                       2·s·b·h (/t with sequence parallelism), plus one layer while it reruns
+The 5·a·s/h term exists only where attention weights are materialised: llmtrain's fused attention kernel stores
+no score matrix unless model.attention_dropout > 0. fp32 activations double everything. The last stage adds the
+logits and the fp32 log-probabilities the loss keeps, s·b·V·(compute bytes + 4)/t with loss parallelism.
+A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.planner.candidates import Candidate
+from llmtrain.planner.shapes import Holding
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state, and of activations and gathered copies (the compute dtype)."""
+
+    param: float = 2
+    grad: float = 2
+    optimizer: float = 12
+    compute: float = 2
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.gathered + self.activations
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "gathered": self.gathered,
+            "activations": self.activations,
+            "total": self.total,
+        }
+
+
+def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tuple[float, float, float, float]:
+    """(parameters, gradients, optimizer, gathered) bytes of one rank holding `held`."""
+    n = candidate.degrees.dp_shard if candidate.sharding != "optimizer" else candidate.degrees.dp
+    params, trainable = held.total * sizes.param, held.trainable
+    sharding = candidate.sharding
+    if sharding == "none":
+        return params, trainable * sizes.grad, trainable * sizes.optimizer, 0.0
+    if sharding == "optimizer":
+        return params, trainable * sizes.grad, trainable * sizes.optimizer / n, 0.0
+    states = (params / n, trainable * sizes.grad / n, trainable * sizes.optimizer / n)
+    if sharding == "gradients":
+        return (*states, held.total * sizes.compute)
+    return (*states, 2 * held.largest_unit * sizes.compute)
+
+
+def bytes_per_parameter(candidate: Candidate, sizes: StateBytes) -> float:
+    """Model-state bytes per parameter of the model on one rank (the coefficient `max_parameters` divides by):
+    the ZeRO paper's 16, 4 + 12/N, 2 + 14/N, 16/N with the default sizes, over tp x pp model-parallel ranks."""
+    d = candidate.degrees
+    split = d.tp * d.pp
+    sharding = candidate.sharding
+    if sharding == "none":
+        per = sizes.param + sizes.grad + sizes.optimizer
+    elif sharding == "optimizer":
+        per = sizes.param + sizes.grad + sizes.optimizer / d.dp
+    else:
+        per = (sizes.param + sizes.grad + sizes.optimizer) / d.dp_shard
+        if sharding == "gradients":
+            per += sizes.compute
+    return per / split
+
+
+def layer_activations(
+    s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool, recompute: str, scores_stored: bool
+) -> float:
+    """Korthikanti's bytes per layer and micro-batch (16-bit activations)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    scores = 5 * a * s / h if scores_stored and recompute == "none" else 0.0
+    if sequence_parallel or t == 1:
+        return s * b * h * (34 + scores) / t
+    return s * b * h * (10 + 24 / t + scores / t)
+
+
+def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, m: int, stages_per_rank: int) -> float:
+    """Micro-batches whose activations (of all this rank's layers) pipeline rank `pp_rank` holds at its peak:
+    GPipe runs every forward first; 1F1B lets rank r run pp - r ahead; interleaving adds the other virtual stages'
+    warm-up, 1 + (pp - 1)/(pp·v) times more on rank 0 (Narayanan et al., 2021); ZB-V holds 1F1B's pp; DualPipeV
+    one more."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "1f1b_reference"):
+        return float(min(m, pp - pp_rank))
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        v = stages_per_rank
+        return min(m * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
+    if schedule == "zbv":
+        return float(min(m, pp))
+    return float(min(m, pp + 1))  # dualpipev
+
+
+def activations(
+    candidate: Candidate,
+    held: Holding,
+    pp_rank: int,
+    model_cfg,
+    padded_vocab: int,
+    seq_len: int,
+    micro_batch_rows: int,
+    microbatches: int,
+    recompute: str,
+    sizes: StateBytes,
+) -> float:
+    d = candidate.degrees
+    s, b, h, a = seq_len, micro_batch_rows, model_cfg.d_model, model_cfg.n_head
+    scores_stored = model_cfg.attention_dropout > 0
+    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, recompute, scores_stored)
+    in_flight = in_flight_microbatches(
+        candidate.pp_schedule, d.pp, pp_rank, microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
+    )
+    total = in_flight * held.blocks * per_layer
+    if recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
+        total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored)
+    total *= sizes.compute / 2
+    if held.last:
+        vocab_split = d.tp if candidate.loss_parallel else 1
+        total += s * b * padded_vocab * (sizes.compute + 4) / vocab_split
+    return total

@@ -1,0 +1,271 @@
+"""A layout's plan (memory per rank, traffic per step, predicted step time), and the choice among layouts.
+
+Step time = compute + pipeline bubble + the communication nothing hides:
+- compute: the model's training FLOPs per token (6N + attention, llmtrain/model/gpt.py; 8N-equivalent with full
+  recompute) x the rank's tokens / (peak x plan.mfu); a CPU without a listed peak is timed with a matmul;
+- bubble: (pp - 1)/m of the compute for GPipe and 1F1B, divided by the virtual stages when interleaved, and by
+  another 3 for the zero-bubble schedules (their backward splits fill most of it);
+- communication (links.py): DDP's and FSDP's gradient and parameter traffic overlaps the compute and costs only
+  what exceeds it; ZeRO-1's reduce-scatter and all-gather, tensor parallelism's per-layer collectives and
+  pipeline sends sit on the critical path.
+The estimate ranks layouts; it is not a benchmark (llmtrain.tools.layout_benchmark measures them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from llmtrain.model.gpt import GPTConfig, flops_per_token
+from llmtrain.parallel.pipeline.schedules import schedule_spec
+from llmtrain.planner.candidates import Candidate
+from llmtrain.planner.comm import Traffic, data_parallel_traffic, pipeline_traffic, tensor_parallel_traffic
+from llmtrain.planner.links import Links
+from llmtrain.planner.memory import RankMemory, StateBytes, activations, bytes_per_parameter, model_states
+from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
+
+GIB = 2**30
+# Layouts a tie (within TIE_TOLERANCE of the fastest) goes to, simplest first: fewer moving parts to debug.
+SIMPLICITY = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp_tp", "fsdp_tp", "pp", "pp_fsdp", "pp_tp",
+              "3d")  # fmt: skip
+TIE_TOLERANCE = 0.03
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the plan runs on: ranks, memory and speed per rank, links."""
+
+    world_size: int
+    ranks_per_node: int
+    memory_bytes: float  # per rank
+    reserved_bytes: float  # of it, kept for the CUDA context, communication buffers and fragmentation
+    peak_flops: float  # per rank, for the run's precision
+    mfu: float
+    links: Links
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch being planned."""
+
+    model_cfg: Any  # the model config group (n_head, attention_dropout, ...)
+    gpt: GPTConfig
+    seq_len: int
+    batch_size: int
+    micro_batch_size: int
+    recompute: str  # train.activation_checkpointing
+    sizes: StateBytes
+    parameters: int | None = None  # "what if" override of the model's parameter count (model states only)
+
+
+@dataclass
+class LayoutPlan:
+    candidate: Candidate
+    ranks: list[RankMemory]  # per pipeline rank (one entry without a pipeline)
+    traffic: list[Traffic]  # per pipeline rank
+    fits: bool
+    compute_s: float
+    bubble_s: float
+    comm_s: float
+    exposed_comm_s: float
+    max_parameters: int
+    max_parameters_with_activations: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+    @property
+    def heaviest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.exposed_comm_s
+
+    @property
+    def comm_bytes_per_step(self) -> float:
+        return max(sum(t.bytes.values()) for t in self.traffic)
+
+    def as_dict(self) -> dict[str, Any]:
+        busiest = max(self.traffic, key=lambda t: sum(t.bytes.values()))
+        return {
+            "layout": self.name,
+            "command_line": self.candidate.command_line(),
+            "degrees": self.candidate.degrees.__dict__,
+            "per_rank_bytes": {k: round(v) for k, v in self.heaviest.as_dict().items()},
+            "per_pipeline_rank_bytes": [{k: round(v) for k, v in r.as_dict().items()} for r in self.ranks],
+            "fits": self.fits,
+            "comm_bytes_per_step": round(self.comm_bytes_per_step),
+            "comm_bytes_by_op": {op: round(b) for op, b in sorted(busiest.bytes.items())},
+            "comm_bytes_by_pipeline_rank": [{op: round(b) for op, b in sorted(t.bytes.items())} for t in self.traffic],
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "max_parameters": self.max_parameters,
+            "max_parameters_with_activations": self.max_parameters_with_activations,
+        }
+
+
+def _scaled(held: Holding, factor: float) -> Holding:
+    if factor == 1.0:
+        return held
+    return replace(
+        held,
+        trainable=round(held.trainable * factor),
+        frozen=round(held.frozen * factor),
+        root=round(held.root * factor),
+        largest_unit=round(held.largest_unit * factor),
+    )
+
+
+def _spans_nodes(candidate: Candidate, dim: str, ranks_per_node: int) -> bool:
+    """Whether a group along mesh dimension `dim` crosses nodes (consecutive ranks share the inner dimensions)."""
+    d = candidate.degrees
+    inner = {"tp": 1, "dp_shard": d.tp, "dp_replicate": d.tp * d.dp_shard, "pp": d.tp * d.dp}[dim]
+    return inner * getattr(d, dim) > ranks_per_node
+
+
+def _bubble_fraction(c: Candidate, m: int) -> float:
+    pp = c.degrees.pp
+    if pp == 1:
+        return 0.0
+    v = c.pp_stages_per_rank
+    fraction = (pp - 1) / (m * v)
+    return fraction / 3 if schedule_spec(c.pp_schedule).splits_backward else fraction
+
+
+def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
+    d, gpt = c.degrees, work.gpt
+    k = c.pipeline_microbatches(work.batch_size, work.micro_batch_size)
+    rows = c.micro_batch_rows(work.batch_size, work.micro_batch_size)
+    style = schedule_spec(c.pp_schedule).style
+    factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
+    ranks: list[RankMemory] = []
+    traffic: list[Traffic] = []
+    dp_s, exposed_s = 0.0, 0.0
+    for pp_rank in range(d.pp):
+        held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks)
+        states = model_states(c, _scaled(held, factor), work.sizes)
+        acts = activations(c, held, pp_rank, work.model_cfg, gpt.padded_vocab_size, work.seq_len, rows, k,
+                           work.recompute, work.sizes)  # fmt: skip
+        ranks.append(RankMemory(*states, acts))
+        dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
+        tp = tensor_parallel_traffic(c, held, gpt.d_model, gpt.max_seq_len, rows, work.seq_len, k, work.sizes)
+        pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
+        traffic.append(dp.merge(tp).merge(pp))
+        rank_dp = sum(
+            _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
+            for op in dp.bytes
+        )
+        rank_exposed = sum(
+            _seconds(machine, tp, op, d.tp, _spans_nodes(c, "tp", machine.ranks_per_node)) for op in tp.bytes
+        )
+        rank_exposed += sum(
+            _seconds(machine, pp, op, d.pp if op == "all_reduce" else 2, _spans_nodes(c, "pp", machine.ranks_per_node))
+            for op in pp.bytes
+        )
+        dp_s, exposed_s = max(dp_s, rank_dp), max(exposed_s, rank_exposed)
+    tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
+    n_params = whole_model_parameters(gpt) - gpt.padding_parameters
+    flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank
+    if work.recompute == "full":
+        flops *= 4 / 3  # the forward runs twice
+    compute = flops / (machine.peak_flops * machine.mfu)
+    hidden = c.strategy in ("ddp", "fsdp", "pp")  # overlap their data-parallel traffic with compute
+    exposed = exposed_s + (max(0.0, dp_s - compute) if hidden else dp_s)
+    heaviest = max(ranks, key=lambda r: r.total)
+    per_param = bytes_per_parameter(c, work.sizes)
+    return LayoutPlan(
+        candidate=c,
+        ranks=ranks,
+        traffic=traffic,
+        fits=heaviest.total <= machine.usable_bytes,
+        compute_s=compute,
+        bubble_s=compute * _bubble_fraction(c, k),
+        comm_s=dp_s + exposed_s,
+        exposed_comm_s=exposed,
+        max_parameters=int(machine.usable_bytes // per_param),
+        max_parameters_with_activations=max(0, int((machine.usable_bytes - heaviest.activations) // per_param)),
+    )
+
+
+def _dp_dim(c: Candidate, op: str) -> str:
+    if c.strategy in ("ddp", "zero1") or c.degrees.dp_shard == 1 or op == "all_reduce":
+        return "dp_replicate"
+    return "dp_shard"
+
+
+def _dp_group(c: Candidate, op: str) -> int:
+    return getattr(c.degrees, _dp_dim(c, op))
+
+
+def _seconds(machine: Machine, traffic: Traffic, op: str, group: int, spans_nodes: bool) -> float:
+    return machine.links.seconds(op, traffic.bytes[op], traffic.message_bytes(op), group, spans_nodes)
+
+
+@dataclass(frozen=True)
+class Decision:
+    chosen: LayoutPlan | None
+    runner_up: LayoutPlan | None
+    reason: str
+
+
+def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
+    """The fastest layout that fits (ties within 3% to the simplest), the runner-up, and why, in one line."""
+    usable = machine.usable_bytes / GIB
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
+    too_big = [p.name for p in plans if not p.fits]
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.heaviest.total)
+        return Decision(
+            None,
+            smallest,
+            f"no layout fits {usable:.1f} GiB per rank: the smallest, {smallest.name}, needs "
+            f"{smallest.heaviest.total / GIB:.1f} GiB",
+        )
+    fastest = fitting[0].step_time_s
+    close = [p for p in fitting if p.step_time_s <= fastest * (1 + TIE_TOLERANCE)]
+    chosen = min(close, key=lambda p: SIMPLICITY.index(p.name) if p.name in SIMPLICITY else len(SIMPLICITY))
+    others = [p for p in fitting if p is not chosen]
+    runner_up = others[0] if others else None
+    why = "the fastest that fits" if chosen is fitting[0] else f"within {TIE_TOLERANCE:.0%} of the fastest and simpler"
+    reason = (
+        f"{chosen.name}: {why} ({chosen.heaviest.total / GIB:.2f} of {usable:.2f} GiB per rank, "
+        f"{chosen.step_time_s:.3g} s/step predicted)"
+    )
+    if runner_up:
+        reason += (
+            f"; runner-up {runner_up.name} ({runner_up.heaviest.total / GIB:.2f} GiB, {runner_up.step_time_s:.3g} s)"
+        )
+    if too_big:
+        reason += f"; too big: {', '.join(too_big)}"
+    return Decision(chosen, runner_up, reason)
+
+
+def host_matmul_flops(ranks_per_node: int) -> float:
+    """A CPU rank's fp32 matmul FLOP/s, timed here: the machine's cores are shared by the node's ranks."""
+    import torch
+
+    n, reps = 512, 8
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    measured = 2 * n**3 * reps / (time.perf_counter() - start)
+    cores = os.cpu_count() or 1
+    return measured * min(1.0, cores / ranks_per_node / torch.get_num_threads())
+
+
+def total_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB

@@ -1,0 +1,87 @@
+"""What a rank's part of the GPT holds, in elements, counted from the model config alone (no model is built).
+
+The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/model/parallel_plan.py):
+- per block: q, k, v and the MLP's up-projection are column-parallel (weights and biases split over tp); the
+  attention output and the MLP's down-projection row-parallel (weights split, biases replicated); both
+  LayerNorms replicated;
+- the token embedding is split by vocabulary rows, the position embedding and the final norm replicated; the LM
+  head is the token embedding (tied) unless a pipeline puts the two on different stages, where the last stage
+  holds its own copy; a padded vocabulary adds the head's frozen bias (the -inf mask), split like the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.model.gpt import GPTConfig
+from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Parameters one rank's model part holds after tensor parallelism, before data-parallel sharding."""
+
+    trainable: int  # elements with gradients and optimizer state
+    frozen: int  # elements without (the vocabulary mask)
+    root: int  # elements outside the blocks: FSDP's root unit, which it keeps gathered from forward to backward
+    largest_unit: int  # the largest FSDP unit (a block, or the root)
+    blocks: int  # transformer blocks held
+    first: bool  # holds the first stage (embeddings)
+    last: bool  # holds the last stage (final norm, head, loss)
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+
+def block_parameters(cfg: GPTConfig, tp: int = 1) -> int:
+    """One block's parameters on one of `tp` tensor-parallel ranks."""
+    h, f, bias = cfg.d_model, cfg.hidden, int(cfg.bias)
+    split = 3 * h * h + h * f + bias * (3 * h + f)  # column-parallel: q, k, v, fc_in (weights and biases)
+    split += h * h + f * h  # row-parallel weights: out_proj, fc_out
+    replicated = bias * 2 * h + 2 * h * (1 + bias)  # row-parallel biases; the two LayerNorms
+    return split // tp + replicated
+
+
+def embedding_parameters(cfg: GPTConfig, tp: int = 1) -> int:
+    return cfg.padded_vocab_size * cfg.d_model // tp + cfg.max_seq_len * cfg.d_model
+
+
+def head_parameters(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> tuple[int, int]:
+    """(trainable, frozen) of the final norm and LM head; the weight counts only when it is not the embedding's."""
+    norm = cfg.d_model * (1 + int(cfg.bias))
+    weight = cfg.padded_vocab_size * cfg.d_model // tp if own_weight else 0
+    mask = cfg.padded_vocab_size // tp if cfg.padded_vocab_size > cfg.vocab_size else 0
+    return norm + weight, mask
+
+
+def whole_model_parameters(cfg: GPTConfig) -> int:
+    """Trainable parameters of the unsplit model (the tied head counted once), as `num_parameters` counts them."""
+    return cfg.n_layer * block_parameters(cfg) + embedding_parameters(cfg) + head_parameters(cfg)[0]
+
+
+def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_per_rank: int = 1,
+            style: str = "loop", edge_blocks: int = 0) -> Holding:  # fmt: skip
+    """What pipeline rank `pp_rank` of `pp` (each a tensor-parallel rank of `tp`) holds."""
+    n_stages = pp * stages_per_rank
+    mine = rank_stages(pp_rank, pp, stages_per_rank, style) if pp > 1 else [0]
+    layers = stage_layers(cfg.n_layer, n_stages, edge_blocks) if pp > 1 else [range(cfg.n_layer)]
+    blocks = sum(len(layers[stage]) for stage in mine)
+    first, last = 0 in mine, n_stages - 1 in mine
+    root_trainable, frozen = 0, 0
+    if first:
+        root_trainable += embedding_parameters(cfg, tp)
+    if last:
+        head, frozen = head_parameters(cfg, tp, own_weight=pp > 1)
+        root_trainable += head
+    per_block = block_parameters(cfg, tp)
+    root = root_trainable + frozen
+    return Holding(
+        trainable=blocks * per_block + root_trainable,
+        frozen=frozen,
+        root=root,
+        largest_unit=max(per_block if blocks else 0, root),
+        blocks=blocks,
+        first=first,
+        last=last,
+    )

@@ -1,0 +1,136 @@
+"""What fits, what it costs, which layout to run: the planner on the command line (llmtrain/planner/).
+
+    python -m llmtrain.tools.plan model=gpt2-xl hardware=rtx4080x4
+    python -m llmtrain.tools.plan model=gpt3-2.7b hardware=rtx4080x4 plan.layouts=all train.seq_len=1024
+    python -m llmtrain.tools.plan model=gpt2 hardware=cpu plan.world_size=4 plan.measured=comm_bench.csv
+    python -m llmtrain.tools.plan model=gpt2-xl hardware=h100x8 parallel=fsdp_tp   # also the configured layout
+
+Composed like training (model=, parallel=, hardware=, train.*) plus the plan.* keys (conf/train.yaml). For each
+layout it prints the bytes per rank of parameters, gradients, optimizer state, gathered parameters and
+activations (the heaviest pipeline rank), whether that fits hardware.device_memory_gib less plan.reserved_gib,
+the bytes the busiest rank communicates per step, the predicted step time and `max_parameters`: the largest
+model whose states fit (ZeRO's accounting), and beside it the largest that also fits this batch's activations.
+Then one line: the layout it would pick and why. Everything goes to plan.out (plan.json) too. Exit 2 with a
+one-line error for a bad key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from llmtrain.config import ConfigError, validate
+from llmtrain.planner import (  # noqa: I001 - helpers beside the public API
+    GIB,
+    Decision,
+    LayoutPlan,
+    Machine,
+    choose,
+    configured_state_bytes,
+    describe_layout,
+    enumerate_candidates,
+    machine_for,
+    plan_layout,
+    planned_vocab_size,
+    plans_bf16,
+    workload_for,
+)
+from llmtrain.tools import compose_config
+
+
+def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Machine, dict[str, Any]]:
+    """Plans for every candidate layout of `cfg` (plus its configured one), the choice, and the run's facts."""
+    hw = cfg.hardware
+    world = cfg.plan.world_size or hw.nodes * hw.gpus_per_node
+    ranks_per_node = min(hw.gpus_per_node, world)
+    bf16 = plans_bf16(cfg)
+    sizes = configured_state_bytes(cfg, bf16)
+    work = workload_for(cfg, planned_vocab_size(cfg), sizes)
+    machine = machine_for(cfg, world, ranks_per_node, bf16)
+    candidates = enumerate_candidates(
+        world, ranks_per_node, cfg.model, cfg.train, cfg.plan.layouts, cfg.parallel.pp_schedule
+    )
+    if cfg.parallel.strategy not in ("single", "auto") or world == 1:
+        configured = describe_layout(cfg.parallel, world)
+        candidates = [configured, *(c for c in candidates if c != configured)]
+    plans = [plan_layout(c, work, machine) for c in candidates]
+    facts = {
+        "model": cfg.model.name,
+        "parameters": cfg.plan.parameters or _parameters(work),
+        "hardware": hw.name,
+        "world_size": world,
+        "ranks_per_node": ranks_per_node,
+        "device_memory_gib": machine.memory_bytes / GIB,
+        "usable_gib": machine.usable_bytes / GIB,
+        "precision": "bf16" if bf16 else "fp32",
+        "bytes_per_parameter": sizes.__dict__,
+        "links": machine.links.source,
+        "batch": {"batch_size": cfg.train.batch_size, "micro_batch_size": cfg.train.micro_batch_size,
+                  "seq_len": cfg.train.seq_len, "activation_checkpointing": cfg.train.activation_checkpointing},
+    }  # fmt: skip
+    return plans, choose(plans, machine), machine, facts
+
+
+def _parameters(work) -> int:
+    from llmtrain.planner.shapes import whole_model_parameters
+
+    return whole_model_parameters(work.gpt) - work.gpt.padding_parameters
+
+
+def format_table(plans: list[LayoutPlan], facts: dict[str, Any]) -> str:
+    head = (
+        f"{facts['model']}: {facts['parameters'] / 1e9:.3g}B parameters on {facts['world_size']} x {facts['hardware']} "
+        f"({facts['device_memory_gib']:.1f} GiB, {facts['usable_gib']:.1f} usable), {facts['precision']}, batch "
+        f"{facts['batch']['batch_size']} x {facts['batch']['seq_len']} (micro {facts['batch']['micro_batch_size']}, "
+        f"recompute {facts['batch']['activation_checkpointing']}), links: {facts['links']}"
+    )
+    columns = ("layout", "params", "grads", "optim", "gathered", "activ", "total", "fits", "comm/step", "step s",
+               "max params", "+activ")  # fmt: skip
+    lines = [head, "GiB per rank (heaviest pipeline rank):", "  ".join(f"{c:>10}" for c in columns)]
+    for p in plans:
+        m = p.heaviest
+        cells = [p.name, *(f"{v / GIB:.2f}" for v in (m.parameters, m.gradients, m.optimizer, m.gathered,
+                 m.activations, m.total)), "yes" if p.fits else "NO", f"{p.comm_bytes_per_step / GIB:.2f}",
+                 f"{p.step_time_s:.3g}", f"{p.max_parameters / 1e9:.2f}B",
+                 f"{p.max_parameters_with_activations / 1e9:.2f}B"]  # fmt: skip
+        lines.append("  ".join(f"{c:>10}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        return
+    try:
+        cfg = compose_config(argv)
+        validate(cfg)
+        plans, decision, _, facts = plan_config(cfg)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(format_table(plans, facts))
+    if decision.chosen:
+        command = f"train.py model={cfg.model.name} {decision.chosen.candidate.command_line()}"
+        print(f"pick: {decision.reason}\n  run: {command}")
+    else:
+        print(f"pick: none: {decision.reason}")
+    result = {
+        **facts,
+        "layouts": [p.as_dict() for p in plans],
+        "pick": decision.chosen.name if decision.chosen else None,
+        "runner_up": decision.runner_up.name if decision.runner_up else None,
+        "reason": decision.reason,
+    }
+    out = os.path.abspath(os.path.expanduser(cfg.plan.out))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    partial = out + ".partial"
+    with open(partial, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(partial, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

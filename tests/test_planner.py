@@ -1,0 +1,208 @@
+"""The planner (llmtrain/planner/): its model-state numbers against the ZeRO formulas worked by hand, activations
+against Korthikanti et al.'s, traffic against the designs, the choice, the command line and `plan.measured`.
+What it predicts is measured against real 4-rank runs in test_layout_accounting.py."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from llmtrain.config import ConfigError
+from llmtrain.model import meta_model, num_parameters
+from llmtrain.parallel.mesh import Degrees
+from llmtrain.planner import (
+    GIB,
+    Candidate,
+    StateBytes,
+    choose,
+    enumerate_candidates,
+    machine_for,
+    plan_layout,
+    workload_for,
+)
+from llmtrain.planner.links import Links
+from llmtrain.planner.memory import in_flight_microbatches, layer_activations
+from llmtrain.planner.shapes import holding, whole_model_parameters
+from llmtrain.tools import compose_config
+from llmtrain.tools import plan as plan_tool
+
+# A vocabulary of 256 is a multiple of vocab_multiple=64: no padding, so no frozen mask and Ψ is every parameter.
+UNPADDED = ["model=tiny", "model.vocab_size=256", "hardware=rtx4080x4", "train.seq_len=64"]
+ZERO = StateBytes(param=2, grad=2, optimizer=12, compute=2)
+
+
+def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
+    cfg = compose_config([*UNPADDED, *overrides])
+    work = workload_for(cfg, 256, sizes)
+    machine = machine_for(cfg, candidate.degrees.pp * candidate.degrees.dp * candidate.degrees.tp, 4, True)
+    return plan_layout(candidate, work, machine), work, machine
+
+
+@pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b"])
+def test_parameter_count_from_the_config_is_the_models(model):
+    cfg = compose_config([f"model={model}"])
+    meta = meta_model(cfg.model, 50257)
+    assert whole_model_parameters(meta.cfg) == num_parameters(meta)
+    assert holding(meta.cfg).total == sum(p.numel() for p in meta.parameters())  # + the frozen vocabulary mask
+
+
+LAYOUTS = {
+    "ddp": Candidate("ddp", "ddp", Degrees(dp_replicate=4)),
+    "zero1": Candidate("zero1", "zero1", Degrees(dp_replicate=4)),
+    "zero2": Candidate("zero2", "fsdp", Degrees(dp_shard=4), reshard_after_forward=False),
+    "fsdp": Candidate("fsdp", "fsdp", Degrees(dp_shard=4)),
+    "hsdp": Candidate("hsdp", "fsdp", Degrees(dp_replicate=2, dp_shard=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_model_states_are_the_zero_formulas(name):
+    """ZeRO's paper (2/2/12 bytes per parameter, N = 4 data-parallel ranks): DDP 2Ψ + 2Ψ + 12Ψ; ZeRO-1
+    2Ψ + 2Ψ + 12Ψ/N; ZeRO-2 2Ψ/N + 2Ψ/N + 12Ψ/N with Ψ gathered in bf16 for the step; ZeRO-3 all /N; HSDP /2."""
+    plan, work, _ = _plan(LAYOUTS[name])
+    psi = whole_model_parameters(work.gpt)
+    h = work.gpt.d_model
+    block = 12 * h * h + 13 * h  # attention 4h² + 4h, MLP 2·h·4h + 5h, two LayerNorms 4h
+    root = psi - work.gpt.n_layer * block
+    expected = {
+        "ddp": (2 * psi, 2 * psi, 12 * psi, 0),
+        "zero1": (2 * psi, 2 * psi, 3 * psi, 0),
+        "zero2": (psi / 2, psi / 2, 3 * psi, 2 * psi),
+        "fsdp": (psi / 2, psi / 2, 3 * psi, 2 * 2 * max(block, root)),
+        "hsdp": (psi, psi, 6 * psi, 2 * 2 * max(block, root)),
+    }[name]
+    m = plan.heaviest
+    assert (m.parameters, m.gradients, m.optimizer, m.gathered) == pytest.approx(expected, rel=1e-12)
+    usable = 15 * GIB  # rtx4080x4: 16 GiB less plan.reserved_gib
+    per_parameter = {"ddp": 16, "zero1": 4 + 12 / 4, "zero2": 2 + 16 / 4, "fsdp": 16 / 4, "hsdp": 16 / 2}[name]
+    assert plan.max_parameters == int(usable // per_parameter)
+    assert plan.max_parameters_with_activations == int((usable - m.activations) // per_parameter)
+
+
+def test_parameter_override_answers_what_if():
+    plan, _, _ = _plan(LAYOUTS["ddp"], "plan.parameters=1100000000")
+    assert plan.heaviest.model_states == pytest.approx(16 * 1.1e9, rel=1e-6)
+    assert not plan.fits  # 17.6 GB of states on a 16 GiB card
+
+
+def test_korthikanti_activations_per_layer():
+    """GPT-3 175B's layer at s=2048, b=1 (their table 2): 34 + 5as/h = 34 + 80 without parallelism; t=8 gives
+    10 + 24/8 + 80/8 = 23 and with sequence parallelism (34 + 80)/8; selective recompute drops the 80."""
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert layer_activations(s, b, h, a, 1, False, "none", True) == sbh * 114
+    assert layer_activations(s, b, h, a, 8, False, "none", True) == sbh * 23
+    assert layer_activations(s, b, h, a, 8, True, "none", True) == sbh * 114 / 8
+    assert layer_activations(s, b, h, a, 8, True, "selective", True) == sbh * 34 / 8
+    assert layer_activations(s, b, h, a, 8, True, "full", True) == 2 * sbh / 8
+    assert layer_activations(s, b, h, a, 1, False, "none", False) == sbh * 34  # fused attention: no score matrix
+
+
+def test_pipeline_micro_batches_in_flight():
+    assert in_flight_microbatches("gpipe", 4, 0, 8, 1) == 8
+    assert [in_flight_microbatches("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches("1f1b", 4, 0, 2, 1) == 2
+    # interleaving holds 1 + (p - 1)/(p v) times 1F1B's on the first rank (Narayanan et al., 2021)
+    assert in_flight_microbatches("interleaved_1f1b", 4, 0, 8, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight_microbatches("zbv", 4, 3, 8, 2) == 4
+
+
+def test_pipeline_activations_follow_the_schedule():
+    gpipe, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=2), pp_schedule="gpipe"), "train.batch_size=32")
+    one_f_one_b, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=2)), "train.batch_size=32")
+    # 4 micro-batches: GPipe keeps all 4 on the first stage, 1F1B 2 (pp)
+    assert gpipe.ranks[0].activations == pytest.approx(2 * one_f_one_b.ranks[0].activations)
+    assert one_f_one_b.ranks[1].parameters > 0 and one_f_one_b.ranks[0].parameters != one_f_one_b.ranks[1].parameters
+
+
+def test_traffic_is_the_designs():
+    """Per step with Ψ parameters and bytes per element e: DDP all-reduce Ψe; ZeRO-1 reduce-scatter + all-gather Ψe;
+    FSDP all-gather (2Ψ - root)e per micro-batch + reduce-scatter Ψe; TP 4 all-reduces of b·s·h per block."""
+    e = 4
+    sizes = StateBytes(param=e, grad=e, optimizer=8, compute=e)
+    overrides = ("train.batch_size=32", "train.micro_batch_size=4")  # 8 rows per data-parallel rank: 2 micro-batches
+    ddp, work, _ = _plan(LAYOUTS["ddp"], *overrides, sizes=sizes)
+    psi = whole_model_parameters(work.gpt)
+    assert dict(ddp.traffic[0].bytes) == {"all_reduce": psi * e}
+    zero1, _, _ = _plan(LAYOUTS["zero1"], *overrides, sizes=sizes)
+    assert dict(zero1.traffic[0].bytes) == {"reduce_scatter": psi * e, "all_gather": psi * e}
+    fsdp, _, _ = _plan(LAYOUTS["fsdp"], *overrides, sizes=sizes)
+    root = holding(work.gpt).root
+    assert dict(fsdp.traffic[0].bytes) == {"all_gather": 2 * (2 * psi - root) * e, "reduce_scatter": 2 * psi * e}
+    tp, _, _ = _plan(Candidate("tp", "tp", Degrees(tp=4)), *overrides, sizes=sizes)
+    bsh = 32 * 64 * work.gpt.d_model  # all 32 rows: 8 micro-batches of 4
+    blocks_and_ends = 4 * work.gpt.n_layer + 2  # the embedding's forward and the head's backward add one each
+    assert dict(tp.traffic[0].bytes) == {"all_reduce": blocks_and_ends * bsh * e}
+    pp, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=4)), *overrides, sizes=sizes)
+    middle = pp.traffic[1].bytes
+    assert middle["send"] == middle["recv"] == 2 * bsh * e  # activations forward, their gradients back
+
+
+def test_enumerated_layouts_respect_the_model_and_batch():
+    cfg = compose_config(["model=tiny", "train.seq_len=64", "train.batch_size=64"])
+    names = [c.name for c in enumerate_candidates(8, 4, cfg.model, cfg.train, "all")]
+    assert names[:5] == ["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+    assert {"fsdp_tp", "pp_fsdp", "pp_tp", "3d"} <= set(names)
+    assert all(c.degrees.tp <= 4 for c in enumerate_candidates(8, 4, cfg.model, cfg.train, "all"))  # TP in a node
+    cfg3 = compose_config(["model=tiny", "model.n_head=3", "model.d_model=96", "model.n_layer=3"])
+    odd = [c.name for c in enumerate_candidates(4, 4, cfg3.model, cfg3.train, "all")]
+    assert "tp" not in odd and "pp" not in odd  # 3 heads and 3 blocks do not split over 4 ranks
+
+
+def test_choice_is_the_fastest_that_fits_and_says_why():
+    cfg = compose_config(["model=gpt2-xl", "hardware=rtx4080x4"])
+    work = workload_for(cfg, 50257, ZERO)
+    machine = machine_for(cfg, 4, 4, True)
+    plans = [plan_layout(c, work, machine) for c in enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")]
+    decision = choose(plans, machine)
+    assert decision.chosen is not None and decision.chosen.fits
+    assert decision.chosen.step_time_s <= min(p.step_time_s for p in plans if p.fits) * 1.03
+    assert "ddp" in decision.reason.split("too big:")[1]  # 1.56B x 16 bytes does not fit 16 GiB
+    huge = compose_config(["model=gpt3-2.7b", "hardware=rtx4080x4", "plan.parameters=20000000000"])
+    work = workload_for(huge, 50257, ZERO)
+    nothing = choose([plan_layout(c, work, machine) for c in enumerate_candidates(4, 4, huge.model, huge.train, "dp")],
+                     machine)  # fmt: skip
+    assert nothing.chosen is None and "no layout fits" in nothing.reason
+
+
+def test_measured_links_replace_the_hardware(tmp_path):
+    path = tmp_path / "comm_bench.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["op", "bytes", "ranks", "time_us", "algbw_GBps", "busbw_GBps"])
+        writer.writerow(["all_reduce", 1 << 20, 4, 0, 0, 1.0])
+        writer.writerow(["all_reduce", 1 << 24, 4, 0, 0, 4.0])
+    links = Links(100.0, 10.0, str(path))
+    assert links.bus_gbps("all_reduce", 1 << 22, False) == pytest.approx(2.5)  # halfway in log size
+    assert links.bus_gbps("all_reduce", 1 << 30, False) == 4.0 and links.bus_gbps("all_reduce", 1, False) == 1.0
+    assert links.bus_gbps("all_gather", 1 << 22, False) == 100.0  # not measured: the hardware's link
+    assert links.seconds("all_reduce", 4e9, 1 << 24, 4, False) == pytest.approx(4e9 * 1.5 / 4e9)
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ConfigError, match="plan.measured"):
+        Links(1.0, 1.0, str(path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        Links(1.0, 1.0, str(tmp_path / "missing.csv"))
+
+
+def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    plan_tool.main(["model=gpt2-xl", "hardware=rtx4080x4", f"plan.out={out}"])
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    layouts = {row["layout"]: row for row in plan["layouts"]}
+    assert set(layouts) == {"ddp", "zero1", "zero2", "fsdp"} and not layouts["ddp"]["fits"]
+    for row in layouts.values():
+        sizes = row["per_rank_bytes"]
+        assert set(sizes) == {"parameters", "gradients", "optimizer", "gathered", "activations", "total"}
+        assert math.isclose(sum(v for k, v in sizes.items() if k != "total"), sizes["total"], abs_tol=8)
+        assert row["comm_bytes_per_step"] > 0 and row["step_time_s"] > 0 and row["max_parameters"] > 0
+    assert plan["pick"] in layouts and layouts[plan["pick"]]["fits"]
+    assert f"pick: {plan['pick']}" in printed
+    with pytest.raises(SystemExit) as exit_code:
+        plan_tool.main(["plan.layouts=some", f"plan.out={tmp_path / 'other.json'}"])
+    error = capsys.readouterr().err
+    assert exit_code.value.code == 2 and error.strip().count("\n") == 0 and "plan.layouts" in error
+    assert not (tmp_path / "other.json").exists()
