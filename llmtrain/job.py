@@ -108,6 +108,8 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         _train(cfg, runtime, run_dir, preemption)
     except ConfigError as error:
         runtime.shutdown()
+        if "parallel." in str(error):  # a layout that cannot run: the planner lists those that can
+            error = ConfigError(f"{error}; layouts that run: {_plan(runtime)}")
         _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
     except Preempted as stop:  # every rank stops after the same step, its checkpoint written
         if runtime.is_main:
@@ -118,7 +120,9 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         sys.exit(PREEMPTED_EXIT)
     except (OutOfMemory, torch.OutOfMemoryError) as error:  # the rank that ran out says so; its peers then fail too
         if isinstance(error, torch.OutOfMemoryError):  # before the first step: building the model or its state
-            error = out_of_memory(runtime.rank, "while building the model", runtime.device, cfg.train.micro_batch_size)
+            error = out_of_memory(
+                runtime.rank, "while building the model", runtime.device, cfg.train.micro_batch_size, _plan(runtime)
+            )
         print(f"error: {error}", file=sys.stderr)
         runtime.shutdown()
         sys.exit(OUT_OF_MEMORY_EXIT)
@@ -163,6 +167,13 @@ def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -
     if len(set(described)) == 1:
         return f"every rank: {described[0]}"
     return "\n          ".join(f"rank {rank}: {line}" for rank, line in enumerate(described))
+
+
+def _plan(runtime: Runtime) -> str:
+    """The planner command for this run (its overrides, this world size)."""
+    from llmtrain.planner import plan_command
+
+    return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
 def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
@@ -324,7 +335,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         checkpoints.finish()
     except torch.OutOfMemoryError:
         raise out_of_memory(
-            runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size
+            runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None
     finally:
         if loggers:

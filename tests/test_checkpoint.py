@@ -227,7 +227,7 @@ def test_out_of_memory_is_one_line_naming_the_rank_the_step_and_the_knobs(train)
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 0 ran out of cpu memory in step 3 ("), run.stderr
     assert "Traceback" not in run.stderr
-    for knob in ("train.micro_batch_size (now 2", "train.activation_checkpointing=", "parallel=fsdp"):
+    for knob in ("train.micro_batch_size (now 2", "train.activation_checkpointing=", "parallel=fsdp", "tools.plan"):
         assert knob in errors[0]
     names = [Path(p).name for p in complete_checkpoints(str(run.run_dir / "checkpoints"))]
     assert names == ["step-00000001", "step-00000002"]  # what was saved before it stays

@@ -135,7 +135,8 @@ def test_traffic_is_the_designs():
     tp, _, _ = _plan(Candidate("tp", "tp", Degrees(tp=4)), *overrides, sizes=sizes)
     bsh = 32 * 64 * work.gpt.d_model  # all 32 rows: 8 micro-batches of 4
     blocks_and_ends = 4 * work.gpt.n_layer + 2  # the embedding's forward and the head's backward add one each
-    assert dict(tp.traffic[0].bytes) == {"all_reduce": blocks_and_ends * bsh * e}
+    loss_parallel = 3 * 32 * 64 * 4  # max, sum of exponentials and target logit of every position, fp32
+    assert dict(tp.traffic[0].bytes) == {"all_reduce": blocks_and_ends * bsh * e + loss_parallel}
     pp, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=4)), *overrides, sizes=sizes)
     middle = pp.traffic[1].bytes
     assert middle["send"] == middle["recv"] == 2 * bsh * e  # activations forward, their gradients back

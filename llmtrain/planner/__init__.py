@@ -45,9 +45,20 @@ __all__ = [
     "llmtrain_state_bytes",
     "machine_for",
     "plan_layout",
+    "plan_command",
     "planned_vocab_size",
     "workload_for",
 ]
+
+
+# Overrides that change nothing the planner reads: left out of the command it suggests.
+_NOT_PLANNED = ("parallel.nproc", "hydra", "logging", "checkpoint", "data.path", "data.val_path", "seed")
+
+
+def plan_command(overrides: list[str], world_size: int) -> str:
+    """The planner's command line for the run these train.py overrides start on `world_size` ranks."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_PLANNED)]
+    return " ".join(["python -m llmtrain.tools.plan", *kept, f"plan.world_size={world_size}", "plan.layouts=all"])
 
 
 def llmtrain_state_bytes(bf16: bool) -> StateBytes:

@@ -26,6 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from llmtrain.model.gpt import GPTConfig
 from llmtrain.parallel.pipeline.schedules import schedule_spec
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
@@ -83,20 +84,24 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
 
 
 def tensor_parallel_traffic(
-    candidate: Candidate, held: Holding, h: int, max_seq_len: int, rows: int, seq_len: int, k: int, sizes: StateBytes
+    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
 ) -> Traffic:
     d, traffic = candidate.degrees, Traffic()
     if d.tp == 1:
         return traffic
+    h, max_seq_len, bias = cfg.d_model, cfg.max_seq_len, cfg.bias
     activation = rows * seq_len * h * sizes.compute
     exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
     if candidate.sequence_parallel:
         traffic.add("all_gather", exchanges * activation, exchanges)
         traffic.add("reduce_scatter", exchanges * activation, exchanges)
-        if held.first:
-            traffic.add("all_reduce", max_seq_len * h * sizes.grad * k, k)
+        # replicated weights used on sequence shards: their partial gradients are summed each micro-batch
+        norms = (2 * held.blocks + int(held.last)) * h * (1 + int(bias))
+        traffic.add("all_reduce", (norms + int(held.first) * max_seq_len * h) * sizes.grad * k, k)
     else:
         traffic.add("all_reduce", exchanges * activation, exchanges)
+    if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
+        traffic.add("all_reduce", 3 * rows * seq_len * 4 * k, 3 * k)
     return traffic
 
 
@@ -118,5 +123,6 @@ def pipeline_traffic(
             traffic.add("send", activation * m, m)
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     if (0 in stages) != (n_stages - 1 in stages):  # one copy of the tied matrix here, the other on another rank
-        traffic.add("all_reduce", cfg.padded_vocab_size * h // d.tp * sizes.grad, 1)
+        # (a shard of it under FSDP)
+        traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard) * sizes.grad, 1)
     return traffic

@@ -160,7 +160,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
                            work.recompute, work.sizes)  # fmt: skip
         ranks.append(RankMemory(*states, acts))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
-        tp = tensor_parallel_traffic(c, held, gpt.d_model, gpt.max_seq_len, rows, work.seq_len, k, work.sizes)
+        tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
         traffic.append(dp.merge(tp).merge(pp))
         rank_dp = sum(

@@ -1,16 +1,18 @@
-"""What each rank holds under a layout, measured, next to the ZeRO formulas.
+"""What each rank holds and sends under a layout, measured, next to the planner's prediction (llmtrain/planner/).
 
     torchrun --standalone --nproc_per_node=4 -m llmtrain.tools.layout_memory parallel=fsdp [model=gpt2 ...]
     torchrun ... -m llmtrain.tools.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
-    torchrun ... -m llmtrain.tools.layout_memory --layouts=zero1,zero2,fsdp                    # one process group
+    torchrun ... -m llmtrain.tools.layout_memory "--layouts=ddp;zero1;tp parallel.sequence_parallel=true;pp"
 
-Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py), runs one training step
-on random tokens, and counts the bytes each rank holds in parameters, gradients and optimizer state (distinct
-storages, local shards only) after the optimizer step, plus the parameters held between forward and backward
-(where ZeRO-2 and ZeRO-3 differ). Rank 0 prints one JSON
-line per rank and a table with the expected values: with Ψ the parameter count and N the sharding degree,
+Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py) and runs two training
+steps on random tokens. It counts the bytes each rank holds in parameters, gradients and optimizer state
+(distinct storages, local shards only) after the optimizer step, the parameters held between forward and
+backward (where ZeRO-2 and ZeRO-3 differ), and the bytes of every collective and send of the second step by type
+(llmtrain/tools/comm_count.py: the first step pays one-off traffic). Rank 0 prints one JSON line per rank and a
+table of measured / planned, the plan being the planner's for this rank's pipeline stage with the sizes llmtrain
+holds (fp32 weights, gradients and AdamW moments): with Ψ the parameter count and N the sharding degree,
     DDP: Ψ, Ψ, 2Ψ    ZeRO-1: Ψ, Ψ, 2Ψ/N    ZeRO-2: Ψ/N, Ψ/N, 2Ψ/N (Ψ during the step)    FSDP: Ψ/N, Ψ/N, 2Ψ/N
-in elements of 4 bytes (fp32), exact up to the padding that makes shards equal.
+in elements of 4 bytes, exact up to the padding that makes shards equal.
 """
 
 from __future__ import annotations
@@ -24,19 +26,30 @@ import torch.distributed as dist
 
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
+from llmtrain.planner import describe_layout, llmtrain_state_bytes, machine_for, plan_layout, workload_for
+from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools.comm_count import CommCounter
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
+from llmtrain.train.precision import uses_bf16
 
 
-def expected_elements(strategy: Strategy, n_params: int) -> dict[str, float]:
-    """The ZeRO formulas for this layout, in elements (FSDP shards over dp_shard, ZeRO-1 over all of dp)."""
-    if strategy.name == "zero1":
-        return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params / strategy.dp_size}
-    if strategy.name == "fsdp":
-        n = strategy.degrees.dp_shard
-        return {"params": n_params / n, "grads": n_params / n, "optimizer": 2 * n_params / n}
-    return {"params": n_params, "grads": n_params, "optimizer": 2 * n_params}
+def predicted(cfg, strategy: Strategy, runtime: Runtime, vocab_size: int) -> dict[str, Any]:
+    """The planner's numbers for this rank (its pipeline rank's), with the sizes llmtrain holds."""
+    bf16 = uses_bf16(cfg.train.precision, runtime.device)
+    candidate = describe_layout(cfg.parallel, runtime.world_size)
+    machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
+    plan = plan_layout(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16)), machine)
+    pp_rank = strategy.device_mesh.get_local_rank("pp") if strategy.degrees.pp > 1 else 0
+    memory = plan.ranks[pp_rank]
+    return {
+        "params": memory.parameters,
+        "grads": memory.gradients,
+        "optimizer": memory.optimizer,
+        "gathered": memory.gathered,
+        "comm": dict(plan.traffic[pp_rank].bytes),
+    }
 
 
 def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
@@ -60,7 +73,8 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
         "largest_tensor": largest,
     }
     if not build_only:
-        row.update(_one_step(cfg, strategy, model, optimizer, runtime, vocab_size, n_params))
+        row.update(_two_steps(cfg, strategy, model, optimizer, runtime, vocab_size))
+        row["predicted"] = predicted(cfg, strategy, runtime, vocab_size)
     rows: list[Any] = [None] * runtime.world_size
     if runtime.distributed:
         dist.all_gather_object(rows, row)
@@ -69,32 +83,38 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
     return rows
 
 
-def _one_step(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: int, n_params: int) -> dict:
-    """One training step on random tokens, then what the rank holds, next to the ZeRO formulas."""
+def _two_steps(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: int) -> dict:
+    """Two training steps on random tokens, the second one's communication counted (the first pays one-off
+    traffic: DDP's bucket rebuild, the pipeline's shape exchange); then what the rank holds."""
     precision, _ = strategy.precision()
     size, count = strategy.micro_batching()
-    tokens = torch.randint(
-        0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(strategy.dp_rank)
-    )
-    micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)]
+    generator = torch.Generator().manual_seed(strategy.dp_rank)
     held_in_step = None
     if strategy.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
         with torch.no_grad(), precision():
-            model(micro_batches[0][0].to(runtime.device))
+            model(torch.randint(0, vocab_size, (size, cfg.train.seq_len), generator=generator).to(runtime.device))
         held_in_step = tensor_bytes(model.parameters())  # gathered parameters kept between forward and backward
-    strategy.forward_backward(model, micro_batches, precision)
-    strategy.clip_grad_norm(model, cfg.optim.grad_clip)
-    optimizer.step()
+
+    def step(keep_gradients: bool) -> None:
+        tokens = torch.randint(0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=generator)
+        strategy.forward_backward(model, [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)], precision)
+        strategy.clip_grad_norm(model, cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not keep_gradients)  # kept (zeroed) to be counted below
+
+    step(keep_gradients=False)
+    with CommCounter() as counter:
+        step(keep_gradients=True)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grads += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
-    measured = {
+    return {
         "params": tensor_bytes(model.parameters()),
         "grads": tensor_bytes(grads),
         "optimizer": tensor_bytes(state),
+        "params_during_step": held_in_step,
+        "comm": counter.bytes,
     }
-    expected = {k: 4 * v for k, v in expected_elements(strategy, n_params).items()}
-    return {**measured, "params_during_step": held_in_step, "expected": expected}
 
 
 def _table(rows: list[dict]) -> str:
@@ -106,12 +126,25 @@ def _table(rows: list[dict]) -> str:
         f"{'build peak':>10}",
     ]
     for r in rows:
-        cells = [f"{r[k] / mib:8.3f} ({r[k] / r['expected'][k]:.3f}x)" for k in ("params", "grads", "optimizer")]
+        cells = [f"{r[k] / mib:8.3f} ({_ratio(r[k], r['predicted'][k])})" for k in ("params", "grads", "optimizer")]
         peak = "n/a" if r["build_peak"] is None else f"{r['build_peak'] / mib:.1f}"
         in_step = "n/a" if r["params_during_step"] is None else f"{r['params_during_step'] / mib:.3f}"
         lines.append(f"{r['rank']:>4} " + " ".join(f"{c:>18}" for c in cells) + f" {in_step:>14} {peak:>10}")
-    lines.append("(n.nnnx) = measured / ZeRO formula")
+    ops = sorted({op for r in rows for op in (*r["comm"], *r["predicted"]["comm"])})
+    lines.append(f"communicated per step, MiB (measured / planned): {'  '.join(f'{op:>24}' for op in ops)}")
+    for r in rows:
+        cells = [
+            f"{r['comm'].get(op, 0) / mib:.3f} / {r['predicted']['comm'].get(op, 0) / mib:.3f}"
+            f" ({_ratio(r['comm'].get(op, 0), r['predicted']['comm'].get(op, 0))})"
+            for op in ops
+        ]
+        lines.append(f"{r['rank']:>4}{'':45}" + "  ".join(f"{c:>24}" for c in cells))
+    lines.append("(n.nnnx) = measured / planned (llmtrain/planner/)")
     return "\n".join(lines)
+
+
+def _ratio(measured: float, planned: float) -> str:
+    return f"{measured / planned:.3f}x" if planned else "scalars" if measured < 2**10 else "unplanned"
 
 
 def _build_table(rows: list[dict]) -> str:
@@ -128,15 +161,17 @@ def _build_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """Options: --build-only; --layouts=a,b,c (several parallel= options measured one after another in one process
-    group, each in a row's "parallel" field: the bytes held are exact for each, the build peak only for the first,
-    since later builds reuse memory the earlier ones freed); the rest are Hydra overrides."""
+    """Options: --build-only; --layouts="a;b x.y=z;c" (several layouts, each a parallel= option with its own
+    overrides, measured one after another in one process group and named in each row's "parallel" field: the
+    bytes held and sent are exact for each, the build peak only for the first, since later builds reuse memory the
+    earlier ones freed); the rest are Hydra overrides for every layout."""
     build_only = "--build-only" in argv
-    layouts = next((arg.split("=", 1)[1].split(",") for arg in argv if arg.startswith("--layouts=")), [None])
+    layouts = next((arg.split("=", 1)[1].split(";") for arg in argv if arg.startswith("--layouts=")), [None])
     overrides = [arg for arg in argv if not arg.startswith("--")]
     runtime = None
     for layout in layouts:
-        cfg = compose_config(overrides + ([f"parallel={layout}"] if layout else []))
+        name, *extra = layout.split() if layout else [None]
+        cfg = compose_config(overrides + ([f"parallel={name}", *extra] if name else []))
         runtime = runtime or init_runtime(cfg.train.device)
         rows = measure(cfg, runtime, build_only)
         if runtime.is_main:

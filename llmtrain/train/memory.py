@@ -104,8 +104,9 @@ class OutOfMemory(RuntimeError):
     change)."""
 
 
-def out_of_memory(rank: int, where: str, device: torch.device, micro_batch_size: int) -> OutOfMemory:
-    """The one-line account of an out-of-memory error on `rank` `where` (e.g. "in step 12")."""
+def out_of_memory(rank: int, where: str, device: torch.device, micro_batch_size: int, plan: str) -> OutOfMemory:
+    """The one-line account of an out-of-memory error on `rank` `where` (e.g. "in step 12"); `plan` is the planner
+    command that shows what fits."""
     gib = 2**30
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -118,5 +119,6 @@ def out_of_memory(rank: int, where: str, device: torch.device, micro_batch_size:
     return OutOfMemory(
         f"rank {rank} ran out of {device.type} memory {where} ({held}): lower train.micro_batch_size (now "
         f"{micro_batch_size}; gradient accumulation keeps the global batch), set train.activation_checkpointing="
-        f"selective or full, or shard the model over more ranks (parallel=fsdp, or parallel=pp across GPUs)"
+        f"selective or full, or shard the model over more ranks (parallel=fsdp, or parallel=pp across GPUs); "
+        f"what fits: {plan}"
     )

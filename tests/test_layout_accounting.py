@@ -1,0 +1,66 @@
+"""What the planner predicts against what real layouts hold and send: llmtrain.tools.layout_memory runs every
+layout for two steps in one 4-rank gloo process group and reports each rank's parameter, gradient and optimizer
+bytes and the bytes of every collective of the second step (counted by the profiler), beside the planner's numbers
+for that rank's pipeline stage (llmtrain/planner/)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import json_lines, torchrun
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "ddp": "ddp",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "fsdp": "fsdp",
+    "hsdp": "hsdp parallel.dp_shard=2",
+    "tp": "tp",
+    "tp+sp": "tp parallel.sequence_parallel=true",
+    "pp": "pp",
+    "pp_fsdp": "pp_fsdp",
+    "pp_tp": "pp_tp",
+}
+MEMORY_TOLERANCE, COMM_TOLERANCE = 0.02, 0.05
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, list[dict]]:
+    small = ("train.seq_len=64", "train.batch_size=16", "train.micro_batch_size=4")  # pp: 4 micro-batches, pp_fsdp 2
+    layouts = f"--layouts={';'.join(LAYOUTS.values())}"
+    output = torchrun(4, "-m", "llmtrain.tools.layout_memory", layouts, *small).stdout
+    by_layout: dict[str, list[dict]] = {}
+    for row in json_lines(output):
+        by_layout.setdefault(row["parallel"], []).append(row)
+    return {name: by_layout[spec] for name, spec in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_state_per_rank_is_the_plan(layout, rows):
+    assert len(rows[layout]) == 4
+    for row in rows[layout]:
+        for key in ("params", "grads", "optimizer"):
+            assert row[key] == pytest.approx(row["predicted"][key], rel=MEMORY_TOLERANCE), (key, row)
+    during_step, planned = rows[layout][0]["params_during_step"], rows[layout][0]["predicted"]
+    if layout == "zero2":  # gathered parameters kept from forward to backward
+        assert during_step == pytest.approx(planned["gathered"], rel=MEMORY_TOLERANCE)
+    if layout == "fsdp":  # blocks resharded after their forward: a fraction of the whole stays
+        assert during_step < 0.5 * planned["params"] * 4
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp+sp", "pp", "pp_fsdp", "pp_tp"])
+def test_bytes_communicated_per_step_are_the_plan(layout, rows):
+    for row in rows[layout]:
+        measured, planned = row["comm"], row["predicted"]["comm"]
+        assert set(planned) <= set(measured), (measured, planned)
+        for op, nbytes in planned.items():
+            assert measured[op] == pytest.approx(nbytes, rel=COMM_TOLERANCE), (op, row["rank"], measured, planned)
+        # what the plan leaves out are scalars (losses, gradient norms, DDP's bucket check)
+        assert all(measured[op] < 2**10 for op in set(measured) - set(planned)), (measured, planned)
+
+
+def test_pipeline_stages_differ_and_the_plan_follows(rows):
+    first, middle = rows["pp"][0], rows["pp"][1]
+    assert first["params"] > middle["params"]  # the embedding lives on the first stage
+    assert middle["comm"]["send"] == pytest.approx(2 * first["comm"]["send"])  # sends both ways
