@@ -171,7 +171,7 @@ def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -
 
 def _plan(runtime: Runtime) -> str:
     """The planner command for this run (its overrides, this world size)."""
-    from llmtrain.planner import plan_command
+    from llmtrain.planner.inputs import plan_command
 
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 

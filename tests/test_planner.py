@@ -13,18 +13,11 @@ import pytest
 from llmtrain.config import ConfigError
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel.mesh import Degrees
-from llmtrain.planner import (
-    GIB,
-    Candidate,
-    StateBytes,
-    choose,
-    enumerate_candidates,
-    machine_for,
-    plan_layout,
-    workload_for,
-)
+from llmtrain.planner.candidates import Candidate, enumerate_candidates
+from llmtrain.planner.inputs import machine_for, workload_for
 from llmtrain.planner.links import Links
-from llmtrain.planner.memory import in_flight_microbatches, layer_activations
+from llmtrain.planner.memory import StateBytes, in_flight_microbatches, layer_activations
+from llmtrain.planner.plan import GIB, choose, plan_layout
 from llmtrain.planner.shapes import holding, whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools import plan as plan_tool

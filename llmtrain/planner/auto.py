@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmtrain.config import ConfigError, ParallelConfig
-from llmtrain.planner import choose, enumerate_candidates, llmtrain_state_bytes, machine_for, plan_layout, workload_for
-from llmtrain.planner.plan import GIB
+from llmtrain.planner.candidates import enumerate_candidates
+from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.plan import GIB, choose, plan_layout
 
 
 @dataclass(frozen=True)
@@ -45,5 +46,5 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
     values = chosen.parallel_values()
     # keep the user's pipeline schedule knobs and nproc; the degrees and the strategy come from the plan
     resolved = replace(parallel, **{k: v for k, v in values.items() if k not in ("microbatches", "pp_edge_blocks")})
-    summary = f"auto -> {chosen.name} ({chosen.command_line()}): {decision.reason}"
+    summary = f"parallel=auto chose {chosen.name} ({chosen.command_line()}): {decision.reason}"
     return AutoLayout(resolved, summary)

@@ -18,18 +18,22 @@ from collections import defaultdict
 
 from llmtrain.config import ConfigError
 
-CSV_COLUMNS = ("op", "bytes", "ranks", "time_us", "algbw_GBps", "busbw_GBps")
+CSV_HEADER = ("op", "bytes", "ranks", "time_us", "algbw_GBps", "busbw_GBps")  # comm_bench.csv
 # comm_bench's op names for the ops a plan counts
 _BENCH_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
              "send": "send_recv", "recv": "send_recv"}  # fmt: skip
 
 
-def bus_factor(op: str, n: int) -> float:
+def bus_factor(op: str, ranks: int) -> float:
+    """nccl-tests' busbw / algbw: the fraction of the buffer each rank's link carries, so that busbw is comparable
+    with the hardware's bandwidth whatever the number of ranks."""
     if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    return 1.0
+        return 2 * (ranks - 1) / ranks
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (ranks - 1) / ranks
+    if op in ("broadcast", "send_recv", "send", "recv"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}")
 
 
 class Links:
@@ -72,9 +76,9 @@ def read_comm_bench(path: str) -> dict[str, list[tuple[float, float]]]:
     curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+        if tuple(reader.fieldnames or ()) != CSV_HEADER:
             raise ConfigError(
-                f"plan.measured={path!r} has columns {reader.fieldnames}, not comm_bench's {','.join(CSV_COLUMNS)}: "
+                f"plan.measured={path!r} has columns {reader.fieldnames}, not comm_bench's {','.join(CSV_HEADER)}: "
                 f"point it at a comm_bench.csv"
             )
         for row in reader:

@@ -48,12 +48,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from llmtrain.config import ConfigError
+from llmtrain.planner.links import CSV_HEADER, bus_factor
 from llmtrain.runtime import Runtime, init_runtime, join_single_process_group
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-CSV_HEADER = ("op", "bytes", "ranks", "time_us", "algbw_GBps", "busbw_GBps")
 PAIRS_HEADER = ("src", "dst", "bytes", "time_us", "GBps")
 
 # An op whose first call raised one of these is reported as unsupported: c10 errors (gloo's "not supported",
@@ -126,18 +126,6 @@ def round_size(nbytes: int, ranks: int, element_size: int) -> int:
     one element per rank."""
     unit = ranks * element_size
     return max(unit, nbytes // unit * unit)
-
-
-def bus_factor(op: str, ranks: int) -> float:
-    """nccl-tests' busbw / algbw: the fraction of the buffer each rank's link carries, so that busbw is comparable
-    with the hardware's bandwidth whatever the number of ranks."""
-    if op == "all_reduce":
-        return 2 * (ranks - 1) / ranks
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (ranks - 1) / ranks
-    if op in ("broadcast", "send_recv"):
-        return 1.0
-    raise ValueError(f"unknown op {op!r}")
 
 
 def human_bytes(nbytes: float) -> str:

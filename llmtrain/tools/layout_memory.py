@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
-from llmtrain.planner import describe_layout, llmtrain_state_bytes, machine_for, plan_layout, workload_for
+from llmtrain.planner.candidates import describe_layout
+from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.plan import plan_layout
 from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config

@@ -22,21 +22,9 @@ import sys
 from typing import Any
 
 from llmtrain.config import ConfigError, validate
-from llmtrain.planner import (  # noqa: I001 - helpers beside the public API
-    GIB,
-    Decision,
-    LayoutPlan,
-    Machine,
-    choose,
-    configured_state_bytes,
-    describe_layout,
-    enumerate_candidates,
-    machine_for,
-    plan_layout,
-    planned_vocab_size,
-    plans_bf16,
-    workload_for,
-)
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates
+from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
+from llmtrain.planner.plan import GIB, Decision, LayoutPlan, Machine, choose, plan_layout
 from llmtrain.tools import compose_config
 
 

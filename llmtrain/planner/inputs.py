@@ -1,0 +1,80 @@
+"""The plan's inputs from a composed config: the machine (hardware group, plan.*), the workload (model, batch),
+the bytes per parameter, and the planner command that reproduces a run."""
+
+from __future__ import annotations
+
+from llmtrain.config import ConfigError
+from llmtrain.model import gpt_config
+from llmtrain.planner.links import Links
+from llmtrain.planner.memory import StateBytes
+from llmtrain.planner.plan import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
+
+# Overrides that change nothing the planner reads: left out of the command it suggests.
+_NOT_PLANNED = ("parallel.nproc", "hydra", "logging", "checkpoint", "data.path", "data.val_path", "seed")
+
+
+def plan_command(overrides: list[str], world_size: int) -> str:
+    """The planner's command line for the run these train.py overrides start on `world_size` ranks."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_PLANNED)]
+    return " ".join(["python -m llmtrain.tools.plan", *kept, f"plan.world_size={world_size}", "plan.layouts=all"])
+
+
+def llmtrain_state_bytes(bf16: bool) -> StateBytes:
+    """What llmtrain itself holds: fp32 weights and gradients, AdamW's two fp32 moments, activations (and FSDP's
+    gathered copies) in the compute dtype."""
+    return StateBytes(param=4, grad=4, optimizer=8, compute=2 if bf16 else 4)
+
+
+def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
+    p = cfg.plan
+    return StateBytes(param=p.param_bytes, grad=p.grad_bytes, optimizer=p.optimizer_bytes, compute=2 if bf16 else 4)
+
+
+def plans_bf16(cfg) -> bool:
+    """The precision a plan assumes: train.precision, where `auto` means bf16 on any hardware but the CPU."""
+    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cfg.hardware.name != "cpu")
+
+
+def planned_vocab_size(cfg) -> int:
+    """The vocabulary the model will have, without building the tokenizer."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    tokenizer = cfg.data.tokenizer
+    if tokenizer.kind == "byte":
+        return 257
+    if tokenizer.kind == "bpe" and tokenizer.vocab_size:
+        return tokenizer.vocab_size
+    raise ConfigError(
+        f"model.vocab_size is null and data.tokenizer.kind={tokenizer.kind} gives no size without loading it: "
+        f"set model.vocab_size (e.g. 50257 for GPT-2's tokenizer)"
+    )
+
+
+def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machine:
+    """The hardware config (and plan.measured) as the plan's Machine."""
+    hw = cfg.hardware
+    memory_gib = hw.device_memory_gib or total_memory_gib() / ranks_per_node
+    peak = hw.peak_tflops * 1e12 * (1.0 if bf16 else 0.5) if hw.peak_tflops else host_matmul_flops(ranks_per_node)
+    return Machine(
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        memory_bytes=memory_gib * GIB,
+        reserved_bytes=cfg.plan.reserved_gib * GIB,
+        peak_flops=peak,
+        mfu=cfg.plan.mfu,
+        links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
+    )
+
+
+def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
+    t = cfg.train
+    return Workload(
+        model_cfg=cfg.model,
+        gpt=gpt_config(cfg.model, vocab_size),
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        micro_batch_size=t.micro_batch_size,
+        recompute=t.activation_checkpointing,
+        sizes=sizes,
+        parameters=cfg.plan.parameters,
+    )
