@@ -27,7 +27,8 @@ MEMORY_TOLERANCE, COMM_TOLERANCE = 0.02, 0.05
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict]]:
-    small = ("train.seq_len=64", "train.batch_size=16", "train.micro_batch_size=4")  # pp: 4 micro-batches, pp_fsdp 2
+    # two micro-batches per data-parallel rank (gradient accumulation), 8 per pipeline (4 with pp_fsdp)
+    small = ("train.seq_len=32", "train.batch_size=16", "train.micro_batch_size=2")
     layouts = f"--layouts={';'.join(LAYOUTS.values())}"
     output = torchrun(4, "-m", "llmtrain.tools.layout_memory", layouts, *small).stdout
     by_layout: dict[str, list[dict]] = {}

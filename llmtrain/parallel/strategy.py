@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
@@ -202,6 +202,7 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
+        replicate_partial_gradients(model.parameters())
         norm = self.grad_norm(model)
         clip_gradients(model.parameters(), max_norm, norm)
         return norm
@@ -275,6 +276,17 @@ def grads_by_layout(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
 
 def squared_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([full_tensor(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups]).sum()
+
+
+def replicate_partial_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Sum, once, the gradients that tensor parallelism leaves as partial sums (replicated weights applied to
+    sequence shards: LayerNorms, the position embedding). Left partial, every later read of them (the norm, the
+    clip, each of AdamW's updates) would all-reduce them again."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            placements = [Replicate() if placement.is_partial() else placement for placement in grad.placements]
+            param.grad = grad.redistribute(grad.device_mesh, placements)
 
 
 def clip_gradients(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.planner.candidates import enumerate_candidates
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
-from llmtrain.planner.plan import GIB, choose, plan_layout
+from llmtrain.planner.plan import Decision, choose, plan_layout
 
 
 @dataclass(frozen=True)
@@ -21,23 +21,27 @@ class AutoLayout:
     summary: str  # the decision, its reason and the runner-up, for the start summary
 
 
-def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,
-                bf16: bool) -> AutoLayout:  # fmt: skip
-    """The layout to train with; a one-line ConfigError when none fits."""
+def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool, pp_schedule: str) -> Decision:
+    """The planner's choice among every layout for this world, with the sizes llmtrain holds."""
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
-    candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", parallel.pp_schedule)
-    plans = [plan_layout(c, work, machine) for c in candidates]
-    if not plans:
+    candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", pp_schedule)
+    if not candidates:
         raise ConfigError(
             f"parallel=auto found no layout for {world_size} ranks with train.batch_size={cfg.train.batch_size} and "
             f"train.micro_batch_size={cfg.train.micro_batch_size}: make batch_size a multiple of micro_batch_size x "
             f"{world_size}"
         )
-    decision = choose(plans, machine)
+    return choose([plan_layout(c, work, machine) for c in candidates], machine)
+
+
+def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,
+                bf16: bool) -> AutoLayout:  # fmt: skip
+    """The layout to train with; a one-line ConfigError when none fits."""
+    decision = auto_decision(cfg, world_size, ranks_per_node, vocab_size, bf16, parallel.pp_schedule)
     if decision.chosen is None:
         raise ConfigError(
-            f"parallel=auto: {decision.reason} of {machine.usable_bytes / GIB:.1f}: lower train.micro_batch_size, set "
+            f"parallel=auto: {decision.reason}: lower train.micro_batch_size, set "
             f"train.activation_checkpointing=full or add ranks (python -m llmtrain.tools.plan "
             f"model={cfg.model.name} hardware={cfg.hardware.name} plan.world_size={world_size} plan.layouts=all "
             f"shows every layout)"

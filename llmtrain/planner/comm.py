@@ -95,9 +95,10 @@ def tensor_parallel_traffic(
     if candidate.sequence_parallel:
         traffic.add("all_gather", exchanges * activation, exchanges)
         traffic.add("reduce_scatter", exchanges * activation, exchanges)
-        # replicated weights used on sequence shards: their partial gradients are summed each micro-batch
-        norms = (2 * held.blocks + int(held.last)) * h * (1 + int(bias))
-        traffic.add("all_reduce", (norms + int(held.first) * max_seq_len * h) * sizes.grad * k, k)
+        # replicated weights used on sequence shards: their partial gradients are summed once per step
+        norms = 2 * held.blocks + int(held.last)
+        replicated = norms * h * (1 + int(bias)) + int(held.first) * max_seq_len * h
+        traffic.add("all_reduce", replicated * sizes.grad, norms * (1 + int(bias)) + int(held.first))
     else:
         traffic.add("all_reduce", exchanges * activation, exchanges)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target

@@ -22,14 +22,16 @@ import sys
 from typing import Any
 
 from llmtrain.config import ConfigError, validate
+from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
-from llmtrain.planner.plan import GIB, Decision, LayoutPlan, Machine, choose, plan_layout
+from llmtrain.planner.plan import GIB, Decision, LayoutPlan, choose, plan_layout
 from llmtrain.tools import compose_config
 
 
-def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Machine, dict[str, Any]]:
-    """Plans for every candidate layout of `cfg` (plus its configured one), the choice, and the run's facts."""
+def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, Any]]:
+    """Plans for every candidate layout of `cfg` (plus its configured one), the choice with the plan.* sizes,
+    parallel=auto's (llmtrain's own sizes, every layout), and the run's facts."""
     hw = cfg.hardware
     world = cfg.plan.world_size or hw.nodes * hw.gpus_per_node
     ranks_per_node = min(hw.gpus_per_node, world)
@@ -58,7 +60,8 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Machine, dict[str, Any
         "batch": {"batch_size": cfg.train.batch_size, "micro_batch_size": cfg.train.micro_batch_size,
                   "seq_len": cfg.train.seq_len, "activation_checkpointing": cfg.train.activation_checkpointing},
     }  # fmt: skip
-    return plans, choose(plans, machine), machine, facts
+    auto = auto_decision(cfg, world, ranks_per_node, work.gpt.vocab_size, bf16, cfg.parallel.pp_schedule)
+    return plans, choose(plans, machine), auto, facts
 
 
 def _parameters(work) -> int:
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> None:
     try:
         cfg = compose_config(argv)
         validate(cfg)
-        plans, decision, _, facts = plan_config(cfg)
+        plans, decision, auto, facts = plan_config(cfg)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -104,12 +107,15 @@ def main(argv: list[str]) -> None:
         print(f"pick: {decision.reason}\n  run: {command}")
     else:
         print(f"pick: none: {decision.reason}")
+    print(f"parallel=auto (llmtrain's sizes: fp32 weights, gradients and AdamW moments; every layout): {auto.reason}")
     result = {
         **facts,
         "layouts": [p.as_dict() for p in plans],
         "pick": decision.chosen.name if decision.chosen else None,
         "runner_up": decision.runner_up.name if decision.runner_up else None,
         "reason": decision.reason,
+        "auto_pick": auto.chosen.name if auto.chosen else None,
+        "auto_reason": auto.reason,
     }
     out = os.path.abspath(os.path.expanduser(cfg.plan.out))
     os.makedirs(os.path.dirname(out), exist_ok=True)
