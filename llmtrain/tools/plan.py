@@ -34,7 +34,8 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
     parallel=auto's (llmtrain's own sizes, every layout), and the run's facts."""
     hw = cfg.hardware
     world = cfg.plan.world_size or hw.nodes * hw.gpus_per_node
-    ranks_per_node = min(hw.gpus_per_node, world)
+    # a CPU "device" is a share of its host: the ranks planned fill the configured nodes
+    ranks_per_node = -(-world // hw.nodes) if hw.device_memory_gib is None else min(hw.gpus_per_node, world)
     bf16 = plans_bf16(cfg)
     sizes = configured_state_bytes(cfg, bf16)
     work = workload_for(cfg, planned_vocab_size(cfg), sizes)
@@ -70,9 +71,13 @@ def _parameters(work) -> int:
     return whole_model_parameters(work.gpt) - work.gpt.padding_parameters
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def format_table(plans: list[LayoutPlan], facts: dict[str, Any]) -> str:
     head = (
-        f"{facts['model']}: {facts['parameters'] / 1e9:.3g}B parameters on {facts['world_size']} x {facts['hardware']} "
+        f"{facts['model']}: {_count(facts['parameters'])} parameters on {facts['world_size']} x {facts['hardware']} "
         f"({facts['device_memory_gib']:.1f} GiB, {facts['usable_gib']:.1f} usable), {facts['precision']}, batch "
         f"{facts['batch']['batch_size']} x {facts['batch']['seq_len']} (micro {facts['batch']['micro_batch_size']}, "
         f"recompute {facts['batch']['activation_checkpointing']}), links: {facts['links']}"
