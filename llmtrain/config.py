@@ -37,6 +37,14 @@ class ModelConfig:
     bias: bool = True
     vocab_multiple: int = 64  # pad the vocabulary (embedding rows, head outputs) to a multiple of this
     init_from: Optional[str] = None  # a GPT-2 in Hugging Face format (directory or hub name) to start from
+    # The Llama family's choices (GPT-2's are the defaults): conf/model/llama-tiny.yaml and the presets set them.
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    position: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0  # rope: the base of the rotation frequencies
+    mlp: str = "gelu"  # gelu | swiglu (d_ff is then the gated hidden width)
+    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None: n_head
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weights
+    norm_eps: float = 1e-5
 
 
 @dataclass
@@ -208,6 +216,9 @@ _CHOICES = {
     "train.precision": ("auto", "bf16", "fp32"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.activation_checkpointing": ("none", "full", "selective"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.position": ("learned", "rope"),
+    "model.mlp": ("gelu", "swiglu"),
 }
 
 
@@ -269,6 +280,18 @@ def validate(cfg) -> None:
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
             f"choose a d_model that is a multiple of n_head"
         )
+    if m.n_kv_head is not None and (m.n_kv_head < 1 or m.n_head % m.n_kv_head):
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}: each key/value head serves a whole "
+            f"group of query heads (n_kv_head=n_head: multi-head, 1: multi-query)"
+        )
+    if m.position == "rope" and (m.d_model // m.n_head) % 2:
+        raise ConfigError(
+            f"model.position=rope rotates pairs of dimensions but the head size d_model / n_head = "
+            f"{m.d_model // m.n_head} is odd: choose d_model and n_head with an even quotient"
+        )
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be positive")
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")

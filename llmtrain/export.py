@@ -1,10 +1,11 @@
-"""Export a checkpoint as a Hugging Face GPT-2: safetensors weights, config.json and the tokenizer files, which
+"""Export a checkpoint as a Hugging Face GPT-2 or Llama (LlamaForCausalLM, for model.norm=rmsnorm, position=rope,
+mlp=swiglu, bias=false): safetensors weights, config.json and the tokenizer files, which
 `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load.
 
     python -m llmtrain.export outputs/<run>/checkpoints/step-00000300 exported/
     python -m llmtrain.export outputs/<run> exported/        # the run's latest complete checkpoint
 
-The reverse: train from GPT-2 weights in this format with `model.init_from=<directory or hub name>`.
+The reverse: train from GPT-2 or Llama weights in this format with `model.init_from=<directory or hub name>`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,27 @@ import os
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.model.hf import hf_config, to_hf_state_dict
+from llmtrain.model.hf_llama import is_llama, llama_hf_config, to_llama_state_dict
 
 
 def export(checkpoint: str, out_dir: str) -> None:
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 
     model = load_checkpoint_model(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
-    hf_model = GPT2LMHeadModel(hf_config(model.cfg, tokenizer.eos_token_id))
-    hf_model.load_state_dict(to_hf_state_dict(model))
+    cfg = model.cfg
+    hf_model: PreTrainedModel
+    if is_llama(cfg):
+        hf_model = LlamaForCausalLM(llama_hf_config(cfg, tokenizer.eos_token_id))
+        hf_model.load_state_dict(to_llama_state_dict(model))
+    elif cfg.norm == "layernorm" and cfg.position == "learned" and cfg.mlp == "gelu" and cfg.tie_embeddings:
+        hf_model = GPT2LMHeadModel(hf_config(cfg, tokenizer.eos_token_id))
+        hf_model.load_state_dict(to_hf_state_dict(model))
+    else:
+        raise SystemExit(
+            f"error: {checkpoint} mixes the GPT-2 and Llama families (norm={cfg.norm}, position={cfg.position}, "
+            f"mlp={cfg.mlp}, bias={cfg.bias}, tie_embeddings={cfg.tie_embeddings}): neither transformers class holds it"
+        )
     hf_model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

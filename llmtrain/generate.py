@@ -22,11 +22,11 @@ def load_for_sampling(path: str):
     from transformers import AutoTokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
-        from llmtrain.model.hf import GPT2Weights, gpt_config_of
+        from llmtrain.model.hf_llama import hf_config_of, hf_weights
 
         with torch.device("meta"):
-            model = GPT(gpt_config_of(path))
-        materialize(model, torch.device("cpu"), GPT2Weights(path, model.cfg))
+            model = GPT(hf_config_of(path))
+        materialize(model, torch.device("cpu"), hf_weights(path, model.cfg))
         return model.eval(), AutoTokenizer.from_pretrained(path)
     from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 

@@ -166,3 +166,59 @@ def test_a_hugging_face_gpt2_loads_straight_into_shards_and_stages(tmp_path):
     found = dict(results.get(timeout=300) for _ in range(2))
     assert set(found[0]) == {"fsdp", "fsdp model.pt", "pp model.pt"} and set(found[1]) == {"fsdp"}
     assert max(found[0].values()) <= LOGIT_ATOL and found[1]["fsdp"] <= LOGIT_ATOL, found
+
+
+def _hf_llama(directory, **shape) -> None:
+    """A small random LlamaForCausalLM of llama-tiny's shape (untied, to exercise the separate head), saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**{**config, **shape})).save_pretrained(directory)
+
+
+LLAMA = ["model=llama-tiny", "model.tie_embeddings=false"]
+
+
+def test_a_hugging_face_llama_initialises_our_model(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    _hf_llama(tmp_path)
+    cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
+    ours = build_model(cfg.model, 257, seed=1).eval()
+    theirs = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 257, (2, 24))
+    with torch.no_grad():
+        assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_a_llama_of_another_shape_is_refused_naming_the_keys(tmp_path):
+    _hf_llama(tmp_path, num_key_value_heads=2)
+    cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"kv_heads=4 \(theirs: 2\)"):
+        build_model(cfg.model, 257, seed=1)
+
+
+def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
+    """A trained llama-tiny checkpoint, exported: transformers computes our logits and greedy continuation."""
+    from conftest import FAST, run_train
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    (tmp_path / "run").mkdir()
+    run = run_train(tmp_path / "run", cache_dir, *FAST, "model=llama-tiny", "train.steps=2", name="llama")
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = find_checkpoint(str(run.run_dir))
+    export(checkpoint, str(tmp_path / "exported"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert isinstance(theirs, LlamaForCausalLM)
+    ours = load_checkpoint_model(checkpoint)
+    ids = torch.randint(0, 257, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+    prompt = ids[0, :8].tolist()
+    mine = sample(ours, prompt, 12, temperature=0, top_k=0, eos_id=None, generator=torch.Generator().manual_seed(0))
+    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    assert mine == expected

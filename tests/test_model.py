@@ -82,3 +82,95 @@ def test_initial_loss_is_uniform_over_the_vocabulary():
     tokens = torch.randint(0, TINY.vocab_size, (4, 16))
     loss = cross_entropy_loss(_model()(tokens[:, :-1]), tokens[:, 1:])
     assert loss.item() == pytest.approx(math.log(TINY.vocab_size), rel=0.05)
+
+
+def _llama_config(preset: str, vocab_size: int):
+    from transformers import LlamaConfig
+
+    from llmtrain.tools import compose_config
+
+    m = compose_config([f"model={preset}"]).model
+    theirs = LlamaConfig(
+        vocab_size=m.vocab_size or vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
+        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head,
+        tie_word_embeddings=m.tie_embeddings, max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps, attention_bias=False, mlp_bias=False,
+    )  # fmt: skip
+    return m, theirs
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "smollm2-135m", "llama3.2-1b"])
+def test_llama_parameter_counts_equal_transformers(preset):
+    from transformers import LlamaForCausalLM
+
+    from llmtrain.model import meta_model
+
+    model_cfg, theirs = _llama_config(preset, 256)
+    ours = meta_model(model_cfg, 256)
+    with torch.device("meta"):
+        reference = LlamaForCausalLM(theirs)
+    assert num_parameters(ours) - ours.cfg.padding_parameters == reference.num_parameters()
+
+
+def test_llama_logits_equal_transformers_with_the_same_weights():
+    """RMSNorm, rotary positions in transformers' half-split convention, grouped-query attention and SwiGLU:
+    our llama-tiny with a LlamaForCausalLM's weights (named by the export's map) computes its logits."""
+    from transformers import LlamaForCausalLM
+
+    from llmtrain.model import meta_model
+    from llmtrain.model.hf_llama import hf_name
+    from llmtrain.model.materialize import materialize
+
+    model_cfg, theirs = _llama_config("llama-tiny", 256)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(theirs).eval()
+    ours = meta_model(model_cfg, 256)
+    state = reference.state_dict()
+    materialize(ours, torch.device("cpu"), lambda name, full: full.copy_(state[hf_name(name)]))
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), reference(tokens).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_a_checkpoint_of_the_other_family_is_refused_naming_the_keys(tmp_path):
+    """check_model_matches against a GPT-2 checkpoint's meta.json: a llama run names each differing key in one line;
+    a checkpoint written before the family keys existed reads them as GPT-2's defaults."""
+    import dataclasses
+    import json
+
+    from llmtrain.checkpoint.training import check_model_matches
+    from llmtrain.config import ConfigError
+    from llmtrain.model import meta_model
+    from llmtrain.tools import compose_config
+
+    gpt2 = dataclasses.asdict(meta_model(compose_config(["model=tiny"]).model, 257).cfg)
+    older = {key: value for key, value in gpt2.items() if key not in ("norm", "position", "mlp", "n_kv_head")}
+    (tmp_path / "meta.json").write_text(json.dumps({"model": older}))
+    check_model_matches(str(tmp_path), meta_model(compose_config(["model=tiny"]).model, 257).cfg)
+    llama = meta_model(compose_config(["model=llama-tiny", "model.d_ff=512"]).model, 257).cfg
+    with pytest.raises(ConfigError) as error:
+        check_model_matches(str(tmp_path), llama)
+    message = str(error.value)
+    assert "\n" not in message
+    for key in (
+        "model.norm=rmsnorm (checkpoint: layernorm)",
+        "model.position=rope",
+        "model.mlp=swiglu",
+        "model.n_kv_head=4",
+    ):
+        assert key in message
+
+
+def test_flops_count_every_matrix_once_and_leave_lookups_out():
+    """6 x the matmul weights (SwiGLU's three matrices, GQA's narrower K and V included) + 12·L·d·s for attention;
+    a position table and an untied input embedding are lookups, not matmuls."""
+    from llmtrain.model import flops_per_token, meta_model
+    from llmtrain.tools import compose_config
+
+    for overrides, lookups in (
+        (["model=tiny"], 256 * 128),
+        (["model=llama-tiny", "model.tie_embeddings=false"], 320 * 128),
+    ):
+        model = meta_model(compose_config(overrides).model, 257)
+        n = num_parameters(model)
+        assert flops_per_token(model.cfg, n, 64) == 6 * (n - lookups) + 12 * 4 * 128 * 64

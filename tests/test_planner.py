@@ -34,7 +34,7 @@ def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
     return plan_layout(candidate, work, machine), work, machine
 
 
-@pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b"])
+@pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b"])
 def test_parameter_count_from_the_config_is_the_models(model):
     cfg = compose_config([f"model={model}"])
     meta = meta_model(cfg.model, 50257)

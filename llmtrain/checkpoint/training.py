@@ -70,7 +70,9 @@ def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:
 
 def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
     """A one-line ConfigError listing the model settings in which this run differs from the checkpoint."""
-    saved = read_meta(path)["model"]
+    # A key the checkpoint predates had its default value then (GPT-2's choices for the family keys).
+    defaults = {f.name: f.default for f in dataclasses.fields(gpt_cfg) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **read_meta(path)["model"]}
     ours = dataclasses.asdict(gpt_cfg)
     differences = [
         f"model.{key}={ours.get(key)} (checkpoint: {saved.get(key)})"

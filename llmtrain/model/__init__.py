@@ -23,6 +23,13 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         attention_dropout=model_cfg.attention_dropout,
         bias=model_cfg.bias,
         vocab_multiple=model_cfg.vocab_multiple,
+        norm=model_cfg.norm,
+        position=model_cfg.position,
+        rope_theta=model_cfg.rope_theta,
+        mlp=model_cfg.mlp,
+        n_kv_head=model_cfg.n_kv_head,
+        tie_embeddings=model_cfg.tie_embeddings,
+        norm_eps=model_cfg.norm_eps,
     )
 
 
@@ -35,9 +42,9 @@ def meta_model(model_cfg, vocab_size: int) -> GPT:
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
     """Where the initial weights come from: the GPT-2 at model.init_from (read tensor by tensor), else `seed`."""
     if model_cfg.init_from:
-        from llmtrain.model.hf import GPT2Weights
+        from llmtrain.model.hf_llama import hf_weights
 
-        return GPT2Weights(model_cfg.init_from, model.cfg)
+        return hf_weights(model_cfg.init_from, model.cfg)
     return seeded_init(model, seed)
 
 

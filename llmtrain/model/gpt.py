@@ -44,10 +44,26 @@ class GPTConfig:
     attention_dropout: float = 0.0
     bias: bool = True
     vocab_multiple: int = 1  # pad the embedding and head to a multiple of this (GPUs and tensor parallelism)
+    # The Llama family's choices (GPT-2's are the defaults):
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    position: str = "learned"  # learned (an embedding per position) | rope (rotary, on queries and keys)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"  # gelu | swiglu (a gated MLP: down(silu(gate(x)) * up(x)))
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    tie_embeddings: bool = True  # the LM head is the token embedding
+    norm_eps: float = 1e-5
 
     @property
     def hidden(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        """The MLP's hidden width: d_ff, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU, the same
+        parameter count)."""
+        if self.d_ff:
+            return self.d_ff
+        return 4 * self.d_model if self.mlp == "gelu" else -(-8 * self.d_model // 3 // 64) * 64
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     @property
     def padded_vocab_size(self) -> int:
@@ -59,13 +75,29 @@ class GPTConfig:
         return (self.padded_vocab_size - self.vocab_size) * self.d_model
 
 
+def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of x (batch, heads, t, head_dim), in the half-split convention of transformers'
+    Llama: dimension i < d/2 pairs with i + d/2, rotated by position x frequency theta^(-2i/d)."""
+    t, d = x.shape[-2], x.shape[-1]
+    frequencies = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), frequencies).repeat(1, 2)
+    first, second = x.float().chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    return (x.float() * angles.cos() + rotated_half * angles.sin()).type_as(x)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention, or grouped-query attention when the model has fewer key/value heads (each serves
+    n_head / n_kv_head consecutive query heads, so a tensor-parallel rank's query heads find their keys on it)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
+        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        kv_width = cfg.kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
@@ -75,37 +107,55 @@ class CausalSelfAttention(nn.Module):
             rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if self.rope_theta is not None:
+            q, k = rotate(q, self.rope_theta), rotate(k, self.rope_theta)
+        grouped = q.shape[1] != k.shape[1]
         if self.training and self.attn_dropout.p > 0:
             # Dropout on the attention weights needs them materialised, (batch, heads, t, t): the fused kernel
             # draws its own mask, which would depend on how heads are split across ranks. Hence its own key.
+            if grouped:
+                k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
             t = q.shape[2]
             future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
             scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(future, float("-inf"))
             y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
 class MLP(nn.Module):
+    """GPT-2's fc_out(gelu(fc_in(x))), or with mlp=swiglu Llama's fc_out(silu(fc_gate(x)) * fc_in(x))."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc_in = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
+        self.fc_gate = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
         self.fc_out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc_out(F.gelu(self.fc_in(x), approximate="tanh")))
+        if self.fc_gate is not None:
+            hidden = F.silu(self.fc_gate(x)) * self.fc_in(x)
+        else:
+            hidden = F.gelu(self.fc_in(x), approximate="tanh")
+        return self.dropout(self.fc_out(hidden))
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn_norm = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.mlp_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,18 +188,19 @@ class GPT(LayeredModel):
         self.tok_emb: nn.Embedding | None = None
         self.pos_emb: nn.Embedding | None = None
         self.emb_dropout: Dropout | None = None
-        self.norm: nn.LayerNorm | None = None
+        self.norm: nn.Module | None = None
         self.lm_head: nn.Linear | None = None
         if embedding:
             self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            if cfg.position == "learned":
+                self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.emb_dropout = Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
         if head:
             padded = cfg.padded_vocab_size > cfg.vocab_size
-            self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+            self.norm = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=padded)
-            if self.tok_emb is not None and tie_head:
+            if self.tok_emb is not None and tie_head and cfg.tie_embeddings:
                 self.lm_head.weight = self.tok_emb.weight  # tied, as GPT-2
             if padded:
                 # The head's bias is a fixed mask: -inf on the padding rows, so their logits never enter the
@@ -160,9 +211,11 @@ class GPT(LayeredModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
         stream (batch, seq, d_model) instead, and a part without the head returns it."""
-        if self.tok_emb is not None and self.pos_emb is not None and self.emb_dropout is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.emb_dropout(self.tok_emb(x) + self.pos_emb(positions))
+        if self.tok_emb is not None and self.emb_dropout is not None:
+            embedded = self.tok_emb(x)
+            if self.pos_emb is not None:
+                embedded = embedded + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            x = self.emb_dropout(embedded)
         for block in self.blocks.values():
             x = block(x)
         if self.lm_head is None or self.norm is None:
@@ -174,7 +227,7 @@ class GPT(LayeredModel):
     def tied_parameters(self) -> dict[str, str]:
         """Parameter name -> the name of the parameter it is (the LM head's weight is the token embedding), also
         on a pipeline part that holds the head as its own copy: checkpoints store it once, under the source."""
-        return {"lm_head.weight": "tok_emb.weight"}
+        return {"lm_head.weight": "tok_emb.weight"} if self.cfg.tie_embeddings else {}
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
         """Module name -> tensor-parallel style, for the modules this model (or part) holds."""
@@ -208,7 +261,7 @@ class GPT(LayeredModel):
         identity, biases zero; the padded head's bias is the vocabulary mask."""
         module_name, _, kind = name.rpartition(".")
         module = self.get_submodule(module_name)
-        if isinstance(module, nn.LayerNorm):
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             full.fill_(1.0 if kind == "weight" else 0.0)
         elif kind == "bias":
             full.copy_(vocabulary_mask(self.cfg)) if module is self.lm_head else full.zero_()
@@ -256,7 +309,11 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
-    score and value matmuls, 12 * n_layer * d_model * seq_len (PaLM, appendix B). N excludes the position
-    embedding, a lookup rather than a matmul."""
-    matmul_params = n_params - cfg.max_seq_len * cfg.d_model
-    return 6 * matmul_params + 12 * cfg.n_layer * cfg.d_model * seq_len
+    score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
+    and torchtitan count the same). N excludes what is a lookup rather than a matmul: the position embedding, and
+    the token embedding when the head does not share it. Every weight is counted as it is (SwiGLU's three
+    matrices, grouped-query attention's narrower key and value projections)."""
+    lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    if not cfg.tie_embeddings:
+        lookups += cfg.padded_vocab_size * cfg.d_model
+    return 6 * (n_params - lookups) + 12 * cfg.n_layer * cfg.d_model * seq_len

@@ -155,6 +155,19 @@ def local_gpt2_directory(path: str) -> str:
     return snapshot_download(path, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
 
 
+def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor]]:
+    """(names, read) of the weights a Hugging Face directory holds: model.safetensors memory-mapped, or an older
+    pytorch_model.bin pickle, memory-mapped; each tensor is read when asked for."""
+    safetensors_file = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(safetensors_file):
+        from safetensors import safe_open
+
+        handle = safe_open(safetensors_file, framework="pt")
+        return set(handle.keys()), handle.get_tensor
+    state = torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu", mmap=True, weights_only=True)
+    return set(state), state.__getitem__
+
+
 class GPT2Weights:
     """Our parameters' values from a GPT-2 in Hugging Face format, one tensor at a time (`init(name, full)`, as
     llmtrain/model/materialize.py asks): safetensors are memory-mapped and each tensor is read when asked for, so
@@ -164,18 +177,7 @@ class GPT2Weights:
         directory = local_gpt2_directory(path)
         _check_shape(directory, cfg)
         self.cfg = cfg
-        safetensors_file = os.path.join(directory, "model.safetensors")
-        if os.path.isfile(safetensors_file):
-            from safetensors import safe_open
-
-            self._file = safe_open(safetensors_file, framework="pt")
-            keys = set(self._file.keys())
-            self._read = self._file.get_tensor
-        else:  # older checkpoints: a pickle, memory-mapped
-            state = torch.load(
-                os.path.join(directory, "pytorch_model.bin"), map_location="cpu", mmap=True, weights_only=True
-            )
-            keys, self._read = set(state), state.__getitem__
+        keys, self._read = lazy_tensors(directory)
         # save_pretrained writes "transformer.h.0..."; the original hub GPT-2 files have no prefix.
         self._prefix = "transformer." if "transformer.wte.weight" in keys else ""
 

@@ -1,8 +1,9 @@
 """The GPT's tensor-parallel plan: module name -> DTensor parallel style, the Megatron way.
 
-Within a block, the first matmul of each pair is column-parallel (q, k, v split by heads; the MLP's up-projection
-split by hidden units) and the second row-parallel (attention output, MLP down-projection), so a block needs one
-all-reduce in forward (Megatron's g) and one in backward (f) per pair: 4 per layer, 8·b·s·h·(t−1)/t bytes.
+Within a block, the first matmul of each pair is column-parallel (q, k, v split by heads, grouped-query attention's
+key/value heads with their query heads; the MLP's up-projection and SwiGLU gate split by hidden units) and the
+second row-parallel (attention output, MLP down-projection), so a block needs one all-reduce in forward
+(Megatron's g) and one in backward (f) per pair: 4 per layer, 8·b·s·h·(t−1)/t bytes.
 
 With sequence parallelism the activations between the pairs (LayerNorms, residual adds, dropout) stay sharded
 along the sequence: each all-reduce becomes an all-gather into the pair and a reduce-scatter out of it, the same
@@ -72,6 +73,7 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
             "attn.out_proj": RowwiseParallel(),
             "attn.attn_dropout": SplitDropout(dim=1),
             "mlp.fc_in": ColwiseParallel(),
+            "mlp.fc_gate": ColwiseParallel(),
             "mlp.fc_out": RowwiseParallel(),
         }
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -87,6 +89,7 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "mlp_norm": SequenceParallel(),
         "mlp": gather_sequence,
         "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_gate": ColwiseParallel(),
         "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
         "mlp.dropout": SplitDropout(dim=1),
     }
@@ -95,12 +98,18 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan for the blocks and the embeddings / final norm / head this model (or pipeline part) holds. Each
     rank then computes its own heads: the attention reshape derives the head count from the local width."""
-    plan = {f"blocks.{i}.{name}": style for i in model.blocks for name, style in _block_plan(sequence_parallel).items()}
+    plan = {
+        f"blocks.{i}.{name}": style
+        for i, block in model.blocks.items()
+        for name, style in _block_plan(sequence_parallel).items()
+        if _holds(block, name)  # the gate only in a SwiGLU MLP
+    }
     residual = Shard(1) if sequence_parallel else Replicate()
     if model.tok_emb is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
         if sequence_parallel:
-            plan["pos_emb"] = ChunkPositions()
+            if model.pos_emb is not None:  # rotary positions have no weights
+                plan["pos_emb"] = ChunkPositions()
             plan["emb_dropout"] = SplitDropout(dim=1)
     if model.lm_head is not None:
         if sequence_parallel:
@@ -113,6 +122,13 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
     return plan
 
 
+def _holds(block: nn.Module, name: str) -> bool:
+    try:
+        return block.get_submodule(name) is not None
+    except AttributeError:
+        return False
+
+
 def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: bool) -> None:
     """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
     m = model_cfg
@@ -120,6 +136,11 @@ def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: b
         raise ConfigError(
             f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "
             f"heads across ranks; choose a tp that divides {m.n_head}"
+        )
+    if m.n_kv_head and m.n_kv_head % tp:
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} is not divisible by parallel.tp={tp}: tensor parallelism splits the "
+            f"key/value heads across ranks with their query heads; choose a tp that divides {m.n_kv_head}"
         )
     if m.d_model % tp or (m.d_ff or 4 * m.d_model) % tp:
         raise ConfigError(f"model.d_model={m.d_model} (and the MLP width) must be divisible by parallel.tp={tp}")

@@ -97,8 +97,10 @@ def tensor_parallel_traffic(
         traffic.add("reduce_scatter", exchanges * activation, exchanges)
         # replicated weights used on sequence shards: their partial gradients are summed once per step
         norms = 2 * held.blocks + int(held.last)
-        replicated = norms * h * (1 + int(bias)) + int(held.first) * max_seq_len * h
-        traffic.add("all_reduce", replicated * sizes.grad, norms * (1 + int(bias)) + int(held.first))
+        norm_tensors = 1 + int(bias and cfg.norm == "layernorm")
+        positions = int(held.first and cfg.position == "learned")
+        replicated = norms * h * norm_tensors + positions * max_seq_len * h
+        traffic.add("all_reduce", replicated * sizes.grad, norms * norm_tensors + positions)
     else:
         traffic.add("all_reduce", exchanges * activation, exchanges)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
@@ -123,7 +125,8 @@ def pipeline_traffic(
             traffic.add("recv", activation * m, m)
             traffic.add("send", activation * m, m)
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
-    if (0 in stages) != (n_stages - 1 in stages):  # one copy of the tied matrix here, the other on another rank
+    tied_across = (0 in stages) != (n_stages - 1 in stages)  # one copy of the tied matrix here, one elsewhere
+    if cfg.tie_embeddings and tied_across:
         # (a shard of it under FSDP)
         traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard) * sizes.grad, 1)
     return traffic

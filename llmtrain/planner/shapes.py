@@ -1,12 +1,13 @@
 """What a rank's part of the GPT holds, in elements, counted from the model config alone (no model is built).
 
 The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/model/parallel_plan.py):
-- per block: q, k, v and the MLP's up-projection are column-parallel (weights and biases split over tp); the
-  attention output and the MLP's down-projection row-parallel (weights split, biases replicated); both
-  LayerNorms replicated;
-- the token embedding is split by vocabulary rows, the position embedding and the final norm replicated; the LM
-  head is the token embedding (tied) unless a pipeline puts the two on different stages, where the last stage
-  holds its own copy; a padded vocabulary adds the head's frozen bias (the -inf mask), split like the head.
+- per block: q, k, v (k and v as wide as the key/value heads) and the MLP's up-projection (and SwiGLU's gate) are
+  column-parallel (weights and biases split over tp); the attention output and the MLP's down-projection
+  row-parallel (weights split, biases replicated); both norms replicated (RMSNorm: a scale only);
+- the token embedding is split by vocabulary rows, the position embedding (none with rotary positions) and the
+  final norm replicated; the LM head is the token embedding (tied) unless the model unties them or a pipeline puts
+  the two on different stages, where the last stage holds its own copy; a padded vocabulary adds the head's
+  frozen bias (the -inf mask), split like the head.
 """
 
 from __future__ import annotations
@@ -34,23 +35,30 @@ class Holding:
         return self.trainable + self.frozen
 
 
+def _norm_parameters(cfg: GPTConfig) -> int:
+    return cfg.d_model * (1 + int(cfg.bias and cfg.norm == "layernorm"))  # RMSNorm: a scale, no bias
+
+
 def block_parameters(cfg: GPTConfig, tp: int = 1) -> int:
     """One block's parameters on one of `tp` tensor-parallel ranks."""
     h, f, bias = cfg.d_model, cfg.hidden, int(cfg.bias)
-    split = 3 * h * h + h * f + bias * (3 * h + f)  # column-parallel: q, k, v, fc_in (weights and biases)
+    kv = cfg.kv_heads * (h // cfg.n_head)  # the width of k and v (grouped-query attention: narrower than h)
+    up = 2 if cfg.mlp == "swiglu" else 1  # fc_in, and SwiGLU's gate
+    split = h * (h + 2 * kv) + up * h * f + bias * (h + 2 * kv + up * f)  # column-parallel: q, k, v, fc_in (, gate)
     split += h * h + f * h  # row-parallel weights: out_proj, fc_out
-    replicated = bias * 2 * h + 2 * h * (1 + bias)  # row-parallel biases; the two LayerNorms
+    replicated = bias * 2 * h + 2 * _norm_parameters(cfg)  # row-parallel biases; the two norms
     return split // tp + replicated
 
 
 def embedding_parameters(cfg: GPTConfig, tp: int = 1) -> int:
-    return cfg.padded_vocab_size * cfg.d_model // tp + cfg.max_seq_len * cfg.d_model
+    positions = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    return cfg.padded_vocab_size * cfg.d_model // tp + positions
 
 
 def head_parameters(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> tuple[int, int]:
     """(trainable, frozen) of the final norm and LM head; the weight counts only when it is not the embedding's."""
-    norm = cfg.d_model * (1 + int(cfg.bias))
-    weight = cfg.padded_vocab_size * cfg.d_model // tp if own_weight else 0
+    norm = _norm_parameters(cfg)
+    weight = cfg.padded_vocab_size * cfg.d_model // tp if own_weight or not cfg.tie_embeddings else 0
     mask = cfg.padded_vocab_size // tp if cfg.padded_vocab_size > cfg.vocab_size else 0
     return norm + weight, mask
 

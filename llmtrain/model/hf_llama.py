@@ -1,0 +1,185 @@
+"""Our Llama-family GPT (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases) <-> Hugging Face
+`LlamaForCausalLM`: the same network, rotary positions in transformers' half-split convention, so conversion is
+renaming (no reshaping: both store nn.Linear weights):
+
+  tok_emb                          model.embed_tokens          (our vocabulary padding rows dropped / zero-filled)
+  blocks.i.attn_norm, mlp_norm     model.layers.i.input_layernorm, post_attention_layernorm
+  blocks.i.attn.{q,k,v}_proj       model.layers.i.self_attn.{q,k,v}_proj
+  blocks.i.attn.out_proj           model.layers.i.self_attn.o_proj
+  blocks.i.mlp.fc_gate, fc_in      model.layers.i.mlp.gate_proj, up_proj
+  blocks.i.mlp.fc_out              model.layers.i.mlp.down_proj
+  norm, lm_head                    model.norm, lm_head         (lm_head only when the embeddings are untied)
+
+Export converts a whole model; import (`LlamaWeights`, model.init_from) converts one tensor at a time as each rank
+materialises its shards, reading the safetensors file lazily (llmtrain/model/hf.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.config import ConfigError
+from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
+from llmtrain.model.hf import lazy_tensors, local_gpt2_directory
+
+_MODULES = {
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.out_proj": "self_attn.o_proj",
+    "mlp.fc_gate": "mlp.gate_proj",
+    "mlp.fc_in": "mlp.up_proj",
+    "mlp.fc_out": "mlp.down_proj",
+}
+
+
+def hf_weights(path: str, cfg: GPTConfig):
+    """The one-tensor-at-a-time reader of a Hugging Face directory for our model `cfg` (model.init_from)."""
+    from llmtrain.model.hf import GPT2Weights
+
+    return LlamaWeights(path, cfg) if is_llama(cfg) else GPT2Weights(path, cfg)
+
+
+def hf_config_of(path: str) -> GPTConfig:
+    """Our config of the model a Hugging Face directory holds: a Llama, or a GPT-2."""
+    import json
+    import os
+
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == "llama":
+        return llama_config_of(path)
+    from llmtrain.model.hf import gpt_config_of
+
+    return gpt_config_of(path)
+
+
+def is_llama(cfg: GPTConfig) -> bool:
+    """Whether the model is one transformers' LlamaForCausalLM can hold."""
+    return cfg.norm == "rmsnorm" and cfg.position == "rope" and cfg.mlp == "swiglu" and not cfg.bias
+
+
+def hf_name(name: str) -> str:
+    """The LlamaForCausalLM tensor our parameter `name` is."""
+    if name.startswith("blocks."):
+        _, layer, rest = name.split(".", 2)
+        module, kind = rest.rsplit(".", 1)
+        return f"model.layers.{layer}.{_MODULES[module]}.{kind}"
+    return {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(name, name)
+
+
+def llama_hf_config(cfg: GPTConfig, eos_id: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=cfg.attention_dropout,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def to_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict from our whole model's (the vocabulary padding rows and mask dropped)."""
+    cfg = model.cfg
+    hf = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.bias" or (name == "lm_head.weight" and cfg.tie_embeddings):
+            continue  # the padding mask; the tied head is the embedding
+        if name in ("tok_emb.weight", "lm_head.weight"):
+            tensor = tensor[: cfg.vocab_size]
+        hf[hf_name(name)] = tensor.detach().cpu().clone()
+    if cfg.tie_embeddings:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    return hf
+
+
+def llama_config_of(path: str) -> GPTConfig:
+    """The shape of the LlamaForCausalLM in directory `path` (its config.json), in our terms."""
+    from transformers import LlamaConfig
+
+    c = LlamaConfig.from_pretrained(path)
+    # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(
+            f"model.init_from={path} uses rope_scaling={rope}, which llmtrain's rotary positions do not model yet: "
+            f"start from a checkpoint without it"
+        )
+    theta = getattr(c, "rope_theta", None) or rope["rope_theta"]
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        d_model=c.hidden_size,
+        max_seq_len=c.max_position_embeddings,
+        d_ff=c.intermediate_size,
+        bias=False,
+        norm="rmsnorm",
+        position="rope",
+        rope_theta=float(theta),
+        mlp="swiglu",
+        n_kv_head=c.num_key_value_heads,
+        tie_embeddings=c.tie_word_embeddings,
+        norm_eps=c.rms_norm_eps,
+    )
+
+
+_SHAPE_KEYS = (
+    "n_layer",
+    "n_head",
+    "kv_heads",
+    "d_model",
+    "hidden",
+    "vocab_size",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+)
+
+
+class LlamaWeights:
+    """Our parameters' values from a LlamaForCausalLM in Hugging Face format, one tensor at a time (as
+    llmtrain/model/materialize.py asks). Raises ConfigError when its shape differs from the model config."""
+
+    def __init__(self, path: str, cfg: GPTConfig):
+        directory = local_gpt2_directory(path)
+        theirs = llama_config_of(directory)
+        differences = [
+            f"{key}={getattr(cfg, key)} (theirs: {getattr(theirs, key)})"
+            for key in _SHAPE_KEYS
+            if getattr(cfg, key) != getattr(theirs, key)
+        ]
+        if differences:
+            raise ConfigError(
+                f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model preset that "
+                f"matches it and its tokenizer (data.tokenizer.kind=hf)"
+            )
+        self.cfg = cfg
+        self._keys, self._read = lazy_tensors(directory)
+
+    def __call__(self, name: str, full: torch.Tensor) -> None:
+        cfg = self.cfg
+        if name == "lm_head.bias":
+            full.copy_(vocabulary_mask(cfg))
+            return
+        key = hf_name(name)
+        if name == "lm_head.weight" and key not in self._keys:  # a tied checkpoint keeps the head as the embedding
+            key = "model.embed_tokens.weight"
+        tensor = self._read(key)
+        if name in ("tok_emb.weight", "lm_head.weight"):  # our vocabulary padding rows stay zero
+            tensor = torch.cat([tensor, tensor.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, cfg.d_model)])
+        full.copy_(tensor)
