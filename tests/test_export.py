@@ -201,6 +201,7 @@ def test_a_llama_of_another_shape_is_refused_naming_the_keys(tmp_path):
         build_model(cfg.model, 257, seed=1)
 
 
+@pytest.mark.slow
 def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
     """A trained llama-tiny checkpoint, exported: transformers computes our logits and greedy continuation."""
     from conftest import FAST, run_train

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("layout_worker.py")
 WEIGHT_ATOL = 5e-5
 COMMON = "model=llama-tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
 LAYOUTS = [
-    "parallel=ddp",
+    "parallel=ddp train.compile=true",
     "parallel=zero1",
     "parallel=zero2",
     "parallel=fsdp train.activation_checkpointing=full",

@@ -5,6 +5,7 @@ What it predicts is measured against real 4-rank runs in test_layout_accounting.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 
@@ -27,8 +28,14 @@ UNPADDED = ["model=tiny", "model.vocab_size=256", "hardware=rtx4080x4", "train.s
 ZERO = StateBytes(param=2, grad=2, optimizer=12, compute=2)
 
 
+@functools.cache
+def _composed(*overrides: str):
+    """Composing is the slow part of these tests (Hydra); the configs are only read."""
+    return compose_config(list(overrides))
+
+
 def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
-    cfg = compose_config([*UNPADDED, *overrides])
+    cfg = _composed(*UNPADDED, *overrides)
     work = workload_for(cfg, 256, sizes)
     machine = machine_for(cfg, candidate.degrees.pp * candidate.degrees.dp * candidate.degrees.tp, 4, True)
     return plan_layout(candidate, work, machine), work, machine
@@ -36,7 +43,7 @@ def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
 
 @pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b"])
 def test_parameter_count_from_the_config_is_the_models(model):
-    cfg = compose_config([f"model={model}"])
+    cfg = _composed(f"model={model}")
     meta = meta_model(cfg.model, 50257)
     assert whole_model_parameters(meta.cfg) == num_parameters(meta)
     assert holding(meta.cfg).total == sum(p.numel() for p in meta.parameters())  # + the frozen vocabulary mask
