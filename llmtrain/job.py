@@ -205,7 +205,12 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
     _check_vocab(cfg, tokenizer.vocab_size)
     auto = None
     if config.parallel.strategy == "auto":
-        auto = _agreed(runtime, _auto_layout(cfg, config, runtime, tokenizer.vocab_size) if runtime.is_main else None)
+        decided = _agreed(
+            runtime, _auto_layout(cfg, config, runtime, tokenizer.vocab_size) if runtime.is_main else None
+        )
+        if isinstance(decided, ConfigError):  # raised on every rank: none is left waiting for the others
+            raise decided
+        auto = decided
         config.parallel = auto.parallel
         OmegaConf.update(cfg, "parallel", OmegaConf.structured(auto.parallel), merge=False)  # W&B and the summary
         log.info(auto.summary)
@@ -306,14 +311,17 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
 
 
 def _auto_layout(cfg, config: RootConfig, runtime: Runtime, vocab_size: int):
-    """parallel=auto's choice for this world (decided on rank 0: it times the host when the hardware gives no
-    peak)."""
+    """parallel=auto's choice for this world, or the ConfigError saying why there is none (decided on rank 0, which
+    times the host when the hardware gives no peak, and handed to every rank)."""
     from llmtrain.planner.auto import auto_layout
     from llmtrain.resolvers import ranks_per_node
 
     bf16 = uses_bf16(config.train.precision, runtime.device)
     per_node = min(ranks_per_node(), runtime.world_size)
-    return auto_layout(cfg, config.parallel, runtime.world_size, per_node, vocab_size, bf16)
+    try:
+        return auto_layout(cfg, config.parallel, runtime.world_size, per_node, vocab_size, bf16)
+    except ConfigError as error:
+        return error
 
 
 def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:

@@ -64,6 +64,8 @@ def test_bad_layouts_are_refused_before_any_process_group(overrides, world_size,
     [
         (["parallel=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size=6"),
         (["parallel=ddp_tp"], 0, "parallel.tp=2"),  # a degree above 1 needs more than one process
+        # rank 0 decides and every rank stops with its error (none left waiting for a decision)
+        (["parallel=auto", "hardware.device_memory_gib=0.001", "plan.reserved_gib=0"], 2, "parallel=auto: no layout"),
     ],
 )
 def test_bad_layouts_fail_with_one_line(overrides, nproc, message, train):
