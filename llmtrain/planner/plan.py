@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtrain.model.gpt import GPTConfig, flops_per_token
@@ -76,7 +76,6 @@ class LayoutPlan:
     exposed_comm_s: float
     max_parameters: int
     max_parameters_with_activations: int
-    notes: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:

@@ -87,7 +87,6 @@ _OPS: dict[str, tuple[str, int, bool]] = {
 }
 # c10d ops without a payload (check_for_nan moves nothing at all).
 _IGNORED = {"barrier", "monitored_barrier_", "check_for_nan"}
-OP_KEYS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 _C10D, _BACKENDS = "c10d::", ("gloo:", "nccl:")
 
 
@@ -188,16 +187,3 @@ def _numel(shape: list[int]) -> int:
     for size in shape:
         n *= size
     return n
-
-
-def format_counts(rows: list[dict[str, int]]) -> str:
-    """One line per rank (row i is rank i's counter.bytes), in MiB: the ops any rank issued, the standard ones
-    first, so that ranks of a layout that moves different amounts (pipeline stages) line up in one table."""
-    ops = [op for op in OP_KEYS if any(op in row for row in rows)]
-    ops += sorted({op for row in rows for op in row} - set(ops))
-    widths = [max(len(op), 12) for op in ops]
-    lines = ["rank " + " ".join(op.rjust(width) for op, width in zip(ops, widths))]
-    for rank, row in enumerate(rows):
-        cells = (f"{row.get(op, 0) / 2**20:.3f}".rjust(width) for op, width in zip(ops, widths))
-        lines.append(f"{rank:>4} " + " ".join(cells))
-    return "\n".join(lines)
