@@ -117,14 +117,14 @@ def pipeline_traffic(
     style = schedule_spec(candidate.pp_schedule).style
     n_stages = d.pp * candidate.pp_stages_per_rank
     activation = rows * seq_len * h // (d.tp if candidate.sequence_parallel else 1) * sizes.compute
-    for stage in rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style):
+    stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
+    for stage in stages:
         if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:
             traffic.add("send", activation * m, m)
             traffic.add("recv", activation * m, m)  # the gradient coming back
         if stage > 0 and stage_rank(stage - 1, d.pp, style) != pp_rank:
             traffic.add("recv", activation * m, m)
             traffic.add("send", activation * m, m)
-    stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     tied_across = (0 in stages) != (n_stages - 1 in stages)  # one copy of the tied matrix here, one elsewhere
     if cfg.tie_embeddings and tied_across:
         # (a shard of it under FSDP)
