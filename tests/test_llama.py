@@ -1,5 +1,6 @@
 """The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) under every layout family: each
-reproduces the unsplit llama-tiny, step for step, in one 4-rank process group (tests/layout_worker.py).
+reproduces the unsplit llama-tiny, step for step, in one 4-rank process group (tests/layout_worker.py), and 3-D
+(pipeline x FSDP x tensor parallel) in an 8-rank one.
 Its forward against transformers' LlamaForCausalLM and its parameter counts are in test_model.py."""
 
 from __future__ import annotations
@@ -36,15 +37,34 @@ LAYOUTS = [
 ]
 
 
+# pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed.
+LAYOUT_3D = (
+    "parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
+    " train.activation_checkpointing=full"
+)
+
+
+def layout_results(tmp_path_factory, nproc: int, layouts: list[str]) -> dict:
+    out = tmp_path_factory.mktemp("llama")
+    torchrun(nproc, str(WORKER), str(out), COMMON, *layouts, timeout=600)
+    return json.loads((out / "results.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("llama")
-    torchrun(4, str(WORKER), str(out), COMMON, *LAYOUTS, timeout=600)
-    return json.loads((out / "results.json").read_text())
+    return layout_results(tmp_path_factory, 4, LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_llama_layout_matches_single(layout, results):
+    assert_matches_single(results, layout)
+
+
+def test_llama_3d_matches_single(tmp_path_factory):
+    assert_matches_single(layout_results(tmp_path_factory, 8, [LAYOUT_3D]), LAYOUT_3D)
+
+
+def assert_matches_single(results: dict, layout: str) -> None:
     reference, run = results["single"], results[layout]
     for key in ("losses", "norms"):
         assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
