@@ -24,6 +24,17 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScalingConfig:
+    """Llama 3's stretching of the slow rotary frequencies (llmtrain/model/rope.py); the numbers are Llama 3.1's."""
+
+    type: str = "none"  # none (plain RoPE) | llama3 (transformers' rope_type "llama3")
+    factor: float = 8.0  # how much longer than original_max_seq_len the stretched context is
+    low_freq_factor: float = 1.0  # rotations with fewer turns than this over the original context slow by factor
+    high_freq_factor: float = 4.0  # rotations with more turns than this keep their frequency; between: a blend
+    original_max_seq_len: int = 8192  # the context the model was pretrained on before the stretch
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     n_layer: int = MISSING
@@ -41,6 +52,7 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     position: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # rope: the base of the rotation frequencies
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: type=llama3 stretches it
     mlp: str = "gelu"  # gelu | swiglu (d_ff is then the gated hidden width)
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None: n_head
     tie_embeddings: bool = True  # the LM head shares the token embedding's weights
@@ -219,6 +231,7 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.position": ("learned", "rope"),
     "model.mlp": ("gelu", "swiglu"),
+    "model.rope_scaling.type": ("none", "llama3"),
 }
 
 
@@ -226,6 +239,16 @@ def _get(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+def validate_rope_scaling(scaling) -> None:
+    if not (0 < scaling.low_freq_factor < scaling.high_freq_factor) or scaling.factor < 1:
+        raise ConfigError(
+            f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor and factor >= 1 (got "
+            f"{scaling.low_freq_factor}, {scaling.high_freq_factor}, {scaling.factor}): fix those keys"
+        )
+    if scaling.original_max_seq_len <= 0:
+        raise ConfigError(f"model.rope_scaling.original_max_seq_len={scaling.original_max_seq_len} must be positive")
 
 
 def validate(cfg) -> None:
@@ -292,6 +315,8 @@ def validate(cfg) -> None:
         )
     if m.rope_theta <= 0 or m.norm_eps <= 0:
         raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be positive")
+    if m.rope_scaling.type == "llama3":
+        validate_rope_scaling(m.rope_scaling)
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")

@@ -99,6 +99,8 @@ def test_wrong_type_is_rejected():
         (["train.micro_batch_size=0"], "train.micro_batch_size"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
         (["model.attention_dropout=1.0"], "model.attention_dropout"),
+        (["model=llama-tiny", "model.rope_scaling.type=yarn"], "model.rope_scaling.type"),
+        (["model=llama-tiny", "model.rope_scaling.type=llama3", "model.rope_scaling.factor=0.5"], "model.rope_scaling"),
         (["hardware=rtx4080x4", "hardware.device_memory_gib=0"], "hardware.device_memory_gib"),
         (["hardware.nodes=0"], "hardware.nodes"),
     ],

@@ -180,16 +180,26 @@ def _hf_llama(directory, **shape) -> None:
 
 
 LLAMA = ["model=llama-tiny", "model.tie_embeddings=false"]
+# Llama 3's rope scaling, with a pretraining context short enough (16) for 48 tokens to reach every band
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}  # fmt: skip
+OUR_LLAMA3_SCALING = [
+    "model.rope_scaling.type=llama3",
+    "model.rope_scaling.factor=4",
+    "model.rope_scaling.original_max_seq_len=16",
+]
 
 
-def test_a_hugging_face_llama_initialises_our_model(tmp_path):
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["rope", "llama3-scaled rope"])
+def test_a_hugging_face_llama_initialises_our_model(tmp_path, scaling):
     from transformers import LlamaForCausalLM
 
-    _hf_llama(tmp_path)
-    cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
+    _hf_llama(tmp_path, rope_scaling=scaling)
+    ours_scaling = OUR_LLAMA3_SCALING if scaling else []
+    cfg = compose_config([*LLAMA, *ours_scaling, f"model.init_from={tmp_path}"])
     ours = build_model(cfg.model, 257, seed=1).eval()
     theirs = LlamaForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(0, 257, (2, 24))
+    ids = torch.randint(0, 257, (2, 48))
     with torch.no_grad():
         assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
 
@@ -201,14 +211,24 @@ def test_a_llama_of_another_shape_is_refused_naming_the_keys(tmp_path):
         build_model(cfg.model, 257, seed=1)
 
 
+def test_a_llama3_scaled_checkpoint_into_plain_rope_is_refused(tmp_path):
+    _hf_llama(tmp_path, rope_scaling=LLAMA3_SCALING)
+    cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rope_scaling=None \(theirs: RopeScaling\(factor=4.0"):
+        build_model(cfg.model, 257, seed=1)
+
+
 @pytest.mark.slow
 def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
-    """A trained llama-tiny checkpoint, exported: transformers computes our logits and greedy continuation."""
+    """A trained llama-tiny checkpoint (with Llama 3's rope scaling), exported: transformers computes our logits and
+    greedy continuation."""
     from conftest import FAST, run_train
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     (tmp_path / "run").mkdir()
-    run = run_train(tmp_path / "run", cache_dir, *FAST, "model=llama-tiny", "train.steps=2", name="llama")
+    run = run_train(
+        tmp_path / "run", cache_dir, *FAST, "model=llama-tiny", *OUR_LLAMA3_SCALING, "train.steps=2", name="llama"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = find_checkpoint(str(run.run_dir))
     export(checkpoint, str(tmp_path / "exported"))

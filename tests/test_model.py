@@ -84,17 +84,20 @@ def test_initial_loss_is_uniform_over_the_vocabulary():
     assert loss.item() == pytest.approx(math.log(TINY.vocab_size), rel=0.05)
 
 
-def _llama_config(preset: str, vocab_size: int):
+def _llama_config(preset: str, vocab_size: int, *overrides: str):
     from transformers import LlamaConfig
 
+    from llmtrain.model import rope_scaling
+    from llmtrain.model.hf_llama import hf_rope_scaling
     from llmtrain.tools import compose_config
 
-    m = compose_config([f"model={preset}"]).model
+    m = compose_config([f"model={preset}", *overrides]).model
     theirs = LlamaConfig(
         vocab_size=m.vocab_size or vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
         num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head,
         tie_word_embeddings=m.tie_embeddings, max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
-        rms_norm_eps=m.norm_eps, attention_bias=False, mlp_bias=False,
+        rope_scaling=hf_rope_scaling(rope_scaling(m.rope_scaling)), rms_norm_eps=m.norm_eps, attention_bias=False,
+        mlp_bias=False,
     )  # fmt: skip
     return m, theirs
 
@@ -112,16 +115,22 @@ def test_llama_parameter_counts_equal_transformers(preset):
     assert num_parameters(ours) - ours.cfg.padding_parameters == reference.num_parameters()
 
 
-def test_llama_logits_equal_transformers_with_the_same_weights():
-    """RMSNorm, rotary positions in transformers' half-split convention, grouped-query attention and SwiGLU:
-    our llama-tiny with a LlamaForCausalLM's weights (named by the export's map) computes its logits."""
+# Llama 3's rope scaling with a pretraining context of 16 tokens, so that 48 positions reach every band of it
+LLAMA3_SCALING = ["model.rope_scaling.type=llama3", "model.rope_scaling.original_max_seq_len=16"]
+
+
+@pytest.mark.parametrize("overrides", [[], LLAMA3_SCALING], ids=["rope", "llama3-scaled rope"])
+def test_llama_logits_equal_transformers_with_the_same_weights(overrides):
+    """RMSNorm, rotary positions in transformers' half-split convention (plain, and with Llama 3's scaling),
+    grouped-query attention and SwiGLU: our llama-tiny with a LlamaForCausalLM's weights (named by the export's
+    map) computes its logits."""
     from transformers import LlamaForCausalLM
 
     from llmtrain.model import meta_model
     from llmtrain.model.hf_llama import hf_name
     from llmtrain.model.materialize import materialize
 
-    model_cfg, theirs = _llama_config("llama-tiny", 256)
+    model_cfg, theirs = _llama_config("llama-tiny", 256, *overrides)
     torch.manual_seed(0)
     reference = LlamaForCausalLM(theirs).eval()
     ours = meta_model(model_cfg, 256)
@@ -130,6 +139,21 @@ def test_llama_logits_equal_transformers_with_the_same_weights():
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(tokens), reference(tokens).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_llama3_rope_frequencies_equal_transformers():
+    """Meta's Llama 3.2 scaling (32x, bands at 1 and 4 turns over 8,192 tokens) at its head size 64."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmtrain.model import meta_model
+    from llmtrain.model.rope import frequencies
+
+    model_cfg, theirs = _llama_config("llama3.2-1b", 256)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](theirs, "cpu")
+    cfg = meta_model(model_cfg, 256).cfg
+    ours = frequencies(cfg.d_model // cfg.n_head, cfg.rope_theta, cfg.rope_scaling)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+    assert (ours < frequencies(64, cfg.rope_theta)).any()  # the scaling changed something
 
 
 def test_a_checkpoint_of_the_other_family_is_refused_naming_the_keys(tmp_path):

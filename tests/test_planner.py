@@ -10,6 +10,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.model import meta_model, num_parameters
@@ -99,6 +100,34 @@ def test_korthikanti_activations_per_layer():
     assert layer_activations(s, b, h, a, 8, True, "selective", True) == sbh * 34 / 8
     assert layer_activations(s, b, h, a, 8, True, "full", True) == 2 * sbh / 8
     assert layer_activations(s, b, h, a, 1, False, "none", False) == sbh * 34  # fused attention: no score matrix
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_layer_terms_count_what_a_block_saves_for_backward(preset):
+    """The tensors one block keeps for its backward (parameters aside), counted by autograd's saved-tensor hook,
+    equal layer_terms' s·b·h units less the two dropout masks Korthikanti always counts (there is no dropout here):
+    GPT-2's 32; llama-tiny's grouped-query k and v (4 of 8 heads), SwiGLU's four d_ff-wide tensors and RMSNorm's
+    extra normalised copies. Measured in fp32, so halved to 16-bit units; tolerance: the per-row norm statistics,
+    the attention's log-sum-exp and the rotation tables, under 1%."""
+    from llmtrain.model import build_model
+    from llmtrain.planner.memory import layer_terms
+
+    cfg = compose_config([f"model={preset}"])
+    model = build_model(cfg.model, 256, seed=0)
+    block, (s, b, h) = model.blocks["0"], (64, 2, cfg.model.d_model)
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        block(torch.randn(b, s, h, requires_grad=True))
+    terms = layer_terms(model.cfg)
+    assert sum(saved.values()) / (s * b * h * 4) * 2 == pytest.approx(terms.replicated + terms.split - 2, rel=0.01)
 
 
 def test_pipeline_micro_batches_in_flight():

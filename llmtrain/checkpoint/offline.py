@@ -30,7 +30,7 @@ def find_checkpoint(path: str) -> str:
 def load_checkpoint_model(path: str) -> GPT:
     """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards)."""
     with torch.device("meta"):
-        model = GPT(GPTConfig(**read_meta(path)["model"]))
+        model = GPT(GPTConfig.from_dict(read_meta(path)["model"]))
     allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
     # In place, into the parameters; a tied one is stored as (and is) its source (Strategy.checkpoint_state).
     weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}

@@ -8,6 +8,7 @@ import torch
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
 from llmtrain.model.materialize import ParameterInit, materialize
+from llmtrain.model.rope import RopeScaling
 
 
 def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
@@ -26,10 +27,22 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         norm=model_cfg.norm,
         position=model_cfg.position,
         rope_theta=model_cfg.rope_theta,
+        rope_scaling=rope_scaling(model_cfg.rope_scaling),
         mlp=model_cfg.mlp,
         n_kv_head=model_cfg.n_kv_head,
         tie_embeddings=model_cfg.tie_embeddings,
         norm_eps=model_cfg.norm_eps,
+    )
+
+
+def rope_scaling(scaling_cfg) -> RopeScaling | None:
+    if scaling_cfg.type == "none":
+        return None
+    return RopeScaling(
+        factor=float(scaling_cfg.factor),
+        low_freq_factor=float(scaling_cfg.low_freq_factor),
+        high_freq_factor=float(scaling_cfg.high_freq_factor),
+        original_max_seq_len=int(scaling_cfg.original_max_seq_len),
     )
 
 

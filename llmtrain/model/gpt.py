@@ -27,6 +27,7 @@ from torch import nn
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
+from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -48,10 +49,17 @@ class GPTConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     position: str = "learned"  # learned (an embedding per position) | rope (rotary, on queries and keys)
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # Llama 3's stretched low frequencies (llmtrain/model/rope.py)
     mlp: str = "gelu"  # gelu | swiglu (a gated MLP: down(silu(gate(x)) * up(x)))
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     tie_embeddings: bool = True  # the LM head is the token embedding
     norm_eps: float = 1e-5
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> GPTConfig:
+        """The config a checkpoint's meta.json holds (dataclasses.asdict of one)."""
+        scaling = fields.get("rope_scaling")
+        return cls(**{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None})
 
     @property
     def hidden(self) -> int:
@@ -75,17 +83,6 @@ class GPTConfig:
         return (self.padded_vocab_size - self.vocab_size) * self.d_model
 
 
-def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of x (batch, heads, t, head_dim), in the half-split convention of transformers'
-    Llama: dimension i < d/2 pairs with i + d/2, rotated by position x frequency theta^(-2i/d)."""
-    t, d = x.shape[-2], x.shape[-1]
-    frequencies = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), frequencies).repeat(1, 2)
-    first, second = x.float().chunk(2, dim=-1)
-    rotated_half = torch.cat([-second, first], dim=-1)
-    return (x.float() * angles.cos() + rotated_half * angles.sin()).type_as(x)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head attention, or grouped-query attention when the model has fewer key/value heads (each serves
     n_head / n_kv_head consecutive query heads, so a tensor-parallel rank's query heads find their keys on it)."""
@@ -93,7 +90,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
-        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.position == "rope" else None
         kv_width = cfg.kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
@@ -107,8 +104,11 @@ class CausalSelfAttention(nn.Module):
             rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        if self.rope_theta is not None:
-            q, k = rotate(q, self.rope_theta), rotate(k, self.rope_theta)
+        if self.rope is not None:
+            # Recomputed per call rather than cached: a few head_dim x t elements, made on the device (a cache
+            # would be a buffer that meta-device construction and every layout would have to carry).
+            cos, sin = rotation(q.shape[2], frequencies(self.head_dim, *self.rope, device=q.device))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         grouped = q.shape[1] != k.shape[1]
         if self.training and self.attn_dropout.p > 0:
             # Dropout on the attention weights needs them materialised, (batch, heads, t, t): the fused kernel

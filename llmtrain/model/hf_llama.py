@@ -21,6 +21,7 @@ import torch
 from llmtrain.config import ConfigError
 from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
 from llmtrain.model.hf import lazy_tensors, local_gpt2_directory
+from llmtrain.model.rope import RopeScaling
 
 _MODULES = {
     "attn_norm": "input_layernorm",
@@ -81,7 +82,8 @@ def llama_hf_config(cfg: GPTConfig, eos_id: int):
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds both into rope_parameters
+        rope_scaling=hf_rope_scaling(cfg.rope_scaling),
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
@@ -90,6 +92,18 @@ def llama_hf_config(cfg: GPTConfig, eos_id: int):
         bos_token_id=eos_id,
         eos_token_id=eos_id,
     )
+
+
+def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
+    if scaling is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_seq_len,
+    }
 
 
 def to_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -114,12 +128,21 @@ def llama_config_of(path: str) -> GPTConfig:
     c = LlamaConfig.from_pretrained(path)
     # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
         raise ConfigError(
-            f"model.init_from={path} uses rope_scaling={rope}, which llmtrain's rotary positions do not model yet: "
-            f"start from a checkpoint without it"
+            f"model.init_from={path} uses rope_scaling of type {kind!r}, which llmtrain does not model (only Llama "
+            f"3's 'llama3'): start from a checkpoint without it"
         )
     theta = getattr(c, "rope_theta", None) or rope["rope_theta"]
+    scaling = None
+    if kind == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
     return GPTConfig(
         vocab_size=c.vocab_size,
         n_layer=c.num_hidden_layers,
@@ -131,6 +154,7 @@ def llama_config_of(path: str) -> GPTConfig:
         norm="rmsnorm",
         position="rope",
         rope_theta=float(theta),
+        rope_scaling=scaling,
         mlp="swiglu",
         n_kv_head=c.num_key_value_heads,
         tie_embeddings=c.tie_word_embeddings,
@@ -146,6 +170,7 @@ _SHAPE_KEYS = (
     "hidden",
     "vocab_size",
     "rope_theta",
+    "rope_scaling",
     "norm_eps",
     "tie_embeddings",
 )

@@ -69,7 +69,6 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
 def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
     t = cfg.train
     return Workload(
-        model_cfg=cfg.model,
         gpt=gpt_config(cfg.model, vocab_size),
         seq_len=t.seq_len,
         batch_size=t.batch_size,

@@ -17,8 +17,11 @@ per layer and micro-batch of s tokens × b sequences, width h, a heads, 16-bit a
     selective recompute                  the 5·a·s/h term (attention scores, softmax, its dropout) is dropped
     full recompute                       2·s·b·h (/t with sequence parallelism), plus one layer while it reruns
 The 5·a·s/h term exists only where attention weights are materialised: llmtrain's fused attention kernel stores
-no score matrix unless model.attention_dropout > 0. fp32 activations double everything. The last stage adds the
-logits and the fp32 log-probabilities the loss keeps, s·b·V·(compute bytes + 4)/t with loss parallelism.
+no score matrix unless model.attention_dropout > 0. The 34 = 10 + 24 is GPT-2's layer; `layer_terms` counts the
+same tensors for any model of the family (grouped-query attention's narrower k and v, the MLP's own width, SwiGLU's
+four stored hidden-width tensors: gate, up, silu(gate), their product). fp32 activations double everything. The
+last stage adds the logits and the fp32 log-probabilities the loss keeps, s·b·V·(compute bytes + 4)/t with loss
+parallelism.
 A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`).
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain.model.gpt import GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
 
@@ -99,16 +103,45 @@ def bytes_per_parameter(candidate: Candidate, sizes: StateBytes) -> float:
     return per / split
 
 
+@dataclass(frozen=True)
+class LayerTerms:
+    """A layer's stored 16-bit activations in units of s·b·h (beside the attention scores): `replicated`, what
+    tensor parallelism leaves whole on every rank (the two norms' inputs, the attention and MLP inputs, the two
+    residual dropout masks, which Korthikanti counts whatever the dropout rate), and `split`, what it divides by t
+    (q, k, v, the attention output, the MLP's hidden tensors). GPT-2: 10 and 24 (Korthikanti's 34)."""
+
+    replicated: float = 10.0
+    split: float = 24.0
+
+
+def layer_terms(cfg: GPTConfig) -> LayerTerms:
+    """Korthikanti's count for this model: q and the attention output 2 + 2, k and v 2 x 2 x n_kv_head / n_head,
+    GELU's input and output 2 x 2 x d_ff / d_model or SwiGLU's gate, up, silu(gate) and product 4 x 2 x d_ff /
+    d_model. RMSNorm in eager mode keeps its normalised input besides its input, 2 more per norm (a fused kernel
+    keeps only the input: then this overestimates by 4)."""
+    mlp = (8 if cfg.mlp == "swiglu" else 4) * cfg.hidden / cfg.d_model
+    norms = 4.0 if cfg.norm == "rmsnorm" else 0.0
+    return LayerTerms(replicated=10.0 + norms, split=4 + 4 * cfg.kv_heads / cfg.n_head + mlp)
+
+
 def layer_activations(
-    s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool, recompute: str, scores_stored: bool
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int,
+    sequence_parallel: bool,
+    recompute: str,
+    scores_stored: bool,
+    terms: LayerTerms = LayerTerms(),
 ) -> float:
     """Korthikanti's bytes per layer and micro-batch (16-bit activations)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
     scores = 5 * a * s / h if scores_stored and recompute == "none" else 0.0
     if sequence_parallel or t == 1:
-        return s * b * h * (34 + scores) / t
-    return s * b * h * (10 + 24 / t + scores / t)
+        return s * b * h * (terms.replicated + terms.split + scores) / t
+    return s * b * h * (terms.replicated + (terms.split + scores) / t)
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, m: int, stages_per_rank: int) -> float:
@@ -134,8 +167,7 @@ def activations(
     candidate: Candidate,
     held: Holding,
     pp_rank: int,
-    model_cfg,
-    padded_vocab: int,
+    gpt: GPTConfig,
     seq_len: int,
     micro_batch_rows: int,
     microbatches: int,
@@ -143,17 +175,17 @@ def activations(
     sizes: StateBytes,
 ) -> float:
     d = candidate.degrees
-    s, b, h, a = seq_len, micro_batch_rows, model_cfg.d_model, model_cfg.n_head
-    scores_stored = model_cfg.attention_dropout > 0
-    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, recompute, scores_stored)
+    s, b, h, a = seq_len, micro_batch_rows, gpt.d_model, gpt.n_head
+    scores_stored, terms = gpt.attention_dropout > 0, layer_terms(gpt)
+    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, recompute, scores_stored, terms)
     in_flight = in_flight_microbatches(
         candidate.pp_schedule, d.pp, pp_rank, microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
     )
     total = in_flight * held.blocks * per_layer
     if recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
-        total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored)
+        total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
     total *= sizes.compute / 2
     if held.last:
         vocab_split = d.tp if candidate.loss_parallel else 1
-        total += s * b * padded_vocab * (sizes.compute + 4) / vocab_split
+        total += s * b * gpt.padded_vocab_size * (sizes.compute + 4) / vocab_split
     return total

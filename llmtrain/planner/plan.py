@@ -54,7 +54,6 @@ class Machine:
 class Workload:
     """The model and batch being planned."""
 
-    model_cfg: Any  # the model config group (n_head, attention_dropout, ...)
     gpt: GPTConfig
     seq_len: int
     batch_size: int
@@ -155,8 +154,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     for pp_rank in range(d.pp):
         held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks)
         states = model_states(c, _scaled(held, factor), work.sizes)
-        acts = activations(c, held, pp_rank, work.model_cfg, gpt.padded_vocab_size, work.seq_len, rows, k,
-                           work.recompute, work.sizes)  # fmt: skip
+        acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, work.recompute, work.sizes)
         ranks.append(RankMemory(*states, acts))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
