@@ -92,6 +92,7 @@ class ParallelConfig:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks, attention around a ring
     tp: int = 1
     nproc: int = 1  # workers to start on this machine when not launched by torchrun or srun
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)

@@ -29,6 +29,11 @@ class LayeredModel(nn.Module):
         """Module name -> DTensor parallel style, for the modules this model (or part) holds."""
         raise NotImplementedError
 
+    def shard_sequence(self, sequence) -> None:
+        """Run on a shard of every sequence: `sequence` gives the positions this rank holds and the attention that
+        reaches the other shards (context parallelism, llmtrain/parallel/context.py)."""
+        raise NotImplementedError
+
     def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> LayeredModel:
         """A pipeline rank's part on the meta device: the blocks `layers`, the input part when it runs the first
         stage, the output part when it runs the last (its own copy of a tied parameter)."""

@@ -17,7 +17,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,18 @@ class GPTConfig:
         return (self.padded_vocab_size - self.vocab_size) * self.d_model
 
 
+class WholeSequence:
+    """Which positions of the sequence a forward sees, and how its attention reaches the rest: here all of them,
+    in order, and attention is local. Context parallelism hands the model its own layout instead
+    (`GPT.shard_sequence`, llmtrain/parallel/context.py): a shard of positions, attention over a ring of ranks."""
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(t, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention, or grouped-query attention when the model has fewer key/value heads (each serves
     n_head / n_kv_head consecutive query heads, so a tensor-parallel rank's query heads find their keys on it)."""
@@ -98,6 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
+        self.sequence: WholeSequence = WholeSequence()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (
@@ -107,20 +120,20 @@ class CausalSelfAttention(nn.Module):
         if self.rope is not None:
             # Recomputed per call rather than cached: a few head_dim x t elements, made on the device (a cache
             # would be a buffer that meta-device construction and every layout would have to carry).
-            cos, sin = rotation(q.shape[2], frequencies(self.head_dim, *self.rope, device=q.device))
+            positions = self.sequence.positions(q.shape[2], q.device)
+            cos, sin = rotation(positions, frequencies(self.head_dim, *self.rope, device=q.device))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        grouped = q.shape[1] != k.shape[1]
         if self.training and self.attn_dropout.p > 0:
             # Dropout on the attention weights needs them materialised, (batch, heads, t, t): the fused kernel
             # draws its own mask, which would depend on how heads are split across ranks. Hence its own key.
-            if grouped:
+            if q.shape[1] != k.shape[1]:
                 k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
             t = q.shape[2]
             future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
             scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(future, float("-inf"))
             y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+            y = self.sequence.attention(q, k, v)
         return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
@@ -190,6 +203,7 @@ class GPT(LayeredModel):
         self.emb_dropout: Dropout | None = None
         self.norm: nn.Module | None = None
         self.lm_head: nn.Linear | None = None
+        self.sequence: WholeSequence = WholeSequence()
         if embedding:
             self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
             if cfg.position == "learned":
@@ -214,7 +228,7 @@ class GPT(LayeredModel):
         if self.tok_emb is not None and self.emb_dropout is not None:
             embedded = self.tok_emb(x)
             if self.pos_emb is not None:
-                embedded = embedded + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+                embedded = embedded + self.pos_emb(self.sequence.positions(x.shape[1], x.device))
             x = self.emb_dropout(embedded)
         for block in self.blocks.values():
             x = block(x)
@@ -234,6 +248,12 @@ class GPT(LayeredModel):
         from llmtrain.model.parallel_plan import gpt_tensor_parallel_plan
 
         return gpt_tensor_parallel_plan(self, sequence_parallel, loss_parallel)
+
+    def shard_sequence(self, sequence: WholeSequence) -> None:
+        """Run on a part of each sequence: positions and attention from `sequence` (context parallelism)."""
+        self.sequence = sequence
+        for block in self.blocks.values():
+            cast(Block, block).attn.sequence = sequence
 
     def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
         """A pipeline rank's part of this model, on the meta device: the blocks `layers`, the embeddings when it

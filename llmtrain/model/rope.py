@@ -41,10 +41,9 @@ def frequencies(
     return base * (blend + (1 - blend) / scaling.factor)
 
 
-def rotation(t: int, frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles of positions 0..t-1, (t, head_dim): shared by the queries and keys of all heads."""
-    positions = torch.arange(t, device=frequencies.device, dtype=torch.float32)
-    angles = torch.outer(positions, frequencies).repeat(1, 2)
+def rotation(positions: torch.Tensor, frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles of `positions` (t,), (t, head_dim): shared by the queries and keys of all heads."""
+    angles = torch.outer(positions.float(), frequencies).repeat(1, 2)
     return angles.cos(), angles.sin()
 
 

@@ -5,7 +5,8 @@ what each adds to the base Strategy. The pipeline layouts live in pipeline/strat
   tp      tensor parallelism over all ranks (the base applies it wherever parallel.tp > 1)
   ddp     DistributedDataParallel (ddp.py)
   zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
-  fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1
+  fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1 and
+          context parallelism (sequences split over cp ranks, context.py) when parallel.cp > 1
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
 
 @register("fsdp")
 class FSDP(Strategy):
-    supported_dims = ("dp_replicate", "dp_shard", "tp")
+    supported_dims = ("dp_replicate", "dp_shard", "cp", "tp")
 
     def describe(self) -> str:
         if self.degrees.dp_replicate > 1:
@@ -115,7 +116,8 @@ class FSDP(Strategy):
             kind = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
         offload = ", CPU offload" if self.parallel.cpu_offload else ""
         tp = f", TP{' + SP' if self.parallel.sequence_parallel else ''}" if self.degrees.tp > 1 else ""
-        return f"{self.name} {kind}{offload}{tp} ({self.degrees.describe()})"
+        cp = ", ring attention" if self.degrees.cp > 1 else ""
+        return f"{self.name} {kind}{offload}{tp}{cp} ({self.degrees.describe()})"
 
     def layout(self) -> Layout:
         return self._layout(

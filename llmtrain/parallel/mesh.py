@@ -1,8 +1,9 @@
 """Parallel degrees -> one DeviceMesh with named dimensions.
 
-The dimensions run outer to inner as pp, dp_replicate, dp_shard, tp (torchtitan's order): consecutive ranks share
-the innermost dimension, so the chattiest traffic (tensor parallel, then sharded data parallel) stays on the
-fastest links (the GPUs of one node), and the sparsest (pipeline sends, replica all-reduces) crosses nodes.
+The dimensions run outer to inner as pp, dp_replicate, dp_shard, cp, tp (torchtitan's order): consecutive ranks
+share the innermost dimension, so the chattiest traffic (tensor parallel, then the context-parallel ring and sharded
+data parallel) stays on the fastest links (the GPUs of one node), and the sparsest (pipeline sends, replica
+all-reduces) crosses nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.config import ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Degrees:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
@@ -40,7 +42,7 @@ def _listing(values: dict[str, int]) -> str:
 
 
 def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
-    """The four degrees with a -1 (at most one) replaced by the ranks that remain; their product must be the
+    """The five degrees with a -1 (at most one) replaced by the ranks that remain; their product must be the
     world size."""
     values = {dim: int(getattr(parallel_cfg, dim)) for dim in MESH_DIMS}
     free = [dim for dim, value in values.items() if value == -1]

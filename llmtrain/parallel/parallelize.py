@@ -1,7 +1,8 @@
 """How a layout is applied to a model on the meta device: one linear sequence of plain steps, each in its own
 module (tp.py, fsdp.py, ddp.py; activation checkpointing and compilation are one line each, here).
 
-The ordering rule, stated once: tensor parallelism first (every later step sees the sharded layers), then
+The ordering rule, stated once: context parallelism first (it only tells the model which positions it holds and
+hands its attention the ring), then tensor parallelism (every later step sees the sharded layers), then
 activation checkpointing and compilation of each block (so they capture the sharded computation), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.recompute import checkpoint_blocks
+from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.fsdp import apply_fsdp
 from llmtrain.parallel.tp import apply_tensor_parallel
 
@@ -25,6 +27,7 @@ from llmtrain.parallel.tp import apply_tensor_parallel
 class Layout:
     """What `apply_layout` does to one model (or pipeline stage); a strategy decides it (Strategy.layout)."""
 
+    cp_mesh: DeviceMesh | None = None  # None: no context parallelism
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -50,6 +53,8 @@ def apply_compile(model: LayeredModel) -> None:
 
 def apply_layout(model: LayeredModel, layout: Layout) -> None:
     """The steps of `layout`, in the order above, on a model that is still on the meta device."""
+    if layout.cp_mesh is not None:
+        apply_context_parallel(model, layout.cp_mesh)
     if layout.tp_mesh is not None:
         apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
     apply_activation_checkpointing(model, layout.activation_checkpointing)

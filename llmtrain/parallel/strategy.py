@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
+from llmtrain.parallel.context import check_context_parallel, mean_over_context, shard_tokens
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.tp import loss_context
@@ -56,6 +57,8 @@ class Strategy:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            if self.degrees.cp > 1:  # FSDP's shards span the context-parallel ranks too (parallel/fsdp.py)
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -85,6 +88,14 @@ class Strategy:
                 )
         if self.degrees.tp > 1:
             check_tensor_parallel(model, self.degrees.tp, self.train.seq_len, self.parallel.sequence_parallel)
+        if self.degrees.cp > 1:
+            check_context_parallel(
+                self.degrees.cp,
+                self.train.seq_len,
+                model.attention_dropout,
+                self.degrees.tp,
+                self.parallel.sequence_parallel,
+            )
 
     @property
     def dp_rank(self) -> int:
@@ -113,10 +124,21 @@ class Strategy:
         one, activation checkpointing and compilation as train.* asks; layouts that shard add FSDP."""
         return self._layout()
 
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel dimension, when sequences are split (parallel.cp > 1)."""
+        return self.device_mesh["cp"] if self.degrees.cp > 1 else None
+
+    def context_shard(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of every sequence of `tokens` (batch, seq): all of it without context parallelism."""
+        cp = self.cp_mesh
+        return tokens if cp is None else shard_tokens(tokens, cp.size(), cp.get_local_rank())
+
     def _layout(self, **fsdp) -> Layout:
         tp = self.degrees.tp > 1
         bf16 = uses_bf16(self.train.precision, self.runtime.device)
         return Layout(
+            cp_mesh=self.cp_mesh,
             tp_mesh=self.device_mesh["tp"] if tp else None,
             sequence_parallel=tp and self.parallel.sequence_parallel,
             loss_parallel=tp and self.parallel.loss_parallel,
@@ -170,22 +192,24 @@ class Strategy:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
         total = torch.zeros((), device=self.runtime.device)
         for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = self.context_shard(inputs), self.context_shard(targets)
             with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
                 with precision():
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
             total += full_tensor(loss.detach())
-        return total / len(micro_batches)
+        return mean_over_context(total / len(micro_batches), self.cp_mesh)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
+            inputs, targets = self.context_shard(inputs), self.context_shard(targets)
             with precision(), self.loss_context():
                 total += full_tensor(
                     cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 )
-        return total / len(micro_batches)
+        return mean_over_context(total / len(micro_batches), self.cp_mesh)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch).

@@ -1,0 +1,82 @@
+"""The context-parallel step (`parallel.cp` > 1): every sequence of a batch is split across the cp ranks of the
+`cp` mesh dimension, and attention reaches the other ranks' keys and values around a ring (ring_attention.py).
+
+Causal attention makes late tokens cost more than early ones (query i attends to i keys), so cutting the sequence
+into cp contiguous pieces would leave the last rank with most of the work. The sequence is cut into 2·cp chunks
+instead and rank r keeps chunk r and its mirror 2·cp-1-r: every rank holds the same number of (query, key) pairs.
+Tokens, targets and positions (learned or rotary) are cut the same way, so the model sees each token at its true
+position. Every rank's loss is the mean over its own tokens, equal in number, so the mean over the cp ranks is the
+whole sequence's mean; gradients are averaged over the cp ranks with the data-parallel ones (FSDP shards over
+dp_shard x cp, as torchtitan does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmtrain.config import ConfigError
+from llmtrain.model.base import LayeredModel
+from llmtrain.parallel.ring_attention import ring_attention
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions cp rank `rank` holds: chunk `rank` and chunk 2·cp-1-rank of 2·cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    early = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    late = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([early, late])
+
+
+def shard_tokens(tokens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This rank's tokens (batch, seq_len) -> (batch, seq_len / cp), in position order."""
+    return tokens[:, zigzag_positions(tokens.shape[1], cp, rank, tokens.device)]
+
+
+class ContextShard:
+    """The sequence layout a context-parallel rank hands its model (gpt.WholeSequence's interface)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.group = mesh.get_group()
+        self.cp, self.rank = mesh.size(), mesh.get_local_rank()
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        return zigzag_positions(t * self.cp, self.cp, self.rank, device)
+
+    @torch.compiler.disable  # point-to-point transfers inside: run eagerly between the compiled pieces
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group)
+
+
+def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
+    """Make `model` (or a pipeline stage) run on this rank's zigzag shard of every sequence."""
+    model.shard_sequence(ContextShard(mesh))
+
+
+def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool) -> None:
+    """The shapes and settings context parallelism needs, as one-line errors naming the key."""
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each rank holds two equal "
+            f"chunks): set train.seq_len to a multiple of {2 * cp}"
+        )
+    if attention_dropout > 0:
+        raise ConfigError(
+            f"model.attention_dropout={attention_dropout} needs the whole attention matrix, which parallel.cp="
+            f"{cp} never builds: set model.attention_dropout=0 or parallel.cp=1"
+        )
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        raise ConfigError(
+            f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by parallel.tp={tp} "
+            f"(sequence parallelism splits them again): set train.seq_len to a multiple of {cp * tp}"
+        )
+
+
+def mean_over_context(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The mean of a per-rank scalar (a loss over this rank's tokens) over the cp ranks: the whole sequence's."""
+    if mesh is None or mesh.size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=mesh.get_group())
+    return value / mesh.size()
