@@ -49,7 +49,9 @@ def apply_fsdp(
 
 def fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:
     """A 2-D (replicate, shard) mesh makes fully_shard hybrid: sharded within, replicated across. With context
-    parallelism the shards span dp_shard x cp (flattened by Strategy): cp ranks hold the same parameters and their
-    gradients are averaged with the data-parallel ones, so sharding over them too costs nothing extra."""
-    shard = "dp_shard_cp" if degrees.cp > 1 else "dp_shard"
-    return mesh["dp_replicate", shard] if degrees.dp_replicate > 1 else mesh[shard]
+    parallelism the shards span dp_shard x cp: cp ranks hold the same parameters and their gradients are averaged
+    with the data-parallel ones, so sharding over them too costs no extra traffic."""
+    if degrees.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if degrees.dp_replicate > 1 else shard

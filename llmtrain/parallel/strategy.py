@@ -57,8 +57,6 @@ class Strategy:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
-            if self.degrees.cp > 1:  # FSDP's shards span the context-parallel ranks too (parallel/fsdp.py)
-                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     @property
     def device_mesh(self) -> DeviceMesh:

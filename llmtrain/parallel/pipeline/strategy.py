@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.parallel.context import mean_over_context
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.mesh import MESH_DIMS
 from llmtrain.parallel.parallelize import Layout, apply_layout
@@ -92,8 +93,9 @@ class PipelineParallel(Strategy):
 
     def layout(self) -> Layout:
         # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
-        # re-gather them for every micro-batch.
-        if self.degrees.dp == 1:
+        # re-gather them for every micro-batch. Context-parallel ranks shard (and average gradients) like
+        # data-parallel ones.
+        if self.degrees.dp == 1 and self.degrees.cp == 1:
             return self._layout()
         return self._layout(fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees), reshard_after_forward=False)
 
@@ -157,8 +159,8 @@ class PipelineParallel(Strategy):
         self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
     ) -> torch.Tensor:
         device = self.runtime.device
-        inputs = torch.cat([x for x, _ in micro_batches]).to(device)
-        targets = torch.cat([y for _, y in micro_batches]).to(device)
+        inputs = self.context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
+        targets = self.context_shard(torch.cat([y for _, y in micro_batches])).to(device)
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
         with self.loss_context(), precision():
@@ -181,14 +183,15 @@ class PipelineParallel(Strategy):
                 dist.all_reduce(grads[0], group=self.tied_group)
 
     def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline."""
+        """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline (and
+        over the context-parallel ranks, each of which computed it on its part of the sequences)."""
         total = (
             torch.stack([full_tensor(loss) for loss in losses]).mean()
             if losses
             else torch.zeros((), device=self.runtime.device)
         )
         dist.all_reduce(total, group=self.pp_group)
-        return total
+        return mean_over_context(total, self.cp_mesh)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
@@ -205,7 +208,8 @@ class PipelineParallel(Strategy):
         stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         with precision(), self.loss_context():
-            for i, (inputs, targets) in enumerate(micro_batches):
+            for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
+                inputs, targets = self.context_shard(whole_inputs), self.context_shard(whole_targets)
                 carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
                 for stage, module in stages:
                     if stage == 0:
