@@ -1,9 +1,28 @@
-"""Parallel layouts: a registry of strategies keyed by `parallel.strategy`. Importing this package registers them:
-layouts.py (single, tp, ddp, zero1, fsdp) and pipeline/ (pp, and the 3-D layouts pp_fsdp, pp_tp, 3d). How a
-layout is applied to the model: parallelize.py, one step per module (tp.py, fsdp.py, ddp.py, zero.py)."""
+"""Parallel layouts: a registry of strategies keyed by `parallel.strategy` (registry.py), filled on first use from
+layouts.py (single, tp, ddp, zero1, fsdp) and pipeline/ (pp, and the 3-D layouts pp_fsdp, pp_tp, 3d). How a layout
+is applied to the model: parallelize.py, one step per module (context.py, tp.py, fsdp.py, ddp.py, zero.py).
 
-from llmtrain.parallel import layouts, pipeline  # noqa: F401  (each registers its strategies)
-from llmtrain.parallel.registry import get_strategy, register, strategy_names
-from llmtrain.parallel.strategy import Strategy
+Nothing is imported with the package itself: a process that needs one piece (ring_attention.py in a test worker)
+does not pay for every layout's imports (FSDP, DCP, pipelining: seconds per process)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmtrain.parallel.registry import get_strategy, register, strategy_names
+    from llmtrain.parallel.strategy import Strategy
 
 __all__ = ["Strategy", "get_strategy", "register", "strategy_names"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Strategy":
+        from llmtrain.parallel.strategy import Strategy
+
+        return Strategy
+    if name in ("get_strategy", "register", "strategy_names"):
+        from llmtrain.parallel import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'llmtrain.parallel' has no attribute {name!r}")

@@ -20,7 +20,7 @@ accumulated for it so far, which returns to its owner after the last step.
 
 Transfers overlap compute: the next block's send/receive is posted (as one group, so NCCL pairs them: see
 pipeline/p2p.py) before this block is computed, and waited for after. Scores are computed in fp32 a tile of
-queries at a time, so the transient memory is a tile x block, not the block's whole score matrix.
+queries at a time (SCORE_TILE scores), so the transient memory is a few tiles, not the block's score matrix.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-QUERY_TILE = 256  # query rows whose scores are materialised at once
+SCORE_TILE = 2**19  # score elements (fp32: 2 MiB) materialised at once: a tile of query rows over a block's keys
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RingTimes:
 RING_TIMES = RingTimes()
 
 
-class _Ring:
+class Ring:
     """Send to the next rank of the group and receive from the previous one, posted together."""
 
     def __init__(self, group: dist.ProcessGroup):
@@ -86,6 +86,11 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
+def _tile_rows(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query rows per tile: SCORE_TILE scores over all heads of the batch, at least one row."""
+    return max(1, SCORE_TILE // (q.shape[0] * q.shape[1] * k.shape[-2]))
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row0: int) -> torch.Tensor:
     """Scaled scores of query rows row0.. over all keys, fp32; causal: key i is seen by query rows >= i."""
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -99,8 +104,9 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """Softmax attention of q over one key/value block: its output and log-sum-exp, fp32."""
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     outs, lses = [], []
-    for row0 in range(0, q.shape[-2], QUERY_TILE):
-        scores = _scores(q[..., row0 : row0 + QUERY_TILE, :], k, causal, row0)
+    tile = _tile_rows(q, k)
+    for row0 in range(0, q.shape[-2], tile):
+        scores = _scores(q[..., row0 : row0 + tile, :], k, causal, row0)
         lse = torch.logsumexp(scores, dim=-1)
         outs.append(torch.exp(scores - lse[..., None]) @ v)
         lses.append(lse)
@@ -122,8 +128,9 @@ def _block_backward(q, k, v, out_grad, lse, delta, causal: bool):
     dq = torch.empty_like(q)
     dk, dv = torch.zeros_like(k_full), torch.zeros_like(v_full)
     scale = q.shape[-1] ** -0.5
-    for row0 in range(0, q.shape[-2], QUERY_TILE):
-        rows = slice(row0, row0 + QUERY_TILE)
+    tile = _tile_rows(q, k_full)
+    for row0 in range(0, q.shape[-2], tile):
+        rows = slice(row0, row0 + tile)
         p = torch.exp(_scores(q[..., rows, :], k_full, causal, row0) - lse[..., rows, None])
         dv += p.transpose(-2, -1) @ out_grad[..., rows, :]
         dp = out_grad[..., rows, :] @ v_full.transpose(-2, -1)
@@ -174,7 +181,7 @@ def _backward_step(q, k, v, out_grad, lse, delta, source: int, rank: int, dq: to
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ring = _Ring(group)
+        ring = Ring(group)
         qf = q.float()
         kv = torch.stack([k, v])
         out = torch.zeros_like(qf)
@@ -193,7 +200,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, out_grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
+        ring = Ring(ctx.group)
         qf, dof = q.float(), out_grad.float()
         delta = (dof * out).sum(-1)
         dq = torch.zeros_like(qf)

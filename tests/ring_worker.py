@@ -1,0 +1,59 @@
+"""Run by tests/test_context_parallel.py under torchrun on 4 ranks: ring attention against one process's fused
+causal attention, for cp 4 (all ranks) and cp 2 ({0, 1} and {2, 3}), multi-head and grouped-query, with tiles of a
+few query rows so that the tiling is crossed. Each rank writes OUT_DIR/rank<r>.json: per case, the largest
+difference of the output and of the q, k and v gradients on its zigzag shard.
+
+    torchrun --nproc_per_node=4 tests/ring_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmtrain.parallel import ring_attention as ring
+from llmtrain.parallel.context import zigzag_positions
+from llmtrain.runtime import init_runtime
+
+
+def largest_error(cp: int, group: dist.ProcessGroup, heads: int, kv_heads: int) -> float:
+    generator = torch.Generator().manual_seed(cp * 10 + kv_heads)
+    b, t, d = 2, 64, 8
+    q = torch.randn(b, heads, t, d, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, t, d, generator=generator, dtype=torch.float64) for _ in range(2))
+    out_grad = torch.randn(b, heads, t, d, generator=generator, dtype=torch.float64)
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=heads != kv_heads)
+    expected.backward(out_grad)
+    mine = zigzag_positions(t, cp, dist.get_rank(group))
+    local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+    out = ring.ring_attention(*local, group)
+    out.backward(out_grad[:, :, mine])
+    errors = [(out - expected[:, :, mine]).abs().max()]
+    errors += [(mine_part.grad - part.grad[:, :, mine]).abs().max() for mine_part, part in zip(local, whole)]
+    return max(error.item() for error in errors)
+
+
+def main(out_dir: str) -> None:
+    runtime = init_runtime("cpu")
+    ring.SCORE_TILE = 2 * 4 * 16 * 5  # 5 query rows per tile at cp 4, fewer at cp 2
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    world = dist.group.WORLD
+    assert world is not None
+    found = {
+        f"cp{cp} {heads}/{kv_heads}": largest_error(cp, group, heads, kv_heads)
+        for cp, group in ((4, world), (2, pairs[runtime.rank // 2]))
+        for heads, kv_heads in ((4, 4), (4, 2))
+    }
+    with open(os.path.join(out_dir, f"rank{runtime.rank}.json"), "w") as f:
+        json.dump(found, f)
+    runtime.shutdown(synchronize=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

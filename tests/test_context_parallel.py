@@ -1,0 +1,83 @@
+"""Context parallelism: the ring against full causal attention (forward and gradients, real gloo processes), the
+zigzag split's balance, its one-line errors, and every layout with parallel.cp > 1 against the unsplit model for
+both families (tests/layout_worker.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LOSS_RTOL, torchrun
+
+from llmtrain.config import ConfigError
+from llmtrain.parallel.context import check_context_parallel, zigzag_positions
+
+WORKER = Path(__file__).with_name("layout_worker.py")
+
+
+@pytest.mark.slow  # four processes' imports: ~20 s on two cores
+def test_ring_attention_equals_full_causal_attention(tmp_path):
+    """Outputs and the gradients of q, k and v, each rank's zigzag shard against the same rows of one process's
+    fused attention (fp64 inputs; the ring computes in fp32), at cp 4 and 2, multi-head and grouped-query."""
+    torchrun(4, str(Path(__file__).with_name("ring_worker.py")), str(tmp_path))
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert all(len(cases) == 4 for cases in found)
+    assert max(error for cases in found for error in cases.values()) < 1e-5, found
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_shards_cover_the_sequence_and_balance_causal_work(cp):
+    """Every position once; each rank's queries see the same number of keys (position p sees p + 1), where
+    contiguous pieces would give the last rank 2·cp - 1 times the first's."""
+    t = 16 * cp
+    shards = [zigzag_positions(t, cp, rank) for rank in range(cp)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(t))
+    assert all(torch.equal(shard, shard.sort().values) for shard in shards)  # in order: causal within a rank
+    work = {int((shard + 1).sum()) for shard in shards}
+    assert len(work) == 1
+    contiguous = [int((torch.arange(r * t // cp, (r + 1) * t // cp) + 1).sum()) for r in range(cp)]
+    assert contiguous[-1] > contiguous[0]
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        ((2, 30, 0.0, 1, False), "train.seq_len=30"),
+        ((2, 32, 0.1, 1, False), "model.attention_dropout=0.1"),
+        ((2, 36, 0.0, 4, True), "parallel.tp=4"),
+    ],
+)
+def test_context_parallel_errors_name_the_key(args, key):
+    with pytest.raises(ConfigError) as error:
+        check_context_parallel(*args)
+    assert key in str(error.value) and "\n" not in str(error.value)
+
+
+COMMON = "train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+LAYOUTS = [
+    "parallel=fsdp parallel.cp=4",
+    "parallel=fsdp parallel.cp=2",  # dp_shard 2 x cp 2
+    "parallel=hsdp parallel.dp_replicate=2 parallel.dp_shard=1 parallel.cp=2",
+    "parallel=fsdp_tp parallel.cp=2",  # cp 2 x tp 2 with sequence parallelism
+    "parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    "parallel=fsdp parallel.cp=2 train.activation_checkpointing=selective train.compile=true",
+]
+WEIGHT_ATOL = 5e-5  # as test_llama.py: Adam's first steps amplify summation-order differences of tiny gradients
+
+
+@pytest.fixture(scope="module", params=["tiny", "llama-tiny"])
+def results(request, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp(f"cp-{request.param}")
+    torchrun(4, str(WORKER), str(out), f"model={request.param} {COMMON}", *LAYOUTS, timeout=600)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_context_parallel_layout_matches_single(layout, results):
+    reference, run = results["single"], results[layout]
+    for key in ("losses", "norms"):
+        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
+    assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
