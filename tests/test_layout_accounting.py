@@ -21,6 +21,8 @@ LAYOUTS = {
     "pp": "pp",
     "pp_fsdp": "pp_fsdp",
     "pp_tp": "pp_tp",
+    "fsdp cp2": "fsdp parallel.cp=2",  # dp_shard 2 x cp 2: the ring's sends and receives
+    "pp cp2": "pp parallel.cp=2",
 }
 MEMORY_TOLERANCE, COMM_TOLERANCE = 0.02, 0.05
 
@@ -50,7 +52,7 @@ def test_state_per_rank_is_the_plan(layout, rows):
         assert during_step < 0.5 * planned["params"] * 4
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp+sp", "pp", "pp_fsdp", "pp_tp"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bytes_communicated_per_step_are_the_plan(layout, rows):
     for row in rows[layout]:
         measured, planned = row["comm"], row["predicted"]["comm"]

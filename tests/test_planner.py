@@ -130,6 +130,19 @@ def test_layer_terms_count_what_a_block_saves_for_backward(preset):
     assert sum(saved.values()) / (s * b * h * 4) * 2 == pytest.approx(terms.replicated + terms.split - 2, rel=0.01)
 
 
+def test_context_parallel_divides_activations_and_adds_the_ring():
+    """cp 2 beside fsdp on the same 4 ranks: half the tokens' activations per rank (logits included), states
+    sharded over all 4 ranks either way, and the ring's sends and receives; the command line selects it."""
+    fsdp, _, _ = _plan(LAYOUTS["fsdp"], "model=llama-tiny", "train.seq_len=256")
+    cp = Candidate("fsdp cp2", "fsdp", Degrees(dp_shard=2, cp=2))
+    ring, _, _ = _plan(cp, "model=llama-tiny", "train.seq_len=256")
+    # a micro-batch of the same rows (twice as many of them per rank: dp 2, not 4), half the tokens of each
+    assert ring.heaviest.activations == pytest.approx(fsdp.heaviest.activations / 2, rel=1e-6)
+    assert ring.heaviest.model_states == pytest.approx(fsdp.heaviest.model_states, rel=1e-6)
+    assert ring.traffic[0].bytes["send"] == ring.traffic[0].bytes["recv"] > 0 and "send" not in fsdp.traffic[0].bytes
+    assert "parallel.cp=2" in cp.command_line()
+
+
 def test_pipeline_micro_batches_in_flight():
     assert in_flight_microbatches("gpipe", 4, 0, 8, 1) == 8
     assert [in_flight_microbatches("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
@@ -177,6 +190,10 @@ def test_enumerated_layouts_respect_the_model_and_batch():
     assert names[:5] == ["ddp", "zero1", "zero2", "fsdp", "hsdp"]
     assert {"fsdp_tp", "pp_fsdp", "pp_tp", "3d"} <= set(names)
     assert all(c.degrees.tp <= 4 for c in enumerate_candidates(8, 4, cfg.model, cfg.train, "all"))  # TP in a node
+    assert {"fsdp cp2", "fsdp cp4"} <= set(names)  # context parallel inside a node
+    assert "fsdp cp4" not in [
+        c.name for c in enumerate_candidates(8, 4, cfg.model, _composed("train.seq_len=60").train, "all")
+    ]
     cfg3 = compose_config(["model=tiny", "model.n_head=3", "model.d_model=96", "model.n_layer=3"])
     odd = [c.name for c in enumerate_candidates(4, 4, cfg3.model, cfg3.train, "all")]
     assert "tp" not in odd and "pp" not in odd  # 3 heads and 3 blocks do not split over 4 ranks

@@ -30,6 +30,11 @@ class Degrees:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def dp_shard_cp(self) -> int:
+        """The ranks FSDP shards over: data-parallel shards and context-parallel ranks hold the same weights."""
+        return self.dp_shard * self.cp
+
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, dim) for dim in MESH_DIMS)
 

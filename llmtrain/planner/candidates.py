@@ -9,6 +9,7 @@ from typing import Any
 
 from llmtrain.config import ConfigError
 from llmtrain.model.parallel_plan import check_tensor_parallel
+from llmtrain.parallel.context import check_context_parallel
 from llmtrain.parallel.mesh import Degrees, resolve_degrees
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
 from llmtrain.parallel.pipeline.split import stage_layers
@@ -33,7 +34,7 @@ class Candidate:
     def sharding(self) -> str:
         """How model states split over the data-parallel ranks: none (replicas), optimizer (ZeRO-1), gradients
         (ZeRO-2: FSDP keeping gathered parameters through the step) or parameters (ZeRO-3)."""
-        if self.degrees.dp_shard == 1 and self.strategy != "zero1":
+        if self.degrees.dp_shard_cp == 1 and self.strategy != "zero1":
             return "none"
         if self.strategy == "zero1":
             return "optimizer"
@@ -58,6 +59,7 @@ class Candidate:
             "pp": d.pp,
             "dp_replicate": d.dp_replicate,
             "dp_shard": d.dp_shard,
+            "cp": d.cp,
             "tp": d.tp,
             "reshard_after_forward": self.reshard_after_forward,
             "sequence_parallel": self.sequence_parallel,
@@ -74,6 +76,8 @@ class Candidate:
         d, extra = self.degrees, []
         for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
             extra.append(f"parallel.{dim}={getattr(d, dim)}")
+        if d.cp > 1:
+            extra.append(f"parallel.cp={d.cp}")
         if self.degrees.tp > 1:
             extra.append(f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.strategy == "fsdp":
@@ -110,19 +114,20 @@ def _layout_name(c: Candidate) -> str:
         return "3d" if len(inner) == 2 else "_".join(["pp", *inner])
     if c.strategy != "fsdp":
         return c.strategy
+    context = f" cp{d.cp}" if d.cp > 1 else ""
     if d.tp > 1:
-        return "fsdp_tp" if d.dp_shard > 1 else "ddp_tp"
+        return ("fsdp_tp" if d.dp_shard_cp > 1 else "ddp_tp") + context
     if d.dp_replicate > 1:
-        return "hsdp" if d.dp_shard > 1 else "ddp"
-    return "fsdp" if c.reshard_after_forward else "zero2"
+        return ("hsdp" if d.dp_shard_cp > 1 else "ddp") + context
+    return ("fsdp" if c.reshard_after_forward else "zero2") + context
 
 
 def enumerate_candidates(
     world_size: int, ranks_per_node: int, model_cfg, train_cfg, which: str, pp_schedule: str = "1f1b"
 ) -> list[Candidate]:
-    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline and
-    3-D ones ("all"), with tensor parallelism kept inside a node. Layouts the model or batch cannot split into are
-    left out."""
+    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline, 3-D
+    and context-parallel (fsdp with cp) ones ("all"), with tensor and context parallelism kept inside a node.
+    Layouts the model or batch cannot split into are left out."""
     w = world_size
     if w == 1:
         return [Candidate("single", "single", Degrees())]
@@ -148,6 +153,9 @@ def enumerate_candidates(
                     **pipeline,  # type: ignore[arg-type]
                 )  # fmt: skip
                 found.append(replace(candidate, name=_layout_name(candidate)))
+        for cp in _divisors(min(w, ranks_per_node))[1:]:  # context parallel inside a node, FSDP over the rest
+            candidate = Candidate("", "fsdp", Degrees(dp_shard=w // cp, cp=cp))
+            found.append(replace(candidate, name=_layout_name(candidate)))
     return [c for c in found if _runs(c, model_cfg, train_cfg)]
 
 
@@ -161,6 +169,8 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
     try:
         if d.tp > 1:
             check_tensor_parallel(model_cfg, d.tp, t.seq_len, c.sequence_parallel)
+        if d.cp > 1:
+            check_context_parallel(d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel)
         m = c.pipeline_microbatches(t.batch_size, t.micro_batch_size)
         if m < 1 or t.batch_size % (d.dp * m) or t.batch_size % (d.dp * t.micro_batch_size):
             return False

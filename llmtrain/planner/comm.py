@@ -17,6 +17,9 @@ micro-batch's residual stream:
 - pp: b·s·h sent per micro-batch across each stage boundary that leaves the rank, forward (activations) and
   backward (their gradients); the tied embedding and head, on the first and last stage, all-reduce their
   gradient (V·h/t) once per step.
+- cp: a rank's s is s/cp (tp and pp traffic shrink with it), FSDP shards over dp_shard x cp, and per block and
+  micro-batch the ring passes a rank's keys and values (2·b·(s/cp)·h_kv/t, h_kv the key/value width) cp-1 times
+  in forward and again in backward, plus their fp32 gradient cp times in backward.
 Scalars (losses, gradient norms) are left out.
 """
 
@@ -62,7 +65,7 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
     d, traffic = candidate.degrees, Traffic()
     params, grads = held.total, held.trainable
     units = held.blocks + 1  # FSDP units: each block and the root
-    if d.dp == 1:
+    if d.dp == 1 and d.cp == 1:
         return traffic
     if candidate.strategy == "ddp":
         traffic.add("all_reduce", grads * sizes.grad, math.ceil(grads * sizes.grad / DDP_BUCKET_BYTES))
@@ -71,7 +74,7 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         traffic.add("all_gather", grads * sizes.param, 2)
     else:
         times = 1 if candidate.strategy == "pp" else k
-        if d.dp_shard == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
+        if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
             traffic.add("all_reduce", grads * sizes.grad * times, units * times)
             return traffic
         gathers = 2 if candidate.strategy != "pp" and candidate.reshard_after_forward else 1
@@ -79,7 +82,7 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         traffic.add("all_gather", gathered * sizes.compute * times, (units * gathers - (gathers - 1)) * times)
         traffic.add("reduce_scatter", grads * sizes.grad * times, units * times)
         if d.dp_replicate > 1:
-            traffic.add("all_reduce", grads / d.dp_shard * sizes.grad * times, units * times)
+            traffic.add("all_reduce", grads / d.dp_shard_cp * sizes.grad * times, units * times)
     return traffic
 
 
@@ -90,7 +93,7 @@ def tensor_parallel_traffic(
     if d.tp == 1:
         return traffic
     h, max_seq_len, bias = cfg.d_model, cfg.max_seq_len, cfg.bias
-    activation = rows * seq_len * h * sizes.compute
+    activation = rows * seq_len // d.cp * h * sizes.compute
     exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
     if candidate.sequence_parallel:
         traffic.add("all_gather", exchanges * activation, exchanges)
@@ -104,7 +107,7 @@ def tensor_parallel_traffic(
     else:
         traffic.add("all_reduce", exchanges * activation, exchanges)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
-        traffic.add("all_reduce", 3 * rows * seq_len * 4 * k, 3 * k)
+        traffic.add("all_reduce", 3 * rows * seq_len // d.cp * 4 * k, 3 * k)
     return traffic
 
 
@@ -116,7 +119,7 @@ def pipeline_traffic(
         return traffic
     style = schedule_spec(candidate.pp_schedule).style
     n_stages = d.pp * candidate.pp_stages_per_rank
-    activation = rows * seq_len * h // (d.tp if candidate.sequence_parallel else 1) * sizes.compute
+    activation = rows * seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * sizes.compute
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     for stage in stages:
         if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:
@@ -128,5 +131,21 @@ def pipeline_traffic(
     tied_across = (0 in stages) != (n_stages - 1 in stages)  # one copy of the tied matrix here, one elsewhere
     if cfg.tie_embeddings and tied_across:
         # (a shard of it under FSDP)
-        traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard) * sizes.grad, 1)
+        traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard_cp) * sizes.grad, 1)
+    return traffic
+
+
+def context_parallel_traffic(
+    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
+) -> Traffic:
+    """The ring's sends (and as many receives) per step: each block's keys and values, and in backward their
+    gradient (fp32)."""
+    d, traffic = candidate.degrees, Traffic()
+    if d.cp == 1:
+        return traffic
+    kv = 2 * rows * (seq_len // d.cp) * cfg.kv_heads * (cfg.d_model // cfg.n_head) // d.tp
+    hops = held.blocks * k
+    sent = hops * ((d.cp - 1) * 2 * kv * sizes.compute + d.cp * kv * 4)
+    for op in ("send", "recv"):
+        traffic.add(op, sent, hops * (3 * d.cp - 2))
     return traffic

@@ -22,7 +22,9 @@ same tensors for any model of the family (grouped-query attention's narrower k a
 four stored hidden-width tensors: gate, up, silu(gate), their product). fp32 activations double everything. The
 last stage adds the logits and the fp32 log-probabilities the loss keeps, s·b·V·(compute bytes + 4)/t with loss
 parallelism.
-A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`).
+A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`); a
+context-parallel rank those of s/cp tokens (the ring keeps no score matrix: its per-layer tensors are the fused
+kernel's).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class RankMemory:
 
 def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tuple[float, float, float, float]:
     """(parameters, gradients, optimizer, gathered) bytes of one rank holding `held`."""
-    n = candidate.degrees.dp_shard if candidate.sharding != "optimizer" else candidate.degrees.dp
+    n = candidate.degrees.dp_shard_cp if candidate.sharding != "optimizer" else candidate.degrees.dp
     params, trainable = held.total * sizes.param, held.trainable
     sharding = candidate.sharding
     if sharding == "none":
@@ -97,7 +99,7 @@ def bytes_per_parameter(candidate: Candidate, sizes: StateBytes) -> float:
     elif sharding == "optimizer":
         per = sizes.param + sizes.grad + sizes.optimizer / d.dp
     else:
-        per = (sizes.param + sizes.grad + sizes.optimizer) / d.dp_shard
+        per = (sizes.param + sizes.grad + sizes.optimizer) / d.dp_shard_cp
         if sharding == "gradients":
             per += sizes.compute
     return per / split
@@ -175,7 +177,7 @@ def activations(
     sizes: StateBytes,
 ) -> float:
     d = candidate.degrees
-    s, b, h, a = seq_len, micro_batch_rows, gpt.d_model, gpt.n_head
+    s, b, h, a = seq_len // d.cp, micro_batch_rows, gpt.d_model, gpt.n_head  # a cp rank's tokens
     scores_stored, terms = gpt.attention_dropout > 0, layer_terms(gpt)
     per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, recompute, scores_stored, terms)
     in_flight = in_flight_microbatches(

@@ -21,7 +21,13 @@ from typing import Any
 from llmtrain.model.gpt import GPTConfig, flops_per_token
 from llmtrain.parallel.pipeline.schedules import schedule_spec
 from llmtrain.planner.candidates import Candidate
-from llmtrain.planner.comm import Traffic, data_parallel_traffic, pipeline_traffic, tensor_parallel_traffic
+from llmtrain.planner.comm import (
+    Traffic,
+    context_parallel_traffic,
+    data_parallel_traffic,
+    pipeline_traffic,
+    tensor_parallel_traffic,
+)
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import RankMemory, StateBytes, activations, bytes_per_parameter, model_states
 from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
@@ -129,7 +135,14 @@ def _scaled(held: Holding, factor: float) -> Holding:
 def _spans_nodes(candidate: Candidate, dim: str, ranks_per_node: int) -> bool:
     """Whether a group along mesh dimension `dim` crosses nodes (consecutive ranks share the inner dimensions)."""
     d = candidate.degrees
-    inner = {"tp": 1, "dp_shard": d.tp, "dp_replicate": d.tp * d.dp_shard, "pp": d.tp * d.dp}[dim]
+    inner = {
+        "tp": 1,
+        "cp": d.tp,
+        "dp_shard_cp": d.tp,
+        "dp_shard": d.tp * d.cp,
+        "dp_replicate": d.tp * d.cp * d.dp_shard,
+        "pp": d.tp * d.cp * d.dp,
+    }[dim]
     return inner * getattr(d, dim) > ranks_per_node
 
 
@@ -150,7 +163,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
     ranks: list[RankMemory] = []
     traffic: list[Traffic] = []
-    dp_s, exposed_s = 0.0, 0.0
+    dp_s, exposed_s, ring_s = 0.0, 0.0, 0.0
     for pp_rank in range(d.pp):
         held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks)
         states = model_states(c, _scaled(held, factor), work.sizes)
@@ -159,7 +172,8 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
-        traffic.append(dp.merge(tp).merge(pp))
+        ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
+        traffic.append(dp.merge(tp).merge(pp).merge(ring))
         rank_dp = sum(
             _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
             for op in dp.bytes
@@ -171,7 +185,11 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
             _seconds(machine, pp, op, d.pp if op == "all_reduce" else 2, _spans_nodes(c, "pp", machine.ranks_per_node))
             for op in pp.bytes
         )
+        rank_ring = sum(
+            _seconds(machine, ring, op, 2, _spans_nodes(c, "cp", machine.ranks_per_node)) for op in ring.bytes
+        )
         dp_s, exposed_s = max(dp_s, rank_dp), max(exposed_s, rank_exposed)
+        ring_s = max(ring_s, rank_ring)
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
     n_params = whole_model_parameters(gpt) - gpt.padding_parameters
     flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank
@@ -180,6 +198,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     compute = flops / (machine.peak_flops * machine.mfu)
     hidden = c.strategy in ("ddp", "fsdp", "pp")  # overlap their data-parallel traffic with compute
     exposed = exposed_s + (max(0.0, dp_s - compute) if hidden else dp_s)
+    exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)
     per_param = bytes_per_parameter(c, work.sizes)
     return LayoutPlan(
@@ -189,7 +208,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         fits=heaviest.total <= machine.usable_bytes,
         compute_s=compute,
         bubble_s=compute * _bubble_fraction(c, k),
-        comm_s=dp_s + exposed_s,
+        comm_s=dp_s + exposed_s + ring_s,
         exposed_comm_s=exposed,
         max_parameters=int(machine.usable_bytes // per_param),
         max_parameters_with_activations=max(0, int((machine.usable_bytes - heaviest.activations) // per_param)),
@@ -197,9 +216,9 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
 
 
 def _dp_dim(c: Candidate, op: str) -> str:
-    if c.strategy in ("ddp", "zero1") or c.degrees.dp_shard == 1 or op == "all_reduce":
+    if c.strategy in ("ddp", "zero1") or c.degrees.dp_shard_cp == 1 or op == "all_reduce":
         return "dp_replicate"
-    return "dp_shard"
+    return "dp_shard_cp"
 
 
 def _dp_group(c: Candidate, op: str) -> int:
