@@ -13,7 +13,6 @@ dp_shard x cp, as torchtitan does).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import ConfigError
@@ -71,12 +70,3 @@ def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: 
             f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by parallel.tp={tp} "
             f"(sequence parallelism splits them again): set train.seq_len to a multiple of {cp * tp}"
         )
-
-
-def mean_over_context(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """The mean of a per-rank scalar (a loss over this rank's tokens) over the cp ranks: the whole sequence's."""
-    if mesh is None or mesh.size() == 1:
-        return value
-    value = value.clone()
-    dist.all_reduce(value, group=mesh.get_group())
-    return value / mesh.size()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.config import ConfigError
@@ -76,3 +78,14 @@ def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, degrees.as_tuple(), mesh_dim_names=MESH_DIMS)
+
+
+def mean_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The mean of a per-rank scalar over the ranks of a 1-D `mesh` (each holding an equal share: of the batch over
+    data-parallel ranks, of each sequence over context-parallel ones); the value itself without one. Gloo has no
+    AVG reduction, hence SUM then divide."""
+    if mesh is None or mesh.size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return value / mesh.size()

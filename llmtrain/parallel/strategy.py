@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
-from llmtrain.parallel.context import check_context_parallel, mean_over_context, shard_tokens
-from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, resolve_degrees
+from llmtrain.parallel.context import check_context_parallel, shard_tokens
+from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, mean_over, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.tp import loss_context
 from llmtrain.runtime import Runtime, join_single_process_group
@@ -196,7 +196,7 @@ class Strategy:
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
             total += full_tensor(loss.detach())
-        return mean_over_context(total / len(micro_batches), self.cp_mesh)
+        return mean_over(total / len(micro_batches), self.cp_mesh)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
@@ -207,16 +207,11 @@ class Strategy:
                 total += full_tensor(
                     cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 )
-        return mean_over_context(total / len(micro_batches), self.cp_mesh)
+        return mean_over(total / len(micro_batches), self.cp_mesh)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch).
-        Gloo has no AVG reduction, hence SUM then divide."""
-        if self.dp_mesh is None or self.dp_size == 1:
-            return value
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dp_mesh.get_group())
-        return value / self.dp_size
+        """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch)."""
+        return mean_over(value, self.dp_mesh)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global gradient norm (over all ranks' shards and stages)."""

@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
-from llmtrain.parallel.context import mean_over_context
 from llmtrain.parallel.fsdp import fsdp_mesh
-from llmtrain.parallel.mesh import MESH_DIMS
+from llmtrain.parallel.mesh import MESH_DIMS, mean_over
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
@@ -191,7 +190,7 @@ class PipelineParallel(Strategy):
             else torch.zeros((), device=self.runtime.device)
         )
         dist.all_reduce(total, group=self.pp_group)
-        return mean_over_context(total, self.cp_mesh)
+        return mean_over(total, self.cp_mesh)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
