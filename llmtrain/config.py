@@ -35,6 +35,19 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoEGroupConfig:
+    """Mixture-of-experts blocks (llmtrain/model/moe.py); num_experts 0 keeps every MLP dense."""
+
+    num_experts: int = 0  # routed experts per mixture block
+    top_k: int = 2  # experts each token is sent to
+    every: int = 1  # block i is a mixture when (i + 1) % every == 0
+    shared_experts: int = 0  # always-on experts beside the routed ones
+    d_ff: Optional[int] = None  # one expert's hidden width; None: model.d_ff (the dense MLP's)
+    aux_loss_coef: float = 0.01  # Switch / GShard load-balancing loss
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     n_layer: int = MISSING
@@ -57,6 +70,7 @@ class ModelConfig:
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None: n_head
     tie_embeddings: bool = True  # the LM head shares the token embedding's weights
     norm_eps: float = 1e-5
+    moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
 
 
 @dataclass
@@ -252,6 +266,20 @@ def validate_rope_scaling(scaling) -> None:
         raise ConfigError(f"model.rope_scaling.original_max_seq_len={scaling.original_max_seq_len} must be positive")
 
 
+def validate_moe(moe, n_layer: int) -> None:
+    if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}: set "
+            f"model.moe.top_k to at most the number of experts"
+        )
+    if not 1 <= moe.every <= n_layer:
+        raise ConfigError(f"model.moe.every={moe.every} must be between 1 and model.n_layer={n_layer}")
+    if moe.shared_experts < 0 or (moe.d_ff is not None and moe.d_ff <= 0):
+        raise ConfigError("model.moe.shared_experts must be >= 0 and model.moe.d_ff positive (or null)")
+    if moe.aux_loss_coef < 0 or moe.z_loss_coef < 0:
+        raise ConfigError("model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0 (0 turns a term off)")
+
+
 def validate(cfg) -> None:
     """Checks that need more than one key or the file system; raises ConfigError on the first problem."""
     for key, choices in _CHOICES.items():
@@ -318,6 +346,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be positive")
     if m.rope_scaling.type == "llama3":
         validate_rope_scaling(m.rope_scaling)
+    if m.moe.num_experts:
+        validate_moe(m.moe, m.n_layer)
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")

@@ -36,7 +36,7 @@ def test_the_mask_keeps_1_minus_p_independently_of_neighbours_and_seeds():
 
 
 def test_a_block_with_dropout_compiles_into_one_graph():
-    explanation = torch._dynamo.explain(Block(DROPPY).train())(torch.randn(2, 8, 32))
+    explanation = torch._dynamo.explain(Block(DROPPY, 0).train())(torch.randn(2, 8, 32))
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
@@ -46,7 +46,7 @@ def test_a_block_with_dropout_compiles_into_one_graph():
 def test_a_recomputed_block_drops_what_its_forward_dropped(mode, compiled):
     """Recomputation (inside the compiled graph when compiled) draws the same seeds, so the same masks."""
     torch.manual_seed(0)
-    block, x = Block(DROPPY).train(), torch.randn(2, 8, 32, requires_grad=True)
+    block, x = Block(DROPPY, 0).train(), torch.randn(2, 8, 32, requires_grad=True)
 
     def gradients() -> list[torch.Tensor]:
         torch.manual_seed(7)

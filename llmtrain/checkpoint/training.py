@@ -71,7 +71,11 @@ def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:
 def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
     """A one-line ConfigError listing the model settings in which this run differs from the checkpoint."""
     # A key the checkpoint predates had its default value then (GPT-2's choices for the family keys).
-    defaults = {f.name: f.default for f in dataclasses.fields(gpt_cfg) if f.default is not dataclasses.MISSING}
+    defaults = {
+        f.name: dataclasses.asdict(f.default) if dataclasses.is_dataclass(f.default) else f.default  # type: ignore[arg-type]
+        for f in dataclasses.fields(gpt_cfg)
+        if f.default is not dataclasses.MISSING
+    }
     saved = {**defaults, **read_meta(path)["model"]}
     ours = dataclasses.asdict(gpt_cfg)
     differences = [

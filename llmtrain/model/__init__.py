@@ -8,6 +8,7 @@ import torch
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
 from llmtrain.model.materialize import ParameterInit, materialize
+from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
 from llmtrain.model.rope import RopeScaling
 
 
@@ -32,6 +33,7 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         n_kv_head=model_cfg.n_kv_head,
         tie_embeddings=model_cfg.tie_embeddings,
         norm_eps=model_cfg.norm_eps,
+        moe=MoEConfig(**{key: getattr(model_cfg.moe, key) for key in MoEConfig.__dataclass_fields__}),
     )
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "ParameterInit",
+    "auxiliary_loss_scale",
     "build_model",
     "cross_entropy_loss",
     "flops_per_token",

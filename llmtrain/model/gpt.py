@@ -27,6 +27,7 @@ from torch import nn
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
+from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
 if TYPE_CHECKING:
@@ -54,12 +55,15 @@ class GPTConfig:
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     tie_embeddings: bool = True  # the LM head is the token embedding
     norm_eps: float = 1e-5
+    moe: MoEConfig = MoEConfig()  # mixture-of-experts blocks (llmtrain/model/moe.py); none by default
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
         """The config a checkpoint's meta.json holds (dataclasses.asdict of one)."""
-        scaling = fields.get("rope_scaling")
-        return cls(**{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+        scaling, moe = fields.get("rope_scaling"), fields.get("moe")
+        return cls(
+            **{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None, "moe": MoEConfig(**(moe or {}))}
+        )
 
     @property
     def hidden(self) -> int:
@@ -140,11 +144,12 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """GPT-2's fc_out(gelu(fc_in(x))), or with mlp=swiglu Llama's fc_out(silu(fc_gate(x)) * fc_in(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
-        self.fc_gate = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
-        self.fc_out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+        hidden = hidden or cfg.hidden
+        self.fc_in = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.fc_gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.fc_out = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,15 +166,23 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+def make_mixture(cfg: GPTConfig) -> MoE:
+    m = cfg.moe
+    hidden = m.d_ff or cfg.hidden
+    shared = MLP(cfg, hidden * m.shared_experts) if m.shared_experts else None
+    return MoE(cfg.d_model, hidden, cfg.mlp == "swiglu", m, shared)
 
-    def __init__(self, cfg: GPTConfig):
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of experts in
+    the blocks model.moe picks."""
+
+    def __init__(self, cfg: GPTConfig, index: int):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -178,7 +191,7 @@ class Block(nn.Module):
 
 # Residual-branch output projections: GPT-2 scales their initial std by 1/sqrt(2 * n_layer) so the residual
 # stream's variance does not grow with depth (two branches per block).
-RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out")
+RESIDUAL_PROJECTIONS = ("attn.out_proj", "mlp.fc_out", "mlp.shared.fc_out")
 
 
 class GPT(LayeredModel):
@@ -209,7 +222,7 @@ class GPT(LayeredModel):
             if cfg.position == "learned":
                 self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.emb_dropout = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
         if head:
             padded = cfg.padded_vocab_size > cfg.vocab_size
             self.norm = make_norm(cfg)
@@ -249,6 +262,12 @@ class GPT(LayeredModel):
 
         return gpt_tensor_parallel_plan(self, sequence_parallel, loss_parallel)
 
+    def take_expert_load(self) -> torch.Tensor | None:
+        if not self.cfg.moe.num_experts:
+            return None
+        loads = [block.mlp.take_load() for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+        return torch.stack(loads).sum(0) if loads else torch.zeros(self.cfg.moe.num_experts, dtype=torch.long)
+
     def shard_sequence(self, sequence: WholeSequence) -> None:
         """Run on a part of each sequence: positions and attention from `sequence` (context parallelism)."""
         self.sequence = sequence
@@ -283,6 +302,8 @@ class GPT(LayeredModel):
         module = self.get_submodule(module_name)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             full.fill_(1.0 if kind == "weight" else 0.0)
+        elif isinstance(module, Experts):
+            full.normal_(mean=0.0, std=expert_init_std(kind, self.cfg.n_layer), generator=generator)
         elif kind == "bias":
             full.copy_(vocabulary_mask(self.cfg)) if module is self.lm_head else full.zero_()
         else:
@@ -332,8 +353,19 @@ def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
     and torchtitan count the same). N excludes what is a lookup rather than a matmul: the position embedding, and
     the token embedding when the head does not share it. Every weight is counted as it is (SwiGLU's three
-    matrices, grouped-query attention's narrower key and value projections)."""
+    matrices, grouped-query attention's narrower key and value projections). In a mixture of experts a token
+    meets only its top_k routed experts: N counts the active parameters (the others are left out)."""
     lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         lookups += cfg.padded_vocab_size * cfg.d_model
-    return 6 * (n_params - lookups) + 12 * cfg.n_layer * cfg.d_model * seq_len
+    return 6 * (n_params - lookups - inactive_expert_parameters(cfg)) + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+
+def inactive_expert_parameters(cfg: GPTConfig) -> int:
+    """Routed-expert parameters a token does not use: (num_experts - top_k) experts in every mixture block."""
+    m = cfg.moe
+    if not m.num_experts:
+        return 0
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * (m.d_ff or cfg.hidden)
+    blocks = sum(m.is_moe_block(i) for i in range(cfg.n_layer))
+    return blocks * (m.num_experts - m.top_k) * per_expert

@@ -132,6 +132,11 @@ def _holds(block: nn.Module, name: str) -> bool:
 def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: bool) -> None:
     """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
     m = model_cfg
+    if m.moe.num_experts:
+        raise ConfigError(
+            f"model.moe.num_experts={m.moe.num_experts} with parallel.tp={tp}: the experts have no tensor-parallel "
+            f"plan yet; use parallel.tp=1 (fsdp, ddp, zero1 or pp layouts)"
+        )
     if m.n_head % tp:
         raise ConfigError(
             f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "

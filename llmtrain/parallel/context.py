@@ -53,8 +53,15 @@ def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
     model.shard_sequence(ContextShard(mesh))
 
 
-def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool) -> None:
+def check_context_parallel(
+    cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool, num_experts: int = 0
+) -> None:
     """The shapes and settings context parallelism needs, as one-line errors naming the key."""
+    if num_experts:
+        raise ConfigError(
+            f"model.moe.num_experts={num_experts} with parallel.cp={cp}: the load-balancing loss would see only "
+            f"this rank's part of each sequence; use parallel.cp=1 with mixture-of-experts models"
+        )
     if seq_len % (2 * cp):
         raise ConfigError(
             f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each rank holds two equal "

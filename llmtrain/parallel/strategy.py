@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.context import check_context_parallel, shard_tokens
 from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, mean_over, resolve_degrees
@@ -93,6 +93,7 @@ class Strategy:
                 model.attention_dropout,
                 self.degrees.tp,
                 self.parallel.sequence_parallel,
+                model.moe.num_experts,
             )
 
     @property
@@ -192,7 +193,7 @@ class Strategy:
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = self.context_shard(inputs), self.context_shard(targets)
             with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
-                with precision():
+                with precision(), auxiliary_loss_scale(1 / len(micro_batches)):
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
             total += full_tensor(loss.detach())
@@ -208,6 +209,17 @@ class Strategy:
                     cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 )
         return mean_over(total / len(micro_batches), self.cp_mesh)
+
+    def expert_load(self, model: nn.Module) -> torch.Tensor | None:
+        """Collective: slots routed to each expert this step over the whole global batch and every mixture block
+        (None for a dense model). Ranks hold different tokens (data, context parallel) or blocks (pipeline) and
+        their counts add up; tensor-parallel ranks route the same tokens, so their sum is divided by tp."""
+        load = unwrap(model).take_expert_load()
+        if load is None or self.mesh is None:
+            return load
+        load = load.to(self.runtime.device, torch.float64)
+        dist.all_reduce(load)
+        return load / self.degrees.tp
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch)."""

@@ -39,14 +39,24 @@ def _norm_parameters(cfg: GPTConfig) -> int:
     return cfg.d_model * (1 + int(cfg.bias and cfg.norm == "layernorm"))  # RMSNorm: a scale, no bias
 
 
-def block_parameters(cfg: GPTConfig, tp: int = 1) -> int:
-    """One block's parameters on one of `tp` tensor-parallel ranks."""
-    h, f, bias = cfg.d_model, cfg.hidden, int(cfg.bias)
+def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s parameters on one of `tp` tensor-parallel ranks (blocks differ when some are mixtures of
+    experts)."""
+    h, bias = cfg.d_model, int(cfg.bias)
     kv = cfg.kv_heads * (h // cfg.n_head)  # the width of k and v (grouped-query attention: narrower than h)
     up = 2 if cfg.mlp == "swiglu" else 1  # fc_in, and SwiGLU's gate
-    split = h * (h + 2 * kv) + up * h * f + bias * (h + 2 * kv + up * f)  # column-parallel: q, k, v, fc_in (, gate)
-    split += h * h + f * h  # row-parallel weights: out_proj, fc_out
-    replicated = bias * 2 * h + 2 * _norm_parameters(cfg)  # row-parallel biases; the two norms
+    split = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h  # column-parallel q, k, v; row-parallel out_proj
+    replicated = bias * h + 2 * _norm_parameters(cfg)  # out_proj's bias; the two norms
+    m = cfg.moe
+    if m.is_moe_block(index):  # router, routed experts (stacked, no biases), shared experts as one wider MLP
+        f = m.d_ff or cfg.hidden
+        replicated += h * m.num_experts + m.num_experts * (up + 1) * h * f
+        f *= m.shared_experts
+    else:
+        f = cfg.hidden
+    if f:
+        split += up * h * f + bias * up * f + f * h  # column-parallel fc_in (, gate); row-parallel fc_out
+        replicated += bias * h
     return split // tp + replicated
 
 
@@ -65,7 +75,8 @@ def head_parameters(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> tu
 
 def whole_model_parameters(cfg: GPTConfig) -> int:
     """Trainable parameters of the unsplit model (the tied head counted once), as `num_parameters` counts them."""
-    return cfg.n_layer * block_parameters(cfg) + embedding_parameters(cfg) + head_parameters(cfg)[0]
+    blocks = sum(block_parameters(cfg, index=i) for i in range(cfg.n_layer))
+    return blocks + embedding_parameters(cfg) + head_parameters(cfg)[0]
 
 
 def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_per_rank: int = 1,
@@ -74,7 +85,8 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
     n_stages = pp * stages_per_rank
     mine = rank_stages(pp_rank, pp, stages_per_rank, style) if pp > 1 else [0]
     layers = stage_layers(cfg.n_layer, n_stages, edge_blocks) if pp > 1 else [range(cfg.n_layer)]
-    blocks = sum(len(layers[stage]) for stage in mine)
+    indices = [i for stage in mine for i in layers[stage]]
+    blocks = len(indices)
     first, last = 0 in mine, n_stages - 1 in mine
     root_trainable, frozen = 0, 0
     if first:
@@ -82,13 +94,13 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
     if last:
         head, frozen = head_parameters(cfg, tp, own_weight=pp > 1)
         root_trainable += head
-    per_block = block_parameters(cfg, tp)
+    per_block = [block_parameters(cfg, tp, i) for i in indices]
     root = root_trainable + frozen
     return Holding(
-        trainable=blocks * per_block + root_trainable,
+        trainable=sum(per_block) + root_trainable,
         frozen=frozen,
         root=root,
-        largest_unit=max(per_block if blocks else 0, root),
+        largest_unit=max([*per_block, root]),
         blocks=blocks,
         first=first,
         last=last,

@@ -74,7 +74,14 @@ class WandbLogger:
         )
 
     def log(self, record: dict[str, Any]) -> None:
-        self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        """A list (the load of each expert) becomes one chart per entry: expert_load/0, expert_load/1, ..."""
+        values: dict[str, Any] = {}
+        for key, value in record.items():
+            if isinstance(value, list):
+                values.update({f"{key}/{i}": item for i, item in enumerate(value)})
+            elif key != "step":
+                values[key] = value
+        self._run.log(values, step=record["step"])
 
     def summary(self, values: dict[str, Any]) -> None:
         self._run.summary.update(values)

@@ -119,7 +119,11 @@ class Trainer:
         )
         # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped.
-        loss_value, norm_value, stop_value = torch.stack([full_tensor(loss).float(), grad_norm.float(), stop]).tolist()
+        load = self.strategy.expert_load(self.model)
+        scalars = [full_tensor(loss).float(), grad_norm.float(), stop.float()]
+        loss_value, norm_value, stop_value, *load_values = torch.cat(
+            [torch.stack(scalars).double(), *([] if load is None else [load.double().to(grad_norm.device)])]
+        ).tolist()
         self.stop_requested = stop_value > 0
         record: dict[str, Any] = {
             "step": self.state.step + 1,
@@ -127,6 +131,9 @@ class Trainer:
             "lr": self.schedule.get_last_lr()[0],
             "grad_norm": norm_value,
         }
+        if load_values:  # routed slots per expert, all mixture blocks together: the load balance
+            record["expert_load"] = [round(value) for value in load_values]
+            record["expert_imbalance"] = max(load_values) * len(load_values) / max(sum(load_values), 1)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
             self.optimizer.step()

@@ -1,0 +1,159 @@
+"""Mixture of experts: a block's MLP replaced by `num_experts` MLPs of which each token uses `top_k`, chosen by a
+router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional always-on shared experts.
+
+- **Routing**: router logits in fp32, softmax over all experts, the top_k kept and renormalised to sum to 1
+  (Mixtral's rule; transformers' MixtralSparseMoeBlock computes the same).
+- **Dropless**: every token reaches its experts, whatever the load (no capacity factor, no dropped tokens), so the
+  result depends only on the tokens, never on how they were batched or spread over ranks.
+- **Balance**: the Switch Transformer / GShard auxiliary loss, coef · E · Σ_e f_e · P_e (f_e the share of routed
+  slots expert e received, P_e its mean router probability), optionally the router z-loss (ST-MoE), coef ·
+  mean(logsumexp(logits)²). Chosen over DeepSeek-V3's loss-free bias because it is a plain gradient term: it
+  needs no state outside the weights, so checkpoints and every layout carry it unchanged. Both terms reach the
+  router through `add_auxiliary_loss`, which leaves the block's output untouched and injects their gradient in
+  backward, scaled like the micro-batch's loss (`auxiliary_loss_scale`), so pipelines need no extra outputs.
+- **Experts** are stored as stacked tensors (expert, in, out): expert parallelism shards their first dimension.
+
+The experts run one after another over their tokens (sorted by expert): the readable reference, exact on CPU. The
+per-expert token counts are read on the host to split the batch (one sync per MoE block); a grouped GEMM with
+device-side offsets is the GPU's faster path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 0  # 0: dense MLPs everywhere
+    top_k: int = 2
+    every: int = 1  # block i is a mixture when (i + 1) % every == 0: 1 every block, 2 every second
+    shared_experts: int = 0  # always-on experts beside the routed ones
+    d_ff: int | None = None  # one expert's hidden width; None: the model's MLP width
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    def is_moe_block(self, index: int) -> bool:
+        return self.num_experts > 0 and (index + 1) % self.every == 0
+
+
+_LOSS_SCALE = [1.0]
+
+
+@contextmanager
+def auxiliary_loss_scale(scale: float) -> Iterator[None]:
+    """The factor the trainer applies to this micro-batch's loss before backward (1 / micro-batches when it
+    divides each loss; 1 under pipeline schedules, which scale the gradients afterwards): the auxiliary losses'
+    gradients get the same, so they weigh as if added to every micro-batch's loss."""
+    previous = _LOSS_SCALE[0]
+    _LOSS_SCALE[0] = scale
+    try:
+        yield
+    finally:
+        _LOSS_SCALE[0] = previous
+
+
+class _AuxiliaryLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.scale = _LOSS_SCALE[0]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, output_grad: torch.Tensor):
+        return output_grad, torch.full((), ctx.scale, device=output_grad.device)
+
+
+def add_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`output` unchanged; in backward, `loss` is differentiated as if it were added to the training loss."""
+    return _AuxiliaryLoss.apply(output, loss)
+
+
+class Experts(nn.Module):
+    """`num_experts` MLPs with stacked weights: w_in (E, d, f), w_gate (E, d, f) when gated (SwiGLU), w_out (E, f, d).
+    `first` is the global index of this module's first expert (0, or an expert-parallel rank's offset)."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, gated: bool):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate is not None:
+            hidden = F.silu(x @ self.w_gate[e]) * (x @ self.w_in[e])
+        else:
+            hidden = F.gelu(x @ self.w_in[e], approximate="tanh")
+        return hidden @ self.w_out[e]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them for expert e -> each token through its expert."""
+        outputs = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if len(rows)]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
+class MoE(nn.Module):
+    """Router, routed experts and shared experts of one block: (batch, seq, d) -> (batch, seq, d)."""
+
+    def __init__(self, d_model: int, hidden: int, gated: bool, moe: MoEConfig, make_shared: nn.Module | None):
+        super().__init__()
+        self.moe = moe
+        self.router = nn.Linear(d_model, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, d_model, hidden, gated)
+        self.shared = make_shared
+        # Slots routed to each expert since the last `take_load`: the load-balance metric. A plain attribute, not
+        # a buffer: layouts allocate and checkpoint buffers, and this is a running count.
+        self.load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = self.router(tokens).float()
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(self.moe.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+
+        slots = chosen.flatten()
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=self.moe.num_experts)
+        token_of_slot = order // self.moe.top_k
+        routed = self.experts(tokens[token_of_slot], counts.tolist())
+        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.load = counts.detach() if self.load is None else self.load + counts.detach()
+
+        out = out.view(shape)
+        loss = self.balance_loss(logits, probs, counts, len(tokens)) if self.training else None
+        return add_auxiliary_loss(out, loss) if loss is not None else out
+
+    def take_load(self) -> torch.Tensor:
+        """The slots routed to each expert since the last call (zeros if none), and reset."""
+        load = self.load if self.load is not None else torch.zeros(self.moe.num_experts, dtype=torch.long)
+        self.load = None
+        return load
+
+    def balance_loss(
+        self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, n_tokens: int
+    ) -> torch.Tensor | None:
+        m = self.moe
+        terms = []
+        if m.aux_loss_coef > 0:
+            share = counts.float() / (n_tokens * m.top_k)
+            terms.append(m.aux_loss_coef * m.num_experts * (share * probs.mean(dim=0)).sum())
+        if m.z_loss_coef > 0:
+            terms.append(m.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean())
+        return sum(terms[1:], terms[0]) if terms else None
+
+
+def expert_init_std(name: str, n_layer: int) -> float:
+    """GPT-2's rule for the experts' stacked matrices: 0.02, scaled by 1/sqrt(2 n_layer) on the output projection."""
+    return 0.02 / math.sqrt(2 * n_layer) if name.endswith("w_out") else 0.02

@@ -1,0 +1,147 @@
+"""Mixture of experts (llmtrain/model/moe.py) in one process: the dropless block against a token-by-token
+reference, the auxiliary losses' gradient, the load metric, the active-parameter FLOPs, the planner's count, the
+config's errors; and every data-parallel and pipeline layout against the unsplit model (tests/layout_worker.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LOSS_RTOL, torchrun
+
+from llmtrain.config import ConfigError, validate
+from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
+from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.moe import MoE
+from llmtrain.planner.shapes import whole_model_parameters
+from llmtrain.tools import compose_config
+
+PRESETS = ["moe-tiny", "mixtral-tiny"]
+
+
+def _mixture(preset: str) -> tuple[MoE, GPTConfig]:
+    model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0)
+    block = next(block for block in model.blocks.values() if isinstance(block.mlp, MoE))
+    return block.mlp, model.cfg
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_mixture_sends_every_token_through_its_top_k_experts(preset):
+    """Dropless token choice: each token's output is the renormalised top-k router weights times its experts'
+    outputs, computed here one token at a time."""
+    moe, cfg = _mixture(preset)
+    x = torch.randn(3, 10, cfg.d_model)
+    with torch.no_grad():
+        out = moe.eval()(x)
+        tokens = x.reshape(-1, cfg.d_model)
+        probs = moe.router(tokens).float().softmax(-1)
+        expected = []
+        for token, p in zip(tokens, probs):
+            weights, chosen = p.topk(cfg.moe.top_k)
+            weights = weights / weights.sum()
+            expected.append(sum(w * moe.experts.expert(int(e), token[None])[0] for w, e in zip(weights, chosen)))
+    torch.testing.assert_close(out.reshape(-1, cfg.d_model), torch.stack(expected), atol=1e-6, rtol=1e-5)
+
+
+def test_auxiliary_losses_reach_the_router_as_if_added_to_the_loss():
+    """The balance and z-losses ride on backward (the block's output is untouched), scaled like the micro-batch's
+    loss: the gradients equal those of (loss + auxiliary) x scale computed explicitly."""
+    moe, cfg = _mixture("moe-tiny")
+    moe.moe = dataclasses.replace(moe.moe, z_loss_coef=1e-3)
+    x, weights, scale = torch.randn(2, 12, cfg.d_model), torch.randn(2, 12, cfg.d_model), 0.25
+
+    moe.train()
+    with auxiliary_loss_scale(scale):
+        out = moe(x)
+    (scale * (out * weights).sum()).backward()
+    injected = [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+
+    moe.eval()  # no injection: the auxiliary loss written out instead
+    out_plain = moe(x)
+    tokens = x.reshape(-1, cfg.d_model)
+    logits = moe.router(tokens).float()
+    probs = logits.softmax(-1)
+    counts = torch.bincount(probs.topk(cfg.moe.top_k).indices.flatten(), minlength=cfg.moe.num_experts)
+    auxiliary = moe.balance_loss(logits, probs, counts, len(tokens))
+    torch.testing.assert_close(out, out_plain)
+    (scale * ((out_plain * weights).sum() + auxiliary)).backward()
+    for got, expected in zip(injected, [p.grad for p in moe.parameters()]):
+        torch.testing.assert_close(got, expected, atol=1e-7, rtol=1e-5)
+    assert moe.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_expert_load_counts_every_routed_slot(preset):
+    model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0)
+    tokens = torch.randint(0, 257, (4, 16))
+    model(tokens)
+    load = model.take_expert_load()
+    mixtures = sum(model.cfg.moe.is_moe_block(i) for i in range(model.cfg.n_layer))
+    assert load is not None and int(load.sum()) == tokens.numel() * model.cfg.moe.top_k * mixtures
+    assert int(model.take_expert_load().sum()) == 0  # read once
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_flops_count_the_active_parameters_and_the_planner_counts_all(preset):
+    model = meta_model(compose_config([f"model={preset}"]).model, 257)
+    cfg, n = model.cfg, num_parameters(model)
+    assert whole_model_parameters(cfg) == n
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = n - experts * (cfg.moe.num_experts - cfg.moe.top_k) // cfg.moe.num_experts
+    lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    assert flops_per_token(cfg, n, 64) == 6 * (active - lookups) + 12 * cfg.n_layer * cfg.d_model * 64
+
+
+def test_a_checkpoint_keeps_the_mixture_settings():
+    cfg = meta_model(compose_config(["model=mixtral-tiny", "model.moe.shared_experts=1"]).model, 257).cfg
+    assert GPTConfig.from_dict(dataclasses.asdict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.moe.top_k=9"], "model.moe.top_k=9"),
+        (["model.moe.every=5"], "model.moe.every=5"),
+        (["model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef"),
+    ],
+)
+def test_mixture_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config(["model=moe-tiny", *overrides]))
+    assert key in str(error.value) and "\n" not in str(error.value)
+
+
+WORKER = Path(__file__).with_name("layout_worker.py")
+COMMON = "train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+LAYOUTS = [
+    "parallel=ddp",
+    "parallel=zero1",
+    "parallel=zero2",
+    "parallel=fsdp train.activation_checkpointing=full",
+    "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
+    "parallel=pp parallel.pp_schedule=1f1b",
+    "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+]
+WEIGHT_ATOL = 5e-5  # as test_llama.py
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def results(request, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp(request.param)
+    torchrun(4, str(WORKER), str(out), f"model={request.param} {COMMON}", *LAYOUTS, timeout=600)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mixture_layout_matches_single(layout, results):
+    """Dropless routing and a balance loss per micro-batch: the same micro-batches give the same losses, the
+    same gradients (router included) and the same weights under any data-parallel or pipeline split."""
+    reference, run = results["single"], results[layout]
+    for key in ("losses", "norms"):
+        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
+    assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
