@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, torchrun
+from conftest import LOSS_RTOL, run_train, torchrun
 
 from llmtrain.config import ConfigError, validate
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
@@ -113,6 +113,20 @@ def test_mixture_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         validate(compose_config(["model=moe-tiny", *overrides]))
     assert key in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_run_records_the_load_of_each_expert(tmp_path, cache_dir):
+    """train.py on moe-tiny over 2 data-parallel ranks: every step's expert_load (summed over ranks and mixture
+    blocks) adds up to the global batch's tokens x top_k x mixture blocks."""
+    run = run_train(tmp_path, cache_dir, "model=moe-tiny", "train.steps=2", "parallel=fsdp", nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [record for record in run.metrics if "expert_load" in record]
+    assert len(steps) == 2
+    tokens = 16 * 64  # FAST: batch 16 x seq 64
+    for record in steps:
+        assert len(record["expert_load"]) == 8 and sum(record["expert_load"]) == tokens * 2 * 2
+        assert record["expert_imbalance"] >= 1.0
 
 
 WORKER = Path(__file__).with_name("layout_worker.py")
