@@ -243,3 +243,65 @@ def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cach
     expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
     assert mine == expected
+
+
+def _hf_mixtral(directory, **shape) -> None:
+    """A small random MixtralForCausalLM of mixtral-tiny's shape, saved (per-expert w1/w2/w3 tensors on disk)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=True)  # fmt: skip
+    MixtralForCausalLM(MixtralConfig(**{**config, **shape})).save_pretrained(directory)
+
+
+def test_a_hugging_face_mixtral_initialises_our_model(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    _hf_mixtral(tmp_path)
+    ours = build_model(compose_config(["model=mixtral-tiny", f"model.init_from={tmp_path}"]).model, 257, seed=1)
+    theirs = MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.eval()(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_a_mixtral_of_another_shape_is_refused_naming_the_keys(tmp_path):
+    _hf_mixtral(tmp_path, num_experts_per_tok=1)
+    cfg = compose_config(["model=mixtral-tiny", f"model.init_from={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"expert_shape=\(8, 2, 1, 0, 384\) \(theirs: \(8, 1, 1, 0, 384\)\)"):
+        build_model(cfg.model, 257, seed=1)
+
+
+def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
+    _hf_mixtral(tmp_path)
+    cfg = compose_config(["model=mixtral-tiny", "model.moe.every=2", f"model.init_from={tmp_path}"])
+    with pytest.raises(ConfigError, match="model.moe.every=2") as error:
+        build_model(cfg.model, 257, seed=1)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_our_mixtral_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
+    """A trained mixtral-tiny checkpoint, exported: transformers' MixtralForCausalLM computes our logits and
+    greedy continuation."""
+    from conftest import run_train
+    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+
+    (tmp_path / "run").mkdir()
+    run = run_train(tmp_path / "run", cache_dir, "model=mixtral-tiny", "train.steps=2", name="mixtral")
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = find_checkpoint(str(run.run_dir))
+    export(checkpoint, str(tmp_path / "exported"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert isinstance(theirs, MixtralForCausalLM)
+    ours = load_checkpoint_model(checkpoint)
+    ids = torch.randint(0, 257, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+    prompt = ids[0, :8].tolist()
+    mine = sample(ours, prompt, 12, temperature=0, top_k=0, eos_id=None, generator=torch.Generator().manual_seed(0))
+    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    assert mine == expected

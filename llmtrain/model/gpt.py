@@ -74,6 +74,12 @@ class GPTConfig:
         return 4 * self.d_model if self.mlp == "gelu" else -(-8 * self.d_model // 3 // 64) * 64
 
     @property
+    def expert_shape(self) -> tuple[int, int, int, int, int] | None:
+        """(experts, top_k, every, shared experts, expert width) of a mixture-of-experts model; None if dense."""
+        m = self.moe
+        return (m.num_experts, m.top_k, m.every, m.shared_experts, m.d_ff or self.hidden) if m.num_experts else None
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 

@@ -40,6 +40,11 @@ def hf_weights(path: str, cfg: GPTConfig):
     """The one-tensor-at-a-time reader of a Hugging Face directory for our model `cfg` (model.init_from)."""
     from llmtrain.model.hf import GPT2Weights
 
+    if cfg.moe.num_experts:
+        from llmtrain.model.hf_mixtral import MixtralWeights, check_mixtral
+
+        check_mixtral(cfg)
+        return MixtralWeights(path, cfg)
     return LlamaWeights(path, cfg) if is_llama(cfg) else GPT2Weights(path, cfg)
 
 
@@ -52,6 +57,10 @@ def hf_config_of(path: str) -> GPTConfig:
         model_type = json.load(f).get("model_type")
     if model_type == "llama":
         return llama_config_of(path)
+    if model_type == "mixtral":
+        from llmtrain.model.hf_mixtral import mixtral_config_of
+
+        return mixtral_config_of(path)
     from llmtrain.model.hf import gpt_config_of
 
     return gpt_config_of(path)
@@ -113,6 +122,8 @@ def to_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     for name, tensor in model.state_dict().items():
         if name == "lm_head.bias" or (name == "lm_head.weight" and cfg.tie_embeddings):
             continue  # the padding mask; the tied head is the embedding
+        if ".mlp.router." in name or ".mlp.experts." in name:
+            continue  # a mixture's tensors: hf_mixtral.py maps them
         if name in ("tok_emb.weight", "lm_head.weight"):
             tensor = tensor[: cfg.vocab_size]
         hf[hf_name(name)] = tensor.detach().cpu().clone()
@@ -125,7 +136,11 @@ def llama_config_of(path: str) -> GPTConfig:
     """The shape of the LlamaForCausalLM in directory `path` (its config.json), in our terms."""
     from transformers import LlamaConfig
 
-    c = LlamaConfig.from_pretrained(path)
+    return config_from_llama_like(LlamaConfig.from_pretrained(path), path)
+
+
+def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
+    """Our config of a transformers config of the Llama family (Llama, Mixtral), plus `extra` fields."""
     # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -159,6 +174,7 @@ def llama_config_of(path: str) -> GPTConfig:
         n_kv_head=c.num_key_value_heads,
         tie_embeddings=c.tie_word_embeddings,
         norm_eps=c.rms_norm_eps,
+        **extra,
     )
 
 
@@ -180,12 +196,18 @@ class LlamaWeights:
     """Our parameters' values from a LlamaForCausalLM in Hugging Face format, one tensor at a time (as
     llmtrain/model/materialize.py asks). Raises ConfigError when its shape differs from the model config."""
 
+    shape_keys: tuple[str, ...] = _SHAPE_KEYS
+
+    @staticmethod
+    def config_of(directory: str) -> GPTConfig:
+        return llama_config_of(directory)
+
     def __init__(self, path: str, cfg: GPTConfig):
         directory = local_gpt2_directory(path)
-        theirs = llama_config_of(directory)
+        theirs = self.config_of(directory)
         differences = [
             f"{key}={getattr(cfg, key)} (theirs: {getattr(theirs, key)})"
-            for key in _SHAPE_KEYS
+            for key in self.shape_keys
             if getattr(cfg, key) != getattr(theirs, key)
         ]
         if differences:
