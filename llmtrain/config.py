@@ -108,6 +108,7 @@ class ParallelConfig:
     dp_shard: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks, attention around a ring
     tp: int = 1
+    ep: int = 1  # expert parallel: each mixture's experts split over ep of the dp_shard x cp ranks (not a 6th degree)
     nproc: int = 1  # workers to start on this machine when not launched by torchrun or srun
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
     cpu_offload: bool = False  # fsdp: keep sharded parameters, gradients and optimizer state in host memory

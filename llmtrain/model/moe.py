@@ -11,7 +11,9 @@ router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional alway
   needs no state outside the weights, so checkpoints and every layout carry it unchanged. Both terms reach the
   router through `add_auxiliary_loss`, which leaves the block's output untouched and injects their gradient in
   backward, scaled like the micro-batch's loss (`auxiliary_loss_scale`), so pipelines need no extra outputs.
-- **Experts** are stored as stacked tensors (expert, in, out): expert parallelism shards their first dimension.
+- **Experts** are stored as stacked tensors (expert, in, out): expert parallelism shards their first dimension
+  and sets `dispatch`, which sends each routed token to the rank holding its expert and back
+  (llmtrain/parallel/expert.py).
 
 The experts run one after another over their tokens (sorted by expert): the readable reference, exact on CPU. The
 per-expert token counts are read on the host to split the batch (one sync per MoE block); a grouped GEMM with
@@ -21,13 +23,14 @@ device-side offsets is the GPU's faster path.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,14 @@ def add_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor
     return _AuxiliaryLoss.apply(output, loss)
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: the whole stack, or an expert-parallel rank's block of it (a DTensor's local part)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 class Experts(nn.Module):
     """`num_experts` MLPs with stacked weights: w_in (E, d, f), w_gate (E, d, f) when gated (SwiGLU), w_out (E, f, d).
-    `first` is the global index of this module's first expert (0, or an expert-parallel rank's offset)."""
+    Under expert parallelism the weights are DTensors sharded on E and `forward` runs this rank's experts."""
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, gated: bool):
         super().__init__()
@@ -87,16 +95,21 @@ class Experts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x through this rank's expert e."""
         if self.w_gate is not None:
-            hidden = F.silu(x @ self.w_gate[e]) * (x @ self.w_in[e])
+            hidden = F.silu(x @ _local(self.w_gate)[e]) * (x @ _local(self.w_in)[e])
         else:
-            hidden = F.gelu(x @ self.w_in[e], approximate="tanh")
-        return hidden @ self.w_out[e]
+            hidden = F.gelu(x @ _local(self.w_in)[e], approximate="tanh")
+        return hidden @ _local(self.w_out)[e]
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: tokens sorted by expert, counts[e] of them for expert e -> each token through its expert."""
+        """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e -> each through its expert."""
         outputs = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if len(rows)]
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
+# (experts, tokens sorted by expert, tokens per expert) -> each token through its expert, in the same order
+ExpertDispatch = Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MoE(nn.Module):
@@ -108,6 +121,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, d_model, hidden, gated)
         self.shared = make_shared
+        self.dispatch: ExpertDispatch | None = None  # expert parallelism: tokens to their experts' ranks and back
         # Slots routed to each expert since the last `take_load`: the load-balance metric. A plain attribute, not
         # a buffer: layouts allocate and checkpoint buffers, and this is a running count.
         self.load: torch.Tensor | None = None
@@ -124,7 +138,10 @@ class MoE(nn.Module):
         order = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=self.moe.num_experts)
         token_of_slot = order // self.moe.top_k
-        routed = self.experts(tokens[token_of_slot], counts.tolist())
+        rows = tokens[token_of_slot]
+        routed = (
+            self.experts(rows, counts.tolist()) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
+        )
         routed = routed * weights.flatten()[order, None].to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
         if self.shared is not None:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.moe import Experts
 from llmtrain.parallel.mesh import Degrees
 
 
@@ -32,11 +33,33 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cpu_offload: bool,
+    experts: tuple[DeviceMesh, int] | None = None,
 ) -> None:
-    """Shard every block, then the root, over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP)."""
+    """Shard every block, then the root, over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). With expert
+    parallelism, `experts` = (mesh, data-parallel size): each mixture's experts first become a unit of their own
+    over that mesh, dividing their gradients by the whole data-parallel size (expert.py says why)."""
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in model.blocks.values():
+        if experts is not None:
+            for module in block.modules():
+                if isinstance(module, Experts):
+                    expert_mesh, data_parallel_size = experts
+                    unit = fully_shard(
+                        module,
+                        mesh=expert_mesh,
+                        reshard_after_forward=reshard_after_forward,
+                        mp_policy=mixed,
+                        offload_policy=offload,
+                    )
+                    unit.set_gradient_divide_factor(data_parallel_size)
+                    if expert_mesh.size(-1) > 1:
+                        # SUM then divide: the reduction every backend has (gloo has no pre-multiplied sum). Not
+                        # with one shard: torch 2.13 then divides once when it skips the reduce-scatter and again
+                        # after it.
+                        unit.set_force_sum_reduction_for_comms(True)
+                    # A rank whose experts received no token this step still joins the reduction.
+                    unit.set_reduce_scatter_unused_params(True)
         fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
         )
@@ -55,3 +78,8 @@ def fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:
         return mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
     shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if degrees.dp_replicate > 1 else shard
+
+
+def expert_fsdp_mesh(expert_mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:
+    """The experts' FSDP mesh: the expert_shard ranks that ep leaves (HSDP across dp_replicate, as the rest)."""
+    return expert_mesh["dp_replicate", "expert_shard"] if degrees.dp_replicate > 1 else expert_mesh["expert_shard"]

@@ -27,6 +27,7 @@ class Degrees:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # borrowed from dp_shard x cp, not a mesh dimension of its own (expert_mesh)
 
     @property
     def dp(self) -> int:
@@ -40,8 +41,14 @@ class Degrees:
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, dim) for dim in MESH_DIMS)
 
+    @property
+    def expert_shard(self) -> int:
+        """The ranks each expert's weights are sharded over (FSDP): those of dp_shard x cp that ep leaves."""
+        return self.dp_shard_cp // self.ep
+
     def describe(self) -> str:
-        return " x ".join(f"{dim} {getattr(self, dim)}" for dim in MESH_DIMS if getattr(self, dim) > 1) or "1 rank"
+        split = " x ".join(f"{dim} {getattr(self, dim)}" for dim in MESH_DIMS if getattr(self, dim) > 1) or "1 rank"
+        return split + (f", experts over ep {self.ep}" if self.ep > 1 else "")
 
 
 def _listing(values: dict[str, int]) -> str:
@@ -73,11 +80,32 @@ def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
             f"parallel degrees multiply to {fixed} but the world size is {world_size} "
             f"({_listing(values)}): make their product {world_size}, or use -1 on one of them"
         )
-    return Degrees(**values)
+    ep = int(getattr(parallel_cfg, "ep", 1))
+    if ep < 1:
+        raise ConfigError(f"parallel.ep={ep}: set it to a positive number of ranks (1: experts are not split)")
+    shard_cp = values["dp_shard"] * values["cp"]
+    if shard_cp % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide dp_shard x cp = {shard_cp}: expert parallelism takes its ranks from "
+            f"the sharded data-parallel ones; set parallel.ep to a divisor of {shard_cp}"
+        )
+    return Degrees(**values, ep=ep)
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, degrees.as_tuple(), mesh_dim_names=MESH_DIMS)
+
+
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
+
+
+def build_expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+    """The mesh of the experts' weights: the same ranks as `build_mesh`'s, with dp_shard x cp regrouped as
+    expert_shard x ep (ep innermost, so an expert all-to-all stays among neighbouring ranks). Row-major order makes
+    the flat index of (dp_shard, cp) equal that of (expert_shard, ep): both meshes cover the same data-parallel
+    ranks, only grouped differently."""
+    shape = (degrees.pp, degrees.dp_replicate, degrees.expert_shard, degrees.ep, degrees.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 def mean_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

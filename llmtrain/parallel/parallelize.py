@@ -2,7 +2,8 @@
 module (tp.py, fsdp.py, ddp.py; activation checkpointing and compilation are one line each, here).
 
 The ordering rule, stated once: context parallelism first (it only tells the model which positions it holds and
-hands its attention the ring), then tensor parallelism (every later step sees the sharded layers), then
+hands its attention the ring), expert parallelism next (it shards the experts and hands each mixture its
+all-to-all), then tensor parallelism (every later step sees the sharded layers), then
 activation checkpointing and compilation of each block (so they capture the sharded computation), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.context import apply_context_parallel
+from llmtrain.parallel.expert import apply_expert_parallel
 from llmtrain.parallel.fsdp import apply_fsdp
 from llmtrain.parallel.tp import apply_tensor_parallel
 
@@ -28,12 +30,15 @@ class Layout:
     """What `apply_layout` does to one model (or pipeline stage); a strategy decides it (Strategy.layout)."""
 
     cp_mesh: DeviceMesh | None = None  # None: no context parallelism
+    ep_mesh: DeviceMesh | None = None  # None: every rank holds all experts
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False
     fsdp_mesh: DeviceMesh | None = None  # None: parameters are not sharded over data-parallel ranks
+    expert_fsdp_mesh: DeviceMesh | None = None  # with ep_mesh: the ranks FSDP shards the experts over
+    data_parallel_size: int = 1  # the ranks whose gradients are averaged (dp_replicate x dp_shard x cp)
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None  # FSDP's gathered parameters (bf16 compute), gradients reduced in fp32
     cpu_offload: bool = False
@@ -55,10 +60,19 @@ def apply_layout(model: LayeredModel, layout: Layout) -> None:
     """The steps of `layout`, in the order above, on a model that is still on the meta device."""
     if layout.cp_mesh is not None:
         apply_context_parallel(model, layout.cp_mesh)
+    if layout.ep_mesh is not None:
+        apply_expert_parallel(model, layout.ep_mesh)
     if layout.tp_mesh is not None:
         apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
     apply_activation_checkpointing(model, layout.activation_checkpointing)
     if layout.compile:
         apply_compile(model)
     if layout.fsdp_mesh is not None:
-        apply_fsdp(model, layout.fsdp_mesh, layout.reshard_after_forward, layout.param_dtype, layout.cpu_offload)
+        apply_fsdp(
+            model,
+            layout.fsdp_mesh,
+            layout.reshard_after_forward,
+            layout.param_dtype,
+            layout.cpu_offload,
+            experts=(layout.expert_fsdp_mesh, layout.data_parallel_size) if layout.expert_fsdp_mesh else None,
+        )

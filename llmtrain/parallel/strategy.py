@@ -26,7 +26,9 @@ from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfi
 from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.context import check_context_parallel, shard_tokens
-from llmtrain.parallel.mesh import MESH_DIMS, build_mesh, mean_over, resolve_degrees
+from llmtrain.parallel.expert import check_expert_parallel
+from llmtrain.parallel.fsdp import expert_fsdp_mesh
+from llmtrain.parallel.mesh import MESH_DIMS, build_expert_mesh, build_mesh, mean_over, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.tp import loss_context
 from llmtrain.runtime import Runtime, join_single_process_group
@@ -51,12 +53,15 @@ class Strategy:
         self.validate(model)
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
+        self.expert_mesh: DeviceMesh | None = None
         if runtime.world_size == 1 and self.supported_dims:
             join_single_process_group(runtime)  # every degree is 1: the layout runs as one rank of many would
         if runtime.world_size > 1 or self.supported_dims:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            if self.degrees.ep > 1:
+                self.expert_mesh = build_expert_mesh(self.degrees, runtime.device.type)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -95,6 +100,7 @@ class Strategy:
                 self.parallel.sequence_parallel,
                 model.moe.num_experts,
             )
+        check_expert_parallel(self.degrees.ep, model.moe.num_experts, "dp_shard" in self.supported_dims, self.name)
 
     @property
     def dp_rank(self) -> int:
@@ -135,6 +141,12 @@ class Strategy:
 
     def _layout(self, **fsdp) -> Layout:
         tp = self.degrees.tp > 1
+        if self.expert_mesh is not None:  # validate() allows ep only where FSDP shards (so `fsdp` is set)
+            fsdp.update(
+                ep_mesh=self.expert_mesh["ep"],
+                expert_fsdp_mesh=expert_fsdp_mesh(self.expert_mesh, self.degrees),
+                data_parallel_size=self.degrees.dp * self.degrees.cp,
+            )
         bf16 = uses_bf16(self.train.precision, self.runtime.device)
         return Layout(
             cp_mesh=self.cp_mesh,

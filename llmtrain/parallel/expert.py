@@ -1,0 +1,92 @@
+"""Expert parallelism (`parallel.ep`): each mixture-of-experts block's experts are split over ep ranks, and every
+routed token travels to the rank holding its expert and back, by two all-to-alls (GShard, torchtitan).
+
+The ep ranks are taken from the sharded data-parallel ones (dp_shard x cp), as in torchtitan: they hold different
+tokens, so each expert sees the tokens of all ep ranks, and no rank holds every expert. The experts' weights live
+on a mesh of their own (mesh.build_expert_mesh): sharded over `ep` on the expert dimension (a DTensor,
+Shard(0)), and over the remaining `expert_shard` ranks by FSDP (fsdp.py), replicated over dp_replicate.
+
+One block's forward on one rank, with E experts, ep ranks, L = E / ep local experts:
+1. route its tokens (moe.py) and sort the routed slots by expert: counts[e] slots for expert e;
+2. exchange the counts (an all-to-all of E integers): each rank learns how many slots every other rank sends to
+   each of its L experts, which the token all-to-all needs as split sizes (one host sync);
+3. all-to-all the slots: rank r receives, from every source rank, the slots for experts rL .. rL+L-1, grouped by
+   source then expert; regroup them by expert, run the L experts, undo the regrouping;
+4. all-to-all the results back (the first exchange's splits, swapped): every slot returns to the rank and position
+   it came from, where moe.py weights and sums them.
+Backward is the same two exchanges reversed (torch's autograd all-to-all). No token is dropped (no capacity
+factor), so the result equals the unsplit model's whatever ep is.
+
+Gradients: the expert weights on one rank are the sum of contributions from all ep ranks' tokens, and FSDP then
+averages over the expert_shard x dp_replicate ranks only, which would leave them ep times too large; their FSDP
+unit therefore divides by the whole data-parallel size instead (fsdp.py), like the dense weights' average.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from llmtrain.config import ConfigError
+from llmtrain.model.moe import Experts, MoE
+
+
+def check_expert_parallel(ep: int, num_experts: int, supports_ep: bool, strategy: str) -> None:
+    """Refuse what expert parallelism cannot do, before any process group exists."""
+    if ep == 1:
+        return
+    if not num_experts:
+        raise ConfigError(
+            f"parallel.ep={ep} but the model has no experts (model.moe.num_experts=0): set parallel.ep=1, or use "
+            f"a mixture-of-experts model (model=moe-tiny, mixtral-tiny, or set model.moe.num_experts)"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={num_experts} is not divisible by parallel.ep={ep}: every ep rank holds the "
+            f"same number of experts; set parallel.ep to a divisor of {num_experts}"
+        )
+    if not supports_ep:
+        raise ConfigError(
+            f"parallel.ep={ep} but parallel.strategy={strategy} does not shard parameters: expert parallelism "
+            f"takes its ranks from FSDP's; use parallel=fsdp, hsdp, fsdp_tp or a pipeline with FSDP"
+        )
+
+
+class AllToAllDispatch:
+    """Steps 2-4 above for one expert-parallel group: the `dispatch` hook of every MoE block."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = group.size()
+
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        local = len(counts) // self.size
+        received_counts = funcol.all_to_all_single(counts, None, None, self.group)
+        # (source rank, local expert) -> slots, and the split sizes of both exchanges (the host needs them).
+        from_source = received_counts.view(self.size, local)
+        split_send = counts.view(self.size, local).sum(dim=1).tolist()
+        split_received = from_source.sum(dim=1).tolist()
+
+        received = funcol.all_to_all_single_autograd(rows, split_received, split_send, self.group)
+        expert_of_row = torch.arange(local, device=rows.device).repeat(self.size)
+        expert_of_row = expert_of_row.repeat_interleave(from_source.flatten())
+        by_expert = expert_of_row.argsort(stable=True)
+        outputs = experts(received[by_expert], from_source.sum(dim=0).tolist())
+        outputs = outputs[by_expert.argsort()]
+        return funcol.all_to_all_single_autograd(outputs, split_send, split_received, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every mixture's expert weights over `ep_mesh` (on the meta device: nothing is allocated) and hand its
+    MoE the all-to-all dispatch."""
+    dispatch = AllToAllDispatch(ep_mesh.get_group())
+    for module in model.modules():
+        if isinstance(module, MoE):
+            for name, param in list(module.experts.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)  # no copying
+                module.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            module.dispatch = dispatch
