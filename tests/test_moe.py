@@ -1,6 +1,7 @@
 """Mixture of experts (llmtrain/model/moe.py) in one process: the dropless block against a token-by-token
 reference, the auxiliary losses' gradient, the load metric, the active-parameter FLOPs, the planner's count, the
-config's errors; and every data-parallel and pipeline layout against the unsplit model (tests/layout_worker.py)."""
+config's errors; and every data-parallel, tensor-parallel, expert-parallel and pipeline layout against the unsplit
+model (tests/layout_worker.py). The all-to-all exchange itself: tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -135,11 +136,16 @@ LAYOUTS = [
     "parallel=ddp",
     "parallel=zero1",
     "parallel=zero2",
-    "parallel=fsdp train.activation_checkpointing=full",
-    "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
+    "parallel=fsdp train.activation_checkpointing=selective",
+    "parallel=fsdp train.activation_checkpointing=full parallel.ep=2",  # experts over ep 2 x expert_shard 2
+    "parallel=fsdp parallel.ep=4",
+    "parallel=hsdp parallel.dp_shard=2 parallel.ep=2",
+    "parallel=fsdp_tp parallel.tp=2",  # experts split by hidden units, sequence parallel around them
+    "parallel=fsdp_tp parallel.tp=2 parallel.ep=2 parallel.sequence_parallel=false",
     "parallel=pp parallel.pp_schedule=1f1b",
-    "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 parallel.ep=2",
 ]
+EXPERT_PARALLEL = LAYOUTS[3:6]  # fsdp over 4 ranks with ep 1, 2, 4
 WEIGHT_ATOL = 5e-5  # as test_llama.py
 
 
@@ -154,8 +160,17 @@ def results(request, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mixture_layout_matches_single(layout, results):
     """Dropless routing and a balance loss per micro-batch: the same micro-batches give the same losses, the
-    same gradients (router included) and the same weights under any data-parallel or pipeline split."""
+    same gradients (router included) and the same weights under any data, tensor, expert or pipeline split."""
     reference, run = results["single"], results[layout]
     for key in ("losses", "norms"):
         assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
     assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
+
+
+@pytest.mark.slow
+def test_dropless_routing_gives_the_same_losses_for_every_ep(results):
+    """ep 1, 2 and 4 (fsdp over 4 ranks) route every token to its experts wherever they live: nothing is dropped,
+    so the losses agree to float rounding (a capacity limit would drop different tokens at each ep)."""
+    losses = [results[layout]["losses"] for layout in EXPERT_PARALLEL]
+    for other in losses[1:]:
+        assert other == pytest.approx(losses[0], rel=1e-6, abs=0)

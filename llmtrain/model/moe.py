@@ -105,7 +105,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e -> each through its expert."""
         outputs = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if len(rows)]
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so that
+        # backward reaches the exchange that brought x and every rank takes part in it.
+        return torch.cat(outputs) if outputs else x[:0]
 
 
 # (experts, tokens sorted by expert, tokens per expert) -> each token through its expert, in the same order

@@ -9,6 +9,11 @@ With sequence parallelism the activations between the pairs (LayerNorms, residua
 along the sequence: each all-reduce becomes an all-gather into the pair and a reduce-scatter out of it, the same
 bytes on the wire, while LayerNorm inputs and residuals shrink t times.
 
+A mixture-of-experts block splits every expert like the dense MLP, by hidden units (each rank holds a 1/t slice of
+all experts). Routing is replicated: every rank routes the same tokens the same way, so the router needs no plan,
+and only the experts' input and output cross the tensor-parallel boundary (`SplitExperts`: Megatron's f and g).
+Shared experts are a dense MLP with the dense plan.
+
 The token embedding is split by vocabulary rows and the tied LM head by the same rows, so with loss parallelism
 the cross-entropy runs on vocabulary shards and no rank ever holds full-vocabulary logits.
 """
@@ -19,12 +24,19 @@ from typing import TYPE_CHECKING, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from llmtrain.config import ConfigError
 from llmtrain.model.dropout import Dropout, Split
+from llmtrain.model.moe import MoE
 
 if TYPE_CHECKING:
     from llmtrain.model.gpt import GPT
@@ -57,8 +69,65 @@ class ChunkPositions(ParallelStyle):
         )
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+# The experts' hidden-unit dimension in each stacked weight: (E, d, f) for w_in and w_gate, (E, f, d) for w_out.
+EXPERT_HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}
+
+
+class SplitExperts(ParallelStyle):
+    """Each rank keeps a slice of every expert's hidden units and computes a partial sum of each token's output.
+    In: identity forward, all-reduce of the (partial) input gradient backward (Megatron's f); out: all-reduce of
+    the partial outputs forward, identity backward (g). Expert-parallel weights arrive already split over the
+    expert mesh's (ep, tp) and are left as they are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                split = distribute_tensor(param.data, device_mesh, [Shard(EXPERT_HIDDEN_DIM[name])], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+
+        def enter(_module, args):
+            x = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *args[1:])
+
+        def leave(_module, _args, output):
+            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
+def _mixture_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A mixture block's MLP: replicated routing on the whole sequence, split experts, a dense plan for shared
+    experts; under sequence parallelism the sequence is gathered in and each rank keeps its chunk out."""
+    plan: dict[str, ParallelStyle] = {
+        "mlp.experts": SplitExperts(),
+        "mlp.shared.fc_in": ColwiseParallel(),
+        "mlp.shared.fc_gate": ColwiseParallel(),
+        "mlp.shared.fc_out": RowwiseParallel(),
+    }
+    if sequence_parallel:
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        )
+    return plan
+
+
+def _block_plan(sequence_parallel: bool, mixture: bool = False) -> dict[str, ParallelStyle]:
     """Module name (inside a Block) -> parallel style."""
+    plan = _dense_block_plan(sequence_parallel)
+    if mixture:
+        plan = {name: style for name, style in plan.items() if name != "mlp" and not name.startswith("mlp.")}
+        plan.update(_mixture_plan(sequence_parallel))
+    return plan
+
+
+def _dense_block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if not sequence_parallel:
         # q, k and v read one shared DTensor, so backward sums their input gradients before a single all-reduce
         # (Megatron's f), as a fused qkv projection would; three plain inputs would cost three.
@@ -101,8 +170,8 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
     plan = {
         f"blocks.{i}.{name}": style
         for i, block in model.blocks.items()
-        for name, style in _block_plan(sequence_parallel).items()
-        if _holds(block, name)  # the gate only in a SwiGLU MLP
+        for name, style in _block_plan(sequence_parallel, isinstance(block.get_submodule("mlp"), MoE)).items()
+        if _holds(block, name)  # the gate only in a SwiGLU MLP, shared experts only where configured
     }
     residual = Shard(1) if sequence_parallel else Replicate()
     if model.tok_emb is not None:
@@ -132,10 +201,11 @@ def _holds(block: nn.Module, name: str) -> bool:
 def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: bool) -> None:
     """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
     m = model_cfg
-    if m.moe.num_experts:
+    expert_hidden = m.moe.d_ff or m.d_ff or 4 * m.d_model
+    if m.moe.num_experts and expert_hidden % tp:
         raise ConfigError(
-            f"model.moe.num_experts={m.moe.num_experts} with parallel.tp={tp}: the experts have no tensor-parallel "
-            f"plan yet; use parallel.tp=1 (fsdp, ddp, zero1 or pp layouts)"
+            f"the experts' width (model.moe.d_ff or the MLP's) {expert_hidden} is not divisible by parallel.tp={tp}: "
+            f"tensor parallelism splits every expert's hidden units; choose a tp that divides it"
         )
     if m.n_head % tp:
         raise ConfigError(

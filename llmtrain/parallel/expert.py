@@ -4,7 +4,9 @@ routed token travels to the rank holding its expert and back, by two all-to-alls
 The ep ranks are taken from the sharded data-parallel ones (dp_shard x cp), as in torchtitan: they hold different
 tokens, so each expert sees the tokens of all ep ranks, and no rank holds every expert. The experts' weights live
 on a mesh of their own (mesh.build_expert_mesh): sharded over `ep` on the expert dimension (a DTensor,
-Shard(0)), and over the remaining `expert_shard` ranks by FSDP (fsdp.py), replicated over dp_replicate.
+Shard(0)), and over the remaining `expert_shard` ranks by FSDP (fsdp.py), replicated over dp_replicate. With
+tensor parallelism each expert is also split by hidden units over tp; the tp ranks route the same tokens, and each
+exchanges them with the ep ranks of its own tp index.
 
 One block's forward on one rank, with E experts, ep ranks, L = E / ep local experts:
 1. route its tokens (moe.py) and sort the routed slots by expert: counts[e] slots for expert e;
@@ -33,9 +35,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from llmtrain.config import ConfigError
 from llmtrain.model.moe import Experts, MoE
+from llmtrain.model.parallel_plan import EXPERT_HIDDEN_DIM
 
 
-def check_expert_parallel(ep: int, num_experts: int, supports_ep: bool, strategy: str) -> None:
+def check_expert_parallel(
+    ep: int, num_experts: int, supports_ep: bool, strategy: str, activation_checkpointing: str = "none"
+) -> None:
     """Refuse what expert parallelism cannot do, before any process group exists."""
     if ep == 1:
         return
@@ -53,6 +58,13 @@ def check_expert_parallel(ep: int, num_experts: int, supports_ep: bool, strategy
         raise ConfigError(
             f"parallel.ep={ep} but parallel.strategy={strategy} does not shard parameters: expert parallelism "
             f"takes its ranks from FSDP's; use parallel=fsdp, hsdp, fsdp_tp or a pipeline with FSDP"
+        )
+    if activation_checkpointing == "selective":
+        # The experts' own FSDP unit runs inside the checkpointed block, and its hooks replay a different sequence
+        # of ops in the recompute than in forward, which selective checkpointing's op cache refuses.
+        raise ConfigError(
+            f"train.activation_checkpointing=selective with parallel.ep={ep}: the experts' FSDP unit inside each "
+            f"block does not replay the same ops when recomputed; use train.activation_checkpointing=full or none"
         )
 
 
@@ -80,13 +92,17 @@ class AllToAllDispatch:
         return funcol.all_to_all_single_autograd(outputs, split_send, split_received, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every mixture's expert weights over `ep_mesh` (on the meta device: nothing is allocated) and hand its
-    MoE the all-to-all dispatch."""
-    dispatch = AllToAllDispatch(ep_mesh.get_group())
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:
+    """Shard every mixture's expert weights over `expert_mesh` (on the meta device: nothing is allocated) and hand
+    its MoE the all-to-all dispatch. The mesh is (ep) or, with tensor parallelism, (ep, tp): then each expert is
+    also split by hidden units, the layout the tensor-parallel plan gives experts (model/parallel_plan.py), which
+    leaves these weights as they are."""
+    tensor_parallel = expert_mesh.ndim == 2
+    dispatch = AllToAllDispatch(expert_mesh["ep"].get_group())
     for module in model.modules():
         if isinstance(module, MoE):
             for name, param in list(module.experts.named_parameters(recurse=False)):
-                sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)  # no copying
+                placements = [Shard(0), Shard(EXPERT_HIDDEN_DIM[name])] if tensor_parallel else [Shard(0)]
+                sharded = distribute_tensor(param.data, expert_mesh, placements, src_data_rank=None)  # no copying
                 module.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
             module.dispatch = dispatch

@@ -30,7 +30,7 @@ class Layout:
     """What `apply_layout` does to one model (or pipeline stage); a strategy decides it (Strategy.layout)."""
 
     cp_mesh: DeviceMesh | None = None  # None: no context parallelism
-    ep_mesh: DeviceMesh | None = None  # None: every rank holds all experts
+    ep_mesh: DeviceMesh | None = None  # the experts' (ep) or (ep, tp) mesh; None: every rank holds all experts
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False

@@ -100,7 +100,13 @@ class Strategy:
                 self.parallel.sequence_parallel,
                 model.moe.num_experts,
             )
-        check_expert_parallel(self.degrees.ep, model.moe.num_experts, "dp_shard" in self.supported_dims, self.name)
+        check_expert_parallel(
+            self.degrees.ep,
+            model.moe.num_experts,
+            "dp_shard" in self.supported_dims,
+            self.name,
+            self.train.activation_checkpointing,
+        )
 
     @property
     def dp_rank(self) -> int:
@@ -143,7 +149,7 @@ class Strategy:
         tp = self.degrees.tp > 1
         if self.expert_mesh is not None:  # validate() allows ep only where FSDP shards (so `fsdp` is set)
             fsdp.update(
-                ep_mesh=self.expert_mesh["ep"],
+                ep_mesh=self.expert_mesh["ep", "tp"] if self.degrees.tp > 1 else self.expert_mesh["ep"],
                 expert_fsdp_mesh=expert_fsdp_mesh(self.expert_mesh, self.degrees),
                 data_parallel_size=self.degrees.dp * self.degrees.cp,
             )

@@ -10,6 +10,7 @@ from typing import Any
 from llmtrain.config import ConfigError
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.context import check_context_parallel
+from llmtrain.parallel.expert import check_expert_parallel
 from llmtrain.parallel.mesh import Degrees, resolve_degrees
 from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
 from llmtrain.parallel.pipeline.split import stage_layers
@@ -61,6 +62,7 @@ class Candidate:
             "dp_shard": d.dp_shard,
             "cp": d.cp,
             "tp": d.tp,
+            "ep": d.ep,
             "reshard_after_forward": self.reshard_after_forward,
             "sequence_parallel": self.sequence_parallel,
             "loss_parallel": self.loss_parallel,
@@ -78,6 +80,8 @@ class Candidate:
             extra.append(f"parallel.{dim}={getattr(d, dim)}")
         if d.cp > 1:
             extra.append(f"parallel.cp={d.cp}")
+        if d.ep > 1:
+            extra.append(f"parallel.ep={d.ep}")
         if self.degrees.tp > 1:
             extra.append(f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.strategy == "fsdp":
@@ -114,7 +118,7 @@ def _layout_name(c: Candidate) -> str:
         return "3d" if len(inner) == 2 else "_".join(["pp", *inner])
     if c.strategy != "fsdp":
         return c.strategy
-    context = f" cp{d.cp}" if d.cp > 1 else ""
+    context = (f" cp{d.cp}" if d.cp > 1 else "") + (f" ep{d.ep}" if d.ep > 1 else "")
     if d.tp > 1:
         return ("fsdp_tp" if d.dp_shard_cp > 1 else "ddp_tp") + context
     if d.dp_replicate > 1:
@@ -125,8 +129,9 @@ def _layout_name(c: Candidate) -> str:
 def enumerate_candidates(
     world_size: int, ranks_per_node: int, model_cfg, train_cfg, which: str, pp_schedule: str = "1f1b"
 ) -> list[Candidate]:
-    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline, 3-D
-    and context-parallel (fsdp with cp) ones ("all"), with tensor and context parallelism kept inside a node.
+    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline, 3-D,
+    context-parallel (fsdp with cp) and, for a mixture of experts, expert-parallel (fsdp with ep) ones ("all"), with
+    tensor and context parallelism kept inside a node.
     Layouts the model or batch cannot split into are left out."""
     w = world_size
     if w == 1:
@@ -156,6 +161,9 @@ def enumerate_candidates(
         for cp in _divisors(min(w, ranks_per_node))[1:]:  # context parallel inside a node, FSDP over the rest
             candidate = Candidate("", "fsdp", Degrees(dp_shard=w // cp, cp=cp))
             found.append(replace(candidate, name=_layout_name(candidate)))
+        for ep in _divisors(w)[1:] if model_cfg.moe.num_experts else []:  # experts over ep of FSDP's ranks
+            candidate = Candidate("", "fsdp", Degrees(dp_shard=w, ep=ep))
+            found.append(replace(candidate, name=_layout_name(candidate)))
     return [c for c in found if _runs(c, model_cfg, train_cfg)]
 
 
@@ -170,7 +178,10 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
         if d.tp > 1:
             check_tensor_parallel(model_cfg, d.tp, t.seq_len, c.sequence_parallel)
         if d.cp > 1:
-            check_context_parallel(d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel)
+            check_context_parallel(
+                d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel, model_cfg.moe.num_experts
+            )
+        check_expert_parallel(d.ep, model_cfg.moe.num_experts, c.strategy in ("fsdp", "pp"), c.strategy)
         m = c.pipeline_microbatches(t.batch_size, t.micro_batch_size)
         if m < 1 or t.batch_size % (d.dp * m) or t.batch_size % (d.dp * t.micro_batch_size):
             return False

@@ -11,7 +11,8 @@ micro-batch's residual stream:
 - hsdp: fsdp's over dp_shard, plus an all-reduce of the Ψ/dp_shard gradient shard over dp_replicate;
 - FSDP inside pipeline stages: gathered once and reduced once per step (the schedule defers both);
 - tp: per micro-batch and block 4 all-reduces of b·s·h (Megatron's f and g, forward and backward), or with
-  sequence parallelism 4 all-gathers + 4 reduce-scatters; the vocabulary-parallel embedding adds one forward
+  sequence parallelism 4 all-gathers + 4 reduce-scatters (a mixture block's MLP instead all-reduces top_k·b·s·h
+  forward and backward, see tensor_parallel_traffic); the vocabulary-parallel embedding adds one forward
   and the head one backward (an all-gather and a reduce-scatter with sequence parallelism), and sequence
   parallelism all-reduces the replicated position embedding's gradient (max_seq_len·h) each micro-batch;
 - pp: b·s·h sent per micro-batch across each stage boundary that leaves the rank, forward (activations) and
@@ -20,6 +21,10 @@ micro-batch's residual stream:
 - cp: a rank's s is s/cp (tp and pp traffic shrink with it), FSDP shards over dp_shard x cp, and per block and
   micro-batch the ring passes a rank's keys and values (2·b·(s/cp)·h_kv/t, h_kv the key/value width) cp-1 times
   in forward and again in backward, plus their fp32 gradient cp times in backward.
+- ep: FSDP gathers and reduces 1/ep of each mixture's experts (over the dp_shard x cp / ep ranks left), and per
+  mixture block and micro-batch two all-to-alls carry the routed slots (top_k·b·(s/cp)·h, every tp rank its own
+  copy) to their experts and back in forward, two carry their gradients in backward, and one the per-expert
+  counts (E integers) before each.
 Scalars (losses, gradient norms) are left out.
 """
 
@@ -77,10 +82,12 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
             traffic.add("all_reduce", grads * sizes.grad * times, units * times)
             return traffic
+        # Under expert parallelism FSDP gathers and reduces only this rank's 1/ep of the experts.
+        not_here = held.experts - held.experts // d.ep
         gathers = 2 if candidate.strategy != "pp" and candidate.reshard_after_forward else 1
-        gathered = params * gathers - (held.root if gathers == 2 else 0)
+        gathered = (params - not_here) * gathers - (held.root if gathers == 2 else 0)
         traffic.add("all_gather", gathered * sizes.compute * times, (units * gathers - (gathers - 1)) * times)
-        traffic.add("reduce_scatter", grads * sizes.grad * times, units * times)
+        traffic.add("reduce_scatter", (grads - not_here) * sizes.grad * times, units * times)
         if d.dp_replicate > 1:
             traffic.add("all_reduce", grads / d.dp_shard_cp * sizes.grad * times, units * times)
     return traffic
@@ -95,8 +102,14 @@ def tensor_parallel_traffic(
     h, max_seq_len, bias = cfg.d_model, cfg.max_seq_len, cfg.bias
     activation = rows * seq_len // d.cp * h * sizes.compute
     exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
+    # A mixture's MLP all-reduces its routed slots (top_k per token) forward and their gradient backward, and
+    # shared experts their dense pair; under sequence parallelism it gathers in and keeps its chunk out (no
+    # reduce-scatter), so its two reduce-scatters (or, without, its two all-reduces) are not made.
+    mixture_reduces = held.mixtures * k * (2 * cfg.moe.top_k + 2 * int(cfg.moe.shared_experts > 0))
+    traffic.add("all_reduce", mixture_reduces * activation, mixture_reduces)
     if candidate.sequence_parallel:
         traffic.add("all_gather", exchanges * activation, exchanges)
+        exchanges -= 2 * held.mixtures * k
         traffic.add("reduce_scatter", exchanges * activation, exchanges)
         # replicated weights used on sequence shards: their partial gradients are summed once per step
         norms = 2 * held.blocks + int(held.last)
@@ -105,6 +118,7 @@ def tensor_parallel_traffic(
         replicated = norms * h * norm_tensors + positions * max_seq_len * h
         traffic.add("all_reduce", replicated * sizes.grad, norms * norm_tensors + positions)
     else:
+        exchanges -= 2 * held.mixtures * k
         traffic.add("all_reduce", exchanges * activation, exchanges)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
         traffic.add("all_reduce", 3 * rows * seq_len // d.cp * 4 * k, 3 * k)
@@ -148,4 +162,18 @@ def context_parallel_traffic(
     sent = hops * ((d.cp - 1) * 2 * kv * sizes.compute + d.cp * kv * 4)
     for op in ("send", "recv"):
         traffic.add(op, sent, hops * (3 * d.cp - 2))
+    return traffic
+
+
+def expert_parallel_traffic(
+    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
+) -> Traffic:
+    """The all-to-alls of expert parallelism per step: the send buffers (the bytes a rank's slots occupy, of which
+    (ep-1)/ep leave it when routing is even)."""
+    d, traffic, m = candidate.degrees, Traffic(), cfg.moe
+    if d.ep == 1 or not held.mixtures:
+        return traffic
+    slots = m.top_k * rows * (seq_len // d.cp) * cfg.d_model * sizes.compute
+    exchanges = held.mixtures * k
+    traffic.add("all_to_all", exchanges * (4 * slots + m.num_experts * 8), exchanges * 5)  # counts are int64
     return traffic

@@ -83,8 +83,8 @@ def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tupl
     if sharding == "optimizer":
         return params, trainable * sizes.grad, trainable * sizes.optimizer / n, 0.0
     states = (params / n, trainable * sizes.grad / n, trainable * sizes.optimizer / n)
-    if sharding == "gradients":
-        return (*states, held.total * sizes.compute)
+    if sharding == "gradients":  # everything gathered for the step; under expert parallelism 1/ep of the experts
+        return (*states, (held.total - held.experts + held.experts // candidate.degrees.ep) * sizes.compute)
     return (*states, 2 * held.largest_unit * sizes.compute)
 
 

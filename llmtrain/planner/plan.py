@@ -25,6 +25,7 @@ from llmtrain.planner.comm import (
     Traffic,
     context_parallel_traffic,
     data_parallel_traffic,
+    expert_parallel_traffic,
     pipeline_traffic,
     tensor_parallel_traffic,
 )
@@ -139,6 +140,7 @@ def _spans_nodes(candidate: Candidate, dim: str, ranks_per_node: int) -> bool:
         "tp": 1,
         "cp": d.tp,
         "dp_shard_cp": d.tp,
+        "ep": d.tp,  # ep is the inner part of dp_shard x cp
         "dp_shard": d.tp * d.cp,
         "dp_replicate": d.tp * d.cp * d.dp_shard,
         "pp": d.tp * d.cp * d.dp,
@@ -165,7 +167,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     traffic: list[Traffic] = []
     dp_s, exposed_s, ring_s = 0.0, 0.0, 0.0
     for pp_rank in range(d.pp):
-        held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks)
+        held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks, d.ep)
         states = model_states(c, _scaled(held, factor), work.sizes)
         acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, work.recompute, work.sizes)
         ranks.append(RankMemory(*states, acts))
@@ -173,7 +175,8 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
         ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
-        traffic.append(dp.merge(tp).merge(pp).merge(ring))
+        experts = expert_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
+        traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts))
         rank_dp = sum(
             _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
             for op in dp.bytes
@@ -188,6 +191,8 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         rank_ring = sum(
             _seconds(machine, ring, op, 2, _spans_nodes(c, "cp", machine.ranks_per_node)) for op in ring.bytes
         )
+        # The exchange waits for the routing before it and the experts wait for it: nothing hides it.
+        rank_exposed += _seconds(machine, experts, "all_to_all", d.ep, _spans_nodes(c, "ep", machine.ranks_per_node))
         dp_s, exposed_s = max(dp_s, rank_dp), max(exposed_s, rank_exposed)
         ring_s = max(ring_s, rank_ring)
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size

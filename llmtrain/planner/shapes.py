@@ -7,7 +7,9 @@ The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/m
 - the token embedding is split by vocabulary rows, the position embedding (none with rotary positions) and the
   final norm replicated; the LM head is the token embedding (tied) unless the model unties them or a pipeline puts
   the two on different stages, where the last stage holds its own copy; a padded vocabulary adds the head's
-  frozen bias (the -inf mask), split like the head.
+  frozen bias (the -inf mask), split like the head;
+- a mixture block's router is replicated, its routed experts split by hidden units over tp (like the dense MLP),
+  and under expert parallelism over ep as well: a rank gathers (FSDP) and computes only 1/ep of them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Holding:
     blocks: int  # transformer blocks held
     first: bool  # holds the first stage (embeddings)
     last: bool  # holds the last stage (final norm, head, loss)
+    experts: int = 0  # of trainable: the routed experts' elements (all E experts; a rank gathers experts / ep)
+    mixtures: int = 0  # mixture-of-experts blocks held
 
     @property
     def total(self) -> int:
@@ -48,9 +52,10 @@ def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     split = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h  # column-parallel q, k, v; row-parallel out_proj
     replicated = bias * h + 2 * _norm_parameters(cfg)  # out_proj's bias; the two norms
     m = cfg.moe
-    if m.is_moe_block(index):  # router, routed experts (stacked, no biases), shared experts as one wider MLP
+    if m.is_moe_block(index):  # router; routed experts (stacked, no biases); shared experts as one wider MLP
         f = m.d_ff or cfg.hidden
-        replicated += h * m.num_experts + m.num_experts * (up + 1) * h * f
+        replicated += h * m.num_experts
+        split += m.num_experts * (up + 1) * h * f
         f *= m.shared_experts
     else:
         f = cfg.hidden
@@ -58,6 +63,15 @@ def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
         split += up * h * f + bias * up * f + f * h  # column-parallel fc_in (, gate); row-parallel fc_out
         replicated += bias * h
     return split // tp + replicated
+
+
+def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s routed experts on one of `tp` tensor-parallel ranks (0 in a dense block)."""
+    m = cfg.moe
+    if not m.is_moe_block(index):
+        return 0
+    up = 2 if cfg.mlp == "swiglu" else 1
+    return m.num_experts * (up + 1) * cfg.d_model * (m.d_ff or cfg.hidden) // tp
 
 
 def embedding_parameters(cfg: GPTConfig, tp: int = 1) -> int:
@@ -80,8 +94,9 @@ def whole_model_parameters(cfg: GPTConfig) -> int:
 
 
 def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_per_rank: int = 1,
-            style: str = "loop", edge_blocks: int = 0) -> Holding:  # fmt: skip
-    """What pipeline rank `pp_rank` of `pp` (each a tensor-parallel rank of `tp`) holds."""
+            style: str = "loop", edge_blocks: int = 0, ep: int = 1) -> Holding:  # fmt: skip
+    """What pipeline rank `pp_rank` of `pp` (each a tensor-parallel rank of `tp`) holds; a block's FSDP unit
+    gathers 1/ep of its experts."""
     n_stages = pp * stages_per_rank
     mine = rank_stages(pp_rank, pp, stages_per_rank, style) if pp > 1 else [0]
     layers = stage_layers(cfg.n_layer, n_stages, edge_blocks) if pp > 1 else [range(cfg.n_layer)]
@@ -95,13 +110,17 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
         head, frozen = head_parameters(cfg, tp, own_weight=pp > 1)
         root_trainable += head
     per_block = [block_parameters(cfg, tp, i) for i in indices]
+    experts = [expert_parameters(cfg, tp, i) for i in indices]
+    gathered_blocks = [block - share + share // ep for block, share in zip(per_block, experts)]
     root = root_trainable + frozen
     return Holding(
         trainable=sum(per_block) + root_trainable,
         frozen=frozen,
         root=root,
-        largest_unit=max([*per_block, root]),
+        largest_unit=max([*gathered_blocks, root]),
         blocks=blocks,
         first=first,
         last=last,
+        experts=sum(experts),
+        mixtures=sum(1 for i in indices if cfg.moe.is_moe_block(i)),
     )

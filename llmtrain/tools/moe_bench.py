@@ -1,0 +1,135 @@
+"""Mixture of experts on this machine: its speed against a dense model with as many active parameters, and how
+evenly its experts are loaded over a short run with and without the balance loss.
+
+    python -m llmtrain.tools.moe_bench                               # moe-tiny, on this CPU or GPU
+    python -m llmtrain.tools.moe_bench --preset mixtral-tiny --steps 200 --skip-load
+
+Speed: one process runs forward, backward and an AdamW step of the preset and of its dense twin (the same model
+with no experts and its MLPs widened so that a token meets as many parameters) on random tokens, and prints
+tokens/s of each and their ratio. The gap is the price of routing: the router, the sort by expert, one small
+matmul per expert instead of one large one, and the host sync that reads the per-expert counts.
+
+Load: train.py trains the preset `--steps` steps on the standard library's text twice, with
+model.moe.aux_loss_coef as configured and at 0, and prints each run's share of the routed slots per expert over
+its last 10 steps and the busiest expert's load over the mean (1 = perfectly even).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llmtrain.model import build_model, meta_model, num_parameters
+from llmtrain.model.gpt import inactive_expert_parameters
+from llmtrain.tools import compose_config
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 4096
+
+
+def active_parameters(overrides: list[str]) -> int:
+    """The parameters a token meets (the top_k routed experts, not all), from the model's shapes alone."""
+    model = meta_model(compose_config(overrides).model, VOCAB)
+    return num_parameters(model) - inactive_expert_parameters(model.cfg)
+
+
+def dense_twin(overrides: list[str]) -> list[str]:
+    """Overrides making the preset dense, its MLP width (a multiple of 16) chosen so that a token meets as many
+    parameters as in the mixture."""
+    target = active_parameters(overrides)
+    dense = [*overrides, "model.moe.num_experts=0"]
+    d_model = compose_config(overrides).model.d_model
+    width = min(
+        range(16, 16 * d_model + 1, 16), key=lambda f: abs(active_parameters([*dense, f"model.d_ff={f}"]) - target)
+    )
+    return [*dense, f"model.d_ff={width}"]
+
+
+def tokens_per_second(overrides: list[str], batch: int, seq_len: int, device: str, repeats: int) -> dict:
+    cfg = compose_config(overrides).model
+    model = build_model(cfg, VOCAB, seed=0).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, VOCAB, (batch, seq_len + 1), device=device)
+    times = []
+    for step in range(repeats + 2):  # two warm-up steps
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    n_params = num_parameters(model)
+    return {
+        "parameters": n_params,
+        "active_parameters": n_params - inactive_expert_parameters(model.cfg),
+        "tokens_per_s": batch * seq_len / statistics.median(times),
+    }
+
+
+def expert_shares(overrides: list[str], steps: int, workdir: Path) -> dict:
+    """Train `steps` steps and return the last 10 steps' share of slots per expert and the imbalance."""
+    run_dir = workdir / f"run{len(list(workdir.iterdir()))}"
+    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "data=stdlib",
+            "logging.wandb.mode=disabled", f"train.steps={steps}", "train.eval_every=0", *overrides]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, cwd=workdir)
+    if done.returncode:
+        raise SystemExit(f"train.py failed:\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loads = [record["expert_load"] for record in records if "expert_load" in record][-10:]
+    totals = [sum(load[e] for load in loads) for e in range(len(loads[0]))]
+    shares = [total / sum(totals) for total in totals]
+    return {"shares": shares, "imbalance": max(shares) * len(shares), "final_loss": records[-1].get("loss")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="moe-tiny")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=100, help="training steps of each load run")
+    parser.add_argument("--skip-load", action="store_true", help="only the speed comparison")
+    args, overrides = parser.parse_known_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mixture = [f"model={args.preset}", f"model.max_seq_len={max(args.seq_len, 256)}", *overrides]
+    rows = {
+        args.preset: tokens_per_second(mixture, args.batch, args.seq_len, device, args.repeats),
+        "dense twin": tokens_per_second(dense_twin(mixture), args.batch, args.seq_len, device, args.repeats),
+    }
+    print(f"speed on {device}, batch {args.batch} x {args.seq_len} tokens, median of {args.repeats} steps")
+    print(f"{'model':>14} {'parameters':>12} {'active':>12} {'tokens/s':>10}")
+    for name, row in rows.items():
+        print(f"{name:>14} {row['parameters']:>12,} {row['active_parameters']:>12,} {row['tokens_per_s']:>10,.0f}")
+    ratio = rows[args.preset]["tokens_per_s"] / rows["dense twin"]["tokens_per_s"]
+    print(f"{args.preset} runs at {ratio:.2f}x the dense twin's tokens/s")
+    print(json.dumps({"speed": rows, "ratio": ratio}))
+    if args.skip_load:
+        return
+    coef = compose_config(mixture).model.moe.aux_loss_coef
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            f"aux_loss_coef={coef}": expert_shares(mixture, args.steps, Path(tmp)),
+            "aux_loss_coef=0": expert_shares([*mixture, "model.moe.aux_loss_coef=0"], args.steps, Path(tmp)),
+        }
+    experts = compose_config(mixture).model.moe.num_experts
+    print(f"share of routed slots per expert over steps {args.steps - 9}-{args.steps} (even: {1 / experts:.3f})")
+    for name, run in runs.items():
+        shares = " ".join(f"{share:.3f}" for share in run["shares"])
+        print(f"{name:>20}: {shares}  busiest/mean {run['imbalance']:.2f}, loss {run['final_loss']:.3f}")
+    print(json.dumps({"load": runs}))
+
+
+if __name__ == "__main__":
+    main()
