@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, run_train, torchrun
+from conftest import LOSS_RTOL, METRICS, PARITY, run_train, torchrun
 
 from llmtrain.config import ConfigError, validate
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
@@ -19,6 +19,7 @@ from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.moe import MoE
 from llmtrain.planner.shapes import whole_model_parameters
 from llmtrain.tools import compose_config
+from llmtrain.tools.compare_runs import compare
 
 PRESETS = ["moe-tiny", "mixtral-tiny"]
 
@@ -174,3 +175,20 @@ def test_dropless_routing_gives_the_same_losses_for_every_ep(results):
     losses = [results[layout]["losses"] for layout in EXPERT_PARALLEL]
     for other in losses[1:]:
         assert other == pytest.approx(losses[0], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_continues_in_one_process(tmp_path, cache_dir):
+    """fsdp with the experts over ep 2 follows the single-process run through train.py (validation, metrics,
+    final weights); its step-5 checkpoint (expert shards as DTensors on the expert mesh) continued by one process
+    follows it too: weights, AdamW moments and data position all carried over."""
+    moe = (*PARITY, "model=moe-tiny")
+    reference = run_train(tmp_path, cache_dir, *moe, name="single")
+    saved = run_train(tmp_path, cache_dir, *moe, "parallel=fsdp", "parallel.ep=2", "checkpoint.every=5", nproc=2)
+    step_5 = saved.run_dir / "checkpoints" / "step-00000005"
+    resumed = run_train(tmp_path, cache_dir, *moe, f"checkpoint.resume={step_5}", name="resumed")
+    for run in (saved, resumed):
+        assert run.returncode == 0, run.stderr[-3000:]
+        differences = compare(str(run.run_dir), str(reference.run_dir))
+        assert all(differences[key] <= LOSS_RTOL for key in METRICS), differences
+        assert differences["weights"] <= WEIGHT_ATOL, differences
