@@ -27,7 +27,7 @@ from torch import nn
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
-from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
+from llmtrain.model.moe import Experts, MoE, MoEConfig, SequenceShare, expert_init_std
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
 if TYPE_CHECKING:
@@ -275,10 +275,13 @@ class GPT(LayeredModel):
         return torch.stack(loads).sum(0) if loads else torch.zeros(self.cfg.moe.num_experts, dtype=torch.long)
 
     def shard_sequence(self, sequence: WholeSequence) -> None:
-        """Run on a part of each sequence: positions and attention from `sequence` (context parallelism)."""
+        """Run on a part of each sequence: positions, attention and the mixtures' balance statistics from
+        `sequence` (context parallelism)."""
         self.sequence = sequence
         for block in self.blocks.values():
             cast(Block, block).attn.sequence = sequence
+            if isinstance(block.mlp, MoE):
+                block.mlp.sequence = cast(SequenceShare, sequence)
 
     def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
         """A pipeline rank's part of this model, on the meta device: the blocks `layers`, the embeddings when it

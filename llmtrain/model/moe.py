@@ -11,6 +11,10 @@ router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional alway
   needs no state outside the weights, so checkpoints and every layout carry it unchanged. Both terms reach the
   router through `add_auxiliary_loss`, which leaves the block's output untouched and injects their gradient in
   backward, scaled like the micro-batch's loss (`auxiliary_loss_scale`), so pipelines need no extra outputs.
+- **Context parallelism** gives a block only part of each sequence: the slot shares f_e are then summed over the
+  ranks sharing the sequences (`sequence.summed`, one all-reduce of E counts), while P_e stays each rank's own
+  mean, whose gradients the data-parallel average over those ranks turns into the whole sequence's (as it does
+  for the loss and the z-loss).
 - **Experts** are stored as stacked tensors (expert, in, out): expert parallelism shards their first dimension
   and sets `dispatch`, which sends each routed token to the rank holding its expert and back
   (llmtrain/parallel/expert.py).
@@ -26,6 +30,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +119,15 @@ class Experts(nn.Module):
 ExpertDispatch = Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class SequenceShare(Protocol):
+    """Which share of every sequence a forward sees (context parallelism's ContextShard): `parts` ranks hold one
+    part each, and `summed` adds a per-rank count over them."""
+
+    parts: int
+
+    def summed(self, counts: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoE(nn.Module):
     """Router, routed experts and shared experts of one block: (batch, seq, d) -> (batch, seq, d)."""
 
@@ -124,6 +138,7 @@ class MoE(nn.Module):
         self.experts = Experts(moe.num_experts, d_model, hidden, gated)
         self.shared = make_shared
         self.dispatch: ExpertDispatch | None = None  # expert parallelism: tokens to their experts' ranks and back
+        self.sequence: SequenceShare | None = None  # context parallelism: this rank holds part of each sequence
         # Slots routed to each expert since the last `take_load`: the load-balance metric. A plain attribute, not
         # a buffer: layouts allocate and checkpoint buffers, and this is a running count.
         self.load: torch.Tensor | None = None
@@ -166,6 +181,8 @@ class MoE(nn.Module):
         m = self.moe
         terms = []
         if m.aux_loss_coef > 0:
+            if self.sequence is not None:
+                counts, n_tokens = self.sequence.summed(counts), n_tokens * self.sequence.parts
             share = counts.float() / (n_tokens * m.top_k)
             terms.append(m.aux_loss_coef * m.num_experts * (share * probs.mean(dim=0)).sum())
         if m.z_loss_coef > 0:

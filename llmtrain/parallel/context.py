@@ -13,6 +13,7 @@ dp_shard x cp, as torchtitan does).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import ConfigError
@@ -43,6 +44,16 @@ class ContextShard:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return zigzag_positions(t * self.cp, self.cp, self.rank, device)
 
+    @property
+    def parts(self) -> int:
+        return self.cp
+
+    def summed(self, counts: torch.Tensor) -> torch.Tensor:
+        """A count over this rank's tokens (a mixture's slots per expert) -> over the whole sequences'."""
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
     @torch.compiler.disable  # point-to-point transfers inside: run eagerly between the compiled pieces
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return ring_attention(q, k, v, self.group)
@@ -53,15 +64,8 @@ def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
     model.shard_sequence(ContextShard(mesh))
 
 
-def check_context_parallel(
-    cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool, num_experts: int = 0
-) -> None:
+def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool) -> None:
     """The shapes and settings context parallelism needs, as one-line errors naming the key."""
-    if num_experts:
-        raise ConfigError(
-            f"model.moe.num_experts={num_experts} with parallel.cp={cp}: the load-balancing loss would see only "
-            f"this rank's part of each sequence; use parallel.cp=1 with mixture-of-experts models"
-        )
     if seq_len % (2 * cp):
         raise ConfigError(
             f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each rank holds two equal "

@@ -98,7 +98,6 @@ class Strategy:
                 model.attention_dropout,
                 self.degrees.tp,
                 self.parallel.sequence_parallel,
-                model.moe.num_experts,
             )
         check_expert_parallel(
             self.degrees.ep,

@@ -178,9 +178,7 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
         if d.tp > 1:
             check_tensor_parallel(model_cfg, d.tp, t.seq_len, c.sequence_parallel)
         if d.cp > 1:
-            check_context_parallel(
-                d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel, model_cfg.moe.num_experts
-            )
+            check_context_parallel(d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel)
         check_expert_parallel(d.ep, model_cfg.moe.num_experts, c.strategy in ("fsdp", "pp"), c.strategy)
         m = c.pipeline_microbatches(t.batch_size, t.micro_batch_size)
         if m < 1 or t.batch_size % (d.dp * m) or t.batch_size % (d.dp * t.micro_batch_size):
