@@ -19,6 +19,7 @@ import torch
 
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools.compare_runs import max_weight_difference
 
 STEPS = 3
 VOCAB = 257
@@ -68,7 +69,7 @@ def main(out_dir: str, common: str, layouts: list[str]) -> None:
                 "losses": losses,
                 "norms": norms,
                 "same_names": sorted(weights) == sorted(reference),
-                "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
+                "weight_difference": max_weight_difference(weights, reference),
             }
     if runtime.is_main:
         with open(os.path.join(out_dir, "results.json"), "w") as f:

@@ -22,6 +22,7 @@ from llmtrain.parallel.pipeline.schedules import SCHEDULES as ALL_SCHEDULES
 from llmtrain.parallel.pipeline.schedules import fewest_stages_per_rank
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools.compare_runs import max_weight_difference
 
 STEPS = 3
 VOCAB = 257
@@ -133,7 +134,7 @@ def main(out_dir: str, microbatches: int) -> None:
                 "validation": validation,
                 "reference_validation": ref_validation,
                 "same_names": sorted(weights) == sorted(reference),
-                "weight_difference": max((weights[k] - reference[k]).abs().max().item() for k in reference),
+                "weight_difference": max_weight_difference(weights, reference),
                 "state": weights,
                 "posted_groups": groups,  # per rank, its batch_isend_irecv groups in order (hand-written only)
                 **report["pipeline"],

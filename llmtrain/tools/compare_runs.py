@@ -4,13 +4,17 @@
 
 For each run directory: the largest relative difference of the per-step loss, validation loss and gradient norm
 from the reference (the first directory), and the largest absolute difference of the final weights (model.pt).
+A value that is not finite (NaN, inf) on either side counts as an infinite difference.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+
+import torch
 
 from llmtrain.checkpoint import load_final_model
 
@@ -22,10 +26,31 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def relative_difference(x: float, y: float) -> float:
+    """|x - y| / |y| (|x - y| where y is 0); infinite when either is not finite, so a NaN or an overflow on either
+    side fails every tolerance (Python's max would drop a NaN that does not come first)."""
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return math.inf
+    return abs(x - y) / abs(y) if y else abs(x - y)
+
+
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     if len(a) != len(b):
         raise ValueError(f"different number of values: {len(a)} vs {len(b)}")
-    return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=0.0)
+    return max((relative_difference(x, y) for x, y in zip(a, b)), default=0.0)
+
+
+def max_weight_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference of any weight; infinite when any value on either side is not finite."""
+    if weights.keys() != reference.keys():
+        raise ValueError(f"different parameters: {sorted(weights.keys() ^ reference.keys())}")
+    worst = 0.0
+    for name, expected in reference.items():
+        got = weights[name]
+        if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(expected).all())):
+            return math.inf
+        worst = max(worst, float((got.float() - expected.float()).abs().max()))
+    return worst
 
 
 def compare(run_dir: str, reference_dir: str) -> dict[str, float]:
@@ -41,7 +66,7 @@ def compare(run_dir: str, reference_dir: str) -> dict[str, float]:
     expected = load_final_model(os.path.join(reference_dir, "model.pt"))
     if final.keys() != expected.keys():
         raise ValueError(f"{run_dir} has other parameters than {reference_dir}")
-    result["weights"] = max((final[k] - expected[k]).abs().max().item() for k in expected)
+    result["weights"] = max_weight_difference(final, expected)
     return result
 
 
