@@ -38,6 +38,7 @@ from llmtrain.checkpoint.manager import (
     complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    read_meta,
     single_process_quiet,
 )
 from llmtrain.checkpoint.offline import find_checkpoint
@@ -78,16 +79,16 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
 def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints, tmp_path, cache_dir, reference):
     """Saved by fsdp on 4 ranks at step 5; continued under another layout, it follows the uninterrupted run: the
     model, the optimizer state and the data position all carried over (a repeated or skipped batch, or a lost
-    AdamW moment, moves the losses by far more than the tolerance)."""
-    resumed = run_train(
-        tmp_path,
-        cache_dir,
-        *PARITY,
-        f"parallel={layout}",
-        f"checkpoint.resume={fsdp_checkpoints / 'step-00000005'}",
-        nproc=nproc,
-    )
+    AdamW moment, moves the losses by far more than the tolerance). And it did resume rather than start afresh
+    (which would match `single` just as well): it says so, its first five records are the saved run's, timings
+    included (no fresh run repeats those), and its first step is the uninterrupted run's step 6."""
+    step_5 = fsdp_checkpoints / "step-00000005"
+    resumed = run_train(tmp_path, cache_dir, *PARITY, f"parallel={layout}", f"checkpoint.resume={step_5}", nproc=nproc)
     assert_parity(resumed, reference)
+    assert f"resumed   from {step_5}" in resumed.stdout + resumed.stderr
+    assert resumed.metrics[:5] == read_meta(str(step_5))["records"]
+    assert resumed.metrics[5]["step"] == 6
+    assert resumed.metrics[5]["loss"] == pytest.approx(reference.metrics[5]["loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
