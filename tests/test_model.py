@@ -198,3 +198,25 @@ def test_flops_count_every_matrix_once_and_leave_lookups_out():
         model = meta_model(compose_config(overrides).model, 257)
         n = num_parameters(model)
         assert flops_per_token(model.cfg, n, 64) == 6 * (n - lookups) + 12 * 4 * 128 * 64
+
+
+def test_padded_vocabulary_ids_get_minus_infinity_and_change_nothing():
+    """A vocabulary padded to a multiple of 64 (257 -> 320 rows) masks the padding ids' logits with -inf, so the
+    loss and the real ids' logits are those of the same model without padding."""
+    from llmtrain.model import build_model
+    from llmtrain.tools import compose_config
+
+    padded = build_model(compose_config([]).model, 257, seed=0)
+    unpadded_cfg = compose_config(["model.vocab_multiple=1"]).model
+    unpadded = build_model(unpadded_cfg, 257, seed=0)
+    state = {name: value[:257] if value.shape[:1] == (320,) else value for name, value in padded.state_dict().items()}
+    unpadded.load_state_dict({name: state[name] for name in unpadded.state_dict()})
+    tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, plain = padded(tokens[:, :-1]), unpadded(tokens[:, :-1])
+    assert padded.cfg.padded_vocab_size == 320 and unpadded.cfg.padded_vocab_size == 257
+    assert torch.isneginf(logits[..., 257:]).all()
+    torch.testing.assert_close(logits[..., :257], plain)
+    assert cross_entropy_loss(logits, tokens[:, 1:]).item() == pytest.approx(
+        cross_entropy_loss(plain, tokens[:, 1:]).item(), rel=1e-6
+    )

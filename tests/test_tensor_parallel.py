@@ -8,6 +8,8 @@ import torch.multiprocessing as mp
 from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_strategy, torchrun
 
 from llmtrain.config import ConfigError
+from llmtrain.model import build_model, cross_entropy_loss
+from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import compare
 
 pytestmark = pytest.mark.slow
@@ -83,7 +85,13 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
     (_, shape0, kind, loss0), (_, shape1, _, loss1) = sorted(results.get(timeout=120) for _ in range(2))
     padded_vocab = 320  # 257 byte tokens padded to a multiple of 64
     assert shape0 == shape1 == (2, 16, padded_vocab // 2)
-    assert kind == "DTensor" and loss0 == loss1
+    # the vocabulary-sharded loss is the unsplit model's on the same tokens (not merely the same on both ranks)
+    cfg = compose_config(["train.seq_len=16"])
+    whole = build_model(cfg.model, 257, seed=cfg.seed)
+    tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = cross_entropy_loss(whole(tokens[:, :-1]), tokens[:, 1:]).item()
+    assert kind == "DTensor" and loss0 == loss1 == pytest.approx(expected, rel=1e-6)
 
 
 def _tp_comms(*overrides: str) -> dict:
