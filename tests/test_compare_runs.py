@@ -56,5 +56,16 @@ def test_a_non_finite_value_on_one_side_fails(tmp_path, reference, change, key):
 
 def test_non_finite_values_on_both_sides_fail():
     assert max_relative_difference([1.0, NAN], [1.0, NAN]) == math.inf
+    assert max_relative_difference([INF], [INF]) == math.inf  # a loss is never legitimately infinite
     nan = {"w": torch.tensor([1.0, NAN])}
     assert max_weight_difference(nan, nan) == math.inf
+
+
+def test_a_mask_of_minus_infinity_on_both_sides_is_equal():
+    """The padded vocabulary's head bias (-inf on the padding rows) is the same in every run; an infinity of the
+    other sign, or in another place, is not."""
+    mask = {"bias": torch.tensor([0.0, 0.0, -INF]), "w": torch.tensor([1.0, 2.0])}
+    other = {"bias": torch.tensor([0.0, 0.0, -INF]), "w": torch.tensor([1.0, 2.5])}
+    assert max_weight_difference(other, mask) == 0.5
+    assert max_weight_difference({**other, "bias": torch.tensor([0.0, -INF, 0.0])}, mask) == math.inf
+    assert max_weight_difference({**other, "bias": torch.tensor([0.0, 0.0, INF])}, mask) == math.inf

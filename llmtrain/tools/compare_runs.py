@@ -4,7 +4,8 @@
 
 For each run directory: the largest relative difference of the per-step loss, validation loss and gradient norm
 from the reference (the first directory), and the largest absolute difference of the final weights (model.pt).
-A value that is not finite (NaN, inf) on either side counts as an infinite difference.
+A metric that is not finite (NaN, inf) on either side counts as an infinite difference; so does a NaN weight, or an
+infinite one the other side does not match (the padded vocabulary's -inf mask matches).
 """
 
 from __future__ import annotations
@@ -41,15 +42,21 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 
 
 def max_weight_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference of any weight; infinite when any value on either side is not finite."""
+    """The largest absolute difference of any weight. Infinite when either side holds a NaN, or an infinity the
+    other does not hold in the same place (the padded vocabulary's -inf mask, on both, is equal)."""
     if weights.keys() != reference.keys():
         raise ValueError(f"different parameters: {sorted(weights.keys() ^ reference.keys())}")
     worst = 0.0
     for name, expected in reference.items():
-        got = weights[name]
-        if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(expected).all())):
+        got, expected = weights[name].float(), expected.float()
+        if bool(torch.isnan(got).any()) or bool(torch.isnan(expected).any()):
             return math.inf
-        worst = max(worst, float((got.float() - expected.float()).abs().max()))
+        infinite = torch.isinf(got) | torch.isinf(expected)
+        if not torch.equal(got[infinite], expected[infinite]):
+            return math.inf
+        finite = ~infinite
+        if bool(finite.any()):
+            worst = max(worst, float((got[finite] - expected[finite]).abs().max()))
     return worst
 
 
