@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import re
+from collections import Counter
 
 import numpy as np
 import pandas as pd
@@ -49,6 +50,12 @@ def _texts(cfg, split=TRAIN) -> list[str]:
     return [ex["text"] for ex in open_documents(cfg, split)]
 
 
+def assert_same_windows(got: list, expected: list) -> None:
+    """The same non-empty sequence of arrays (zip alone would pass on a short or empty stream)."""
+    assert len(got) == len(expected) > 0, (len(got), len(expected))
+    assert all(np.array_equal(x, y) for x, y in zip(got, expected))
+
+
 def test_packing_round_trips_the_token_stream():
     tokenizer = ByteTokenizer()
     stream = np.concatenate(list(tokenize_documents(DOCS, tokenizer)))
@@ -72,7 +79,7 @@ def test_a_packer_restored_from_its_state_continues_the_same_windows():
     for chunk in chunks[100:]:
         restored.add(chunk)
     taken += list(restored.windows())
-    assert len(taken) == len(expected) and all(np.array_equal(a, b) for a, b in zip(taken, expected))
+    assert_same_windows(taken, expected)
 
 
 def test_window_shuffle_is_a_seeded_permutation_of_the_packed_stream(corpus):
@@ -81,9 +88,12 @@ def test_window_shuffle_is_a_seeded_permutation_of_the_packed_stream(corpus):
     a = list(itertools.islice(_windows(cfg, seed=3, window_shuffle_buffer=10), 200))
     b = list(itertools.islice(_windows(cfg, seed=3, window_shuffle_buffer=10), 200))
     c = list(itertools.islice(_windows(cfg, seed=4, window_shuffle_buffer=10), 200))
-    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and not all(np.array_equal(x, y) for x, y in zip(a, c))
-    # The i-th shuffled window is one of the first i + 10 packed ones (the buffer holds 10).
-    assert {w.tobytes() for w in a[:150]} <= {w.tobytes() for w in packed}
+    assert_same_windows(a, b)
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    # The first i shuffled windows are i different ones of the first i + 10 packed (the buffer holds 10): drawn from
+    # the stream, each at most once (a multiset, so a window served twice would fail), nothing made up.
+    first = Counter(w.tobytes() for w in a[:150])
+    assert sum(first.values()) == 150 and first <= Counter(w.tobytes() for w in packed[:160])
 
 
 def _windows(cfg, seed: int, seq_len: int = 16, window_shuffle_buffer: int | None = None) -> TrainingWindows:
@@ -106,7 +116,7 @@ def test_a_restored_stream_continues_exactly_where_it_stopped(corpus, taken):
     expected = list(itertools.islice(stream, 300))
     resumed = _windows(cfg, seed=7)
     resumed.load_state_dict(position)
-    assert all(np.array_equal(x, y) for x, y in zip(expected, itertools.islice(resumed, 300)))
+    assert_same_windows(list(itertools.islice(resumed, 300)), expected)
 
 
 def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
@@ -118,7 +128,7 @@ def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
     resumed_windows = _windows(cfg, seed=1)
     resumed_windows.load_state_dict(position)
     resumed = Prefetched(StreamedBatches(resumed_windows, RankSlice(8, 8, 0, 1)))
-    assert all(np.array_equal(x, resumed.next()) for x in following)
+    assert_same_windows([resumed.next() for _ in following], following)
     assert not np.array_equal(taken[-1], following[0])
 
 
@@ -164,8 +174,8 @@ def test_same_seed_same_batches_other_seed_other_batches(corpus):
     tokenizer = ByteTokenizer()
     a, b = _first_batches(cfg, tokenizer, seed=1), _first_batches(cfg, tokenizer, seed=1)
     c = _first_batches(cfg, tokenizer, seed=2)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    assert_same_windows(a, b)
+    assert len(c) == len(a) and not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
 def test_the_stream_is_endless_and_reshuffles_each_epoch(corpus):
@@ -257,7 +267,7 @@ def test_a_restored_stream_of_split_documents_continues_exactly(tmp_path):
     expected = list(itertools.islice(stream, 300))
     resumed = _windows(cfg, seed=2, seq_len=64)
     resumed.load_state_dict(position)
-    assert all(np.array_equal(x, y) for x, y in zip(expected, itertools.islice(resumed, 300)))
+    assert_same_windows(list(itertools.islice(resumed, 300)), expected)
 
 
 def test_val_path_names_the_validation_files(corpus, tmp_path):

@@ -73,28 +73,26 @@ def test_greedy_sampling_matches_transformers_generate(exported):
 
 
 @pytest.mark.slow
-def test_the_generate_command_prints_a_continuation(exported):
+def test_the_generate_command_prints_transformers_greedy_continuation(exported):
+    """`python -m llmtrain.generate` on the export, greedy: the prompt and the continuation transformers'
+    generate gives (both stop at end-of-text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     _, out = exported
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmtrain.generate",
-            str(out),
-            "--prompt",
-            "def ",
-            "--max-new-tokens",
-            "20",
-            "--seed",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    command = [sys.executable, "-m", "llmtrain.generate", str(out), "--prompt", "def ", "--max-new-tokens", "20"]
+    done = subprocess.run([*command, "--temperature", "0"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("def ") and len(done.stdout) > len("def ") + 5
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("def ")["input_ids"]
+    theirs = (
+        AutoModelForCausalLM.from_pretrained(out)
+        .eval()
+        .generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)[
+            0, len(prompt) :
+        ]
+    )
+    new = [token for token in theirs.tolist() if token != tokenizer.eos_token_id]
+    assert done.stdout == "def " + tokenizer.decode(new) + "\n"
 
 
 def _hf_gpt2(directory, **shape) -> None:

@@ -37,13 +37,14 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
 
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name for p in points] == ["0", "1", "2", "3"]
-    seen, names = set(), set()
+    seen, names, schedules = set(), set(), {}
     for point in points:
         overrides = yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text())
         lr = next(o for o in overrides if o.startswith("optim.lr="))
         layout = next(o for o in overrides if o.startswith("parallel="))
         seen.add((lr, layout))
         run = Run(0, "", "", point)
+        schedules[(lr, layout)] = [m["lr"] for m in run.metrics]
         if lr == "optim.lr=0.001":  # the reference's learning rate
             assert_parity(run, reference)
         assert len(run.metrics) == 10
@@ -62,6 +63,9 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
     }
     assert len(names) == 4
     assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep directory
+    for layout in ("parallel=ddp", "parallel=fsdp"):  # each point trained at its own learning rate, every step
+        high, low = schedules[("optim.lr=0.001", layout)], schedules[("optim.lr=0.0003", layout)]
+        assert low == pytest.approx([0.3 * lr for lr in high], rel=1e-9)
 
 
 def test_two_torchrun_nodes_on_loopback_reproduce_one_node(tmp_path, cache_dir, reference, layout_run):
