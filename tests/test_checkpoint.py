@@ -29,6 +29,7 @@ from conftest import (
     wait_for_steps,
 )
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import (
@@ -45,7 +46,7 @@ from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.runtime import Runtime
-from llmtrain.tools.compare_runs import compare
+from llmtrain.tools.compare_runs import max_relative_difference
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
 LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 2)}
@@ -208,9 +209,35 @@ def test_non_finite_steps_never_reach_the_weights(train, reference):
     weights = load_final_model(run.run_dir / "model.pt")
     trained = {name: w for name, w in weights.items() if name != "lm_head.bias"}  # the bias is the -inf padding mask
     assert all(torch.isfinite(w).all() for w in trained.values())
-    # Steps 1-2 are the uninterrupted run's; from step 3 on the run differs by one missing update, not by NaNs.
-    assert compare(str(run.run_dir), str(reference.run_dir))["loss"] > LOSS_RTOL
+    # Steps 1-2 are the uninterrupted run's; from step 4 on the run differs by one missing update, not by NaNs.
     assert [m["loss"] for m in run.metrics[:2]] == [m["loss"] for m in reference.metrics[:2]]
+    later, expected = [m["loss"] for m in run.metrics[3:]], [m["loss"] for m in reference.metrics[3:]]
+    assert all(map(math.isfinite, later)) and max_relative_difference(later, expected) > LOSS_RTOL
+
+
+def _saved_state(checkpoint: Path, tmp_path: Path) -> dict:
+    """Everything a DCP checkpoint holds (model, AdamW moments and counts, schedule), read in this process."""
+    out = tmp_path / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(train, tmp_path):
+    """Step 3's gradients overflow while its loss stays finite (what a bf16 overflow in backward looks like): the
+    step is skipped, and the checkpoint after it holds exactly the weights and AdamW state of the one before."""
+    run = train(*PARITY, "checkpoint.every=1", "checkpoint.keep=10", env=faults(LLMTRAIN_TEST_INF_GRAD_AT_STEPS="3"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [m["step"] for m in run.metrics if m.get("skipped")] == [3] and math.isfinite(run.metrics[2]["loss"])
+    checkpoints = run.run_dir / "checkpoints"
+    before = _saved_state(checkpoints / "step-00000002", tmp_path)
+    after = _saved_state(checkpoints / "step-00000003", tmp_path)
+    later = _saved_state(checkpoints / "step-00000004", tmp_path)
+    # the weights, and AdamW's moments and step counts ("state.<param>.exp_avg", ...); the schedule moves on
+    kept = {**before["model"], **{key: value for key, value in before["optimizer"].items() if key.startswith("state.")}}
+    assert any(key.endswith(".exp_avg_sq") for key in kept) and any(key.endswith(".step") for key in kept)
+    after_kept = {**after["model"], **after["optimizer"]}
+    assert all(torch.equal(value, after_kept[key]) for key, value in kept.items())
+    assert not torch.equal(after["model"]["blocks.0.mlp.fc_in.weight"], later["model"]["blocks.0.mlp.fc_in.weight"])
 
 
 @pytest.mark.slow

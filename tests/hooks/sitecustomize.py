@@ -4,6 +4,7 @@
   LLMTRAIN_TEST_HANG_AT_STEP=k     step k never finishes (a test then kills the process: a crash mid-run)
   LLMTRAIN_TEST_STEP_SECONDS=s     every step takes at least s seconds (time to send a signal mid-run)
   LLMTRAIN_TEST_INF_AT_STEPS=3,4   those steps' loss and gradients become non-finite (an overflow)
+  LLMTRAIN_TEST_INF_GRAD_AT_STEPS=3  those steps' gradients become non-finite, their loss stays finite
   LLMTRAIN_TEST_OOM_AT_STEP=k      step k raises torch.OutOfMemoryError, as the CUDA allocator does
   LLMTRAIN_TEST_HOST_READS=FILE    each step appends one line to FILE: how many times the training thread read a
                                    tensor's value on the host (item, tolist, float, int, bool): each one a sync on
@@ -23,6 +24,7 @@ import time
 HANG_AT = int(os.environ.get("LLMTRAIN_TEST_HANG_AT_STEP", "0"))
 STEP_SECONDS = float(os.environ.get("LLMTRAIN_TEST_STEP_SECONDS", "0"))
 INF_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_AT_STEPS", "").split(",") if s}
+INF_GRAD_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_GRAD_AT_STEPS", "").split(",") if s}
 OOM_AT = int(os.environ.get("LLMTRAIN_TEST_OOM_AT_STEP", "0"))
 HOST_READS = os.environ.get("LLMTRAIN_TEST_HOST_READS", "")
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
@@ -83,7 +85,7 @@ def _patch(loop) -> None:
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated by the test)")
         started = time.perf_counter()
-        if step in INF_AT:
+        if step in INF_AT or step in INF_GRAD_AT:
             forward_backward = self.strategy.forward_backward
 
             def overflowing(model, micro_batches, precision):
@@ -91,7 +93,7 @@ def _patch(loop) -> None:
                 for param in model.parameters():
                     if param.grad is not None:
                         param.grad.mul_(float("inf"))
-                return loss * float("inf")
+                return loss * float("inf") if step in INF_AT else loss
 
             self.strategy.forward_backward = overflowing
             try:
@@ -122,5 +124,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if HANG_AT or STEP_SECONDS or INF_AT or OOM_AT or HOST_READS:
+if HANG_AT or STEP_SECONDS or INF_AT or INF_GRAD_AT or OOM_AT or HOST_READS:
     sys.meta_path.insert(0, _PatchOnImport())
