@@ -76,6 +76,26 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overrides, nproc", [((), 0), (("parallel=fsdp",), 2)], ids=["single", "fsdp"])
+def test_a_killed_run_with_dropout_resumes_bit_identically(overrides, nproc, tmp_path, cache_dir, reference):
+    """With dropout every step draws its masks' seeds from the random generators, so a resume that did not restore
+    them (for each rank) would drop other elements and leave the uninterrupted run's losses. Positive control:
+    dropout does change the run."""
+    dropout = ("model.dropout=0.1", *overrides)
+    uninterrupted = run_train(tmp_path, cache_dir, *PARITY, *dropout, nproc=nproc, name="uninterrupted")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert (
+        max_relative_difference([m["loss"] for m in uninterrupted.metrics], [m["loss"] for m in reference.metrics])
+        > 1e-3
+    )
+    checkpoints = killed_mid_run(tmp_path, cache_dir, dropout, nproc)
+    resumed = run_train(
+        tmp_path, cache_dir, *PARITY, *dropout, f"checkpoint.dir={checkpoints}", nproc=nproc, name="resumed"
+    )
+    assert_resumed_exactly(resumed, uninterrupted)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, nproc", [("single", 0), ("ddp", 2), ("ddp_tp", 4), ("pp_fsdp", 4)])
 def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints, tmp_path, cache_dir, reference):
     """Saved by fsdp on 4 ranks at step 5; continued under another layout, it follows the uninterrupted run: the
