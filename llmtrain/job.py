@@ -39,7 +39,7 @@ from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, OutOfMemory, held_b
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
-from llmtrain.train.report import end_summary, format_end_summary, start_summary
+from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
 
 log = logging.getLogger("llmtrain")
 
@@ -358,5 +358,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
             state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
         )
         summary.update(parameters=n_params, layout=strategy.summary(), world_size=runtime.world_size, **layout_results)
+        if t.compile:  # evidence that compilation happened: graphs dynamo produced in this (rank 0's) process
+            summary["compiled_graphs"] = compiled_graphs()
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +224,29 @@ def test_padded_vocabulary_ids_get_minus_infinity_and_change_nothing():
     assert cross_entropy_loss(logits, tokens[:, 1:]).item() == pytest.approx(
         cross_entropy_loss(plain, tokens[:, 1:]).item(), rel=1e-6
     )
+
+
+@pytest.mark.slow  # three processes' imports
+def test_activation_checkpointing_keeps_fewer_activations():
+    """Evidence that recomputation happens (a mode that silently did nothing would still match `single`):
+    MemTracker's peak activations of one forward + backward (llmtrain.tools.activation_memory), measured 34.1 MiB
+    without, 22.6 selective (matmul outputs kept), 5.5 full (block inputs only) for 4 x 256 tokens of tiny."""
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmtrain.tools.activation_memory",
+                f"train.activation_checkpointing={mode}",
+                "train.seq_len=256",
+                "train.micro_batch_size=4",
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).parents[1],  # fmt: skip
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[mode] = json.loads(done.stdout.strip().splitlines()[-1])["act"]
+    assert peaks["full"] < 0.3 * peaks["none"] and peaks["full"] < peaks["selective"] < 0.8 * peaks["none"], peaks

@@ -89,6 +89,8 @@ def format_end_summary(summary: dict[str, Any]) -> str:
                 else ""
             )
         )
+    if "compiled_graphs" in summary:
+        lines.append(f"compile   {summary['compiled_graphs']} graphs compiled (torch.compile of each block)")
     if "pipeline" in summary:
         p = summary["pipeline"]
         lines.append(
@@ -123,3 +125,10 @@ def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile produced in this process so far (0 when nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
