@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     assert_resumed_exactly,
     descendants,
     faults,
+    kill_hard,
     killed_mid_run,
     run_stderr,
     run_train,
@@ -73,6 +75,35 @@ def test_a_killed_run_resumes_bit_identically(layout, tmp_path, cache_dir, refer
         tmp_path, cache_dir, *PARITY, *overrides, f"checkpoint.dir={checkpoints}", nproc=nproc, name="resumed"
     )
     assert_resumed_exactly(resumed, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_one_before(async_save, tmp_path, cache_dir, reference):
+    """Killed while checkpoint 6's shards are on disk but its write has not finished (in the background thread
+    under async_save, while training goes on): the torn checkpoint is never taken for complete, and the run resumes
+    from checkpoint 3 to the uninterrupted run's results."""
+    save = ("checkpoint.every=3", f"checkpoint.async_save={str(async_save).lower()}")
+    process, run_dir = start_run(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        *save,
+        nproc=0,
+        env=faults(LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP="6"),
+        name="killed",
+    )
+    checkpoints, torn = run_dir / "checkpoints", run_dir / "checkpoints" / "step-00000006.tmp"
+    wait_for_steps(run_dir, 8 if async_save else 6, process)  # async: training went on past the save
+    deadline = time.monotonic() + 120
+    while not any(torn.glob("*.distcp")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kill_hard(process)
+    assert any(torn.glob("*.distcp")) and not (torn / ".metadata").exists()
+    assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000003"]
+    resumed = run_train(tmp_path, cache_dir, *PARITY, *save, f"checkpoint.dir={checkpoints}", name="resumed")
+    assert_resumed_exactly(resumed, reference)
+    assert f"resumed   from {checkpoints / 'step-00000003'}" in resumed.stdout + resumed.stderr
 
 
 @pytest.mark.slow

@@ -6,6 +6,9 @@
   LLMTRAIN_TEST_INF_AT_STEPS=3,4   those steps' loss and gradients become non-finite (an overflow)
   LLMTRAIN_TEST_INF_GRAD_AT_STEPS=3  those steps' gradients become non-finite, their loss stays finite
   LLMTRAIN_TEST_OOM_AT_STEP=k      step k raises torch.OutOfMemoryError, as the CUDA allocator does
+  LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP=k  checkpoint k's shards are written, then its write never finishes (no
+                                   .metadata, no rename): a test kills the run mid-save (in the background thread
+                                   under checkpoint.async_save, while training goes on)
   LLMTRAIN_TEST_HOST_READS=FILE    each step appends one line to FILE: how many times the training thread read a
                                    tensor's value on the host (item, tolist, float, int, bool): each one a sync on
                                    a GPU. Reads inside optimizer.step are left out: torch's AdamW keeps its step
@@ -26,6 +29,7 @@ STEP_SECONDS = float(os.environ.get("LLMTRAIN_TEST_STEP_SECONDS", "0"))
 INF_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_AT_STEPS", "").split(",") if s}
 INF_GRAD_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_GRAD_AT_STEPS", "").split(",") if s}
 OOM_AT = int(os.environ.get("LLMTRAIN_TEST_OOM_AT_STEP", "0"))
+HANG_IN_SAVE_AT = int(os.environ.get("LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP", "0"))
 HOST_READS = os.environ.get("LLMTRAIN_TEST_HOST_READS", "")
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -72,7 +76,26 @@ def _counting_host_reads(step_fn):
     return counted
 
 
+def _hang_in_save(step: int) -> None:
+    """DCP's file writer writes checkpoint `step`'s shards and then never returns."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def writing_then_hanging(self, plan, planner):
+        written = write_data(self, plan, planner)
+        if f"step-{step:08d}.tmp" in str(self.path):
+            written.wait()  # the shards are on disk
+            while True:
+                time.sleep(1)
+        return written
+
+    FileSystemWriter.write_data = writing_then_hanging
+
+
 def _patch(loop) -> None:
+    if HANG_IN_SAVE_AT:
+        _hang_in_save(HANG_IN_SAVE_AT)
     original = loop.Trainer.train_step
 
     def train_step(self):
@@ -124,5 +147,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if HANG_AT or STEP_SECONDS or INF_AT or INF_GRAD_AT or OOM_AT or HOST_READS:
+if HANG_AT or STEP_SECONDS or INF_AT or INF_GRAD_AT or OOM_AT or HANG_IN_SAVE_AT or HOST_READS:
     sys.meta_path.insert(0, _PatchOnImport())
