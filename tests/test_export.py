@@ -221,26 +221,13 @@ def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cach
     """A trained llama-tiny checkpoint (with Llama 3's rope scaling), exported: transformers computes our logits and
     greedy continuation."""
     from conftest import FAST, run_train
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     (tmp_path / "run").mkdir()
     run = run_train(
         tmp_path / "run", cache_dir, *FAST, "model=llama-tiny", *OUR_LLAMA3_SCALING, "train.steps=2", name="llama"
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    checkpoint = find_checkpoint(str(run.run_dir))
-    export(checkpoint, str(tmp_path / "exported"))
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    assert isinstance(theirs, LlamaForCausalLM)
-    ours = load_checkpoint_model(checkpoint)
-    ids = torch.randint(0, 257, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
-    prompt = ids[0, :8].tolist()
-    mine = sample(ours, prompt, 12, temperature=0, top_k=0, eos_id=None, generator=torch.Generator().manual_seed(0))
-    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
-    assert mine == expected
+    _assert_export_matches_transformers(run, tmp_path, LlamaForCausalLM)
 
 
 def _hf_mixtral(directory, **shape) -> None:
@@ -285,15 +272,23 @@ def test_our_mixtral_exports_to_transformers_and_generates_the_same(tmp_path, ca
     """A trained mixtral-tiny checkpoint, exported: transformers' MixtralForCausalLM computes our logits and
     greedy continuation."""
     from conftest import run_train
-    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     (tmp_path / "run").mkdir()
     run = run_train(tmp_path / "run", cache_dir, "model=mixtral-tiny", "train.steps=2", name="mixtral")
+    _assert_export_matches_transformers(run, tmp_path, MixtralForCausalLM)
+
+
+def _assert_export_matches_transformers(run, tmp_path, model_class) -> None:
+    """The run's final checkpoint, exported, loads in transformers as `model_class`, whose logits are ours and
+    whose greedy continuation is ours."""
+    from transformers import AutoModelForCausalLM
+
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = find_checkpoint(str(run.run_dir))
     export(checkpoint, str(tmp_path / "exported"))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    assert isinstance(theirs, MixtralForCausalLM)
+    assert isinstance(theirs, model_class)
     ours = load_checkpoint_model(checkpoint)
     ids = torch.randint(0, 257, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
