@@ -198,3 +198,16 @@ def test_an_expert_parallel_checkpoint_continues_in_one_process(tmp_path, cache_
         differences = compare(str(run.run_dir), str(reference.run_dir))
         assert all(differences[key] <= LOSS_RTOL for key in METRICS), differences
         assert differences["weights"] <= WEIGHT_ATOL, differences
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_benchmarks_dense_twin_meets_as_many_parameters_per_token(preset):
+    """llmtrain.tools.moe_bench compares a mixture with a dense model whose tokens meet as many parameters: the
+    twin has no experts, and its active parameters are within 1% of the mixture's (which holds several times more)."""
+    from llmtrain.tools.moe_bench import active_parameters, dense_twin
+
+    mixture = compose_config([f"model={preset}"]).model
+    twin = dense_twin([f"model={preset}"])
+    assert "model.moe.num_experts=0" in twin
+    assert active_parameters(compose_config(twin).model) == pytest.approx(active_parameters(mixture), rel=0.01)
+    assert num_parameters(meta_model(mixture, 4096)) > 1.5 * active_parameters(mixture)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from llmtrain.model import build_model, meta_model, num_parameters
 from llmtrain.model.gpt import inactive_expert_parameters
@@ -35,21 +36,20 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB = 4096
 
 
-def active_parameters(overrides: list[str]) -> int:
+def active_parameters(model_cfg) -> int:
     """The parameters a token meets (the top_k routed experts, not all), from the model's shapes alone."""
-    model = meta_model(compose_config(overrides).model, VOCAB)
+    model = meta_model(model_cfg, VOCAB)
     return num_parameters(model) - inactive_expert_parameters(model.cfg)
 
 
 def dense_twin(overrides: list[str]) -> list[str]:
     """Overrides making the preset dense, its MLP width (a multiple of 16) chosen so that a token meets as many
     parameters as in the mixture."""
-    target = active_parameters(overrides)
+    target = active_parameters(compose_config(overrides).model)
     dense = [*overrides, "model.moe.num_experts=0"]
-    d_model = compose_config(overrides).model.d_model
-    width = min(
-        range(16, 16 * d_model + 1, 16), key=lambda f: abs(active_parameters([*dense, f"model.d_ff={f}"]) - target)
-    )
+    dense_cfg = compose_config(dense).model
+    widths = range(16, 16 * dense_cfg.d_model + 1, 16)
+    width = min(widths, key=lambda f: abs(active_parameters(OmegaConf.merge(dense_cfg, {"d_ff": f})) - target))
     return [*dense, f"model.d_ff={width}"]
 
 
