@@ -78,16 +78,19 @@ class AllToAllDispatch:
     def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         local = len(counts) // self.size
         received_counts = funcol.all_to_all_single(counts, None, None, self.group)
-        # (source rank, local expert) -> slots, and the split sizes of both exchanges (the host needs them).
+        # (source rank, local expert) -> slots; the split sizes of both exchanges and the rows per local expert,
+        # read on the host together (the exchanges need them as lists): the block's one sync.
         from_source = received_counts.view(self.size, local)
-        split_send = counts.view(self.size, local).sum(dim=1).tolist()
-        split_received = from_source.sum(dim=1).tolist()
+        sizes = torch.cat([counts.view(self.size, local).sum(dim=1), from_source.sum(dim=1), from_source.sum(dim=0)])
+        sizes_host = sizes.tolist()
+        split_send, split_received = sizes_host[: self.size], sizes_host[self.size : 2 * self.size]
+        per_expert = sizes_host[2 * self.size :]
 
         received = funcol.all_to_all_single_autograd(rows, split_received, split_send, self.group)
         expert_of_row = torch.arange(local, device=rows.device).repeat(self.size)
         expert_of_row = expert_of_row.repeat_interleave(from_source.flatten())
         by_expert = expert_of_row.argsort(stable=True)
-        outputs = experts(received[by_expert], from_source.sum(dim=0).tolist())
+        outputs = experts(received[by_expert], per_expert)
         outputs = outputs[by_expert.argsort()]
         return funcol.all_to_all_single_autograd(outputs, split_send, split_received, self.group)
 
