@@ -1,14 +1,15 @@
 """llmtrain's entry point: `python train.py [group=option ...] [key=value ...]`; `--help` lists every group.
 
 Hydra composes conf/train.yaml with the overrides, checks them against the schemas in llmtrain/config.py, makes the
-run directory and hands the config to llmtrain.job.run.
+run directory and hands the config to llmtrain.job.run; a config it cannot compose ends in one `error:` line (exit 2).
 """
 
 import os
 
 import hydra
 
-from llmtrain.config import register_schemas
+from llmtrain.config import RootConfig, register_schemas
+from llmtrain.entry import job, run_entry
 
 register_schemas()
 # This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).
@@ -16,6 +17,7 @@ ENTRY_POINT = os.path.abspath(__file__)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@job
 def main(cfg) -> None:
     from llmtrain.train.preemption import PreemptionWatch
 
@@ -27,4 +29,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry(main, RootConfig)

@@ -8,14 +8,35 @@ names the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from llmtrain.domains import (
+    TOKENIZER_FILES,
+    CheckpointSource,
+    DirectoryOrHub,
+    Domain,
+    ExistingPath,
+    Flag,
+    MeshDegree,
+    Number,
+    OneOf,
+    Text,
+    WritableDirectory,
+    at_least,
+    describe,
+    fraction,
+    key,
+    positive,
+)
 from llmtrain.resolvers import register_resolvers
 
 
@@ -23,185 +44,193 @@ class ConfigError(ValueError):
     """A user-fixable configuration problem; its message is one line naming the key and the fix."""
 
 
+TOKENIZER_KINDS = ("byte", "bpe", "hf")
+# The registered strategies (llmtrain/parallel/registry.py) and auto; tests/test_domains.py keeps the two in step.
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tp", "pp", "auto")
+# llmtrain/parallel/pipeline/schedules.py's SCHEDULES, named here so that checking them needs no torch.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_reference", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+
+
 @dataclass
 class RopeScalingConfig:
     """Llama 3's stretching of the slow rotary frequencies (llmtrain/model/rope.py); the numbers are Llama 3.1's."""
 
-    type: str = "none"  # none (plain RoPE) | llama3 (transformers' rope_type "llama3")
-    factor: float = 8.0  # how much longer than original_max_seq_len the stretched context is
-    low_freq_factor: float = 1.0  # rotations with fewer turns than this over the original context slow by factor
-    high_freq_factor: float = 4.0  # rotations with more turns than this keep their frequency; between: a blend
-    original_max_seq_len: int = 8192  # the context the model was pretrained on before the stretch
+    type: str = key("none", OneOf(("none", "llama3")))  # none (plain RoPE) | llama3 (transformers' "llama3")
+    factor: float = key(8.0, Number(low=1))  # how much longer than original_max_seq_len the stretched context is
+    low_freq_factor: float = key(1.0, positive())  # rotations with fewer turns than this slow by factor
+    high_freq_factor: float = key(4.0, positive())  # rotations with more turns than this keep their frequency
+    original_max_seq_len: int = key(8192, at_least(1))  # the context the model was pretrained on before the stretch
 
 
 @dataclass
 class MoEGroupConfig:
     """Mixture-of-experts blocks (llmtrain/model/moe.py); num_experts 0 keeps every MLP dense."""
 
-    num_experts: int = 0  # routed experts per mixture block
-    top_k: int = 2  # experts each token is sent to
-    every: int = 1  # block i is a mixture when (i + 1) % every == 0
-    shared_experts: int = 0  # always-on experts beside the routed ones
-    d_ff: Optional[int] = None  # one expert's hidden width; None: model.d_ff (the dense MLP's)
-    aux_loss_coef: float = 0.01  # Switch / GShard load-balancing loss
-    z_loss_coef: float = 0.0  # ST-MoE router z-loss
+    num_experts: int = key(0, at_least(0))  # routed experts per mixture block
+    top_k: int = key(2, at_least(1))  # experts each token is sent to (at most num_experts)
+    every: int = key(1, at_least(1))  # block i is a mixture when (i + 1) % every == 0
+    shared_experts: int = key(0, at_least(0))  # always-on experts beside the routed ones
+    d_ff: Optional[int] = key(None, at_least(1))  # one expert's hidden width; None: model.d_ff (the dense MLP's)
+    aux_loss_coef: float = key(0.01, Number(low=0))  # Switch / GShard load-balancing loss
+    z_loss_coef: float = key(0.0, Number(low=0))  # ST-MoE router z-loss
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    d_model: int = MISSING
-    d_ff: Optional[int] = None  # None: 4 * d_model
-    max_seq_len: int = 1024
-    vocab_size: Optional[int] = None  # None: the tokenizer's vocabulary size
-    dropout: float = 0.0  # embeddings and residual branches
-    attention_dropout: float = 0.0  # attention weights: materialises them (no fused attention kernel)
-    bias: bool = True
-    vocab_multiple: int = 64  # pad the vocabulary (embedding rows, head outputs) to a multiple of this
-    init_from: Optional[str] = None  # a GPT-2 in Hugging Face format (directory or hub name) to start from
+    name: str = key(MISSING, Text())
+    n_layer: int = key(MISSING, at_least(1))
+    n_head: int = key(MISSING, at_least(1))
+    d_model: int = key(MISSING, at_least(1))
+    d_ff: Optional[int] = key(None, at_least(1))  # None: 4 * d_model
+    max_seq_len: int = key(1024, at_least(1))
+    vocab_size: Optional[int] = key(None, at_least(1))  # None: the tokenizer's vocabulary size
+    dropout: float = key(0.0, fraction())  # embeddings and residual branches
+    attention_dropout: float = key(0.0, fraction())  # attention weights: materialises them (no fused kernel)
+    bias: bool = key(True, Flag())
+    vocab_multiple: int = key(64, at_least(1))  # pad the vocabulary (embedding rows, head outputs) to a multiple
+    # A model in Hugging Face format (GPT-2, Llama, Mixtral) to start from: a local directory or a hub id.
+    init_from: Optional[str] = key(None, DirectoryOrHub(("config.json",)))
     # The Llama family's choices (GPT-2's are the defaults): conf/model/llama-tiny.yaml and the presets set them.
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    position: str = "learned"  # learned | rope
-    rope_theta: float = 10000.0  # rope: the base of the rotation frequencies
+    norm: str = key("layernorm", OneOf(("layernorm", "rmsnorm")))
+    position: str = key("learned", OneOf(("learned", "rope")))
+    rope_theta: float = key(10000.0, positive())  # rope: the base of the rotation frequencies
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: type=llama3 stretches it
-    mlp: str = "gelu"  # gelu | swiglu (d_ff is then the gated hidden width)
-    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None: n_head
-    tie_embeddings: bool = True  # the LM head shares the token embedding's weights
-    norm_eps: float = 1e-5
+    mlp: str = key("gelu", OneOf(("gelu", "swiglu")))  # swiglu: d_ff is then the gated hidden width
+    n_kv_head: Optional[int] = key(None, at_least(1))  # key/value heads (grouped-query attention); None: n_head
+    tie_embeddings: bool = key(True, Flag())  # the LM head shares the token embedding's weights
+    norm_eps: float = key(1e-5, positive())
     moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
 
 
 @dataclass
 class TokenizerConfig:
     # data=prepared leaves these null: the store's manifest names its tokenizer, and a key set here must agree.
-    kind: Optional[str] = "bpe"  # byte | bpe | hf
-    vocab_size: Optional[int] = 4096  # bpe: size of the vocabulary to train
-    train_chars: Optional[int] = 4_000_000  # bpe: characters of the training stream used to train it
-    name: Optional[str] = None  # hf: a transformers tokenizer name or local directory
+    kind: Optional[str] = key("bpe", OneOf(TOKENIZER_KINDS))  # byte | bpe | hf
+    vocab_size: Optional[int] = key(4096, at_least(1))  # bpe: size of the vocabulary to train (at least 512)
+    train_chars: Optional[int] = key(4_000_000, at_least(1))  # bpe: characters of the training stream it reads
+    name: Optional[str] = key(None, DirectoryOrHub(TOKENIZER_FILES))  # hf: a tokenizer's hub id or local directory
 
 
 @dataclass
 class DataConfig:
-    source: str = MISSING  # stdlib | local | hf | prepared
-    path: Optional[str] = None  # local: a file, a folder or a glob; prepared: the directory prepare wrote
-    name: Optional[str] = None  # hf: dataset name on the hub
-    subset: Optional[str] = None  # hf: configuration / subset
-    split: str = "train"
-    val_split: Optional[str] = None  # hf: the validation split; None: hold out val_fraction of the text
-    val_path: Optional[str] = None  # local: validation files (file, folder or glob); None: hold out val_fraction
-    val_fraction: float = 0.02
-    text_field: str = "text"  # jsonl / parquet / hf column holding the text
-    doc_shuffle_buffer: int = 1000  # documents
-    window_shuffle_buffer: int = 4096  # packed windows
-    cache_dir: str = "~/.cache/llmtrain"  # trained tokenizers
+    source: str = key(MISSING, OneOf(("stdlib", "local", "hf", "prepared")))
+    path: Optional[str] = key(None, ExistingPath("glob"))  # local: a file, folder or glob; prepared: the store
+    name: Optional[str] = key(None, Text())  # hf: dataset name on the hub
+    subset: Optional[str] = key(None, Text())  # hf: configuration / subset
+    split: str = key("train", Text())
+    val_split: Optional[str] = key(None, Text())  # hf: the validation split; None: hold out val_fraction
+    val_path: Optional[str] = key(None, ExistingPath("glob"))  # local: validation files; None: hold out val_fraction
+    val_fraction: float = key(0.02, Number(low=0, high=0.5, low_open=True, high_open=True))
+    text_field: str = key("text", Text())  # jsonl / parquet / hf column holding the text
+    doc_shuffle_buffer: int = key(1000, at_least(0))  # documents (0 or 1: no shuffling)
+    window_shuffle_buffer: int = key(4096, at_least(0))  # packed windows (0 or 1: no shuffling)
+    cache_dir: str = key("~/.cache/llmtrain", WritableDirectory())  # trained tokenizers
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "single"  # a registered strategy (llmtrain/parallel/registry.py)
-    # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks".
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1  # context parallel: each sequence split over cp ranks, attention around a ring
-    tp: int = 1
-    ep: int = 1  # expert parallel: each mixture's experts split over ep of the dp_shard x cp ranks (not a 6th degree)
-    nproc: int = 1  # workers to start on this machine when not launched by torchrun or srun
-    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
-    cpu_offload: bool = False  # fsdp: keep sharded parameters, gradients and optimizer state in host memory
-    sequence_parallel: bool = False  # tp: shard LayerNorm / residual / dropout activations along the sequence
-    loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, never gathering full logits
-    pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | 1f1b_reference | interleaved_1f1b | zero_bubble | zbv | dualpipev
-    pp_stages_per_rank: int = 1  # pp: virtual stages per rank (interleaved_1f1b, zero_bubble: >= 2; V schedules: 2)
-    microbatches: Optional[int] = None  # pp: micro-batches per step; None = batch / (data-parallel x micro batch)
-    pp_edge_blocks: int = 0  # pp: the first and last stage each get this many fewer blocks (embedding / head cost)
+    strategy: str = key("single", OneOf(STRATEGIES))  # a registered strategy (llmtrain/parallel/registry.py)
+    # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks"; 0 is refused.
+    pp: int = key(1, MeshDegree())
+    dp_replicate: int = key(1, MeshDegree())
+    dp_shard: int = key(1, MeshDegree())
+    cp: int = key(1, MeshDegree())  # context parallel: each sequence split over cp ranks, attention around a ring
+    tp: int = key(1, MeshDegree())
+    ep: int = key(1, at_least(1))  # expert parallel: each mixture's experts split over ep of the dp_shard x cp ranks
+    nproc: int = key(1, at_least(1))  # workers to start on this machine when not launched by torchrun or srun
+    reshard_after_forward: bool = key(True, Flag())  # fsdp: free gathered parameters after forward (ZeRO-3)
+    cpu_offload: bool = key(False, Flag())  # fsdp: keep sharded parameters, gradients, optimizer state on the host
+    sequence_parallel: bool = key(False, Flag())  # tp: shard LayerNorm / residual / dropout along the sequence
+    loss_parallel: bool = key(True, Flag())  # tp: cross-entropy on vocabulary shards, never gathering full logits
+    pp_schedule: str = key("1f1b", OneOf(PIPELINE_SCHEDULES))  # pp: the schedule (README: Pipeline schedules)
+    pp_stages_per_rank: int = key(1, at_least(1))  # pp: virtual stages per rank (interleaved: >= 2; V: 2)
+    microbatches: Optional[int] = key(None, at_least(1))  # pp: None = batch / (data-parallel x micro batch)
+    pp_edge_blocks: int = key(0, at_least(0))  # pp: the first and last stage each get this many fewer blocks
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 20
-    grad_clip: float = 1.0  # 0 disables clipping
+    name: str = key("adamw", OneOf(("adamw",)))
+    lr: float = key(1e-3, positive())
+    min_lr_ratio: float = key(0.1, fraction(high_open=False))  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = key(0.1, Number(low=0))
+    beta1: float = key(0.9, fraction())
+    beta2: float = key(0.95, fraction())
+    eps: float = key(1e-8, positive())
+    warmup_steps: int = key(20, at_least(0))
+    grad_clip: float = key(1.0, Number(low=0))  # 0 disables clipping
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"  # auto | online | offline | disabled
-    project: str = "llmtrain"
-    entity: Optional[str] = None
-    name: Optional[str] = None  # None: the run directory
-    group: Optional[str] = None  # None: the sweep directory of a -m sweep, no group for a single run
+    mode: str = key("auto", OneOf(("auto", "online", "offline", "disabled")))
+    project: str = key("llmtrain", Text())
+    entity: Optional[str] = key(None, Text())
+    name: Optional[str] = key(None, Text())  # None: the run directory
+    group: Optional[str] = key(None, Text())  # None: the sweep directory of a -m sweep, no group for a single run
 
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 10  # steps between console lines when no progress bar is shown
-    progress: str = "auto"  # auto (bar when attached to a terminal) | bar | lines
+    log_every: int = key(10, at_least(1))  # steps between console lines when no progress bar is shown
+    progress: str = key("auto", OneOf(("auto", "bar", "lines")))  # auto: a bar when attached to a terminal
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    batch_size: int = 32  # global sequences per optimizer step
-    micro_batch_size: int = 8  # sequences per rank per forward/backward
-    seq_len: int = 128
-    eval_every: int = 50  # 0 disables periodic validation
-    eval_batches: int = 2  # global batches (of batch_size sequences) per validation
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    device: str = "auto"  # auto | cpu | cuda
-    save_model: bool = True  # write the final weights (full state dict) to model.pt in the run directory
-    activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False  # torch.compile each transformer block
-    max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient norm
+    steps: int = key(300, at_least(1))
+    batch_size: int = key(32, at_least(1))  # global sequences per optimizer step
+    micro_batch_size: int = key(8, at_least(1))  # sequences per rank per forward/backward
+    seq_len: int = key(128, at_least(1))
+    eval_every: int = key(50, at_least(0))  # 0 disables periodic validation
+    eval_batches: int = key(2, at_least(1))  # global batches (of batch_size sequences) per validation
+    precision: str = key("auto", OneOf(("auto", "bf16", "fp32")))  # auto: bf16 autocast on CUDA, fp32 on CPU
+    device: str = key("auto", OneOf(("auto", "cpu", "cuda")))
+    save_model: bool = key(True, Flag())  # write the final weights (full state dict) to model.pt in the run dir
+    activation_checkpointing: str = key("none", OneOf(("none", "full", "selective")))
+    compile: bool = key(False, Flag())  # torch.compile each transformer block
+    max_bad_steps: int = key(3, at_least(1))  # stop after this many consecutive steps with a non-finite loss or norm
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # also save every N optimizer steps; 0: only at the end of the run and on preemption
-    dir: Optional[str] = None  # None: <run dir>/checkpoints
-    keep: int = 2  # complete checkpoints kept, newest first
-    async_save: bool = False  # write in the background (DCP async_save) while training continues
-    resume: str = "auto"  # auto: the latest complete checkpoint in dir, if any | none | <checkpoint path>
+    every: int = key(0, at_least(0))  # also save every N optimizer steps; 0: only at the end and on preemption
+    dir: Optional[str] = key(None, WritableDirectory())  # None: <run dir>/checkpoints
+    keep: int = key(2, at_least(1))  # complete checkpoints kept, newest first
+    async_save: bool = key(False, Flag())  # write in the background (DCP async_save) while training continues
+    resume: str = key("auto", CheckpointSource())  # auto: the latest complete one in dir, if any | none | <path>
 
 
 @dataclass
 class HardwareConfig:
     """The machines a run is planned for (conf/hardware/): what the planner's memory and time estimates use."""
 
-    name: str = MISSING
-    nodes: int = 1
-    gpus_per_node: int = 1  # devices (ranks) per node
-    device_memory_gib: Optional[float] = None  # memory of one device; None: host memory / ranks per node (CPU)
-    intra_node_gbps: float = MISSING  # GB/s per device, one direction, to the other devices of its node
-    inter_node_gbps: float = MISSING  # GB/s per device, one direction, across nodes
-    peak_tflops: Optional[float] = None  # dense bf16 (fp32 accumulate) per device; None: unknown (CPU)
-    peer_to_peer: bool = True  # devices of a node reach each other directly (NVLink, PCIe P2P), not via host memory
+    name: str = key(MISSING, Text())
+    nodes: int = key(1, at_least(1))
+    gpus_per_node: int = key(1, at_least(1))  # devices (ranks) per node
+    device_memory_gib: Optional[float] = key(None, positive())  # one device's; None: host memory / ranks per node
+    intra_node_gbps: float = key(MISSING, positive())  # GB/s per device, one direction, to the others of its node
+    inter_node_gbps: float = key(MISSING, positive())  # GB/s per device, one direction, across nodes
+    peak_tflops: Optional[float] = key(None, positive())  # dense bf16 (fp32 accumulate) per device; None: unknown
+    peer_to_peer: bool = key(True, Flag())  # devices of a node reach each other directly (NVLink, PCIe P2P)
 
 
 @dataclass
 class PlanConfig:
     """The planner's knobs (llmtrain.tools.plan; parallel=auto reads `measured`, `mfu` and `reserved_gib`)."""
 
-    world_size: Optional[int] = None  # None: hardware.nodes x hardware.gpus_per_node
-    parameters: Optional[int] = None  # plan model states for this many parameters instead of the model's ("what if")
-    param_bytes: float = 2  # bytes per parameter of the weights (bf16)
-    grad_bytes: float = 2  # ... of the gradients (bf16)
-    optimizer_bytes: float = 12  # ... of the optimizer state (fp32 master copy + two AdamW moments)
-    layouts: str = "dp"  # dp: the data-parallel layouts | all: also tensor, pipeline and 3-D layouts
-    measured: Optional[str] = None  # a comm_bench.csv whose bus bandwidths replace the hardware's link numbers
-    mfu: float = 0.4  # fraction of peak FLOP/s the compute is assumed to reach
-    reserved_gib: float = 1.0  # per device: CUDA context, communication buffers, allocator fragmentation
-    out: str = "plan.json"  # where llmtrain.tools.plan writes its JSON
+    world_size: Optional[int] = key(None, at_least(1))  # None: hardware.nodes x hardware.gpus_per_node
+    parameters: Optional[int] = key(None, at_least(1))  # plan model states for this many parameters ("what if")
+    param_bytes: float = key(2, positive())  # bytes per parameter of the weights (bf16)
+    grad_bytes: float = key(2, positive())  # ... of the gradients (bf16)
+    optimizer_bytes: float = key(12, positive())  # ... of the optimizer state (fp32 master + two AdamW moments)
+    layouts: str = key("dp", OneOf(("dp", "all")))  # dp: data-parallel layouts | all: also tensor, pipeline, 3-D
+    measured: Optional[str] = key(None, ExistingPath("file"))  # a comm_bench.csv replacing the hardware's links
+    mfu: float = key(0.4, Number(low=0, high=1, low_open=True))  # fraction of peak FLOP/s the compute reaches
+    reserved_gib: float = key(1.0, Number(low=0))  # per device: CUDA context, comm buffers, fragmentation
+    out: str = key("plan.json", Text())  # where llmtrain.tools.plan writes its JSON
 
 
 @dataclass
@@ -215,13 +244,13 @@ class RootConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    seed: int = 1337
+    seed: int = key(1337, Number(low=0, high=2**32 - 1, whole=True))
 
 
 @dataclass
 class PrepareConfig:
-    out: Optional[str] = None  # required: the directory the token store is written to
-    num_proc: int = 1  # tokenising processes (1: this one, whose fast tokenizer uses every core by itself)
+    out: Optional[str] = key(None, WritableDirectory())  # required: the directory the token store is written to
+    num_proc: int = key(1, at_least(1))  # tokenising processes (1: this one, whose fast tokenizer uses every core)
 
 
 @dataclass
@@ -234,89 +263,107 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
     ConfigStore.instance().store(name="prepare_schema", node=PrepareRootConfig)
     register_resolvers()
+    if not OmegaConf.has_resolver("llmtrain_keys"):  # `--help`: ${llmtrain_keys:train} in conf/hydra/help/
+        OmegaConf.register_new_resolver("llmtrain_keys", _keys_help)
 
 
-_CHOICES = {
-    "data.source": ("stdlib", "local", "hf", "prepared"),
-    "optim.name": ("adamw",),
-    "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
-    "logging.progress": ("auto", "bar", "lines"),
-    "train.precision": ("auto", "bf16", "fp32"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.activation_checkpointing": ("none", "full", "selective"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.position": ("learned", "rope"),
-    "model.mlp": ("gelu", "swiglu"),
-    "model.rope_scaling.type": ("none", "llama3"),
-}
+def _keys_help(which: str, _root_: DictConfig) -> str:
+    schema = RootConfig if which == "train" else PrepareRootConfig
+    return keys_help(_root_, schema)
 
 
-def _get(cfg, dotted: str):
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+def keys_help(cfg: DictConfig, schema: type) -> str:
+    """One line per key: its composed value and what it accepts (the README says what each one does)."""
+    rows = []
+    for dotted, item, nullable in _schema_leaves(schema):
+        missing, value = _lookup(cfg, dotted)
+        shown = "???" if missing else OmegaConf.to_yaml({"v": value})[3:].strip()  # null, true, 0.001 as typed
+        domain = item.metadata.get("domain")
+        rows.append((dotted, shown, (domain.accepts() if domain else "") + (", or null" if nullable else "")))
+    width = max(len(k) + len(v) for k, v, _ in rows) + 3
+    return "\n".join(f"  {f'{k}={v}':<{width}} {a}" for k, v, a in rows)
+
+
+def _schema_leaves(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, bool]]:
+    """(dotted key, its field, whether it may be null) for every leaf of a schema dataclass."""
+    hints = typing.get_type_hints(schema)
+    for item in dataclasses.fields(schema):
+        kind = hints[item.name]
+        args = typing.get_args(kind)
+        inner = next((a for a in args if a is not type(None)), kind)  # Optional[X] -> X
+        if dataclasses.is_dataclass(inner):
+            yield from _schema_leaves(inner, f"{prefix}{item.name}.")  # type: ignore[arg-type]
+        else:
+            yield f"{prefix}{item.name}", item, type(None) in args
+
+
+def schema_keys(schema: type) -> Iterator[tuple[str, Domain | None]]:
+    """Every leaf key of a schema dataclass, dotted, with its declared domain (None: none declared)."""
+    for dotted, item, _ in _schema_leaves(schema):
+        yield dotted, item.metadata.get("domain")
+
+
+def check_domains(cfg, schema: type, prefix: str = "") -> None:
+    """Each key of `cfg` (composed from `schema`, its keys under `prefix`) against its domain; ConfigError on the
+    first key that is unset or outside."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    keys = dict(schema_keys(schema))
+    for dotted in _leaf_keys(cfg):
+        if dotted not in keys:  # added with +key=value, which Hydra lets through a structured config
+            from llmtrain.entry import unknown_key_line
+
+            raise ConfigError(unknown_key_line(prefix + dotted, [prefix + k for k in keys]))
+    for dotted, domain in keys.items():
+        name = prefix + dotted
+        missing, value = _lookup(cfg, dotted)
+        if missing:
+            accepts = domain.accepts() if domain else "a value"
+            raise ConfigError(f"{name} is not set: set {name} to {accepts} (in its conf/ group or on the command line)")
+        if value is not None and domain is not None and (line := describe(name, value, domain)):
+            raise ConfigError(line)
+
+
+def _lookup(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
+    """(whether the key is ??? (unset), its value) without resolving a missing value into an exception."""
+    parent, _, last = dotted.rpartition(".")
+    section = OmegaConf.select(cfg, parent) if parent else cfg
+    if OmegaConf.is_missing(section, last):
+        return True, None
+    return False, section[last]
+
+
+def _leaf_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
+    for name in cfg:
+        node = cfg._get_node(name)
+        if isinstance(node, DictConfig):
+            yield from _leaf_keys(node, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
 
 
 def validate_rope_scaling(scaling) -> None:
-    if not (0 < scaling.low_freq_factor < scaling.high_freq_factor) or scaling.factor < 1:
+    if not scaling.low_freq_factor < scaling.high_freq_factor:
         raise ConfigError(
-            f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor and factor >= 1 (got "
-            f"{scaling.low_freq_factor}, {scaling.high_freq_factor}, {scaling.factor}): fix those keys"
+            f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below model.rope_scaling."
+            f"high_freq_factor={scaling.high_freq_factor}: the band between them blends the two frequencies"
         )
-    if scaling.original_max_seq_len <= 0:
-        raise ConfigError(f"model.rope_scaling.original_max_seq_len={scaling.original_max_seq_len} must be positive")
 
 
 def validate_moe(moe, n_layer: int) -> None:
-    if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
+    if moe.top_k > moe.num_experts:
         raise ConfigError(
             f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}: set "
             f"model.moe.top_k to at most the number of experts"
         )
-    if not 1 <= moe.every <= n_layer:
+    if moe.every > n_layer:
         raise ConfigError(f"model.moe.every={moe.every} must be between 1 and model.n_layer={n_layer}")
-    if moe.shared_experts < 0 or (moe.d_ff is not None and moe.d_ff <= 0):
-        raise ConfigError("model.moe.shared_experts must be >= 0 and model.moe.d_ff positive (or null)")
-    if moe.aux_loss_coef < 0 or moe.z_loss_coef < 0:
-        raise ConfigError("model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0 (0 turns a term off)")
 
 
 def validate(cfg) -> None:
-    """Checks that need more than one key or the file system; raises ConfigError on the first problem."""
-    for key, choices in _CHOICES.items():
-        value = _get(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: set {key} to one of them")
-
-    positive = (
-        "train.steps",
-        "train.batch_size",
-        "train.micro_batch_size",
-        "train.seq_len",
-        "train.eval_batches",
-        "model.n_layer",
-        "model.n_head",
-        "model.d_model",
-        "model.max_seq_len",
-        "model.vocab_multiple",
-        "train.max_bad_steps",
-        "logging.log_every",
-    )
-    for key in positive:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be positive: set {key} to a value above 0")
-    if cfg.parallel.nproc < 1:
-        raise ConfigError(f"parallel.nproc={cfg.parallel.nproc} must be at least 1")
-    if cfg.parallel.microbatches is not None and cfg.parallel.microbatches < 1:
-        raise ConfigError(
-            f"parallel.microbatches={cfg.parallel.microbatches} must be at least 1 (or null: "
-            f"train.batch_size / (data-parallel size x train.micro_batch_size))"
-        )
-    if cfg.parallel.pp_stages_per_rank < 1 or cfg.parallel.pp_edge_blocks < 0:
-        raise ConfigError("parallel.pp_stages_per_rank must be >= 1 and parallel.pp_edge_blocks >= 0")
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0: use 0 to disable validation")
-
+    """Every key against its domain, then the rules that span several keys or read the file system; raises
+    ConfigError on the first problem. Cheap and torch-free: it runs before any process group, model or data."""
+    check_domains(cfg, RootConfig)
     t, m = cfg.train, cfg.model
     if t.batch_size % t.micro_batch_size:
         raise ConfigError(
@@ -343,49 +390,16 @@ def validate(cfg) -> None:
             f"model.position=rope rotates pairs of dimensions but the head size d_model / n_head = "
             f"{m.d_model // m.n_head} is odd: choose d_model and n_head with an even quotient"
         )
-    if m.rope_theta <= 0 or m.norm_eps <= 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be positive")
     if m.rope_scaling.type == "llama3":
         validate_rope_scaling(m.rope_scaling)
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
-    for key in ("dropout", "attention_dropout"):
-        if not 0.0 <= m[key] < 1.0:
-            raise ConfigError(f"model.{key}={m[key]} must be in [0, 1): the fraction of elements dropped")
-    for key in ("nodes", "gpus_per_node", "device_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops"):
-        value = cfg.hardware[key]
-        if value is not None and value <= 0:
-            raise ConfigError(
-                f"hardware.{key}={value} must be positive: fix it in conf/hardware/{cfg.hardware.name}.yaml or on the "
-                f"command line"
-            )
-    _validate_plan(cfg.plan)
-    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 (grad_clip=0 disables clipping)")
     validate_data(cfg.data)
-    _validate_checkpoint(cfg.checkpoint)
-
-
-def _validate_plan(p) -> None:
-    for key in ("world_size", "parameters", "param_bytes", "grad_bytes", "optimizer_bytes"):
-        if p[key] is not None and p[key] <= 0:
-            raise ConfigError(f"plan.{key}={p[key]} must be positive: set plan.{key} to a value above 0")
-    if not 0 < p.mfu <= 1 or p.reserved_gib < 0:
-        raise ConfigError(
-            f"plan.mfu={p.mfu} must be in (0, 1] and plan.reserved_gib={p.reserved_gib} >= 0: e.g. plan.mfu=0.4"
-        )
-    if p.layouts not in ("dp", "all"):
-        raise ConfigError(f"plan.layouts={p.layouts!r} is not one of dp, all: set plan.layouts=dp or plan.layouts=all")
-
-
-def _validate_checkpoint(c) -> None:
-    if c.every < 0 or c.keep < 1:
-        raise ConfigError(
-            f"checkpoint.every={c.every} must be >= 0 (0: only at the end) and checkpoint.keep={c.keep} >= 1"
-        )
 
 
 def validate_data(d) -> None:
+    """The data keys' domains and the rules between them (also what llmtrain.data.prepare checks)."""
+    check_domains(d, DataConfig, "data.")
     if d.source in ("local", "prepared") and not d.path:
         what = "<file, folder or glob>" if d.source == "local" else "<directory written by llmtrain.data.prepare>"
         raise ConfigError(f"data.path is not set: data={d.source} needs data.path={what}")
@@ -402,19 +416,14 @@ def validate_data(d) -> None:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
     if d.source == "prepared":
         return  # the store's manifest fixes the tokenizer and the split: llmtrain/data/prepared.py checks them
-    if d.tokenizer.kind not in TOKENIZER_KINDS:
-        raise ConfigError(
-            f"data.tokenizer.kind={d.tokenizer.kind!r} is not one of {', '.join(TOKENIZER_KINDS)}: "
-            f"set data.tokenizer.kind to one of them"
-        )
+    if d.tokenizer.kind is None:
+        raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(TOKENIZER_KINDS)}")
     if d.tokenizer.kind == "hf" and not d.tokenizer.name:
         raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
     if d.tokenizer.kind == "bpe" and (d.tokenizer.vocab_size or 0) < 512:
         raise ConfigError(
             f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: use at least 512"
         )
-    if d.val_split is None and d.val_path is None and not 0.0 < d.val_fraction < 0.5:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5) when data.val_split is unset")
 
 
 def _check_local_files(key: str, path: str) -> None:
@@ -425,7 +434,6 @@ def _check_local_files(key: str, path: str) -> None:
         )
 
 
-TOKENIZER_KINDS = ("byte", "bpe", "hf")
 DATA_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 

@@ -29,6 +29,7 @@ from llmtrain.checkpoint.training import (
 )
 from llmtrain.config import ConfigError, RootConfig, validate
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.entry import CONFIG_ERROR_EXIT
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.runtime import Runtime, init_runtime
@@ -45,7 +46,6 @@ log = logging.getLogger("llmtrain")
 
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
 HYDRA_ONLY = {".hydra", "train.log"}
-CONFIG_ERROR_EXIT = 2
 DIVERGED_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
 

@@ -277,7 +277,7 @@ def test_val_path_names_the_validation_files(corpus, tmp_path):
     assert _texts(cfg, VALIDATION) == ["held-out text " * 50]
     assert sorted(_texts(cfg, TRAIN)) == sorted(DOCS)  # nothing held out of training
     validate_data(cfg)
-    with pytest.raises(ConfigError, match=r"^data.val_path='.*missing.txt' matches no .txt, .jsonl or .parquet file"):
+    with pytest.raises(ConfigError, match=r"^data.val_path='.*missing.txt' does not exist"):
         validate_data(_data_cfg(path=str(corpus / "txt"), val_path=str(tmp_path / "missing.txt")))
 
 

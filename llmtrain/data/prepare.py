@@ -28,6 +28,8 @@ from llmtrain.config import (
     ConfigError,
     DataConfig,
     PrepareConfig,
+    PrepareRootConfig,
+    check_domains,
     local_data_files,
     register_schemas,
     validate_data,
@@ -44,6 +46,7 @@ from llmtrain.data.store import (
     token_dtype,
 )
 from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers
+from llmtrain.entry import CONFIG_ERROR_EXIT, job, run_entry
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 # A worker's task: documents up to about this much text (large enough that pickling is a small share of the work).
@@ -125,10 +128,9 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
     """Write the token store prepare.out for `data_cfg` (or find it already written) and return its manifest."""
     if not prepare_cfg.out:
         raise ConfigError("prepare.out is not set: name the directory to write, e.g. prepare.out=data/corpus")
+    check_domains(prepare_cfg, PrepareConfig, "prepare.")
     out = os.path.abspath(os.path.expanduser(prepare_cfg.out))
     num_proc = prepare_cfg.num_proc
-    if num_proc < 1:
-        raise ConfigError(f"prepare.num_proc={num_proc} must be at least 1: set prepare.num_proc=1 or more")
     validate_data(data_cfg)
     if data_cfg.source == "prepared":
         raise ConfigError("data=prepared is already prepared: choose the source to prepare (data=stdlib|local|hf)")
@@ -195,13 +197,14 @@ register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")
+@job
 def main(cfg) -> None:
     try:
         prepare(OmegaConf.to_object(cfg.data), OmegaConf.to_object(cfg.prepare))  # type: ignore[arg-type]
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CONFIG_ERROR_EXIT)
 
 
 if __name__ == "__main__":
-    main()
+    run_entry(main, PrepareRootConfig)

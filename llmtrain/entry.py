@@ -1,0 +1,112 @@
+"""What the Hydra entry points (train.py, llmtrain.data.prepare) share: a config that cannot be composed ends in
+one `error:` line naming the key and exit code 2, like every other bad input, instead of Hydra's multi-line report.
+
+Hydra reports composition errors itself unless HYDRA_FULL_ERROR=1, when it raises them; `run_entry` sets it so that
+the error reaches here, and re-raises anything from inside the job (a bug there keeps its traceback). A user who
+sets HYDRA_FULL_ERROR=1 gets Hydra's full report as before.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+CONFIG_ERROR_EXIT = 2
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
+class _JobState:
+    running = False  # set while the task function runs: errors then are the job's, not the composition's
+
+
+def job(task: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Marks `task` (the function under @hydra.main) so that run_entry tells its errors from Hydra's."""
+
+    @functools.wraps(task)
+    def marked(cfg: Any) -> None:
+        _JobState.running = True
+        try:
+            task(cfg)
+        finally:
+            _JobState.running = False
+
+    return marked
+
+
+def run_entry(main: Callable[[], None], schema: type) -> None:
+    """Call a @hydra.main function; a composition error becomes one line and exit 2 (keys named from `schema`)."""
+    user_wants_report = os.environ.get(_FULL_ERROR) == "1"
+    os.environ[_FULL_ERROR] = "1"
+    try:
+        main()
+    except Exception as error:
+        if user_wants_report or _JobState.running:
+            raise
+        print(f"error: {composition_error_line(error, schema)}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT)
+
+
+def composition_error_line(error: BaseException, schema: type) -> str:
+    """One line for an error raised while Hydra composed the config or created the run directory."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    from llmtrain.config import schema_keys
+
+    domains = dict(schema_keys(schema))
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        return f"{group}={option} is not an option of {group}: choose one of {', '.join(error.options)}"
+    if isinstance(error, OverrideParseException):
+        return (
+            f"cannot read the override {error.override!r}: {_first_line(error.message)} (quote a value holding "
+            f"spaces or brackets: key='a value')"
+        )
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_line(cause.full_key or "?", list(domains))
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, ValidationError):
+        name = cause.full_key or "?"
+        override = re.search(r"override (\S+=.*)$", str(error))
+        shown = override.group(1) if override else name
+        domain = domains.get(name)
+        if domain is None:  # a whole section assigned a value
+            return f"{shown}: {name} is a group of keys, not a value: set its keys ({name}.<key>=...)"
+        kind = "is not allowed (the key has no null)" if "is not Optional" in cause.msg else _type_phrase(cause.msg)
+        return f"{shown} {kind}: set {name} to {domain.accepts()}"
+    if isinstance(error, OSError):  # Hydra creating the run (or sweep) directory
+        return (
+            f"the run directory {error.filename} cannot be created ({error.strerror}): set hydra.run.dir (or "
+            f"hydra.sweep.dir with -m) to a writable directory"
+        )
+    text = " ".join(part for part in (_first_line(str(error)), _first_line(str(cause or ""))) if part)
+    return text or type(error).__name__
+
+
+def unknown_key_line(name: str, keys: list[str]) -> str:
+    """`name` is not among `keys` (dotted leaf keys): the closest key of the same section, and the section's keys."""
+    parent = name.rpartition(".")[0]
+    prefix = f"{parent}." if parent else ""
+    siblings = sorted({k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)})
+    near = difflib.get_close_matches(name.rpartition(".")[2], siblings, n=1)
+    hint = f": did you mean {prefix}{near[0]}?" if near else ""
+    return f"{name} is not a key{hint} (the keys of {parent or 'the config'}: {', '.join(siblings)})"
+
+
+def _type_phrase(message: str) -> str:
+    if "valid bool" in message:
+        return "is not true or false"
+    if "to Integer" in message:
+        return "is not a whole number"
+    if "to Float" in message:
+        return "is not a number"
+    return "has the wrong type"
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
