@@ -334,7 +334,7 @@ def _lookup(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
 
 
 def _leaf_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
-    for name in cfg:
+    for name in map(str, cfg):
         node = cfg._get_node(name)
         if isinstance(node, DictConfig):
             yield from _leaf_keys(node, f"{prefix}{name}.")

@@ -77,7 +77,8 @@ def composition_error_line(error: BaseException, schema: type) -> str:
         domain = domains.get(name)
         if domain is None:  # a whole section assigned a value
             return f"{shown}: {name} is a group of keys, not a value: set its keys ({name}.<key>=...)"
-        kind = "is not allowed (the key has no null)" if "is not Optional" in cause.msg else _type_phrase(cause.msg)
+        message = cause.msg or ""
+        kind = "is not allowed (the key has no null)" if "is not Optional" in message else _type_phrase(message)
         return f"{shown} {kind}: set {name} to {domain.accepts()}"
     if isinstance(error, OSError):  # Hydra creating the run (or sweep) directory
         return (
