@@ -7,9 +7,11 @@ run directory and hands the config to llmtrain.job.run; a config it cannot compo
 import os
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 
-from llmtrain.config import RootConfig, register_schemas
-from llmtrain.entry import job, run_entry
+from llmtrain.config import ConfigError, RootConfig, register_schemas, validate
+from llmtrain.entry import exit_with_config_error, job, run_entry
+from llmtrain.resolvers import launch_rank
 
 register_schemas()
 # This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).
@@ -23,7 +25,11 @@ def main(cfg) -> None:
 
     # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
     with PreemptionWatch() as preemption:
-        from llmtrain.job import run  # imported here so that `--help` and config errors answer without torch
+        try:
+            validate(cfg)  # before torch is imported: a bad key answers in a second, on the main rank only
+        except ConfigError as error:
+            exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
+        from llmtrain.job import run
 
         run(cfg, preemption, ENTRY_POINT)
 

@@ -8,16 +8,21 @@ sets HYDRA_FULL_ERROR=1 gets Hydra's full report as before.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 CONFIG_ERROR_EXIT = 2
 _FULL_ERROR = "HYDRA_FULL_ERROR"
+# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
+HYDRA_ONLY = {".hydra", "train.log"}
+_DATE_FOLDER = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # the default run directory's parent (resolvers.STAMP_FORMAT)
 
 
 class _JobState:
@@ -111,3 +116,22 @@ def _type_phrase(message: str) -> str:
 
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def remove_if_empty_run(run_dir: str) -> None:
+    """Delete a run directory that holds nothing but what Hydra wrote, and the date folder above it when that is
+    now empty (no other folder: one that was empty before the run may be the user's)."""
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        if _DATE_FOLDER.match(os.path.basename(parent)):
+            with contextlib.suppress(OSError):  # not empty: another run's
+                os.rmdir(parent)
+
+
+def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoReturn:
+    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind."""
+    if is_main:
+        print(f"error: {error}", file=sys.stderr)
+        remove_if_empty_run(run_dir)
+    sys.exit(CONFIG_ERROR_EXIT)

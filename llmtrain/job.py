@@ -3,10 +3,8 @@ trainer -> report. `train.py` calls `run` with the composed Hydra config."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -27,9 +25,9 @@ from llmtrain.checkpoint.training import (
     resume_path,
     wandb_run_id,
 )
-from llmtrain.config import ConfigError, RootConfig, validate
+from llmtrain.config import ConfigError, RootConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
-from llmtrain.entry import CONFIG_ERROR_EXIT
+from llmtrain.entry import exit_with_config_error, remove_if_empty_run
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.runtime import Runtime, init_runtime
@@ -44,17 +42,8 @@ from llmtrain.train.report import compiled_graphs, end_summary, format_end_summa
 
 log = logging.getLogger("llmtrain")
 
-# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
-HYDRA_ONLY = {".hydra", "train.log"}
 DIVERGED_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
-
-
-def _remove_if_empty_run(run_dir: str) -> None:
-    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):  # and the date folder above it, when that is now empty
-            os.removedirs(os.path.dirname(run_dir))
 
 
 def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
@@ -82,7 +71,6 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
     the process started."""
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        validate(cfg)
         if cfg.parallel.nproc > 1 and not launched_externally():
             code = spawn_workers(
                 entry_point,
@@ -92,7 +80,7 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
                 *_wandb_identity(cfg, run_dir),
                 preemption,
             )
-            _remove_if_empty_run(run_dir)
+            remove_if_empty_run(run_dir)
             if code == PREEMPTED_EXIT and preemption.signal_name:
                 preemption.hand_over()  # e.g. submitit, which requeues the job
             if code:
@@ -101,7 +89,7 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         runtime = init_runtime(cfg.train.device)
         preemption.attach(runtime)
     except ConfigError as error:
-        _exit_with_config_error(error, run_dir, is_main=True)
+        exit_with_config_error(error, run_dir, is_main=True)
     if not runtime.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
@@ -110,7 +98,7 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         runtime.shutdown()
         if "parallel." in str(error):  # a layout that cannot run: the planner lists those that can
             error = ConfigError(f"{error}; layouts that run: {_plan(runtime)}")
-        _exit_with_config_error(error, run_dir, is_main=runtime.is_main)
+        exit_with_config_error(error, run_dir, is_main=runtime.is_main)
     except Preempted as stop:  # every rank stops after the same step, its checkpoint written
         if runtime.is_main:
             print(f"llmtrain: {stop}; exiting with {PREEMPTED_EXIT} (requeue to resume)", file=sys.stderr)
@@ -174,13 +162,6 @@ def _plan(runtime: Runtime) -> str:
     from llmtrain.planner.inputs import plan_command
 
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
-
-
-def _exit_with_config_error(error: ConfigError, run_dir: str, is_main: bool) -> None:
-    if is_main:
-        print(f"error: {error}", file=sys.stderr)
-        _remove_if_empty_run(run_dir)
-    sys.exit(CONFIG_ERROR_EXIT)
 
 
 @dataclass

@@ -44,9 +44,14 @@ def run_stamp() -> str:
     return time.strftime(STAMP_FORMAT)
 
 
+def launch_rank() -> int:
+    """This process's global rank as its launcher (torchrun, srun) set it; 0 for a plain process."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def hydra_output_subdir() -> str | None:
     """Only rank 0 writes the composed config (.hydra/) into the shared run directory."""
-    return ".hydra" if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0 else None
+    return ".hydra" if launch_rank() == 0 else None
 
 
 def ranks_per_node() -> int:

@@ -11,6 +11,7 @@ The validation stream is the dataset's own validation split when `data.val_split
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 import zlib
@@ -21,6 +22,7 @@ import datasets
 from datasets import IterableDataset
 
 from llmtrain.config import ConfigError, local_data_files
+from llmtrain.hub import from_hub
 
 TRAIN, VALIDATION = "train", "validation"
 # Documents are held out for validation in pieces of about this many characters (cut at line ends).
@@ -37,17 +39,123 @@ def stdlib_files() -> list[str]:
     return sorted(found)
 
 
-def _read_text_files(paths: list[str]) -> Iterator[dict]:
+def _read_text_files(paths: list[str], strict: bool = True) -> Iterator[dict]:
+    """One document per file. `strict`: a file that is not UTF-8 is refused, naming the byte (the stdlib corpus,
+    which holds a few deliberately Latin-1 test files, passes strict=False and reads them with replacements)."""
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield {"text": f.read()}
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8", errors="strict" if strict else "replace")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            raise ConfigError(
+                f"data.path: {path} is not UTF-8 text: byte {error.start} (line {line}) is "
+                f"0x{raw[error.start]:02x}: re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            ) from None
+        yield {"text": text}
 
 
-def _from_text_files(paths: list[str]) -> IterableDataset:
+def _read_jsonl_files(paths: list[str], text_field: str) -> Iterator[dict]:
+    """One document per line: the line's JSON object's `text_field`; a line that is not one names file and line."""
+    for path in paths:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    yield {"text": _jsonl_text(path, number, line, text_field)}
+
+
+def _jsonl_text(path: str, number: int, line: bytes, text_field: str) -> str:
+    where = f"data.path: {path}, line {number}"
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8: re-encode the file as UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{where} is not JSON ({error.msg} at column {error.colno}): each line of a .jsonl file must be one "
+            f"JSON object; fix or remove that line"
+        ) from None
+    fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+    if not isinstance(record, dict) or text_field not in record:
+        raise ConfigError(
+            f"{where} has no field {text_field!r} (fields: {fields}): set data.text_field to the field that holds "
+            f"the text"
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text: fix that record")
+    return text
+
+
+def _read_parquet_files(paths: list[str], text_field: str) -> Iterator[dict]:
+    """One document per row: its `text_field` column, read one row group at a time."""
+    for path in paths:
+        parquet = _open_parquet(path, text_field)
+        for group in range(parquet.num_row_groups):
+            try:
+                column = parquet.read_row_group(group, columns=[text_field]).column(0)
+            except Exception as error:  # pyarrow's ArrowInvalid / OSError for damaged pages
+                raise ConfigError(
+                    f"data.path: {path}, row group {group} cannot be read ({error}): the file is damaged"
+                ) from None
+            for row, text in enumerate(column.to_pylist()):
+                if not isinstance(text, str):
+                    raise ConfigError(
+                        f"data.path: {path}, row group {group}, row {row}: column {text_field!r} holds "
+                        f"{type(text).__name__}, not text: fix that row"
+                    )
+                yield {"text": text}
+
+
+def _open_parquet(path: str, text_field: str):
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid for a file that is not parquet
+        raise ConfigError(f"data.path: {path} is not a parquet file ({str(error).splitlines()[0]})") from None
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise ConfigError(
+            f"data.path: {path} has no field {text_field!r} (fields: {', '.join(columns)}): set data.text_field to "
+            f"the field that holds the text"
+        )
+    return parquet
+
+
+def _first_jsonl_text(path: str, text_field: str) -> None:
+    """The first record of `path` checked now, so a wrong data.text_field stops the run before it starts."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                _jsonl_text(path, number, line, text_field)
+                return
+
+
+def _from_generator(reader, paths: list[str], **kwargs) -> IterableDataset:
     # `paths` as a gen_kwargs list makes each file a shard, so dataset.shuffle reorders files too.
     return IterableDataset.from_generator(
-        _read_text_files, gen_kwargs={"paths": paths}, features=datasets.Features({"text": datasets.Value("string")})
+        reader, gen_kwargs={"paths": paths, **kwargs}, features=datasets.Features({"text": datasets.Value("string")})
     )
+
+
+def _local_dataset(data_cfg, files: str) -> IterableDataset:
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for path in local_data_files(files):
+        by_kind[os.path.splitext(path)[1]].append(path)
+    parts = []
+    if ".txt" in by_kind:
+        parts.append(_from_generator(_read_text_files, by_kind[".txt"]))
+    if ".jsonl" in by_kind:
+        for path in by_kind[".jsonl"]:
+            _first_jsonl_text(path, data_cfg.text_field)
+        parts.append(_from_generator(_read_jsonl_files, by_kind[".jsonl"], text_field=data_cfg.text_field))
+    if ".parquet" in by_kind:
+        for path in by_kind[".parquet"]:
+            _open_parquet(path, data_cfg.text_field)  # footers only: the format and the column, checked now
+        parts.append(_from_generator(_read_parquet_files, by_kind[".parquet"], text_field=data_cfg.text_field))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _text_column(ds: IterableDataset, text_field: str, origin: str) -> IterableDataset:
@@ -62,22 +170,11 @@ def _text_column(ds: IterableDataset, text_field: str, origin: str) -> IterableD
     return ds.select_columns(["text"])
 
 
-def _local_dataset(data_cfg, files: str) -> IterableDataset:
-    by_kind: dict[str, list[str]] = defaultdict(list)
-    for path in local_data_files(files):
-        by_kind[os.path.splitext(path)[1]].append(path)
-    parts = []
-    if ".txt" in by_kind:
-        parts.append(_from_text_files(by_kind[".txt"]))
-    for ext, builder in ((".jsonl", "json"), (".parquet", "parquet")):
-        if ext in by_kind:
-            ds = datasets.load_dataset(builder, data_files=by_kind[ext], split="train", streaming=True)
-            parts.append(_text_column(ds, data_cfg.text_field, by_kind[ext][0]))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-
-
 def _hub_dataset(data_cfg, split: str) -> IterableDataset:
-    ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=split, streaming=True)
+    def load() -> IterableDataset:
+        return datasets.load_dataset(data_cfg.name, data_cfg.subset, split=split, streaming=True)
+
+    ds = from_hub("data.name", data_cfg.name, load, repo_type="dataset")
     return _text_column(ds, data_cfg.text_field, f"dataset {data_cfg.name}")
 
 
@@ -133,7 +230,7 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
     if data_cfg.source == "local" and data_cfg.val_path is not None:
         return _local_dataset(data_cfg, data_cfg.path if split == TRAIN else data_cfg.val_path)
     if data_cfg.source == "stdlib":
-        ds = _from_text_files(stdlib_files())
+        ds = _from_generator(_read_text_files, stdlib_files(), strict=False)
     elif data_cfg.source == "local":
         ds = _local_dataset(data_cfg, data_cfg.path)
     else:

@@ -18,6 +18,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from llmtrain.config import ConfigError
+from llmtrain.hub import from_hub
+
 EOS_TOKEN = "<|endoftext|>"
 
 
@@ -158,7 +161,17 @@ def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
         return FastTokenizer(core, eos_id=eos_id, vocab_size=core.get_vocab_size())
     from transformers import AutoTokenizer
 
-    pretrained = AutoTokenizer.from_pretrained(data_cfg.tokenizer.name)
+    name = data_cfg.tokenizer.name
+    if os.path.isdir(os.path.expanduser(name)):
+        try:
+            pretrained = AutoTokenizer.from_pretrained(os.path.expanduser(name))
+        except (OSError, ValueError) as error:  # what transformers raises for files it cannot use
+            raise ConfigError(
+                f"data.tokenizer.name={name!r}: transformers cannot load a tokenizer from it "
+                f"({str(error).strip().splitlines()[0][:160]}): point it at a directory save_pretrained wrote"
+            ) from None
+    else:
+        pretrained = from_hub("data.tokenizer.name", name, lambda: AutoTokenizer.from_pretrained(name))
     if pretrained.eos_token_id is None:
         pretrained.add_special_tokens({"eos_token": EOS_TOKEN})
     return FastTokenizer(pretrained, eos_id=pretrained.eos_token_id, vocab_size=len(pretrained))

@@ -20,7 +20,7 @@ import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
-from llmtrain.model.hf import lazy_tensors, local_gpt2_directory
+from llmtrain.model.hf import lazy_tensors, local_hf_directory
 from llmtrain.model.rope import RopeScaling
 
 _MODULES = {
@@ -36,16 +36,48 @@ _MODULES = {
 }
 
 
+# The Hugging Face model types llmtrain imports, and a preset of each family.
+IMPORTED_FAMILIES = {"gpt2": "model=gpt2", "llama": "model=smollm2-135m", "mixtral": "model=mixtral-tiny"}
+
+
 def hf_weights(path: str, cfg: GPTConfig):
     """The one-tensor-at-a-time reader of a Hugging Face directory for our model `cfg` (model.init_from)."""
     from llmtrain.model.hf import GPT2Weights
 
+    directory = local_hf_directory(path)
+    family = "mixtral" if cfg.moe.num_experts else "llama" if is_llama(cfg) else "gpt2"
+    check_family(path, directory, family)
     if cfg.moe.num_experts:
         from llmtrain.model.hf_mixtral import MixtralWeights, check_mixtral
 
         check_mixtral(cfg)
-        return MixtralWeights(path, cfg)
-    return LlamaWeights(path, cfg) if is_llama(cfg) else GPT2Weights(path, cfg)
+        return MixtralWeights(directory, cfg)
+    return LlamaWeights(directory, cfg) if family == "llama" else GPT2Weights(directory, cfg)
+
+
+def check_family(path: str, directory: str, family: str) -> None:
+    """A ConfigError unless `directory`'s config.json describes a model of `family` (our model config's)."""
+    import json
+    import os
+
+    config_file = os.path.join(directory, "config.json")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            described = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"model.init_from={path}: {config_file} is not a readable JSON file ({error})") from None
+    model_type = described.get("model_type") if isinstance(described, dict) else None
+    if model_type not in IMPORTED_FAMILIES:
+        architectures = ", ".join((described.get("architectures") or []) if isinstance(described, dict) else [])
+        raise ConfigError(
+            f"model.init_from={path} holds a {model_type!r} model ({architectures or 'no architectures listed'}), "
+            f"which llmtrain does not import: it imports {', '.join(IMPORTED_FAMILIES)}"
+        )
+    if model_type != family:
+        raise ConfigError(
+            f"model.init_from={path} holds a {model_type} model but the model config is a {family}: choose a "
+            f"{model_type} preset (e.g. {IMPORTED_FAMILIES[model_type]}) with the checkpoint's shape"
+        )
 
 
 def hf_config_of(path: str) -> GPTConfig:
@@ -203,7 +235,7 @@ class LlamaWeights:
         return llama_config_of(directory)
 
     def __init__(self, path: str, cfg: GPTConfig):
-        directory = local_gpt2_directory(path)
+        directory = local_hf_directory(path)
         theirs = self.config_of(directory)
         differences = [
             f"{key}={getattr(cfg, key)} (theirs: {getattr(theirs, key)})"
