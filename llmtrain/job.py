@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from llmtrain.checkpoint import save_final_model
-from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.checkpoint.manager import CheckpointManager, CheckpointWriteError
 from llmtrain.checkpoint.training import (
     RunCheckpoints,
     check_model_matches,
@@ -34,7 +34,15 @@ from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
-from llmtrain.train.memory import MIB, BuildPeak, HeldBytes, OutOfMemory, held_bytes, out_of_memory
+from llmtrain.train.memory import (
+    MIB,
+    BuildPeak,
+    HeldBytes,
+    OutOfMemory,
+    allocation_failed,
+    held_bytes,
+    out_of_memory,
+)
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
@@ -44,6 +52,7 @@ log = logging.getLogger("llmtrain")
 
 DIVERGED_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
+RESOURCE_EXIT = 5  # a checkpoint could not be written (a full disk): the previous one stays
 
 
 def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
@@ -106,8 +115,16 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         if preemption.signal_name:
             preemption.hand_over()
         sys.exit(PREEMPTED_EXIT)
-    except (OutOfMemory, torch.OutOfMemoryError) as error:  # the rank that ran out says so; its peers then fail too
-        if isinstance(error, torch.OutOfMemoryError):  # before the first step: building the model or its state
+    except CheckpointWriteError as error:  # every rank (DCP shares a rank's failure); the previous checkpoint stays
+        if runtime.is_main:
+            print(f"error: {error}", file=sys.stderr)
+        runtime.shutdown()
+        sys.exit(RESOURCE_EXIT)
+    except (OutOfMemory, torch.OutOfMemoryError, RuntimeError) as error:  # the rank that ran out says so
+        if not isinstance(error, OutOfMemory) and not allocation_failed(error):
+            runtime.shutdown()
+            raise
+        if not isinstance(error, OutOfMemory):  # before the first step: building the model or its state
             error = out_of_memory(
                 runtime.rank, "while building the model", runtime.device, cfg.train.micro_batch_size, _plan(runtime)
             )
@@ -322,7 +339,9 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
     try:
         state = trainer.run()
         checkpoints.finish()
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not allocation_failed(error):
+            raise
         raise out_of_memory(
             runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None

@@ -37,13 +37,35 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from llmtrain.config import ConfigError
 from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message is one line naming the directory, the cause and the fix."""
+
+
+def _failure_reason(error: BaseException) -> str:
+    """What failed, in the operating system's words where there are some ("No space left on device"), looked for
+    in DCP's per-rank failures too."""
+    found: list[BaseException] = [error]
+    if isinstance(error, CheckpointException):
+        found += [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+    for candidate in found:
+        cause: BaseException | None = candidate
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.strerror:
+                return cause.strerror
+            cause = cause.__cause__ or cause.__context__
+    own = found[-1]  # the failing rank's own exception when DCP wrapped it
+    return str(own).strip().splitlines()[0][:160] if str(own).strip() else type(own).__name__
 
 
 @contextmanager
@@ -73,6 +95,12 @@ def incomplete_reason(path: str) -> str | None:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:  # a truncated .metadata fails to unpickle in many ways
         return f".metadata is unreadable ({type(error).__name__})"
+    try:
+        meta = read_meta(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"meta.json is unreadable ({type(error).__name__})"
+    if not isinstance(meta, dict) or not {"step", "model", "schedule"} <= set(meta):
+        return "meta.json lacks step, model or schedule"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -124,8 +152,18 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def read_data_position(path: str) -> dict:
-    with open(os.path.join(path, "data.pkl"), "rb") as f:
-        return pickle.load(f)
+    try:
+        with open(os.path.join(path, "data.pkl"), "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError) as error:
+        raise damaged(path, "data.pkl", error) from None
+
+
+def damaged(path: str, what: str, error: BaseException) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {path} is damaged: {what} cannot be read ({_failure_reason(error)}): resume from an earlier checkpoint "
+        f"(checkpoint.resume=<its step-* directory>) or start afresh (checkpoint.resume=none)"
+    )
 
 
 def rng_states() -> dict[str, Any]:
@@ -183,31 +221,55 @@ class CheckpointManager:
         self.wait()
         final = checkpoint_path(self.directory, step)
         tmp = f"{final}.tmp"
-        if self.runtime.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        self.runtime.barrier()
-        torch.save(rng_states(), os.path.join(tmp, f"rng-{self.runtime.rank}.pt"))
-        if self.runtime.is_main:
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f)
-            with open(os.path.join(tmp, "data.pkl"), "wb") as f:
-                pickle.dump(data_position, f)
-            if write_main_files is not None:
-                write_main_files(tmp)
-        with single_process_quiet():
-            if self.use_async:
-                future = dcp.async_save(
-                    state,
-                    checkpoint_id=tmp,
-                    process_group=self._group,
-                    async_stager=self._stager,
-                    no_dist=not self.runtime.distributed,
-                )
-                self._pending = (cast(Future, future), tmp, final)
-            else:
+        with self._write_failure(tmp):
+            if self.runtime.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            self.runtime.barrier()
+            torch.save(rng_states(), os.path.join(tmp, f"rng-{self.runtime.rank}.pt"))
+            if self.runtime.is_main:
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump(meta, f)
+                with open(os.path.join(tmp, "data.pkl"), "wb") as f:
+                    pickle.dump(data_position, f)
+                if write_main_files is not None:
+                    write_main_files(tmp)
+            with single_process_quiet():
+                if self.use_async:
+                    future = dcp.async_save(
+                        state,
+                        checkpoint_id=tmp,
+                        process_group=self._group,
+                        async_stager=self._stager,
+                        no_dist=not self.runtime.distributed,
+                    )
+                    self._pending = (cast(Future, future), tmp, final)
+                    return
                 dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
-                self._finish(tmp, final)
+        self._finish(tmp, final)
+
+    @contextmanager
+    def _write_failure(self, tmp: str) -> Iterator[None]:
+        """A failed write (a full disk, a directory that cannot be written) leaves the previous checkpoint the
+        latest: the partial one is deleted and CheckpointWriteError says so in one line. DCP reports a rank's
+        failure to every rank (CheckpointException), so all of them raise; one rank's own file write fails alone
+        (its peers then fail at the next collective)."""
+        try:
+            yield
+        except (OSError, CheckpointException) as error:
+            if self.runtime.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = complete_checkpoints(self.directory, warn=False)
+            kept = (
+                f"{os.path.basename(previous[-1])} is intact and a rerun resumes from it"
+                if previous
+                else ("no earlier checkpoint exists")
+            )
+            raise CheckpointWriteError(
+                f"checkpoint {os.path.basename(tmp[: -len('.tmp')])} could not be written to {self.directory} "
+                f"({_failure_reason(error)}); {kept}: free space on that disk, lower checkpoint.keep, or set "
+                f"checkpoint.dir to another disk"
+            ) from error
 
     def poll(self) -> None:
         """Collective, once a step: complete an async save as soon as every rank's write has finished, so a
@@ -227,7 +289,8 @@ class CheckpointManager:
         if self._pending is not None:
             future, tmp, final = self._pending
             self._pending = None
-            future.result()
+            with self._write_failure(tmp):
+                future.result()
             self._finish(tmp, final)
 
     def _finish(self, tmp: str, final: str) -> None:
@@ -243,5 +306,8 @@ class CheckpointManager:
 
 def load_checkpoint(path: str, state: dict[str, Any], distributed: bool) -> None:
     """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
-    with single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    try:
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    except CheckpointException as error:  # raised on every rank: a shard that does not unpickle or is short
+        raise damaged(path, "its model and optimizer shards", error) from None

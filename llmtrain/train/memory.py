@@ -104,6 +104,12 @@ class OutOfMemory(RuntimeError):
     change)."""
 
 
+def allocation_failed(error: BaseException) -> bool:
+    """Whether `error` is an allocator running out: CUDA's OutOfMemoryError, or the host allocator's RuntimeError
+    (torch raises no dedicated type for host memory)."""
+    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
 def out_of_memory(rank: int, where: str, device: torch.device, micro_batch_size: int, plan: str) -> OutOfMemory:
     """The one-line account of an out-of-memory error on `rank` `where` (e.g. "in step 12"); `plan` is the planner
     command that shows what fits."""
