@@ -161,8 +161,8 @@ def read_data_position(path: str) -> dict:
 
 def damaged(path: str, what: str, error: BaseException) -> ConfigError:
     return ConfigError(
-        f"checkpoint {path} is damaged: {what} cannot be read ({_failure_reason(error)}): resume from an earlier checkpoint "
-        f"(checkpoint.resume=<its step-* directory>) or start afresh (checkpoint.resume=none)"
+        f"checkpoint {path} is damaged: {what} cannot be read ({_failure_reason(error)}): resume from an earlier "
+        f"checkpoint (checkpoint.resume=<its step-* directory>) or start afresh (checkpoint.resume=none)"
     )
 
 
