@@ -245,67 +245,71 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
         val_slice if t.eval_every > 0 else None,
         read_data_position(resume) if resume else None,
     )
-    padding = gpt_cfg.padding_parameters
-    n_params = num_parameters(meta) - padding
-    model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
-    with BuildPeak(runtime.device) as build:
-        # The layout is applied on the meta device; then each rank allocates and initialises only its part.
-        model = strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
-        optimizer = strategy.build_optimizer(model, config.optim)
-    memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
-    schedule = build_schedule(optimizer, t.steps, config.optim)
-    wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
-    checkpoints = RunCheckpoints(
-        CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, runtime),
-        strategy,
-        model,
-        optimizer,
-        schedule,
-        data,
-        gpt_cfg,
-        runtime,
-        wandb_id,
-    )
-    state = checkpoints.restore(resume) if resume else LoopState()
-    _, precision = strategy.precision()
-    log.info(
-        "\n"
-        + start_summary(
-            cfg,
-            n_params=n_params,
-            padding=padding,
-            vocab_size=gpt_cfg.vocab_size,
-            layout=("auto -> " if auto else "") + strategy.summary(),
-            device=str(runtime.device),
-            precision=precision,
-            dp_size=strategy.dp_size,
-            micro_batching=strategy.micro_batching(),
-            memory=memory,
-            run_dir=run_dir,
-            data=data.description,
-            resumed=f"{resume} (step {state.step})" if resume else None,
+    try:  # the data's reading thread is stopped on the way out of a failed build
+        padding = gpt_cfg.padding_parameters
+        n_params = num_parameters(meta) - padding
+        model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
+        with BuildPeak(runtime.device) as build:
+            # The layout is applied on the meta device; then each rank allocates and initialises only its part.
+            model = strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
+            optimizer = strategy.build_optimizer(model, config.optim)
+        memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
+        schedule = build_schedule(optimizer, t.steps, config.optim)
+        wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
+        checkpoints = RunCheckpoints(
+            CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, runtime),
+            strategy,
+            model,
+            optimizer,
+            schedule,
+            data,
+            gpt_cfg,
+            runtime,
+            wandb_id,
         )
-    )
+        state = checkpoints.restore(resume) if resume else LoopState()
+        _, precision = strategy.precision()
+        log.info(
+            "\n"
+            + start_summary(
+                cfg,
+                n_params=n_params,
+                padding=padding,
+                vocab_size=gpt_cfg.vocab_size,
+                layout=("auto -> " if auto else "") + strategy.summary(),
+                device=str(runtime.device),
+                precision=precision,
+                dp_size=strategy.dp_size,
+                micro_batching=strategy.micro_batching(),
+                memory=memory,
+                run_dir=run_dir,
+                data=data.description,
+                resumed=f"{resume} (step {state.step})" if resume else None,
+            )
+        )
 
-    trainer = Trainer(
-        t,
-        config.optim.grad_clip,
-        config.checkpoint.every,
-        runtime,
-        strategy,
-        model,
-        optimizer,
-        schedule,
-        data,
-        train_slice,
-        val_slice,
-        model_flops,
-        lambda record: None,
-        checkpoints,
-        preemption,
-        state,
-    )
-    return Training(config, strategy, model, checkpoints, trainer, n_params, wandb_id)
+        trainer = Trainer(
+            t,
+            config.optim.grad_clip,
+            config.checkpoint.every,
+            runtime,
+            strategy,
+            model,
+            optimizer,
+            schedule,
+            data,
+            train_slice,
+            val_slice,
+            model_flops,
+            lambda record: None,
+            checkpoints,
+            preemption,
+            state,
+        )
+        return Training(config, strategy, model, checkpoints, trainer, n_params, wandb_id)
+    except BaseException:
+        data.close()
+        raise
 
 
 def _auto_layout(cfg, config: RootConfig, runtime: Runtime, vocab_size: int):
@@ -346,6 +350,7 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
             runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None
     finally:
+        trainer.data.close()
         if loggers:
             loggers.close_console()
     if t.save_model:

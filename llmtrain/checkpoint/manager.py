@@ -96,11 +96,10 @@ def incomplete_reason(path: str) -> str | None:
     except Exception as error:  # a truncated .metadata fails to unpickle in many ways
         return f".metadata is unreadable ({type(error).__name__})"
     try:
-        meta = read_meta(path)
+        if not isinstance(read_meta(path), dict):
+            return "meta.json is not a JSON object"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return f"meta.json is unreadable ({type(error).__name__})"
-    if not isinstance(meta, dict) or not {"step", "model", "schedule"} <= set(meta):
-        return "meta.json lacks step, model or schedule"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

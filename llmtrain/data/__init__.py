@@ -25,9 +25,12 @@ TOKENIZER_TRAINING_SEED = 0
 @dataclass
 class Data:
     tokenizer: Tokenizer
-    train: Batches
+    train: Prefetched
     val_rows: np.ndarray | None  # this rank's rows of the fixed validation set; None when eval is disabled
     description: str  # for the start summary
+
+    def close(self) -> None:
+        self.train.close()
 
 
 # Above this many data-parallel ranks the streamed path's repeated tokenisation is worth a warning (README, "Data").

@@ -3,6 +3,7 @@ instead of stalling it between steps."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Protocol
@@ -29,16 +30,26 @@ class Prefetched:
         self._source = source
         self._position = source.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._produce, daemon=True, name="llmtrain-data")
         self._thread.start()
 
     def _produce(self) -> None:
         try:
-            while True:
+            while not self._closing.is_set():
                 rows = self._source.next()
                 self._queue.put((rows, self._source.state_dict()))
         except BaseException as error:  # surfaced to the training thread, which owns error handling
             self._queue.put(error)
+
+    def close(self) -> None:
+        """Stop the thread and wait for it: a process that exits while the thread is inside a native tokenizer
+        aborts (SIGABRT) instead of leaving with its own exit code."""
+        self._closing.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):  # make room for a put the thread is blocked in
+                self._queue.get(timeout=0.05)
+        self._thread.join()
 
     def next(self) -> np.ndarray:
         item = self._queue.get()

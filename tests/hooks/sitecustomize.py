@@ -9,6 +9,7 @@
   LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP=k  checkpoint k's shards are written, then its write never finishes (no
                                    .metadata, no rename): a test kills the run mid-save (in the background thread
                                    under checkpoint.async_save, while training goes on)
+  LLMTRAIN_TEST_DISK_FULL_AT_STEP=k  DCP's file writer fails checkpoint k's write with ENOSPC, as a full disk does
   LLMTRAIN_TEST_HOST_READS=FILE    each step appends one line to FILE: how many times the training thread read a
                                    tensor's value on the host (item, tolist, float, int, bool): each one a sync on
                                    a GPU. Reads inside optimizer.step are left out: torch's AdamW keeps its step
@@ -30,6 +31,7 @@ INF_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_AT_STEPS", "").split
 INF_GRAD_AT = {int(s) for s in os.environ.get("LLMTRAIN_TEST_INF_GRAD_AT_STEPS", "").split(",") if s}
 OOM_AT = int(os.environ.get("LLMTRAIN_TEST_OOM_AT_STEP", "0"))
 HANG_IN_SAVE_AT = int(os.environ.get("LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP", "0"))
+DISK_FULL_AT = int(os.environ.get("LLMTRAIN_TEST_DISK_FULL_AT_STEP", "0"))
 HOST_READS = os.environ.get("LLMTRAIN_TEST_HOST_READS", "")
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -93,9 +95,27 @@ def _hang_in_save(step: int) -> None:
     FileSystemWriter.write_data = writing_then_hanging
 
 
+def _disk_full_in_save(step: int) -> None:
+    """DCP's file writer fails checkpoint `step`'s write as a full disk does."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if f"step-{step:08d}.tmp" in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = failing
+
+
 def _patch(loop) -> None:
     if HANG_IN_SAVE_AT:
         _hang_in_save(HANG_IN_SAVE_AT)
+    if DISK_FULL_AT:
+        _disk_full_in_save(DISK_FULL_AT)
     original = loop.Trainer.train_step
 
     def train_step(self):
@@ -147,5 +167,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if HANG_AT or STEP_SECONDS or INF_AT or INF_GRAD_AT or OOM_AT or HANG_IN_SAVE_AT or HOST_READS:
+if HANG_AT or STEP_SECONDS or INF_AT or INF_GRAD_AT or OOM_AT or HANG_IN_SAVE_AT or DISK_FULL_AT or HOST_READS:
     sys.meta_path.insert(0, _PatchOnImport())
