@@ -273,6 +273,7 @@ def _saved_state(checkpoint: Path, tmp_path: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow  # real processes: the slow tier
 def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(train, tmp_path):
     """Step 3's gradients overflow while its loss stays finite (what a bf16 overflow in backward looks like): the
     step is skipped, and the checkpoint after it holds exactly the weights and AdamW state of the one before."""
@@ -313,3 +314,36 @@ def test_out_of_memory_is_one_line_naming_the_rank_the_step_and_the_knobs(train)
         assert knob in errors[0]
     names = [Path(p).name for p in complete_checkpoints(str(run.run_dir / "checkpoints"))]
     assert names == ["step-00000001", "step-00000002"]  # what was saved before it stays
+
+
+@pytest.mark.slow
+def test_a_host_allocation_failure_while_building_is_one_line_with_the_knobs(train):
+    """A vocabulary of 2^40 rows: the host allocator refuses the embedding at once (a RuntimeError, not torch's
+    OutOfMemoryError), which used to end in its traceback."""
+    run = train("model.vocab_size=1099511627776", "train.steps=1")
+    assert run.returncode == 4, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 ran out of cpu memory while building the model")
+    assert "train.micro_batch_size" in errors[0] and "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(async_save, train, tmp_path):
+    """Checkpoint 4's write fails as a full disk makes it fail (ENOSPC inside DCP's writer): one line naming the
+    directory, the cause and the fix, exit 5, its partial directory removed, checkpoint 2 still complete, and a
+    rerun resumes from it."""
+    save = ("checkpoint.every=2", "train.steps=6", f"checkpoint.async_save={str(async_save).lower()}")
+    run = train(*save, env=faults(LLMTRAIN_TEST_DISK_FULL_AT_STEP="4"), name="full")
+    assert run.returncode == 5, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    checkpoints = run.run_dir / "checkpoints"
+    assert len(errors) == 1 and errors[0] == (
+        f"error: checkpoint step-00000004 could not be written to {checkpoints} (No space left on device); "
+        "step-00000002 is intact and a rerun resumes from it: free space on that disk (older step-* directories "
+        "can go), lower checkpoint.keep, or set checkpoint.dir to another disk"
+    ), run.stderr[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
+    resumed = train(*save, f"checkpoint.dir={checkpoints}", name="resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed   from {checkpoints / 'step-00000002'}" in resumed.stdout + resumed.stderr

@@ -38,6 +38,7 @@ def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:
     return sorted(results.get(timeout=60) for _ in range(nprocs))
 
 
+@pytest.mark.slow  # real processes: the slow tier
 def test_torchrun_environment():
     env = {
         "RANK": "{rank}",
@@ -49,6 +50,7 @@ def test_torchrun_environment():
     assert _spawn(env) == [(0, 2, "torchrun", "gloo", 3.0, "127.0.0.1"), (1, 2, "torchrun", "gloo", 3.0, "127.0.0.1")]
 
 
+@pytest.mark.slow  # real processes: the slow tier
 def test_srun_environment_without_torchrun(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -89,6 +91,7 @@ def _stamp_worker(rank: int, results) -> None:
     results.put((rank, run_stamp(), hydra_output_subdir()))
 
 
+@pytest.mark.slow  # real processes: the slow tier
 def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     context = mp.get_context("spawn")

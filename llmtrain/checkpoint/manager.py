@@ -266,8 +266,8 @@ class CheckpointManager:
             )
             raise CheckpointWriteError(
                 f"checkpoint {os.path.basename(tmp[: -len('.tmp')])} could not be written to {self.directory} "
-                f"({_failure_reason(error)}); {kept}: free space on that disk, lower checkpoint.keep, or set "
-                f"checkpoint.dir to another disk"
+                f"({_failure_reason(error)}); {kept}: free space on that disk (older step-* directories can go), "
+                f"lower checkpoint.keep, or set checkpoint.dir to another disk"
             ) from error
 
     def poll(self) -> None:
