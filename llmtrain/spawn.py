@@ -71,6 +71,14 @@ def job_nodes(nproc: int) -> Nodes:
     return Nodes(1, "localhost:0", uuid.uuid4().hex)
 
 
+# A worker killed outright, by nobody on this side: most often Linux's out-of-memory killer.
+KILLED_HINT = (
+    "most often the host ran out of memory and the kernel's OOM killer chose it (dmesg | grep -i oom): lower "
+    "train.micro_batch_size, set train.activation_checkpointing=selective or full, parallel.cpu_offload=false, or "
+    "start fewer workers (parallel.nproc)"
+)
+
+
 def spawn_workers(
     entry_point: str,
     nproc: int,
@@ -104,7 +112,9 @@ def spawn_workers(
         with _forwarding_preemption_signals(preemption):
             elastic_launch(config, sys.executable)(entry_point, *_without_pinned(overrides), *pinned)
     except ChildFailedError as failure:
-        _, first = failure.get_first_failure()
+        rank, first = failure.get_first_failure()
+        if first.exitcode == -signal.SIGKILL and preemption.signal_name is None:
+            print(f"error: rank {rank} was killed (SIGKILL): {KILLED_HINT}", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by signal s: 128 + s
     return 0
 
