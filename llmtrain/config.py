@@ -1,8 +1,9 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
 `conf/train.yaml` lists `train_schema` first in its defaults, so every yaml and every command-line override is
-merged into these dataclasses: a misspelt key or a wrong type fails before any work starts. Checks that span
-several keys (divisibility, lengths, paths) live in `validate`, which raises `ConfigError` with one line that
+merged into these dataclasses: a misspelt key or a wrong type fails before any work starts. Each key declares
+its domain beside it (`key(default, domain)`, llmtrain/domains.py); `validate` checks every key against its domain,
+then the rules that span several keys (divisibility, lengths, paths), and raises `ConfigError` with one line that
 names the key and the fix.
 """
 
@@ -46,7 +47,7 @@ class ConfigError(ValueError):
 
 
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
-# The registered strategies (llmtrain/parallel/registry.py) and auto; tests/test_domains.py keeps the two in step.
+# The registered strategies (llmtrain/parallel/registry.py) and auto; tests/test_bad_input.py keeps the two in step.
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tp", "pp", "auto")
 # llmtrain/parallel/pipeline/schedules.py's SCHEDULES, named here so that checking them needs no torch.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_reference", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")

@@ -2,7 +2,7 @@
 
 A domain answers three questions: is this value acceptable (`complaint`: None, or what is wrong with it), what does
 the key accept (`accepts`: the phrase `--help` prints and errors end with), and which values lie just outside it
-(`outside`: what tests/test_domains.py feeds every key). `None` is always acceptable for an Optional key: it means
+(`outside`: what tests/test_bad_input.py feeds every key). `None` is always acceptable for an Optional key: it means
 "the default behaviour" and the key's comment says which. Rules that involve several keys stay in
 `config.validate`.
 """
@@ -13,7 +13,6 @@ import glob
 import math
 import os
 import re
-from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,13 +128,11 @@ class Flag(Domain):
 class Text(Domain):
     """Free text (a name, a split, a field); it must not be empty."""
 
-    what: str = "a non-empty string"
-
     def complaint(self, value: Any) -> str | None:
         return "is empty" if not str(value).strip() else None
 
     def accepts(self) -> str:
-        return self.what
+        return "a non-empty string"
 
     def outside(self) -> list[Any]:
         return ["", "  "]
@@ -238,10 +235,8 @@ class CheckpointSource(Domain):
         return ["", "/nonexistent/step-5"]
 
 
-def key(default: Any, domain: Domain, *, factory: Any = NO_DEFAULT) -> Any:
-    """A dataclass field with its domain attached (read back with `domain_of`)."""
-    if factory is not NO_DEFAULT:
-        return field(default_factory=factory, metadata={"domain": domain})
+def key(default: Any, domain: Domain) -> Any:
+    """A dataclass field with its domain attached (read back by config.schema_keys)."""
     return field(default=default, metadata={"domain": domain})
 
 

@@ -85,9 +85,9 @@ def composition_error_line(error: BaseException, schema: type) -> str:
         message = cause.msg or ""
         kind = "is not allowed (the key has no null)" if "is not Optional" in message else _type_phrase(message)
         return f"{shown} {kind}: set {name} to {domain.accepts()}"
-    if isinstance(error, OSError):  # Hydra creating the run (or sweep) directory
+    if isinstance(error, OSError):  # Hydra creating the run (or sweep) directory, or writing .hydra/ into it
         return (
-            f"the run directory {error.filename} cannot be created ({error.strerror}): set hydra.run.dir (or "
+            f"the run directory cannot be written ({error.filename}: {error.strerror}): set hydra.run.dir (or "
             f"hydra.sweep.dir with -m) to a writable directory"
         )
     text = " ".join(part for part in (_first_line(str(error)), _first_line(str(cause or ""))) if part)

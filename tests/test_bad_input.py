@@ -309,3 +309,13 @@ def _assert_one_line_errors(tmp_path: Path, cases: list[tuple[list[str], dict[st
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (args, stderr[-2000:])
         assert "Traceback" not in stderr + stdout, args
         assert not run_dir.exists(), args
+
+
+@pytest.mark.parametrize("override", ["train.stpes=3", "optim.lr=-1"])
+def test_the_planner_answers_a_bad_override_as_train_py_does(override, capsys):
+    from llmtrain.tools.plan import main as plan
+
+    with pytest.raises(SystemExit) as exit_code:
+        plan([override, "plan.out=/nonexistent-dir/plan.json"])
+    assert exit_code.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {error_line(_composed(), override)}"

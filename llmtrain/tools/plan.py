@@ -21,7 +21,10 @@ import os
 import sys
 from typing import Any
 
-from llmtrain.config import ConfigError, validate
+from hydra.errors import HydraException
+
+from llmtrain.config import ConfigError, RootConfig, validate
+from llmtrain.entry import CONFIG_ERROR_EXIT, composition_error_line
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
@@ -105,7 +108,10 @@ def main(argv: list[str]) -> None:
         plans, decision, auto, facts = plan_config(cfg)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CONFIG_ERROR_EXIT)
+    except HydraException as error:  # an override Hydra cannot apply: the same one line as train.py's
+        print(f"error: {composition_error_line(error, RootConfig)}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT)
     print(format_table(plans, facts))
     if decision.chosen:
         command = f"train.py model={cfg.model.name} {decision.chosen.candidate.command_line()}"
