@@ -61,7 +61,7 @@ def composition_error_line(error: BaseException, schema: type) -> str:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    from llmtrain.config import schema_keys
+    from llmtrain.config import first_line, schema_keys
 
     domains = dict(schema_keys(schema))
     cause = error.__cause__
@@ -70,7 +70,7 @@ def composition_error_line(error: BaseException, schema: type) -> str:
         return f"{group}={option} is not an option of {group}: choose one of {', '.join(error.options)}"
     if isinstance(error, OverrideParseException):
         return (
-            f"cannot read the override {error.override!r}: {_first_line(error.message)} (quote a value holding "
+            f"cannot read the override {error.override!r}: {first_line(error.message or '')} (quote a value holding "
             f"spaces or brackets: key='a value')"
         )
     if isinstance(error, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
@@ -90,8 +90,7 @@ def composition_error_line(error: BaseException, schema: type) -> str:
             f"the run directory cannot be written ({error.filename}: {error.strerror}): set hydra.run.dir (or "
             f"hydra.sweep.dir with -m) to a writable directory"
         )
-    text = " ".join(part for part in (_first_line(str(error)), _first_line(str(cause or ""))) if part)
-    return text or type(error).__name__
+    return " ".join(first_line(part) for part in (error, cause) if part is not None)
 
 
 def unknown_key_line(name: str, keys: list[str]) -> str:
@@ -112,10 +111,6 @@ def _type_phrase(message: str) -> str:
     if "to Float" in message:
         return "is not a number"
     return "has the wrong type"
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def remove_if_empty_run(run_dir: str) -> None:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from llmtrain.config import ConfigError
+from llmtrain.config import ConfigError, first_line
 
 T = TypeVar("T")
 
@@ -39,13 +39,9 @@ def from_hub(key: str, name: str, load: Callable[[], T], repo_type: str = "model
 
 
 def unreachable(key: str, name: str, error: BaseException, repo_type: str = "model") -> str:
-    why = "HF_HUB_OFFLINE=1" if os.environ.get("HF_HUB_OFFLINE") == "1" else _first_line(str(error))[:160]
+    why = "HF_HUB_OFFLINE=1" if os.environ.get("HF_HUB_OFFLINE") == "1" else first_line(error)
     kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
     return (
         f"{key}={name!r} is not a local directory and the Hugging Face hub cannot be reached ({why}): download it "
         f"where the hub is reachable (huggingface-cli download {name}{kind} --local-dir <dir>) and set {key}=<dir>"
     )
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "no detail")

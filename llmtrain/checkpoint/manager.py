@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from llmtrain.config import ConfigError
+from llmtrain.config import ConfigError, first_line
 from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
@@ -65,7 +65,7 @@ def _failure_reason(error: BaseException) -> str:
                 return cause.strerror
             cause = cause.__cause__ or cause.__context__
     own = found[-1]  # the failing rank's own exception when DCP wrapped it
-    return str(own).strip().splitlines()[0][:160] if str(own).strip() else type(own).__name__
+    return first_line(own)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import datasets
 from datasets import IterableDataset
 
-from llmtrain.config import ConfigError, local_data_files
+from llmtrain.config import ConfigError, first_line, local_data_files
 from llmtrain.hub import from_hub
 
 TRAIN, VALIDATION = "train", "validation"
@@ -114,7 +114,7 @@ def _open_parquet(path: str, text_field: str):
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid for a file that is not parquet
-        raise ConfigError(f"data.path: {path} is not a parquet file ({str(error).splitlines()[0]})") from None
+        raise ConfigError(f"data.path: {path} is not a parquet file ({first_line(error)})") from None
     columns = parquet.schema_arrow.names
     if text_field not in columns:
         raise ConfigError(

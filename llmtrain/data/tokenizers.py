@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from llmtrain.config import ConfigError
+from llmtrain.config import ConfigError, first_line
 from llmtrain.hub import from_hub
 
 EOS_TOKEN = "<|endoftext|>"
@@ -168,7 +168,7 @@ def load_tokenizer(data_cfg, bpe_path: str | None = None) -> Tokenizer:
         except (OSError, ValueError) as error:  # what transformers raises for files it cannot use
             raise ConfigError(
                 f"data.tokenizer.name={name!r}: transformers cannot load a tokenizer from it "
-                f"({str(error).strip().splitlines()[0][:160]}): point it at a directory save_pretrained wrote"
+                f"({first_line(error)}): point it at a directory save_pretrained wrote"
             ) from None
     else:
         pretrained = from_hub("data.tokenizer.name", name, lambda: AutoTokenizer.from_pretrained(name))

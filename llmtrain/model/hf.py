@@ -173,10 +173,10 @@ def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor
             state = torch.load(pickle_file, map_location="cpu", mmap=True, weights_only=True)
             return set(state), state.__getitem__
     except Exception as error:  # safetensors and torch.load raise their own types for a truncated or foreign file
-        from llmtrain.config import ConfigError
+        from llmtrain.config import ConfigError, first_line
 
         raise ConfigError(
-            f"model.init_from={directory}: its weights cannot be read ({str(error).splitlines()[0][:160]}): the "
+            f"model.init_from={directory}: its weights cannot be read ({first_line(error)}): the "
             f"file is damaged or incomplete; download it again"
         ) from None
     from llmtrain.config import ConfigError
