@@ -53,7 +53,7 @@ def _read_text_files(paths: list[str], strict: bool = True) -> Iterator[dict]:
                 f"data.path: {path} is not UTF-8 text: byte {error.start} (line {line}) is "
                 f"0x{raw[error.start]:02x}: re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
             ) from None
-        yield {"text": text}
+        yield {"text": text.replace("\r\n", "\n").replace("\r", "\n")}  # as text mode's universal newlines
 
 
 def _read_jsonl_files(paths: list[str], text_field: str) -> Iterator[dict]:
