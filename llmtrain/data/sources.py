@@ -39,7 +39,7 @@ def stdlib_files() -> list[str]:
     return sorted(found)
 
 
-def _read_text_files(paths: list[str], strict: bool = True) -> Iterator[dict]:
+def _read_text_files(paths: list[str], strict: bool = True, key: str = "data.path") -> Iterator[dict]:
     """One document per file. `strict`: a file that is not UTF-8 is refused, naming the byte (the stdlib corpus,
     which holds a few deliberately Latin-1 test files, passes strict=False and reads them with replacements)."""
     for path in paths:
@@ -50,23 +50,22 @@ def _read_text_files(paths: list[str], strict: bool = True) -> Iterator[dict]:
         except UnicodeDecodeError as error:
             line = raw.count(b"\n", 0, error.start) + 1
             raise ConfigError(
-                f"data.path: {path} is not UTF-8 text: byte {error.start} (line {line}) is "
+                f"{key}: {path} is not UTF-8 text: byte {error.start} (line {line}) is "
                 f"0x{raw[error.start]:02x}: re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
             ) from None
         yield {"text": text.replace("\r\n", "\n").replace("\r", "\n")}  # as text mode's universal newlines
 
 
-def _read_jsonl_files(paths: list[str], text_field: str) -> Iterator[dict]:
+def _read_jsonl_files(paths: list[str], text_field: str, key: str) -> Iterator[dict]:
     """One document per line: the line's JSON object's `text_field`; a line that is not one names file and line."""
     for path in paths:
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
-                    yield {"text": _jsonl_text(path, number, line, text_field)}
+                    yield {"text": _jsonl_text(f"{key}: {path}, line {number}", line, text_field)}
 
 
-def _jsonl_text(path: str, number: int, line: bytes, text_field: str) -> str:
-    where = f"data.path: {path}, line {number}"
+def _jsonl_text(where: str, line: bytes, text_field: str) -> str:
     try:
         record = json.loads(line)
     except UnicodeDecodeError:
@@ -88,48 +87,48 @@ def _jsonl_text(path: str, number: int, line: bytes, text_field: str) -> str:
     return text
 
 
-def _read_parquet_files(paths: list[str], text_field: str) -> Iterator[dict]:
+def _read_parquet_files(paths: list[str], text_field: str, key: str) -> Iterator[dict]:
     """One document per row: its `text_field` column, read one row group at a time."""
     for path in paths:
-        parquet = _open_parquet(path, text_field)
+        parquet = _open_parquet(path, text_field, key)
         for group in range(parquet.num_row_groups):
             try:
                 column = parquet.read_row_group(group, columns=[text_field]).column(0)
             except Exception as error:  # pyarrow's ArrowInvalid / OSError for damaged pages
                 raise ConfigError(
-                    f"data.path: {path}, row group {group} cannot be read ({error}): the file is damaged"
+                    f"{key}: {path}, row group {group} cannot be read ({error}): the file is damaged"
                 ) from None
             for row, text in enumerate(column.to_pylist()):
                 if not isinstance(text, str):
                     raise ConfigError(
-                        f"data.path: {path}, row group {group}, row {row}: column {text_field!r} holds "
+                        f"{key}: {path}, row group {group}, row {row}: column {text_field!r} holds "
                         f"{type(text).__name__}, not text: fix that row"
                     )
                 yield {"text": text}
 
 
-def _open_parquet(path: str, text_field: str):
+def _open_parquet(path: str, text_field: str, key: str):
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid for a file that is not parquet
-        raise ConfigError(f"data.path: {path} is not a parquet file ({first_line(error)})") from None
+        raise ConfigError(f"{key}: {path} is not a parquet file ({first_line(error)})") from None
     columns = parquet.schema_arrow.names
     if text_field not in columns:
         raise ConfigError(
-            f"data.path: {path} has no field {text_field!r} (fields: {', '.join(columns)}): set data.text_field to "
+            f"{key}: {path} has no field {text_field!r} (fields: {', '.join(columns)}): set data.text_field to "
             f"the field that holds the text"
         )
     return parquet
 
 
-def _first_jsonl_text(path: str, text_field: str) -> None:
+def _first_jsonl_text(path: str, text_field: str, key: str) -> None:
     """The first record of `path` checked now, so a wrong data.text_field stops the run before it starts."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
-                _jsonl_text(path, number, line, text_field)
+                _jsonl_text(f"{key}: {path}, line {number}", line, text_field)
                 return
 
 
@@ -140,21 +139,23 @@ def _from_generator(reader, paths: list[str], **kwargs) -> IterableDataset:
     )
 
 
-def _local_dataset(data_cfg, files: str) -> IterableDataset:
+def _local_dataset(data_cfg, key: str) -> IterableDataset:
+    """The documents of the files `key` (data.path or data.val_path) names."""
+    files = getattr(data_cfg, key.removeprefix("data."))
     by_kind: dict[str, list[str]] = defaultdict(list)
     for path in local_data_files(files):
         by_kind[os.path.splitext(path)[1]].append(path)
     parts = []
     if ".txt" in by_kind:
-        parts.append(_from_generator(_read_text_files, by_kind[".txt"]))
+        parts.append(_from_generator(_read_text_files, by_kind[".txt"], key=key))
     if ".jsonl" in by_kind:
         for path in by_kind[".jsonl"]:
-            _first_jsonl_text(path, data_cfg.text_field)
-        parts.append(_from_generator(_read_jsonl_files, by_kind[".jsonl"], text_field=data_cfg.text_field))
+            _first_jsonl_text(path, data_cfg.text_field, key)
+        parts.append(_from_generator(_read_jsonl_files, by_kind[".jsonl"], text_field=data_cfg.text_field, key=key))
     if ".parquet" in by_kind:
         for path in by_kind[".parquet"]:
-            _open_parquet(path, data_cfg.text_field)  # footers only: the format and the column, checked now
-        parts.append(_from_generator(_read_parquet_files, by_kind[".parquet"], text_field=data_cfg.text_field))
+            _open_parquet(path, data_cfg.text_field, key)  # footers only: the format and the column, checked now
+        parts.append(_from_generator(_read_parquet_files, by_kind[".parquet"], text_field=data_cfg.text_field, key=key))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -228,11 +229,11 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
     if data_cfg.source == "hf" and data_cfg.val_split is not None:
         return _hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split)
     if data_cfg.source == "local" and data_cfg.val_path is not None:
-        return _local_dataset(data_cfg, data_cfg.path if split == TRAIN else data_cfg.val_path)
+        return _local_dataset(data_cfg, "data.path" if split == TRAIN else "data.val_path")
     if data_cfg.source == "stdlib":
         ds = _from_generator(_read_text_files, stdlib_files(), strict=False)
     elif data_cfg.source == "local":
-        ds = _local_dataset(data_cfg, data_cfg.path)
+        ds = _local_dataset(data_cfg, "data.path")
     else:
         ds = _hub_dataset(data_cfg, data_cfg.split)
     return ds.map(
