@@ -35,10 +35,10 @@ def from_hub(key: str, name: str, load: Callable[[], T], repo_type: str = "model
     except (OSError, ValueError) as error:  # no network, offline mode, nothing cached
         if type(error).__name__ == "DatasetNotFoundError":  # datasets' own, raised when the hub answered
             raise ConfigError(f"{key}={name!r} is not a dataset on the hub (or is private): check the name") from None
-        raise ConfigError(unreachable(key, name, error, repo_type)) from None
+        raise ConfigError(_unreachable(key, name, error, repo_type)) from None
 
 
-def unreachable(key: str, name: str, error: BaseException, repo_type: str = "model") -> str:
+def _unreachable(key: str, name: str, error: BaseException, repo_type: str = "model") -> str:
     why = "HF_HUB_OFFLINE=1" if os.environ.get("HF_HUB_OFFLINE") == "1" else first_line(error)
     kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
     return (

@@ -159,6 +159,7 @@ def read_data_position(path: str) -> dict:
 
 
 def damaged(path: str, what: str, error: BaseException) -> ConfigError:
+    """The one-line error for a checkpoint whose `what` does not read back (the previous ones may)."""
     return ConfigError(
         f"checkpoint {path} is damaged: {what} cannot be read ({_failure_reason(error)}): resume from an earlier "
         f"checkpoint (checkpoint.resume=<its step-* directory>) or start afresh (checkpoint.resume=none)"
