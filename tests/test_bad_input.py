@@ -8,7 +8,6 @@ import copy
 import json
 import math
 import os
-import pickle
 import subprocess
 import sys
 import typing
@@ -238,9 +237,10 @@ def test_a_damaged_checkpoint_is_named_not_loaded(tmp_path):
     with single_process_quiet():
         dcp.save({"weights": torch.randn(8, 8)}, checkpoint_id=str(path), no_dist=True)
     (path / "meta.json").write_text('{"step": 3')
-    (path / "data.pkl").write_bytes(pickle.dumps({"epoch": 0})[:5])
+    torch.save({"epoch": 0}, path / "data.pt")
+    (path / "data.pt").write_bytes((path / "data.pt").read_bytes()[:50])
     assert incomplete_reason(str(path)) == "meta.json is unreadable (JSONDecodeError)"
-    with pytest.raises(ConfigError, match=rf"^checkpoint {path} is damaged: data.pkl cannot be read"):
+    with pytest.raises(ConfigError, match=rf"^checkpoint {path} is damaged: data.pt cannot be read"):
         read_data_position(str(path))
     shard = next(path.glob("*.distcp"))
     shard.write_bytes(b"\0" * shard.stat().st_size)  # the right size, the wrong bytes

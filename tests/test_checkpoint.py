@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,13 +44,16 @@ from llmtrain.checkpoint.manager import (
     complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    read_data_position,
     read_meta,
     single_process_quiet,
+    write_data_position,
 )
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.runtime import Runtime
+from llmtrain.tools import upgrade_checkpoint
 from llmtrain.tools.compare_runs import max_relative_difference
 from llmtrain.train.preemption import PREEMPTED_EXIT
 
@@ -178,7 +184,7 @@ def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
         with single_process_quiet():
             dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path), no_dist=True)
         (path / "meta.json").write_text("{}")
-        (path / "data.pkl").write_bytes(b"")
+        torch.save({}, path / "data.pt")
 
 
 def test_async_saves_reuse_their_staging_buffers_and_write_each_steps_values(tmp_path):
@@ -240,6 +246,66 @@ def test_one_lookup_finds_a_checkpoint_for_resume_export_and_sampling(tmp_path):
         with pytest.raises(ConfigError, match=f"^checkpoint.resume={re.escape(value)} {message}") as error:
             resume(value)
         assert "\n" not in str(error.value)
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it creates `marker` (any other call would run the same way)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_data_position_never_runs_code_when_read(tmp_path):
+    """The stream's position (numpy arrays, generator states, nested containers) reads back equal; a data.pt that
+    would run code and a pre-upgrade data.pkl are refused in one line without running it; the upgrade command,
+    the user's word that a checkpoint is trusted, converts the latter."""
+    rng = np.random.default_rng(3)
+    position = {"tokens": [np.arange(5), np.arange(3)], "rng": rng.bit_generator.state, "source": None, "epoch": 2}
+    write_data_position(str(tmp_path), position)
+    read = read_data_position(str(tmp_path))
+    assert read["rng"] == position["rng"] and read["source"] is None and read["epoch"] == 2
+    assert all(np.array_equal(a, b) and isinstance(a, np.ndarray) for a, b in zip(read["tokens"], position["tokens"]))
+
+    marker = tmp_path / "code-ran"
+    torch.save({"epoch": _RunsCode(marker)}, tmp_path / "data.pt")
+    with pytest.raises(ConfigError, match=r"data.pt holds more than data and was not loaded") as error:
+        read_data_position(str(tmp_path))
+    assert "\n" not in str(error.value) and not marker.exists()
+
+    legacy = tmp_path / "step-00000007"
+    legacy.mkdir()
+    (legacy / "data.pkl").write_bytes(pickle.dumps(position))
+    with pytest.raises(ConfigError, match=r"data.pkl, a pickle .* llmtrain.tools.upgrade_checkpoint") as error:
+        read_data_position(str(legacy))
+    assert "\n" not in str(error.value)
+    upgrade_checkpoint.main([str(legacy)])
+    assert not (legacy / "data.pkl").exists() and read_data_position(str(legacy))["rng"] == position["rng"]
+
+
+def test_dcp_metadata_that_would_run_code_is_refused_before_dcp_reads_it(tmp_path):
+    _tiny_checkpoints(tmp_path, [5, 10])
+    marker = tmp_path / "code-ran"
+    (Path(checkpoint_path(str(tmp_path), 10)) / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert latest_checkpoint(str(tmp_path), warn=False) == checkpoint_path(str(tmp_path), 5)
+    with pytest.raises(IncompleteCheckpoint, match="^.metadata asks for pathlib.Path.touch, which is not checkpoint"):
+        latest_checkpoint(checkpoint_path(str(tmp_path), 10))
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_resume_from_a_checkpoint_carrying_code_is_refused_and_runs_nothing(fsdp_checkpoints, train, tmp_path):
+    step_5 = tmp_path / "step-00000005"
+    shutil.copytree(fsdp_checkpoints / "step-00000005", step_5)
+    marker = tmp_path / "code-ran"
+    torch.save({"epoch": _RunsCode(marker)}, step_5 / "data.pt")
+    run = train(*PARITY, f"checkpoint.resume={step_5}")
+    assert run.returncode == 2 and not marker.exists()
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "data.pt holds more than data and was not loaded" in errors[0], run.stderr[-2000:]
+    assert not (run.run_dir / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

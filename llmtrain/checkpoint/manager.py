@@ -4,7 +4,8 @@ A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
   DCP's shard files and `.metadata`   model and optimizer state: each rank writes only the shards it holds, under
                                       the unsplit model's names, so any layout can load what any other saved;
   meta.json                           step, model config, layout, LR schedule, the loss records so far (rank 0);
-  data.pkl                            the training stream's position after the last step (rank 0);
+  data.pt                             the training stream's position after the last step (rank 0), read back
+                                      with `weights_only=True`: loading a checkpoint never runs code it holds;
   rng-<rank>.pt                       each rank's random generator states (dropout);
   tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling.
 It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -36,10 +36,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from llmtrain.checkpoint import safe_load
+from llmtrain.checkpoint.safe_load import (
+    DATA_POSITION,
+    PICKLED_DATA_POSITION,
+    UnsafeCheckpointFile,
+    write_data_position,
+)
 from llmtrain.config import ConfigError, first_line
 from llmtrain.runtime import Runtime
 
@@ -88,11 +94,15 @@ def is_checkpoint_name(path: str) -> bool:
 def incomplete_reason(path: str) -> str | None:
     """Why the checkpoint at `path` cannot be loaded, or None when it is complete: every file DCP's metadata
     names exists and is long enough, and our own files are there."""
-    for name in (".metadata", "meta.json", "data.pkl"):
+    for name in (".metadata", "meta.json"):
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (DATA_POSITION, PICKLED_DATA_POSITION)):
+        return f"{DATA_POSITION} is missing"
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = safe_load.read_dcp_metadata(path)
+    except UnsafeCheckpointFile as error:
+        return str(error)
     except Exception as error:  # a truncated .metadata fails to unpickle in many ways
         return f".metadata is unreadable ({type(error).__name__})"
     try:
@@ -151,11 +161,24 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def read_data_position(path: str) -> dict:
+    """The training stream's position saved with the checkpoint at `path`, read without running code."""
+    if not os.path.isfile(os.path.join(path, DATA_POSITION)) and os.path.isfile(
+        os.path.join(path, PICKLED_DATA_POSITION)
+    ):
+        raise ConfigError(
+            f"checkpoint {path} keeps its data position in {PICKLED_DATA_POSITION}, a pickle that could run code "
+            f"when read, so it is not loaded: if you trust where it came from, convert it with `python -m "
+            f"llmtrain.tools.upgrade_checkpoint {path}`, or start afresh (checkpoint.resume=none)"
+        )
     try:
-        with open(os.path.join(path, "data.pkl"), "rb") as f:
-            return pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError) as error:
-        raise damaged(path, "data.pkl", error) from None
+        return safe_load.read_data_position(path)
+    except UnsafeCheckpointFile as error:
+        raise ConfigError(
+            f"checkpoint {path}: {DATA_POSITION} holds more than data and was not loaded ({error}): resume from a "
+            f"checkpoint you wrote (checkpoint.resume=<its step-* directory>) or start afresh (checkpoint.resume=none)"
+        ) from None
+    except (OSError, EOFError, RuntimeError) as error:
+        raise damaged(path, DATA_POSITION, error) from None
 
 
 def damaged(path: str, what: str, error: BaseException) -> ConfigError:
@@ -230,8 +253,7 @@ class CheckpointManager:
             if self.runtime.is_main:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
                     json.dump(meta, f)
-                with open(os.path.join(tmp, "data.pkl"), "wb") as f:
-                    pickle.dump(data_position, f)
+                write_data_position(tmp, data_position)
                 if write_main_files is not None:
                     write_main_files(tmp)
             with single_process_quiet():

@@ -1,0 +1,106 @@
+"""Reading a checkpoint runs no code it holds: a checkpoint directory may come from a shared filesystem or a
+download, and a pickle can call anything while it is read.
+
+- The training stream's position (`data.pt`) is saved with `torch.save` and read with torch's weights-only
+  unpickler, which builds tensors and plain containers and refuses anything else. numpy arrays in the position
+  travel as tensors.
+- DCP's own `.metadata` is a pickle that torch reads without restriction; `read_dcp_metadata` reads it first with
+  an unpickler that admits only DCP's metadata records (dataclasses and enums), torch sizes, dtypes and layouts,
+  and paths, so a checkpoint whose metadata would call anything else is refused before DCP ever reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pickle
+import warnings
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+DATA_POSITION = "data.pt"
+# Written before the data position left pickle: never read by training (llmtrain.tools.upgrade_checkpoint
+# converts one the user trusts).
+PICKLED_DATA_POSITION = "data.pkl"
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file that would run code when read; the message says what it asked for."""
+
+
+def write_data_position(directory: str, position: dict) -> None:
+    """Save `position` as `read_data_position` reads it back (numpy arrays as tensors, numpy scalars as numbers)."""
+    torch.save(_arrays_to_tensors(position), os.path.join(directory, DATA_POSITION))
+
+
+def read_data_position(directory: str) -> dict:
+    """The position saved in `directory`. Raises UnsafeCheckpointFile for a file that asks to run code, and
+    OSError / EOFError / RuntimeError for one that is missing or damaged."""
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols other than its own
+            warnings.simplefilter("ignore")
+            stored = torch.load(os.path.join(directory, DATA_POSITION), weights_only=True)
+    except pickle.UnpicklingError as error:
+        asked = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), "not plain data")
+        raise UnsafeCheckpointFile(asked) from None
+    return cast(dict, _arrays_from_tensors(stored))
+
+
+def read_dcp_metadata(directory: str) -> Metadata:
+    """DCP's `.metadata` of the checkpoint in `directory`, read without running code (UnsafeCheckpointFile when
+    it asks for anything but metadata records)."""
+    with open(os.path.join(directory, ".metadata"), "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointFile(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+_DCP_RECORD_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ADMITTED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ADMITTED:
+            return super().find_class(module, name)
+        found = super().find_class(module, name) if module in (*_DCP_RECORD_MODULES, "torch") else None
+        if module == "torch" and isinstance(found, torch.dtype):
+            return found
+        is_record = isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
+        if module in _DCP_RECORD_MODULES and is_record and found.__module__ == module:
+            return found
+        raise UnsafeCheckpointFile(f".metadata asks for {module}.{name}, which is not checkpoint metadata")
+
+
+def _arrays_to_tensors(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: _arrays_to_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_arrays_to_tensors(item) for item in value)
+    return value
+
+
+def _arrays_from_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, dict):
+        return {key: _arrays_from_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_arrays_from_tensors(item) for item in value)
+    return value

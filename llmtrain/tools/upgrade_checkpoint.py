@@ -1,0 +1,47 @@
+"""`python -m llmtrain.tools.upgrade_checkpoint DIR [DIR ...]`: convert checkpoints written before the data
+position left pickle (`data.pkl`) to the format training reads (`data.pt`, loaded weights-only).
+
+Reading a pickle can run any code it holds, so training refuses `data.pkl`; running this command is the decision
+that the checkpoint is trusted. DIR is one step-* directory or a directory of them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+
+from llmtrain.checkpoint.manager import is_checkpoint_name
+from llmtrain.checkpoint.safe_load import PICKLED_DATA_POSITION, write_data_position
+
+
+def upgrade(path: str) -> bool:
+    """Convert one checkpoint; False when it has no pickled position (already converted, or not a checkpoint)."""
+    pickled = os.path.join(path, PICKLED_DATA_POSITION)
+    if not os.path.isfile(pickled):
+        return False
+    with open(pickled, "rb") as f:
+        position = pickle.load(f)  # the user vouched for this file by running the command
+    write_data_position(path, position)
+    os.remove(pickled)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmtrain.tools.upgrade_checkpoint",
+        description="Convert trusted checkpoints' data.pkl (a pickle) into data.pt, which training reads without "
+        "running code.",
+    )
+    parser.add_argument("paths", nargs="+", metavar="DIR", help="a step-* directory, or a directory of them")
+    args = parser.parse_args(argv)
+    for path in args.paths:
+        if not os.path.isdir(path):
+            sys.exit(f"error: {path} is not a directory: name a step-* checkpoint or the directory holding them")
+        steps = [path] if is_checkpoint_name(path) else [os.path.join(path, n) for n in sorted(os.listdir(path))]
+        converted = [step for step in steps if is_checkpoint_name(step) and upgrade(step)]
+        print(f"{path}: {len(converted)} checkpoint(s) converted")
+
+
+if __name__ == "__main__":
+    main()
