@@ -9,8 +9,9 @@ import os
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from llmtrain.config import ConfigError, RootConfig, register_schemas, validate
+from llmtrain.config import RootConfig, register_schemas, validate
 from llmtrain.entry import exit_with_config_error, job, run_entry
+from llmtrain.errors import ConfigError
 from llmtrain.resolvers import launch_rank
 
 register_schemas()

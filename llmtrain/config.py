@@ -39,20 +39,8 @@ from llmtrain.domains import (
     key,
     positive,
 )
+from llmtrain.errors import ConfigError
 from llmtrain.resolvers import register_resolvers
-
-
-class ConfigError(ValueError):
-    """A user-fixable configuration problem; its message is one line naming the key and the fix."""
-
-
-def first_line(error: BaseException | str, limit: int = 160) -> str:
-    """The first non-empty line of an error's message (its type's name when it has none), for quoting a library's
-    error inside a one-line ConfigError."""
-    text = str(error)
-    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return line[:limit] if line or isinstance(error, str) else type(error).__name__
-
 
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # The registered strategies (llmtrain/parallel/registry.py) and auto; tests/test_bad_input.py keeps the two in step.

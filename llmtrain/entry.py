@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-CONFIG_ERROR_EXIT = 2
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet
+
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
 HYDRA_ONLY = {".hydra", "train.log"}
@@ -48,12 +49,13 @@ def run_entry(main: Callable[[], None], schema: type) -> None:
     user_wants_report = os.environ.get(_FULL_ERROR) == "1"
     os.environ[_FULL_ERROR] = "1"
     try:
-        main()
+        with closed_pipe_is_quiet():
+            main()
     except Exception as error:
         if user_wants_report or _JobState.running:
             raise
         print(f"error: {composition_error_line(error, schema)}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT)
+        sys.exit(ConfigError.exit_code)
 
 
 def composition_error_line(error: BaseException, schema: type) -> str:
@@ -61,7 +63,8 @@ def composition_error_line(error: BaseException, schema: type) -> str:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    from llmtrain.config import first_line, schema_keys
+    from llmtrain.config import schema_keys
+    from llmtrain.errors import first_line
 
     domains = dict(schema_keys(schema))
     cause = error.__cause__
@@ -129,4 +132,4 @@ def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoR
     if is_main:
         print(f"error: {error}", file=sys.stderr)
         remove_if_empty_run(run_dir)
-    sys.exit(CONFIG_ERROR_EXIT)
+    sys.exit(ConfigError.exit_code)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from llmtrain.config import ConfigError, first_line
+from llmtrain.errors import ConfigError, first_line
 
 T = TypeVar("T")
 

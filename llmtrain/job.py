@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from llmtrain.checkpoint import save_final_model
-from llmtrain.checkpoint.manager import CheckpointManager, CheckpointWriteError
+from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (
     RunCheckpoints,
     check_model_matches,
@@ -25,34 +25,30 @@ from llmtrain.checkpoint.training import (
     resume_path,
     wandb_run_id,
 )
-from llmtrain.config import ConfigError, RootConfig
+from llmtrain.config import RootConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.entry import exit_with_config_error, remove_if_empty_run
+from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
-from llmtrain.train.loop import LoopState, Trainer, TrainingDiverged
+from llmtrain.train.loop import LoopState, Trainer
 from llmtrain.train.memory import (
     MIB,
     BuildPeak,
     HeldBytes,
-    OutOfMemory,
     allocation_failed,
     held_bytes,
     out_of_memory,
 )
 from llmtrain.train.optim import build_schedule
 from llmtrain.train.precision import uses_bf16
-from llmtrain.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
+from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
 
 log = logging.getLogger("llmtrain")
-
-DIVERGED_EXIT = 3
-OUT_OF_MEMORY_EXIT = 4
-RESOURCE_EXIT = 5  # a checkpoint could not be written (a full disk): the previous one stays
 
 
 def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
@@ -102,40 +98,28 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
     if not runtime.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        _train(cfg, runtime, run_dir, preemption)
-    except ConfigError as error:
-        runtime.shutdown()
-        if "parallel." in str(error):  # a layout that cannot run: the planner lists those that can
+        try:
+            _train(cfg, runtime, run_dir, preemption)
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # before the first step: the model or its state
+            if isinstance(error, RunError) or not allocation_failed(error):
+                raise
+            where = "while building the model"
+            raise out_of_memory(
+                runtime.rank, where, runtime.device, cfg.train.micro_batch_size, _plan(runtime)
+            ) from error
+    except RunError as error:
+        if isinstance(error, ConfigError) and "parallel." in str(error):  # the planner lists the layouts that run
             error = ConfigError(f"{error}; layouts that run: {_plan(runtime)}")
-        exit_with_config_error(error, run_dir, is_main=runtime.is_main)
-    except Preempted as stop:  # every rank stops after the same step, its checkpoint written
-        if runtime.is_main:
-            print(f"llmtrain: {stop}; exiting with {PREEMPTED_EXIT} (requeue to resume)", file=sys.stderr)
-        runtime.shutdown(synchronize=True)
-        if preemption.signal_name:
-            preemption.hand_over()
-        sys.exit(PREEMPTED_EXIT)
-    except CheckpointWriteError as error:  # every rank (DCP shares a rank's failure); the previous checkpoint stays
-        if runtime.is_main:
-            print(f"error: {error}", file=sys.stderr)
-        runtime.shutdown()
-        sys.exit(RESOURCE_EXIT)
-    except (OutOfMemory, torch.OutOfMemoryError, RuntimeError) as error:  # the rank that ran out says so
-        if not isinstance(error, OutOfMemory) and not allocation_failed(error):
-            runtime.shutdown()
-            raise
-        if not isinstance(error, OutOfMemory):  # before the first step: building the model or its state
-            error = out_of_memory(
-                runtime.rank, "while building the model", runtime.device, cfg.train.micro_batch_size, _plan(runtime)
-            )
-        print(f"error: {error}", file=sys.stderr)
-        runtime.shutdown()
-        sys.exit(OUT_OF_MEMORY_EXIT)
-    except TrainingDiverged as error:  # every rank takes the same decision at the same step
-        if runtime.is_main:
-            print(f"error: {error}", file=sys.stderr)
-        runtime.shutdown(synchronize=True)
-        sys.exit(DIVERGED_EXIT)
+        if isinstance(error, ConfigError) and runtime.is_main:
+            remove_if_empty_run(run_dir)
+        preempted = isinstance(error, Preempted)
+
+        def shut_down(synchronize: bool) -> None:
+            runtime.shutdown(synchronize=synchronize)
+            if preempted:
+                preemption.hand_over()  # e.g. submitit's handler, which requeues the job
+
+        exit_for(error, runtime.is_main, shut_down)
     except BaseException:
         runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
         raise

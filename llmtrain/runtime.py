@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

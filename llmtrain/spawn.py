@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.runtime import first_slurm_host, slurm_job_port
 from llmtrain.train.preemption import PREEMPTION_SIGNALS, PreemptionWatch
 

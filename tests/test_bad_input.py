@@ -22,7 +22,6 @@ from hydra.errors import ConfigCompositionException
 from llmtrain.config import (
     PIPELINE_SCHEDULES,
     STRATEGIES,
-    ConfigError,
     PrepareRootConfig,
     RootConfig,
     check_domains,
@@ -31,6 +30,7 @@ from llmtrain.config import (
     validate,
 )
 from llmtrain.entry import composition_error_line
+from llmtrain.errors import CLOSED_PIPE_EXIT, ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 register_schemas()
@@ -319,3 +319,18 @@ def test_the_planner_answers_a_bad_override_as_train_py_does(override, capsys):
         plan([override, "plan.out=/nonexistent-dir/plan.json"])
     assert exit_code.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: {error_line(_composed(), override)}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[str(REPO / "train.py"), "--help"], ["-m", "llmtrain.tools.plan", "--help"]],
+    ids=["train.py", "plan"],
+)
+def test_help_into_a_pipe_closed_early_ends_quietly(command, tmp_path):
+    """`--help | head`: the reader goes away before the text is written; the process ends as a Unix tool killed by
+    SIGPIPE does (status 141), with nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    done = subprocess.run([sys.executable, *command], stdout=write_end, stderr=subprocess.PIPE, cwd=tmp_path)
+    os.close(write_end)
+    assert done.returncode == CLOSED_PIPE_EXIT and done.stderr.decode() == ""

@@ -51,11 +51,11 @@ from llmtrain.checkpoint.manager import (
 )
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
-from llmtrain.config import CheckpointConfig, ConfigError
+from llmtrain.config import CheckpointConfig
+from llmtrain.errors import PREEMPTED_EXIT, ConfigError
 from llmtrain.runtime import Runtime
 from llmtrain.tools import upgrade_checkpoint
 from llmtrain.tools.compare_runs import max_relative_difference
-from llmtrain.train.preemption import PREEMPTED_EXIT
 
 LAYOUTS = {"single": ((), 0), "fsdp": (("parallel=fsdp",), 4), "pp": (PIPELINE, 2)}
 

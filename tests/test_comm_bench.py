@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from conftest import REPO, torchrun
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.runtime import Runtime
 from llmtrain.tools.comm_bench import (
     CSV_HEADER,

@@ -13,7 +13,6 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from llmtrain.config import (
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     LoggingConfig,
     OptimConfig,
@@ -23,6 +22,7 @@ from llmtrain.config import (
     register_schemas,
     validate,
 )
+from llmtrain.errors import ConfigError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import LOSS_RTOL, REPO, json_lines, torchrun
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.parallel.context import check_context_parallel, zigzag_positions
 
 WORKER = Path(__file__).with_name("layout_worker.py")

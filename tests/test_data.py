@@ -14,13 +14,14 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from llmtrain.config import ConfigError, DataConfig, validate_data
+from llmtrain.config import DataConfig, validate_data
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.prefetch import Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.stream import StreamedBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer, bpe_cache_path
+from llmtrain.errors import ConfigError
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(300)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import torchrun
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.parallel.expert import check_expert_parallel
 from llmtrain.parallel.mesh import resolve_degrees
 from llmtrain.tools import compose_config

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from conftest import REPO, free_port, join_as_rank
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.generate import sample
 from llmtrain.model import build_model

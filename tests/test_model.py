@@ -167,7 +167,7 @@ def test_a_checkpoint_of_the_other_family_is_refused_naming_the_keys(tmp_path):
     import json
 
     from llmtrain.checkpoint.training import check_model_matches
-    from llmtrain.config import ConfigError
+    from llmtrain.errors import ConfigError
     from llmtrain.model import meta_model
     from llmtrain.tools import compose_config
 

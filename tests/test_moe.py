@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import LOSS_RTOL, METRICS, PARITY, run_train, torchrun
 
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import validate
+from llmtrain.errors import ConfigError
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.moe import MoE

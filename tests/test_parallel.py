@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import PARITY, assert_parity, layout_strategy, run_train
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 

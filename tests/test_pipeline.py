@@ -11,7 +11,7 @@ import torch
 from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy, torchrun
 from pipeline_worker import STEPS
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
 from llmtrain.parallel.pipeline.schedules import SCHEDULES, validate_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel.mesh import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates

@@ -14,13 +14,14 @@ from conftest import PARITY, PIPELINE, REPO, assert_parity, assert_resumed_exact
 from omegaconf import OmegaConf
 
 import llmtrain.data.prepare as prepare_module
-from llmtrain.config import ConfigError, DataConfig, PrepareConfig
+from llmtrain.config import DataConfig, PrepareConfig
 from llmtrain.data import RankSlice, build_tokenizer
 from llmtrain.data.prepare import prepare
 from llmtrain.data.prepared import PreparedBatches
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.store import MANIFEST, STORE_VERSION, SplitWriter, split_file
 from llmtrain.data.tokenizers import ByteTokenizer
+from llmtrain.errors import ConfigError
 
 
 def write_corpus(directory: Path, chars: int, files: int = 1) -> Path:

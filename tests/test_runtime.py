@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.runtime import (
     cuda_device_index,
     first_slurm_host,
@@ -136,7 +136,7 @@ def test_a_launcher_per_node_meets_the_others_on_the_steps_first_host(monkeypatc
 
 
 def test_workers_per_task_on_top_of_a_rank_per_task_is_refused(monkeypatch):
-    from llmtrain.config import ConfigError
+    from llmtrain.errors import ConfigError
     from llmtrain.spawn import job_nodes
 
     _clear_launch_environment(monkeypatch)

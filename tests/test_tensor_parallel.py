@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_strategy, torchrun
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import compare

@@ -46,16 +46,12 @@ from llmtrain.checkpoint.safe_load import (
     UnsafeCheckpointFile,
     write_data_position,
 )
-from llmtrain.config import ConfigError, first_line
+from llmtrain.errors import CheckpointWriteError, ConfigError, first_line
 from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; the message is one line naming the directory, the cause and the fix."""
 
 
 def _failure_reason(error: BaseException) -> str:

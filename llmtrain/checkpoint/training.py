@@ -20,9 +20,9 @@ from llmtrain.checkpoint.manager import (
     read_meta,
     restore_rng_states,
 )
-from llmtrain.config import ConfigError
 from llmtrain.data import Data
 from llmtrain.data.tokenizers import save_for_transformers
+from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime

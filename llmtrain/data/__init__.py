@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtrain.config import ConfigError, DataConfig
+from llmtrain.config import DataConfig
 from llmtrain.data.prefetch import Batches, Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
+from llmtrain.errors import ConfigError
 
 # The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
 TOKENIZER_TRAINING_SEED = 0

@@ -25,7 +25,6 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from llmtrain.config import (
-    ConfigError,
     DataConfig,
     PrepareConfig,
     PrepareRootConfig,
@@ -46,7 +45,8 @@ from llmtrain.data.store import (
     token_dtype,
 )
 from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers
-from llmtrain.entry import CONFIG_ERROR_EXIT, job, run_entry
+from llmtrain.entry import job, run_entry
+from llmtrain.errors import ConfigError
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 # A worker's task: documents up to about this much text (large enough that pickling is a small share of the work).
@@ -203,7 +203,7 @@ def main(cfg) -> None:
         prepare(OmegaConf.to_object(cfg.data), OmegaConf.to_object(cfg.prepare))  # type: ignore[arg-type]
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT)
+        sys.exit(ConfigError.exit_code)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from llmtrain.config import ConfigError
 from llmtrain.data.sources import TRAIN, VALIDATION
 from llmtrain.data.store import TOKENIZER_DIR, TokenWindows, read_manifest
 from llmtrain.data.stream import RankSlice
 from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer
+from llmtrain.errors import ConfigError
 
 # The keys of data.tokenizer that decide the ids, per kind: the ones a data=prepared config may repeat.
 _IDENTIFYING_KEYS = {"byte": ("kind",), "bpe": ("kind", "vocab_size", "train_chars"), "hf": ("kind", "name")}

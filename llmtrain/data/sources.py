@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import datasets
 from datasets import IterableDataset
 
-from llmtrain.config import ConfigError, first_line, local_data_files
+from llmtrain.config import local_data_files
+from llmtrain.errors import ConfigError, first_line
 from llmtrain.hub import from_hub
 
 TRAIN, VALIDATION = "train", "validation"

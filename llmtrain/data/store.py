@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"

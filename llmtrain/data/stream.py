@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from datasets import IterableDataset
 
-from llmtrain.config import ConfigError
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from llmtrain.config import ConfigError, first_line
+from llmtrain.errors import ConfigError, first_line
 from llmtrain.hub import from_hub
 
 EOS_TOKEN = "<|endoftext|>"

@@ -138,7 +138,7 @@ def _check_shape(path: str, cfg: GPTConfig) -> None:
         if getattr(cfg, attribute) != getattr(theirs, attribute)
     ]
     if differences:
-        from llmtrain.config import ConfigError
+        from llmtrain.errors import ConfigError
 
         raise ConfigError(
             f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
@@ -173,13 +173,13 @@ def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor
             state = torch.load(pickle_file, map_location="cpu", mmap=True, weights_only=True)
             return set(state), state.__getitem__
     except Exception as error:  # safetensors and torch.load raise their own types for a truncated or foreign file
-        from llmtrain.config import ConfigError, first_line
+        from llmtrain.errors import ConfigError, first_line
 
         raise ConfigError(
             f"model.init_from={directory}: its weights cannot be read ({first_line(error)}): the "
             f"file is damaged or incomplete; download it again"
         ) from None
-    from llmtrain.config import ConfigError
+    from llmtrain.errors import ConfigError
 
     raise ConfigError(
         f"model.init_from={directory} holds neither model.safetensors nor pytorch_model.bin (weights split over "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
 from llmtrain.model.hf import lazy_tensors, local_hf_directory
 from llmtrain.model.rope import RopeScaling

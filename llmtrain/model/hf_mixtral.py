@@ -18,7 +18,7 @@ from typing import cast
 
 import torch
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, Block, GPTConfig
 from llmtrain.model.hf_llama import (
     _SHAPE_KEYS,

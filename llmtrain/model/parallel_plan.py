@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model.dropout import Dropout, Split
 from llmtrain.model.moe import MoE
 

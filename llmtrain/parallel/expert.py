@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model.moe import Experts, MoE
 from llmtrain.model.parallel_plan import EXPERT_HIDDEN_DIM
 

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.config import ConfigError, OptimConfig
+from llmtrain.config import OptimConfig
+from llmtrain.errors import ConfigError
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.parallelize import Layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.parallel.strategy import Strategy
 
 _STRATEGIES: dict[str, type[Strategy]] = {}

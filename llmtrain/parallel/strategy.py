@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from llmtrain.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from llmtrain.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.context import check_context_parallel, shard_tokens

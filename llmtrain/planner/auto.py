@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmtrain.config import ConfigError, ParallelConfig
+from llmtrain.config import ParallelConfig
+from llmtrain.errors import ConfigError
 from llmtrain.planner.candidates import enumerate_candidates
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.plan import Decision, choose, plan_layout

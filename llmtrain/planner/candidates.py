@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.parallel.context import check_context_parallel
 from llmtrain.parallel.expert import check_expert_parallel

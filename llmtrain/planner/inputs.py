@@ -3,7 +3,7 @@ the bytes per parameter, and the planner command that reproduces a run."""
 
 from __future__ import annotations
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes

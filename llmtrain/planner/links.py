@@ -16,7 +16,7 @@ import math
 import os
 from collections import defaultdict
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 CSV_HEADER = ("op", "bytes", "ranks", "time_us", "algbw_GBps", "busbw_GBps")  # comm_bench.csv
 # comm_bench's op names for the ops a plan counts

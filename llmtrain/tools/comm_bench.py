@@ -47,7 +47,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.planner.links import CSV_HEADER, bus_factor
 from llmtrain.runtime import Runtime, init_runtime, join_single_process_group
 

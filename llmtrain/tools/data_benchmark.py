@@ -43,7 +43,7 @@ from typing import Any, cast
 import numpy as np
 from omegaconf import OmegaConf
 
-from llmtrain.config import ConfigError, DataConfig, PrepareConfig, validate_data
+from llmtrain.config import DataConfig, PrepareConfig, validate_data
 from llmtrain.data import build_tokenizer, training_windows
 from llmtrain.data.prepare import prepare
 from llmtrain.data.prepared import PreparedBatches
@@ -51,6 +51,7 @@ from llmtrain.data.sources import TRAIN
 from llmtrain.data.store import read_manifest
 from llmtrain.data.stream import RankSlice, StreamedBatches
 from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.errors import ConfigError
 from llmtrain.tools import compose_config
 
 PROGRESS_EVERY_S = 10.0

@@ -23,8 +23,9 @@ from typing import Any
 
 from hydra.errors import HydraException
 
-from llmtrain.config import ConfigError, RootConfig, validate
-from llmtrain.entry import CONFIG_ERROR_EXIT, composition_error_line
+from llmtrain.config import RootConfig, validate
+from llmtrain.entry import composition_error_line
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
@@ -108,10 +109,10 @@ def main(argv: list[str]) -> None:
         plans, decision, auto, facts = plan_config(cfg)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT)
+        sys.exit(ConfigError.exit_code)
     except HydraException as error:  # an override Hydra cannot apply: the same one line as train.py's
         print(f"error: {composition_error_line(error, RootConfig)}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT)
+        sys.exit(ConfigError.exit_code)
     print(format_table(plans, facts))
     if decision.chosen:
         command = f"train.py model={cfg.model.name} {decision.chosen.candidate.command_line()}"
@@ -138,4 +139,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmtrain.errors import OutOfMemory
 from llmtrain.parallel.strategy import local_tensor
 
 MIB = 2**20
@@ -97,11 +98,6 @@ class BuildPeak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
         else:
             self.bytes = _status_kib("VmHWM") * 1024 - self._start
-
-
-class OutOfMemory(RuntimeError):
-    """A rank's device ran out of memory; the message is the one line a person reads (what was held, what to
-    change)."""
 
 
 def allocation_failed(error: BaseException) -> bool:

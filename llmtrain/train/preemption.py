@@ -18,21 +18,12 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from llmtrain.errors import PREEMPTED_EXIT
+
 if TYPE_CHECKING:
     from llmtrain.runtime import Runtime
 
-# sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry" — a checkpoint was saved.
-PREEMPTED_EXIT = 75
-
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-class Preempted(Exception):
-    """Raised after the checkpoint of `step` is written, to end the run with PREEMPTED_EXIT."""
-
-    def __init__(self, step: int, signal_name: str):
-        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint saved")
-        self.step = step
 
 
 class PreemptionWatch:

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ schedule runs is a view made of the part's own modules, holding just that stage'
 
 from __future__ import annotations
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 
 def stage_layers(n_layer: int, n_stages: int, edge_blocks: int) -> list[range]:
