@@ -10,9 +10,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from llmtrain.config import RootConfig, register_schemas, validate
-from llmtrain.entry import exit_with_config_error, job, run_entry
+from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 from llmtrain.resolvers import launch_rank
+from llmtrain.run_dir import exit_with_config_error
 
 register_schemas()
 # This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).

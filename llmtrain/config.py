@@ -10,6 +10,7 @@ names the key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import glob
 import os
@@ -21,6 +22,7 @@ from typing import Any, Optional, cast
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from llmtrain import catalog
 from llmtrain.domains import (
     TOKENIZER_FILES,
     CheckpointSource,
@@ -43,10 +45,8 @@ from llmtrain.errors import ConfigError
 from llmtrain.resolvers import register_resolvers
 
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
-# The registered strategies (llmtrain/parallel/registry.py) and auto; tests/test_bad_input.py keeps the two in step.
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tp", "pp", "auto")
-# llmtrain/parallel/pipeline/schedules.py's SCHEDULES, named here so that checking them needs no torch.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_reference", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+STRATEGIES = (*catalog.STRATEGIES, catalog.AUTO)
+PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)
 
 
 @dataclass
@@ -128,7 +128,7 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = key("single", OneOf(STRATEGIES))  # a registered strategy (llmtrain/parallel/registry.py)
+    strategy: str = key("single", OneOf(STRATEGIES))  # a layout of llmtrain/catalog.py, or auto
     # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks"; 0 is refused.
     pp: int = key(1, MeshDegree())
     dp_replicate: int = key(1, MeshDegree())
@@ -303,6 +303,16 @@ def schema_keys(schema: type) -> tuple[tuple[str, Domain | None], ...]:
     return tuple((dotted, item.metadata.get("domain")) for dotted, item, _ in _schema_leaves(schema))
 
 
+def unknown_key_line(name: str, keys: list[str]) -> str:
+    """`name` is not among `keys` (dotted leaf keys): the closest key of the same section, and the section's keys."""
+    parent = name.rpartition(".")[0]
+    prefix = f"{parent}." if parent else ""
+    siblings = sorted({k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)})
+    near = difflib.get_close_matches(name.rpartition(".")[2], siblings, n=1)
+    hint = f": did you mean {prefix}{near[0]}?" if near else ""
+    return f"{name} is not a key{hint} (the keys of {parent or 'the config'}: {', '.join(siblings)})"
+
+
 def check_domains(cfg, schema: type, prefix: str = "") -> None:
     """Each key of `cfg` (composed from `schema`, its keys under `prefix`) against its domain; ConfigError on the
     first key that is unset or outside."""
@@ -310,8 +320,6 @@ def check_domains(cfg, schema: type, prefix: str = "") -> None:
     keys = dict(schema_keys(schema))
     for dotted in _leaf_keys(values):
         if dotted not in keys:  # added with +key=value, which Hydra lets through a structured config
-            from llmtrain.entry import unknown_key_line
-
             raise ConfigError(unknown_key_line(prefix + dotted, [prefix + k for k in keys]))
     for dotted, domain in keys.items():
         name = prefix + dotted

@@ -8,22 +8,16 @@ sets HYDRA_FULL_ERROR=1 gets Hydra's full report as before.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import functools
 import os
 import re
-import shutil
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
-from llmtrain.errors import ConfigError, closed_pipe_is_quiet
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
-# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
-HYDRA_ONLY = {".hydra", "train.log"}
-_DATE_FOLDER = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # the default run directory's parent (resolvers.STAMP_FORMAT)
 
 
 class _JobState:
@@ -63,8 +57,7 @@ def composition_error_line(error: BaseException, schema: type) -> str:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    from llmtrain.config import schema_keys
-    from llmtrain.errors import first_line
+    from llmtrain.config import schema_keys, unknown_key_line
 
     domains = dict(schema_keys(schema))
     cause = error.__cause__
@@ -96,16 +89,6 @@ def composition_error_line(error: BaseException, schema: type) -> str:
     return " ".join(first_line(part) for part in (error, cause) if part is not None)
 
 
-def unknown_key_line(name: str, keys: list[str]) -> str:
-    """`name` is not among `keys` (dotted leaf keys): the closest key of the same section, and the section's keys."""
-    parent = name.rpartition(".")[0]
-    prefix = f"{parent}." if parent else ""
-    siblings = sorted({k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)})
-    near = difflib.get_close_matches(name.rpartition(".")[2], siblings, n=1)
-    hint = f": did you mean {prefix}{near[0]}?" if near else ""
-    return f"{name} is not a key{hint} (the keys of {parent or 'the config'}: {', '.join(siblings)})"
-
-
 def _type_phrase(message: str) -> str:
     if "valid bool" in message:
         return "is not true or false"
@@ -114,22 +97,3 @@ def _type_phrase(message: str) -> str:
     if "to Float" in message:
         return "is not a number"
     return "has the wrong type"
-
-
-def remove_if_empty_run(run_dir: str) -> None:
-    """Delete a run directory that holds nothing but what Hydra wrote, and the date folder above it when that is
-    now empty (no other folder: one that was empty before the run may be the user's)."""
-    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        parent = os.path.dirname(os.path.abspath(run_dir))
-        if _DATE_FOLDER.match(os.path.basename(parent)):
-            with contextlib.suppress(OSError):  # not empty: another run's
-                os.rmdir(parent)
-
-
-def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoReturn:
-    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind."""
-    if is_main:
-        print(f"error: {error}", file=sys.stderr)
-        remove_if_empty_run(run_dir)
-    sys.exit(ConfigError.exit_code)

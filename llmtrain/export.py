@@ -15,33 +15,19 @@ import argparse
 import os
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
-from llmtrain.model.hf import hf_config, to_hf_state_dict
-from llmtrain.model.hf_llama import is_llama, llama_hf_config, to_llama_state_dict
-from llmtrain.model.hf_mixtral import check_mixtral, mixtral_hf_config, to_mixtral_state_dict
+from llmtrain.errors import ConfigError
+from llmtrain.model.hf import family_of
 
 
 def export(checkpoint: str, out_dir: str) -> None:
-    from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, PreTrainedModel
+    import transformers
+    from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
-    cfg = model.cfg
-    hf_model: PreTrainedModel
-    if cfg.moe.num_experts:
-        check_mixtral(cfg)
-        hf_model = MixtralForCausalLM(mixtral_hf_config(cfg, tokenizer.eos_token_id))
-        hf_model.load_state_dict(to_mixtral_state_dict(model))
-    elif is_llama(cfg):
-        hf_model = LlamaForCausalLM(llama_hf_config(cfg, tokenizer.eos_token_id))
-        hf_model.load_state_dict(to_llama_state_dict(model))
-    elif cfg.norm == "layernorm" and cfg.position == "learned" and cfg.mlp == "gelu" and cfg.tie_embeddings:
-        hf_model = GPT2LMHeadModel(hf_config(cfg, tokenizer.eos_token_id))
-        hf_model.load_state_dict(to_hf_state_dict(model))
-    else:
-        raise SystemExit(
-            f"error: {checkpoint} mixes the GPT-2 and Llama families (norm={cfg.norm}, position={cfg.position}, "
-            f"mlp={cfg.mlp}, bias={cfg.bias}, tie_embeddings={cfg.tie_embeddings}): neither transformers class holds it"
-        )
+    family = family_of(model.cfg)
+    hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, tokenizer.eos_token_id))
+    hf_model.load_state_dict(family.state_dict(model))
     hf_model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
@@ -52,7 +38,10 @@ def main() -> None:
     parser.add_argument("out_dir")
     args = parser.parse_args()
     checkpoint = find_checkpoint(args.checkpoint)
-    export(checkpoint, args.out_dir)
+    try:
+        export(checkpoint, args.out_dir)
+    except ConfigError as error:
+        raise SystemExit(f"error: {checkpoint} cannot be exported: {error}") from None
     print(f"exported {checkpoint} -> {args.out_dir}")
 
 

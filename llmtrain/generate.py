@@ -22,7 +22,7 @@ def load_for_sampling(path: str):
     from transformers import AutoTokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
-        from llmtrain.model.hf_llama import hf_config_of, hf_weights
+        from llmtrain.model.hf import hf_config_of, hf_weights
 
         with torch.device("meta"):
             model = GPT(hf_config_of(path))

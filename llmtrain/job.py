@@ -27,10 +27,12 @@ from llmtrain.checkpoint.training import (
 )
 from llmtrain.config import RootConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
-from llmtrain.entry import exit_with_config_error, remove_if_empty_run
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
+from llmtrain.optim import build_schedule
 from llmtrain.parallel import Strategy, get_strategy
+from llmtrain.parallel.precision import uses_bf16
+from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
@@ -43,8 +45,6 @@ from llmtrain.train.memory import (
     held_bytes,
     out_of_memory,
 )
-from llmtrain.train.optim import build_schedule
-from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
 
@@ -251,7 +251,8 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
             runtime,
             wandb_id,
         )
-        state = checkpoints.restore(resume) if resume else LoopState()
+        point = checkpoints.restore(resume) if resume else None
+        state = LoopState(step=point.step, records=list(point.records)) if point else LoopState()
         _, precision = strategy.precision()
         log.info(
             "\n"

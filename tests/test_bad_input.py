@@ -106,12 +106,20 @@ def test_every_key_declares_a_domain():
         assert not undeclared, f"keys without a domain (llmtrain/domains.py key(...)): {undeclared}"
 
 
-def test_the_declared_choices_are_the_registries():
-    from llmtrain.parallel.pipeline.schedules import SCHEDULES
-    from llmtrain.parallel.registry import strategy_names
+def test_every_name_in_the_catalog_builds_what_it_names():
+    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a Strategy named as the table
+    names it, and each schedule is a class torch has (or the reference)."""
+    from llmtrain.catalog import SCHEDULES
+    from llmtrain.parallel.pipeline.schedules import torch_schedule
+    from llmtrain.parallel.registry import get_strategy, strategy_names
+    from llmtrain.parallel.strategy import Strategy
 
-    assert sorted(STRATEGIES) == sorted([*strategy_names(), "auto"])
-    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES)
+    for name in strategy_names():
+        strategy = get_strategy(name)
+        assert issubclass(strategy, Strategy) and strategy.name == name
+    for spec in SCHEDULES.values():
+        assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
+    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and STRATEGIES[-1] == "auto"
 
 
 def test_the_schema_walk_refuses_every_invalid_value_with_one_line_naming_its_key():
@@ -205,7 +213,7 @@ def test_data_files_that_are_not_their_format_name_the_file_and_place(tmp_path):
 
 def test_model_directories_llmtrain_cannot_import_say_why(tmp_path):
     from llmtrain.model import GPTConfig
-    from llmtrain.model.hf_llama import hf_weights
+    from llmtrain.model.hf import hf_weights
 
     files = _corpus(tmp_path)
     gpt2 = GPTConfig(vocab_size=320, n_layer=1, n_head=2, d_model=16, max_seq_len=32, d_ff=64)

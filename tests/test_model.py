@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, num_parameters
-from llmtrain.train.optim import build_adamw
+from llmtrain.optim import build_adamw
 
 TINY = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
 

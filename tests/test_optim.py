@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain.model import GPT, GPTConfig
-from llmtrain.train.optim import build_adamw, build_schedule, lr_factor
-from llmtrain.train.precision import precision_policy
+from llmtrain.optim import build_adamw, build_schedule, lr_factor
+from llmtrain.parallel.precision import precision_policy
 
 OPTIM = OmegaConf.create(
     dict(lr=1e-3, min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, warmup_steps=10)

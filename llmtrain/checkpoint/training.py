@@ -26,7 +26,6 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
 from llmtrain.runtime import Runtime
-from llmtrain.train.loop import LoopState
 
 
 def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
@@ -90,6 +89,14 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a restored run continues: after `step`, with the records logged up to it."""
+
+    step: int
+    records: list[dict[str, Any]]
+
+
 class RunCheckpoints:
     """Every rank calls `save`; `restore` loads a checkpoint into the freshly built run (collective)."""
 
@@ -142,7 +149,7 @@ class RunCheckpoints:
         """Wait until an async save in flight is complete (collective)."""
         self.manager.wait()
 
-    def restore(self, path: str) -> LoopState:
+    def restore(self, path: str) -> ResumePoint:
         state = self.strategy.checkpoint_state(self.model, self.optimizer)
         load_checkpoint(path, state, self.runtime.distributed)
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
@@ -151,7 +158,7 @@ class RunCheckpoints:
         # Same world size: each rank continues its own dropout stream; otherwise ranks keep their fresh seeds.
         if meta["world_size"] == self.runtime.world_size:
             restore_rng_states(path, self.runtime.rank)
-        return LoopState(step=meta["step"], records=meta["records"])
+        return ResumePoint(step=meta["step"], records=meta["records"])
 
 
 __all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path", "wandb_run_id"]

@@ -57,7 +57,7 @@ def meta_model(model_cfg, vocab_size: int) -> GPT:
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
     """Where the initial weights come from: the GPT-2 at model.init_from (read tensor by tensor), else `seed`."""
     if model_cfg.init_from:
-        from llmtrain.model.hf_llama import hf_weights
+        from llmtrain.model.hf import hf_weights
 
         return hf_weights(model_cfg.init_from, model.cfg)
     return seeded_init(model, seed)

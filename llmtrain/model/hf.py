@@ -1,208 +1,113 @@
-"""Our GPT <-> Hugging Face `GPT2LMHeadModel`: the same network (pre-LayerNorm blocks, tanh GELU = HF's
-"gelu_new", learned positions, tied head), so conversion is renaming and reshaping:
-
-  tok_emb / pos_emb              transformer.wte / wpe       (our vocabulary padding rows dropped / zero-filled)
-  blocks.i.attn_norm, mlp_norm   transformer.h.i.ln_1, ln_2
-  blocks.i.attn.{q,k,v}_proj     transformer.h.i.attn.c_attn (one fused matrix)
-  blocks.i.attn.out_proj         transformer.h.i.attn.c_proj
-  blocks.i.mlp.fc_in, fc_out     transformer.h.i.mlp.c_fc, c_proj
-  norm                           transformer.ln_f
-HF's Conv1D stores weights as (in, out), the transpose of nn.Linear's.
-
-Export converts a whole model (`to_hf_state_dict`, one process); import (`GPT2Weights`, model.init_from) converts
-one parameter at a time as each rank materialises its shards, reading the safetensors file lazily.
-"""
+"""The Hugging Face families llmtrain converts to and from, in one table. Each family's module (hf_gpt2.py,
+hf_llama.py, hf_mixtral.py) knows its tensor names and its config; this one picks the family of a model config or
+of a directory, and is what model.init_from, export and sampling call."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
+from llmtrain.errors import ConfigError
+from llmtrain.model import hf_gpt2, hf_llama, hf_mixtral
+from llmtrain.model.gpt import GPT, GPTConfig
+from llmtrain.model.hf_files import local_hf_directory
 
 
-def hf_config(cfg: GPTConfig, eos_id: int):
-    from transformers import GPT2Config
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type
+    transformers_class: str  # the transformers model that holds it
+    preset: str  # a conf/model preset of the family
+    check: Callable[[GPTConfig], None]  # ConfigError unless transformers_class can hold the model
+    config_of: Callable[[str], GPTConfig]  # our config of a directory of this family
+    weights: Callable[[str, GPTConfig], Callable[[str, torch.Tensor], None]]  # one tensor at a time
+    hf_config: Callable[[GPTConfig, int], Any]  # the transformers config of our model (and an eos id)
+    state_dict: Callable[[GPT], dict[str, torch.Tensor]]  # the transformers state dict of our whole model
 
-    return GPT2Config(
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.max_seq_len,
-        n_embd=cfg.d_model,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_inner=cfg.hidden,
-        activation_function="gelu_new",
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.attention_dropout,
-        layer_norm_epsilon=1e-5,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        tie_word_embeddings=True,
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family(
+            "gpt2",
+            "GPT2LMHeadModel",
+            "model=gpt2",
+            hf_gpt2.check_gpt2,
+            hf_gpt2.gpt_config_of,
+            hf_gpt2.GPT2Weights,
+            hf_gpt2.hf_config,
+            hf_gpt2.to_hf_state_dict,
+        ),
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            "model=smollm2-135m",
+            lambda cfg: None,
+            hf_llama.llama_config_of,
+            hf_llama.LlamaWeights,
+            hf_llama.llama_hf_config,
+            hf_llama.to_llama_state_dict,
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "model=mixtral-tiny",
+            hf_mixtral.check_mixtral,
+            hf_mixtral.mixtral_config_of,
+            hf_mixtral.MixtralWeights,
+            hf_mixtral.mixtral_hf_config,
+            hf_mixtral.to_mixtral_state_dict,
+        ),
     )
+}
 
 
-def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict from our whole model's (biases of zero where ours has none)."""
-    cfg = model.cfg
-    ours = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return ours[name] if name in ours else torch.zeros(shape)
-
-    d = cfg.d_model
-    hf = {
-        "transformer.wte.weight": ours["tok_emb.weight"][: cfg.vocab_size].clone(),
-        "transformer.wpe.weight": ours["pos_emb.weight"],
-        "transformer.ln_f.weight": ours["norm.weight"],
-        "transformer.ln_f.bias": get("norm.bias", (d,)),
-    }
-    for i in range(cfg.n_layer):
-        ours_prefix, hf_prefix = f"blocks.{i}.", f"transformer.h.{i}."
-        for our_norm, hf_norm in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            hf[f"{hf_prefix}{hf_norm}.weight"] = ours[f"{ours_prefix}{our_norm}.weight"]
-            hf[f"{hf_prefix}{hf_norm}.bias"] = get(f"{ours_prefix}{our_norm}.bias", (d,))
-        qkv = [f"{ours_prefix}attn.{p}_proj" for p in "qkv"]
-        hf[f"{hf_prefix}attn.c_attn.weight"] = torch.cat([ours[f"{n}.weight"] for n in qkv]).t().contiguous()
-        hf[f"{hf_prefix}attn.c_attn.bias"] = torch.cat([get(f"{n}.bias", (d,)) for n in qkv])
-        for ours_name, hf_name, width in (
-            ("attn.out_proj", "attn.c_proj", d),
-            ("mlp.fc_in", "mlp.c_fc", cfg.hidden),
-            ("mlp.fc_out", "mlp.c_proj", d),
-        ):
-            hf[f"{hf_prefix}{hf_name}.weight"] = ours[f"{ours_prefix}{ours_name}.weight"].t().contiguous()
-            hf[f"{hf_prefix}{hf_name}.bias"] = get(f"{ours_prefix}{ours_name}.bias", (width,))
-    hf["lm_head.weight"] = hf["transformer.wte.weight"]
-    return hf
+def family_of(cfg: GPTConfig) -> Family:
+    """The family our model config belongs to (a mixture: Mixtral; RMSNorm + RoPE + SwiGLU: Llama; else GPT-2),
+    checked to fit its transformers class (ConfigError naming the keys that do not)."""
+    name = "mixtral" if cfg.moe.num_experts else "llama" if hf_llama.is_llama(cfg) else "gpt2"
+    family = FAMILIES[name]
+    family.check(cfg)
+    return family
 
 
-def _hf_source(name: str, cfg: GPTConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The GPT-2 tensor (name without the "transformer." prefix) that our parameter `name` comes from, and how."""
-    d = cfg.d_model
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def transpose(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.t()
-
-    outer = {"pos_emb.weight": "wpe.weight", "norm.weight": "ln_f.weight", "norm.bias": "ln_f.bias"}
-    if name in outer:
-        return outer[name], keep
-    if name in ("tok_emb.weight", "lm_head.weight"):  # our vocabulary padding rows stay zero
-        return "wte.weight", lambda wte: torch.cat([wte, wte.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, d)])
-    _, layer, rest = name.split(".", 2)  # blocks.<i>.<rest>
-    prefix = f"h.{layer}."
-    norms = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
-    module, kind = rest.rsplit(".", 1)
-    if module in norms:
-        return f"{prefix}{norms[module]}.{kind}", keep
-    if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
-        j = "qkv".index(module[5])
-        if kind == "weight":  # c_attn is (d, 3d), in then out: q, k, v side by side
-            return f"{prefix}attn.c_attn.weight", lambda w: w[:, j * d : (j + 1) * d].t()
-        return f"{prefix}attn.c_attn.bias", lambda b: b[j * d : (j + 1) * d]
-    theirs = {"attn.out_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}[module]
-    return f"{prefix}{theirs}.{kind}", transpose if kind == "weight" else keep
-
-
-def gpt_config_of(path: str) -> GPTConfig:
-    """The shape of the GPT-2 in directory `path` (its config.json), in our terms."""
-    from transformers import GPT2Config
-
-    c = GPT2Config.from_pretrained(path)
-    return GPTConfig(
-        vocab_size=c.vocab_size,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        d_model=c.n_embd,
-        max_seq_len=c.n_positions,
-        d_ff=c.n_inner,
-    )
-
-
-def _check_shape(path: str, cfg: GPTConfig) -> None:
-    theirs = gpt_config_of(path)
-    differences = [
-        f"model.{key}={getattr(cfg, attribute)} (theirs: {getattr(theirs, attribute)})"
-        for key, attribute in (
-            ("n_layer", "n_layer"),
-            ("n_head", "n_head"),
-            ("d_model", "d_model"),
-            ("max_seq_len", "max_seq_len"),
-            ("vocab_size", "vocab_size"),
-            ("d_ff", "hidden"),
-        )
-        if getattr(cfg, attribute) != getattr(theirs, attribute)
-    ]
-    if differences:
-        from llmtrain.errors import ConfigError
-
+def hf_weights(path: str, cfg: GPTConfig) -> Callable[[str, torch.Tensor], None]:
+    """The one-tensor-at-a-time reader of a Hugging Face directory (or hub name) for our model `cfg`
+    (model.init_from); ConfigError when it holds another family or shape."""
+    directory = local_hf_directory(path)
+    family = family_of(cfg)
+    held = _model_type(path, directory)
+    if held != family.model_type:
         raise ConfigError(
-            f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
-            f"preset that matches it (e.g. model=gpt2) and its tokenizer (data.tokenizer.kind=hf)"
+            f"model.init_from={path} holds a {held} model but the model config is a {family.model_type}: choose a "
+            f"{held} preset (e.g. {FAMILIES[held].preset}) with the checkpoint's shape"
         )
+    return family.weights(directory, cfg)
 
 
-def local_hf_directory(path: str) -> str:
-    """`path` when it is a directory, else the hub snapshot of that name (config and weights only)."""
-    if os.path.isdir(path):
-        return path
-    from huggingface_hub import snapshot_download
-
-    from llmtrain.hub import from_hub
-
-    patterns = ["config.json", "*.safetensors", "pytorch_model.bin"]
-    return from_hub("model.init_from", path, lambda: snapshot_download(path, allow_patterns=patterns))
+def hf_config_of(directory: str) -> GPTConfig:
+    """Our config of the model a Hugging Face directory holds."""
+    return FAMILIES[_model_type(directory, directory)].config_of(directory)
 
 
-def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor]]:
-    """(names, read) of the weights a Hugging Face directory holds: model.safetensors memory-mapped, or an older
-    pytorch_model.bin pickle, memory-mapped; each tensor is read when asked for."""
-    safetensors_file = os.path.join(directory, "model.safetensors")
-    pickle_file = os.path.join(directory, "pytorch_model.bin")
+def _model_type(path: str, directory: str) -> str:
+    """config.json's model_type in `directory` (found as `path`), one of FAMILIES (ConfigError otherwise)."""
+    config_file = os.path.join(directory, "config.json")
     try:
-        if os.path.isfile(safetensors_file):
-            from safetensors import safe_open
-
-            handle = safe_open(safetensors_file, framework="pt")
-            return set(handle.keys()), handle.get_tensor
-        if os.path.isfile(pickle_file):
-            state = torch.load(pickle_file, map_location="cpu", mmap=True, weights_only=True)
-            return set(state), state.__getitem__
-    except Exception as error:  # safetensors and torch.load raise their own types for a truncated or foreign file
-        from llmtrain.errors import ConfigError, first_line
-
+        with open(config_file, encoding="utf-8") as f:
+            described = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"model.init_from={path}: {config_file} is not a readable JSON file ({error})") from None
+    model_type = described.get("model_type") if isinstance(described, dict) else None
+    if model_type not in FAMILIES:
+        architectures = ", ".join((described.get("architectures") or []) if isinstance(described, dict) else [])
         raise ConfigError(
-            f"model.init_from={directory}: its weights cannot be read ({first_line(error)}): the "
-            f"file is damaged or incomplete; download it again"
-        ) from None
-    from llmtrain.errors import ConfigError
-
-    raise ConfigError(
-        f"model.init_from={directory} holds neither model.safetensors nor pytorch_model.bin (weights split over "
-        f"several files are not read yet): save the model as one file (save_pretrained(max_shard_size='100GB'))"
-    )
-
-
-class GPT2Weights:
-    """Our parameters' values from a GPT-2 in Hugging Face format, one tensor at a time (`init(name, full)`, as
-    llmtrain/model/materialize.py asks): safetensors are memory-mapped and each tensor is read when asked for, so
-    no rank ever holds the whole checkpoint. Raises ConfigError when its shape differs from the model config."""
-
-    def __init__(self, path: str, cfg: GPTConfig):
-        directory = local_hf_directory(path)
-        _check_shape(directory, cfg)
-        self.cfg = cfg
-        keys, self._read = lazy_tensors(directory)
-        # save_pretrained writes "transformer.h.0..."; the original hub GPT-2 files have no prefix.
-        self._prefix = "transformer." if "transformer.wte.weight" in keys else ""
-
-    def __call__(self, name: str, full: torch.Tensor) -> None:
-        if name == "lm_head.bias":  # our padded head's vocabulary mask, not a GPT-2 weight
-            full.copy_(vocabulary_mask(self.cfg))
-            return
-        key, transform = _hf_source(name, self.cfg)
-        full.copy_(transform(self._read(self._prefix + key)))
+            f"model.init_from={path} holds a {model_type!r} model ({architectures or 'no architectures listed'}), "
+            f"which llmtrain does not import: it imports {', '.join(FAMILIES)}"
+        )
+    return model_type

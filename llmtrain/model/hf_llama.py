@@ -11,7 +11,7 @@ renaming (no reshaping: both store nn.Linear weights):
   norm, lm_head                    model.norm, lm_head         (lm_head only when the embeddings are untied)
 
 Export converts a whole model; import (`LlamaWeights`, model.init_from) converts one tensor at a time as each rank
-materialises its shards, reading the safetensors file lazily (llmtrain/model/hf.py).
+materialises its shards, reading the safetensors file lazily (llmtrain/model/hf_files.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
-from llmtrain.model.hf import lazy_tensors, local_hf_directory
+from llmtrain.model.hf_files import lazy_tensors, local_hf_directory
 from llmtrain.model.rope import RopeScaling
 
 _MODULES = {
@@ -34,68 +34,6 @@ _MODULES = {
     "mlp.fc_in": "mlp.up_proj",
     "mlp.fc_out": "mlp.down_proj",
 }
-
-
-# The Hugging Face model types llmtrain imports, and a preset of each family.
-IMPORTED_FAMILIES = {"gpt2": "model=gpt2", "llama": "model=smollm2-135m", "mixtral": "model=mixtral-tiny"}
-
-
-def hf_weights(path: str, cfg: GPTConfig):
-    """The one-tensor-at-a-time reader of a Hugging Face directory for our model `cfg` (model.init_from)."""
-    from llmtrain.model.hf import GPT2Weights
-
-    directory = local_hf_directory(path)
-    family = "mixtral" if cfg.moe.num_experts else "llama" if is_llama(cfg) else "gpt2"
-    check_family(path, directory, family)
-    if cfg.moe.num_experts:
-        from llmtrain.model.hf_mixtral import MixtralWeights, check_mixtral
-
-        check_mixtral(cfg)
-        return MixtralWeights(directory, cfg)
-    return LlamaWeights(directory, cfg) if family == "llama" else GPT2Weights(directory, cfg)
-
-
-def check_family(path: str, directory: str, family: str) -> None:
-    """A ConfigError unless `directory`'s config.json describes a model of `family` (our model config's)."""
-    import json
-    import os
-
-    config_file = os.path.join(directory, "config.json")
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            described = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"model.init_from={path}: {config_file} is not a readable JSON file ({error})") from None
-    model_type = described.get("model_type") if isinstance(described, dict) else None
-    if model_type not in IMPORTED_FAMILIES:
-        architectures = ", ".join((described.get("architectures") or []) if isinstance(described, dict) else [])
-        raise ConfigError(
-            f"model.init_from={path} holds a {model_type!r} model ({architectures or 'no architectures listed'}), "
-            f"which llmtrain does not import: it imports {', '.join(IMPORTED_FAMILIES)}"
-        )
-    if model_type != family:
-        raise ConfigError(
-            f"model.init_from={path} holds a {model_type} model but the model config is a {family}: choose a "
-            f"{model_type} preset (e.g. {IMPORTED_FAMILIES[model_type]}) with the checkpoint's shape"
-        )
-
-
-def hf_config_of(path: str) -> GPTConfig:
-    """Our config of the model a Hugging Face directory holds: a Llama, or a GPT-2."""
-    import json
-    import os
-
-    with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type == "llama":
-        return llama_config_of(path)
-    if model_type == "mixtral":
-        from llmtrain.model.hf_mixtral import mixtral_config_of
-
-        return mixtral_config_of(path)
-    from llmtrain.model.hf import gpt_config_of
-
-    return gpt_config_of(path)
 
 
 def is_llama(cfg: GPTConfig) -> bool:
@@ -210,7 +148,7 @@ def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
     )
 
 
-_SHAPE_KEYS = (
+LLAMA_SHAPE_KEYS = (
     "n_layer",
     "n_head",
     "kv_heads",
@@ -228,7 +166,7 @@ class LlamaWeights:
     """Our parameters' values from a LlamaForCausalLM in Hugging Face format, one tensor at a time (as
     llmtrain/model/materialize.py asks). Raises ConfigError when its shape differs from the model config."""
 
-    shape_keys: tuple[str, ...] = _SHAPE_KEYS
+    shape_keys: tuple[str, ...] = LLAMA_SHAPE_KEYS
 
     @staticmethod
     def config_of(directory: str) -> GPTConfig:

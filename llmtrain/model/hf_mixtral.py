@@ -21,7 +21,7 @@ import torch
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, Block, GPTConfig
 from llmtrain.model.hf_llama import (
-    _SHAPE_KEYS,
+    LLAMA_SHAPE_KEYS,
     LlamaWeights,
     config_from_llama_like,
     is_llama,
@@ -95,7 +95,7 @@ class MixtralWeights(LlamaWeights):
     """LlamaWeights for attention, norms and embeddings; the router and the stacked experts from either file
     layout (per-expert w1/w2/w3, or transformers 5's fused tensors)."""
 
-    shape_keys = (*_SHAPE_KEYS, "expert_shape")
+    shape_keys = (*LLAMA_SHAPE_KEYS, "expert_shape")
 
     @staticmethod
     def config_of(directory: str) -> GPTConfig:

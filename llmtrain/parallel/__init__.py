@@ -1,5 +1,5 @@
-"""Parallel layouts: a registry of strategies keyed by `parallel.strategy` (registry.py), filled on first use from
-layouts.py (single, tp, ddp, zero1, fsdp) and pipeline/ (pp, and the 3-D layouts pp_fsdp, pp_tp, 3d). How a layout
+"""Parallel layouts: `parallel.strategy` names a class in layouts.py (single, tp, ddp, zero1, fsdp) or pipeline/
+(pp, and the 3-D layouts pp_fsdp, pp_tp, 3d), looked up in llmtrain/catalog.py's table by registry.py. How a layout
 is applied to the model: parallelize.py, one step per module (context.py, tp.py, fsdp.py, ddp.py, zero.py).
 
 Nothing is imported with the package itself: a process that needs one piece (ring_attention.py in a test worker)
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmtrain.parallel.registry import get_strategy, register, strategy_names
+    from llmtrain.parallel.registry import get_strategy, strategy_names
     from llmtrain.parallel.strategy import Strategy
 
-__all__ = ["Strategy", "get_strategy", "register", "strategy_names"]
+__all__ = ["Strategy", "get_strategy", "strategy_names"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
         from llmtrain.parallel.strategy import Strategy
 
         return Strategy
-    if name in ("get_strategy", "register", "strategy_names"):
+    if name in ("get_strategy", "strategy_names"):
         from llmtrain.parallel import registry
 
         return getattr(registry, name)

@@ -1,5 +1,5 @@
-"""The registered layouts without a pipeline, keyed by `parallel.strategy` (conf/parallel/*.yaml picks one):
-what each adds to the base Strategy. The pipeline layouts live in pipeline/strategy.py.
+"""The layouts without a pipeline, keyed by `parallel.strategy` in llmtrain/catalog.py (conf/parallel/*.yaml picks
+one): what each adds to the base Strategy. The pipeline layouts live in pipeline/strategy.py.
 
   single  one process, no wrapper: every other layout is tested against it
   tp      tensor parallelism over all ranks (the base applies it wherever parallel.tp > 1)
@@ -25,12 +25,10 @@ from llmtrain.errors import ConfigError
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.parallelize import Layout
-from llmtrain.parallel.registry import register
 from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, Strategy, clip_gradients
 from llmtrain.parallel.zero import ZeroOneAdamW
 
 
-@register("single")
 class Single(Strategy):
     def __init__(self, parallel, train, model, runtime):
         if runtime.world_size != 1:
@@ -41,7 +39,6 @@ class Single(Strategy):
         super().__init__(parallel, train, model, runtime)
 
 
-@register("tp")
 class TensorParallel(Strategy):
     supported_dims = ("tp",)
 
@@ -57,7 +54,6 @@ class TensorParallel(Strategy):
         return f"{self.name} ({self.degrees.describe()}{', ' if extras else ''}{', '.join(extras)})"
 
 
-@register("ddp")
 class DDP(Strategy):
     supported_dims = ("dp_replicate",)
 
@@ -68,7 +64,6 @@ class DDP(Strategy):
         return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, model).no_sync()
 
 
-@register("zero1")
 class ZeroOne(Strategy):
     supported_dims = ("dp_replicate",)
 
@@ -106,7 +101,6 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {param: name for name, param in model.named_parameters()}
 
 
-@register("fsdp")
 class FSDP(Strategy):
     supported_dims = ("dp_replicate", "dp_shard", "cp", "tp")
 

@@ -26,15 +26,15 @@ from llmtrain.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfi
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
 from llmtrain.model.parallel_plan import check_tensor_parallel
+from llmtrain.optim import build_adamw
 from llmtrain.parallel.context import check_context_parallel, shard_tokens
 from llmtrain.parallel.expert import check_expert_parallel
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
 from llmtrain.parallel.mesh import MESH_DIMS, build_expert_mesh, build_mesh, mean_over, resolve_degrees
 from llmtrain.parallel.parallelize import Layout, apply_layout
+from llmtrain.parallel.precision import PrecisionContext, precision_policy, uses_bf16
 from llmtrain.parallel.tp import loss_context
 from llmtrain.runtime import Runtime, join_single_process_group
-from llmtrain.train.optim import build_adamw
-from llmtrain.train.precision import PrecisionContext, precision_policy, uses_bf16
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -182,7 +182,7 @@ class Strategy:
 
     def precision(self) -> tuple[PrecisionContext, str]:
         """The forward passes' precision context and its description, once the model is laid out
-        (train/precision.py: FSDP's mixed precision where it applies, autocast elsewhere)."""
+        (parallel/precision.py: FSDP's mixed precision where it applies, autocast elsewhere)."""
         return precision_policy(
             self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), self.fsdp_mixed_precision
         )

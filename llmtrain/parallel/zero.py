@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.train.optim import adamw_param_groups
+from llmtrain.optim import adamw_param_groups
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

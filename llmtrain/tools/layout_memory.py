@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
+from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.candidates import describe_layout
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.plan import plan_layout
@@ -34,7 +35,6 @@ from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import build_layout, compose_config
 from llmtrain.tools.comm_count import CommCounter
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
-from llmtrain.train.precision import uses_bf16
 
 
 def predicted(cfg, strategy: Strategy, runtime: Runtime, vocab_size: int) -> dict[str, Any]:

@@ -26,10 +26,10 @@ import torch
 
 from llmtrain.job import build_training
 from llmtrain.model import GPT, build_model, cross_entropy_loss
+from llmtrain.optim import build_adamw, build_schedule
 from llmtrain.parallel.strategy import unwrap
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
-from llmtrain.train.optim import build_adamw, build_schedule
 
 
 def bare_loop(cfg, vocab_size: int, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device):

@@ -1,1 +1,1 @@
-"""Training: the loop, optimizer and schedule, metrics, loggers and the end-of-run report."""
+"""Training: the loop, metrics, loggers and the end-of-run report."""

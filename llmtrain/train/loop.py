@@ -21,10 +21,10 @@ from llmtrain.config import TrainConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import Preempted, TrainingDiverged
 from llmtrain.parallel import Strategy
+from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.strategy import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
-from llmtrain.train.precision import uses_bf16
 from llmtrain.train.preemption import PreemptionWatch
 
 log = logging.getLogger("llmtrain")

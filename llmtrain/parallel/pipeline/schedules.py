@@ -12,39 +12,10 @@ dualpipev         DeepSeek's DualPipe folded into a V: forwards and backwards of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch.distributed.pipelining
 
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
-
+from llmtrain.catalog import SCHEDULES, ScheduleSpec
 from llmtrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    torch_class: type | None  # None: the hand-written reference
-    stages_per_rank: str  # "one", "several" (>= 2) or "two"
-    style: str  # how stages are dealt to ranks (split.py)
-    microbatches_at_least: str  # "1", "pp" or "stages" (= 2 pp for V schedules)
-    microbatches_multiple_of_pp: bool = False
-    splits_backward: bool = False  # input- and weight-gradient halves run separately
-
-
-SCHEDULES = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, "one", "loop", "1"),
-    "1f1b": ScheduleSpec(Schedule1F1B, "one", "loop", "pp"),
-    "1f1b_reference": ScheduleSpec(None, "one", "loop", "pp"),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "several", "loop", "pp", True),
-    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "several", "loop", "pp", True, splits_backward=True),
-    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "two", "v", "stages", splits_backward=True),
-    "dualpipev": ScheduleSpec(ScheduleDualPipeV, "two", "v", "stages", splits_backward=True),
-}
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
@@ -53,6 +24,11 @@ def schedule_spec(name: str) -> ScheduleSpec:
             f"parallel.pp_schedule={name!r} is not a pipeline schedule: use one of {', '.join(SCHEDULES)}"
         )
     return SCHEDULES[name]
+
+
+def torch_schedule(spec: ScheduleSpec) -> type | None:
+    """torch's class for a schedule (None for the reference written here, reference.py)."""
+    return None if spec.torch_class is None else getattr(torch.distributed.pipelining, spec.torch_class)
 
 
 def fewest_stages_per_rank(name: str) -> int:

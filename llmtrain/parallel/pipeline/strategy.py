@@ -29,10 +29,9 @@ from llmtrain.parallel.mesh import MESH_DIMS, mean_over
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
-from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
+from llmtrain.parallel.pipeline.schedules import schedule_spec, torch_schedule, validate_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
-from llmtrain.parallel.registry import register
 from llmtrain.parallel.strategy import (
     MicroBatches,
     PrecisionContext,
@@ -45,7 +44,6 @@ from llmtrain.parallel.strategy import (
 )
 
 
-@register("pp")
 class PipelineParallel(Strategy):
     supported_dims = MESH_DIMS
 
@@ -123,7 +121,8 @@ class PipelineParallel(Strategy):
 
     def _build_schedule(self):
         m, device = self.microbatches, self.runtime.device
-        if self.spec.torch_class is None:
+        schedule_class = torch_schedule(self.spec)
+        if schedule_class is None:
             return Reference1F1B(
                 self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device, self.timeline
             )
@@ -133,8 +132,8 @@ class PipelineParallel(Strategy):
         ]
         try:
             if self.spec.stages_per_rank == "one":
-                return self.spec.torch_class(stages[0], m, loss_fn=cross_entropy_loss)
-            return self.spec.torch_class(stages, m, loss_fn=cross_entropy_loss)
+                return schedule_class(stages[0], m, loss_fn=cross_entropy_loss)
+            return schedule_class(stages, m, loss_fn=cross_entropy_loss)
         except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
             raise ConfigError(
                 f"parallel.pp_schedule={self.parallel.pp_schedule} with parallel.microbatches={m}: {error}"

@@ -1,0 +1,36 @@
+"""The run directory Hydra made before the job started: a run that ends before it wrote any result leaves none
+behind (a config error must not litter outputs/ with empty runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+from typing import NoReturn
+
+from llmtrain.errors import ConfigError
+
+# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
+HYDRA_ONLY = {".hydra", "train.log"}
+_DATE_FOLDER = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # the default run directory's parent (resolvers.STAMP_FORMAT)
+
+
+def remove_if_empty_run(run_dir: str) -> None:
+    """Delete a run directory that holds nothing but what Hydra wrote, and the date folder above it when that is
+    now empty (no other folder: one that was empty before the run may be the user's)."""
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= HYDRA_ONLY:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        if _DATE_FOLDER.match(os.path.basename(parent)):
+            with contextlib.suppress(OSError):  # not empty: another run's
+                os.rmdir(parent)
+
+
+def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoReturn:
+    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind."""
+    if is_main:
+        print(f"error: {error}", file=sys.stderr)
+        remove_if_empty_run(run_dir)
+    sys.exit(ConfigError.exit_code)
