@@ -3,17 +3,17 @@ trainer -> report. `train.py` calls `run` with the composed Hydra config."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from llmtrain.checkpoint import save_final_model
@@ -25,10 +25,10 @@ from llmtrain.checkpoint.training import (
     resume_path,
     wandb_run_id,
 )
-from llmtrain.config import RootConfig
+from llmtrain.config import RootConfig, WandbConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
-from llmtrain.model import flops_per_token, initial_weights, meta_model, num_parameters
+from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.optim import build_schedule
 from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.parallel.precision import uses_bf16
@@ -36,7 +36,7 @@ from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
-from llmtrain.train.loop import LoopState, Trainer
+from llmtrain.train.loop import Components, LoopState, Trainer
 from llmtrain.train.memory import (
     MIB,
     BuildPeak,
@@ -51,10 +51,10 @@ from llmtrain.train.report import compiled_graphs, end_summary, format_end_summa
 log = logging.getLogger("llmtrain")
 
 
-def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
+def _wandb_identity(wandb: WandbConfig, run_dir: str) -> tuple[str, str | None]:
     """Run name and group as configured, else from Hydra: a `-m` sweep is one group named after its sweep
     directory, each job named by its overrides."""
-    name, group = cfg.logging.wandb.name, cfg.logging.wandb.group
+    name, group = wandb.name, wandb.group
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         group = group or os.path.relpath(hydra_cfg.sweep.dir)
@@ -62,36 +62,25 @@ def _wandb_identity(cfg, run_dir: str) -> tuple[str, str | None]:
     return name or os.path.relpath(run_dir), group
 
 
-def _check_vocab(cfg, tokenizer_vocab: int) -> None:
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < tokenizer_vocab:
+def _check_vocab(config: RootConfig, tokenizer_vocab: int) -> None:
+    if config.model.vocab_size is not None and config.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab}): set model.vocab_size=null to use the tokenizer's size"
         )
 
 
-def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
-    """Train with `cfg`, or start this node's workers running `entry_point` (train.py) to do so (parallel.nproc > 1
-    outside torchrun); exits with the codes README lists. `preemption` has been watching for stop signals since
-    the process started."""
+def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
+    """Train with the validated `cfg`, or start this node's workers running `entry_point` (train.py) to do so
+    (parallel.nproc > 1 outside torchrun); exits with the codes README lists. `preemption` has been watching for
+    stop signals since the process started."""
+    config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed from here on, each section handed to what uses it
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        if cfg.parallel.nproc > 1 and not launched_externally():
-            code = spawn_workers(
-                entry_point,
-                cfg.parallel.nproc,
-                list(HydraConfig.get().overrides.task),
-                run_dir,
-                *_wandb_identity(cfg, run_dir),
-                preemption,
-            )
-            remove_if_empty_run(run_dir)
-            if code == PREEMPTED_EXIT and preemption.signal_name:
-                preemption.hand_over()  # e.g. submitit, which requeues the job
-            if code:
-                sys.exit(code)
+        if config.parallel.nproc > 1 and not launched_externally():
+            _run_workers(config, preemption, entry_point, run_dir)
             return
-        runtime = init_runtime(cfg.train.device)
+        runtime = init_runtime(config.train.device)
         preemption.attach(runtime)
     except ConfigError as error:
         exit_with_config_error(error, run_dir, is_main=True)
@@ -99,13 +88,13 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         try:
-            _train(cfg, runtime, run_dir, preemption)
+            _train(config, runtime, run_dir, preemption)
         except (torch.OutOfMemoryError, RuntimeError) as error:  # before the first step: the model or its state
             if isinstance(error, RunError) or not allocation_failed(error):
                 raise
             where = "while building the model"
             raise out_of_memory(
-                runtime.rank, where, runtime.device, cfg.train.micro_batch_size, _plan(runtime)
+                runtime.rank, where, runtime.device, config.train.micro_batch_size, _plan(runtime)
             ) from error
     except RunError as error:
         if isinstance(error, ConfigError) and "parallel." in str(error):  # the planner lists the layouts that run
@@ -124,6 +113,24 @@ def run(cfg, preemption: PreemptionWatch, entry_point: str) -> None:
         runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
         raise
     runtime.shutdown(synchronize=True)
+
+
+def _run_workers(config: RootConfig, preemption: PreemptionWatch, entry_point: str, run_dir: str) -> None:
+    """This node's parallel.nproc workers, each running `entry_point` with this command line; exits with the first
+    failing worker's code."""
+    code = spawn_workers(
+        entry_point,
+        config.parallel.nproc,
+        list(HydraConfig.get().overrides.task),
+        run_dir,
+        *_wandb_identity(config.logging.wandb, run_dir),
+        preemption,
+    )
+    remove_if_empty_run(run_dir)
+    if code == PREEMPTED_EXIT and preemption.signal_name:
+        preemption.hand_over()  # e.g. submitit, which requeues the job
+    if code:
+        sys.exit(code)
 
 
 def _agreed(runtime: Runtime, value):
@@ -165,38 +172,41 @@ def _plan(runtime: Runtime) -> str:
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
-@dataclass
-class Training:
-    """A job ready to train: its trainer, and what the end of the run needs beside it."""
-
-    config: RootConfig
-    strategy: Strategy
-    model: nn.Module
-    checkpoints: RunCheckpoints
-    trainer: Trainer
-    n_params: int
-    wandb_id: str | None
+def build_layout(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> tuple[Strategy, nn.Module]:
+    """(strategy, model): the layout of `config` and its model laid out and materialised, as training builds them
+    (for tools and tests that run steps of their own)."""
+    if isinstance(config, DictConfig):
+        config = cast(RootConfig, OmegaConf.to_object(config))
+    strategy = build_strategy(config, runtime)
+    return strategy, _laid_out(strategy, config, meta_model(config.model, vocab_size))
 
 
-def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch | None) -> Training:
-    """Everything before the first step: the layout, the data at its position, the model and optimizer laid out
-    (restored from the checkpoint being resumed), and the start summary logged. The trainer records nowhere yet:
-    the caller sets `trainer.on_record`."""
-    config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed sections, each handed only to what uses it
-    tokenizer = build_tokenizer(cfg.data, runtime.is_main, runtime.barrier)
-    _check_vocab(cfg, tokenizer.vocab_size)
+def build_strategy(config: RootConfig, runtime: Runtime) -> Strategy:
+    """The layout of `config` on this rank: its degrees checked against the model and the world (ConfigError),
+    its mesh built."""
+    return get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
+
+
+def _laid_out(strategy: Strategy, config: RootConfig, meta: GPT) -> nn.Module:
+    """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
+    return strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
+
+
+def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:
+    """Everything before the first step, the one builder behind training, the tools and the tests: the layout
+    (parallel=auto decided here), the data at its position, the model and optimizer laid out (restored from the
+    checkpoint being resumed), and the start summary logged."""
+    tokenizer = build_tokenizer(config.data, runtime.is_main, runtime.barrier)
+    _check_vocab(config, tokenizer.vocab_size)
     auto = None
     if config.parallel.strategy == "auto":
-        decided = _agreed(
-            runtime, _auto_layout(cfg, config, runtime, tokenizer.vocab_size) if runtime.is_main else None
-        )
+        decided = _agreed(runtime, _auto_layout(config, runtime, tokenizer.vocab_size) if runtime.is_main else None)
         if isinstance(decided, ConfigError):  # raised on every rank: none is left waiting for the others
             raise decided
         auto = decided
-        config.parallel = auto.parallel
-        OmegaConf.update(cfg, "parallel", OmegaConf.structured(auto.parallel), merge=False)  # W&B and the summary
+        config = dataclasses.replace(config, parallel=auto.parallel)  # what W&B and the summaries show
         log.info(auto.summary)
-    strategy = get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
+    strategy = build_strategy(config, runtime)
     t = config.train
     per_step = t.micro_batch_size * strategy.dp_size
     if t.batch_size % per_step:
@@ -210,14 +220,14 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
     val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
     # Dropout draws from this generator: data-parallel ranks (different sequences) get their own streams, the
     # tensor-parallel ranks of one replica share one (llmtrain/model/dropout.py).
-    torch.manual_seed(cfg.seed + strategy.dp_rank)
+    torch.manual_seed(config.seed + strategy.dp_rank)
 
     if runtime.is_main and (warning := streaming_scale_warning(config.data, strategy.dp_size)):
         log.warning(warning)
     meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
     gpt_cfg = meta.cfg
-    checkpoint_dir = os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
-    resume = _agreed(runtime, resume_path(cfg.checkpoint, checkpoint_dir, runtime.is_main))
+    checkpoint_dir = os.path.abspath(os.path.expanduser(config.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
+    resume = _agreed(runtime, resume_path(config.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
         check_model_matches(resume, gpt_cfg)
     data = build_data(
@@ -230,74 +240,53 @@ def build_training(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWa
         read_data_position(resume) if resume else None,
     )
     try:  # the data's reading thread is stopped on the way out of a failed build
-        padding = gpt_cfg.padding_parameters
-        n_params = num_parameters(meta) - padding
-        model_flops = flops_per_token(gpt_cfg, n_params, t.seq_len)
+        n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with BuildPeak(runtime.device) as build:
-            # The layout is applied on the meta device; then each rank allocates and initialises only its part.
-            model = strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
+            model = _laid_out(strategy, config, meta)
             optimizer = strategy.build_optimizer(model, config.optim)
         memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
         schedule = build_schedule(optimizer, t.steps, config.optim)
         wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
         checkpoints = RunCheckpoints(
-            CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, runtime),
+            CheckpointManager(checkpoint_dir, config.checkpoint.keep, config.checkpoint.async_save, runtime),
             strategy,
             model,
             optimizer,
             schedule,
             data,
             gpt_cfg,
-            runtime,
             wandb_id,
         )
         point = checkpoints.restore(resume) if resume else None
-        state = LoopState(step=point.step, records=list(point.records)) if point else LoopState()
-        _, precision = strategy.precision()
-        log.info(
-            "\n"
-            + start_summary(
-                cfg,
-                n_params=n_params,
-                padding=padding,
-                vocab_size=gpt_cfg.vocab_size,
-                layout=("auto -> " if auto else "") + strategy.summary(),
-                device=str(runtime.device),
-                precision=precision,
-                dp_size=strategy.dp_size,
-                micro_batching=strategy.micro_batching(),
-                memory=memory,
-                run_dir=run_dir,
-                data=data.description,
-                resumed=f"{resume} (step {state.step})" if resume else None,
-            )
+        parts = Components(
+            config=config,
+            runtime=runtime,
+            strategy=strategy,
+            model=model,
+            model_config=gpt_cfg,
+            optimizer=optimizer,
+            schedule=schedule,
+            data=data,
+            train_slice=train_slice,
+            val_slice=val_slice,
+            checkpoints=checkpoints,
+            state=LoopState(step=point.step, records=list(point.records)) if point else LoopState(),
+            n_params=n_params,
+            model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len),
+            wandb_id=wandb_id,
         )
-
-        trainer = Trainer(
-            t,
-            config.optim.grad_clip,
-            config.checkpoint.every,
-            runtime,
-            strategy,
-            model,
-            optimizer,
-            schedule,
-            data,
-            train_slice,
-            val_slice,
-            model_flops,
-            lambda record: None,
-            checkpoints,
-            preemption,
-            state,
+        resumed = f"{resume} (step {parts.state.step})" if resume else None
+        summary = start_summary(
+            parts, chosen_by_planner=auto is not None, memory=memory, run_dir=run_dir, resumed=resumed
         )
-        return Training(config, strategy, model, checkpoints, trainer, n_params, wandb_id)
+        log.info("\n" + summary)
+        return parts
     except BaseException:
         data.close()
         raise
 
 
-def _auto_layout(cfg, config: RootConfig, runtime: Runtime, vocab_size: int):
+def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
     """parallel=auto's choice for this world, or the ConfigError saying why there is none (decided on rank 0, which
     times the host when the hardware gives no peak, and handed to every rank)."""
     from llmtrain.planner.auto import auto_layout
@@ -306,36 +295,31 @@ def _auto_layout(cfg, config: RootConfig, runtime: Runtime, vocab_size: int):
     bf16 = uses_bf16(config.train.precision, runtime.device)
     per_node = min(ranks_per_node(), runtime.world_size)
     try:
-        return auto_layout(cfg, config.parallel, runtime.world_size, per_node, vocab_size, bf16)
+        return auto_layout(config, config.parallel, runtime.world_size, per_node, vocab_size, bf16)
     except ConfigError as error:
         return error
 
 
-def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
+def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
-    training = build_training(cfg, runtime, run_dir, preemption)
-    trainer, checkpoints, strategy, model = training.trainer, training.checkpoints, training.strategy, training.model
-    t, n_params = training.config.train, training.n_params
-    loggers = (
-        RunLoggers(
-            cfg, run_dir, *_wandb_identity(cfg, run_dir), history=trainer.state.records, wandb_id=training.wandb_id
-        )
-        if runtime.is_main
-        else None
-    )
-    if loggers:
-        trainer.on_record = loggers.record
+    training = build_training(config, runtime, run_dir)
+    config, strategy, model, t = training.config, training.strategy, training.model, training.config.train
+    loggers = None
+    if runtime.is_main:
+        name, group = _wandb_identity(config.logging.wandb, run_dir)
+        loggers = RunLoggers(config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
+    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption)
     try:
         state = trainer.run()
-        checkpoints.finish()
+        training.checkpoints.finish()
     except (torch.OutOfMemoryError, RuntimeError) as error:
-        if not allocation_failed(error):
+        if isinstance(error, RunError) or not allocation_failed(error):
             raise
         raise out_of_memory(
             runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None
     finally:
-        trainer.data.close()
+        training.data.close()
         if loggers:
             loggers.close_console()
     if t.save_model:
@@ -347,7 +331,9 @@ def _train(cfg, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> 
         summary = end_summary(
             state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
         )
-        summary.update(parameters=n_params, layout=strategy.summary(), world_size=runtime.world_size, **layout_results)
+        summary.update(
+            parameters=training.n_params, layout=strategy.summary(), world_size=runtime.world_size, **layout_results
+        )
         if t.compile:  # evidence that compilation happened: graphs dynamo produced in this (rank 0's) process
             summary["compiled_graphs"] = compiled_graphs()
         loggers.finish(summary, state.records)

@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import complete_checkpoints
-from llmtrain.parallel import get_strategy
+from llmtrain.faults import arm
+from llmtrain.job import build_strategy
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import METRICS, compare
@@ -89,12 +90,6 @@ def join_as_rank(rank: int, world_size: int, port: int) -> None:
             "OMP_NUM_THREADS": "1",
         }
     )
-
-
-def faults(**variables: str) -> dict[str, str]:
-    """The environment that arms tests/hooks' fault injection (LLMTRAIN_TEST_* variables) in a run."""
-    hooks = str(Path(__file__).with_name("hooks"))
-    return {"PYTHONPATH": os.pathsep.join([hooks, os.environ.get("PYTHONPATH", "")]), **variables}
 
 
 @dataclass
@@ -199,9 +194,9 @@ PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=
 def layout_strategy(*overrides: str, world_size: int):
     """The strategy a `world_size`-rank job with these overrides builds. Its checks run before any process group
     is needed, so bad layouts can be tested in this process; a good one goes on to need the real process group."""
-    cfg = OmegaConf.to_object(compose_config(list(overrides)))
+    config = OmegaConf.to_object(compose_config(list(overrides)))
     runtime = Runtime(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), launcher="torchrun")
-    return get_strategy(cfg.parallel.strategy)(cfg.parallel, cfg.train, cfg.model, runtime)
+    return build_strategy(config, runtime)
 
 
 @pytest.fixture(scope="session")
@@ -297,7 +292,7 @@ def killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *ex
         "checkpoint.every=5",
         *extra,
         nproc=nproc,
-        env=faults(LLMTRAIN_TEST_HANG_AT_STEP="9"),
+        env=arm(hang_at_step="9"),
         name="killed",
     )
     checkpoints = run_dir / "checkpoints"

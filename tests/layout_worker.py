@@ -1,6 +1,7 @@
-"""Run by tests under torchrun: several layouts of one model trained a few steps each in one process group, on the
-same global batches as the unsplit model, which rank 0 also trains by itself (`single`, in-process). The process
-group and the imports are paid for once, however many layouts.
+"""Run by tests under torchrun: several layouts of one model, each trained a few steps by the real trainer (the
+components llmtrain/job.py builds for train.py) in one process group, on the same global batches as the unsplit
+model, which rank 0 also trains by itself (`single`, in-process). The process group and the imports are paid for
+once, however many layouts.
 
     torchrun --nproc_per_node=N tests/layout_worker.py OUT_DIR "<overrides for all>" "<layout 1>" "<layout 2>" ...
 
@@ -16,40 +17,30 @@ import os
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
+from llmtrain.job import build_training
 from llmtrain.runtime import Runtime, init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
+from llmtrain.train.loop import Trainer
 
-STEPS = 3
-VOCAB = 257
-
-
-def global_batches(cfg) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return [
-        torch.randint(0, VOCAB, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=generator)
-        for _ in range(STEPS)
-    ]
+# A few steps of the tiny model on the embedded corpus, byte tokens, no validation; each layout's run directory
+# (its end-of-run checkpoint) under OUT_DIR.
+RUN = ["train.steps=3", "train.eval_every=0", "logging.wandb.mode=disabled", "train.device=cpu"]
 
 
-def train(cfg, runtime: Runtime) -> tuple[list[float], list[float], dict | None]:
-    """The trainer's step (llmtrain/train/loop.py) on this rank's part of fixed global batches."""
-    torch.manual_seed(cfg.seed)
-    strategy, model = build_layout(cfg, runtime, VOCAB)
-    optimizer = strategy.build_optimizer(model, cfg.optim)
-    precision, _ = strategy.precision()
-    size, _ = strategy.micro_batching()
-    per_rank = cfg.train.batch_size // strategy.dp_size
-    losses, norms = [], []
-    for batch in global_batches(cfg):
-        rows = batch[strategy.dp_rank * per_rank : (strategy.dp_rank + 1) * per_rank]
-        micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in rows.split(size)]
-        losses.append(strategy.reduce_mean(strategy.forward_backward(model, micro_batches, precision)).item())
-        norms.append(strategy.clip_grad_norm(model, cfg.optim.grad_clip).item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, norms, strategy.full_state_dict(model)
+def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[list[float], list[float], dict | None]:
+    """(losses, gradient norms, rank 0's full weights) of the trainer's run of `overrides`."""
+    training = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
+    records: list[dict] = []
+    try:
+        Trainer(training, records.append, preemption=None).run()
+        training.checkpoints.finish()
+    finally:
+        training.data.close()
+    losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    return losses, norms, training.strategy.full_state_dict(training.model)
 
 
 def main(out_dir: str, common: str, layouts: list[str]) -> None:
@@ -59,10 +50,10 @@ def main(out_dir: str, common: str, layouts: list[str]) -> None:
     reference = None
     if runtime.is_main:
         local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
-        losses, norms, reference = train(compose_config([*overrides, "parallel=single"]), local)
+        losses, norms, reference = train([*overrides, "parallel=single"], local, os.path.join(out_dir, "single"))
         results["single"] = {"losses": losses, "norms": norms}
-    for layout in layouts:
-        losses, norms, weights = train(compose_config([*overrides, *layout.split()]), runtime)
+    for index, layout in enumerate(layouts):
+        losses, norms, weights = train([*overrides, *layout.split()], runtime, os.path.join(out_dir, f"{index}"))
         if runtime.is_main:
             assert weights is not None and reference is not None
             results[layout] = {

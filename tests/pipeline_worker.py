@@ -18,10 +18,11 @@ from contextlib import nullcontext
 
 import torch
 
+from llmtrain.job import build_layout
 from llmtrain.parallel.pipeline.schedules import SCHEDULES as ALL_SCHEDULES
 from llmtrain.parallel.pipeline.schedules import fewest_stages_per_rank
 from llmtrain.runtime import Runtime, init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 
 STEPS = 3

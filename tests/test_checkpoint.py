@@ -1,5 +1,5 @@
 """Checkpoints: exact resume after a hard kill, preemption signals, resharding across layouts, incomplete
-checkpoints, and the non-finite step guard (real runs of train.py; faults injected by tests/hooks/)."""
+checkpoints, and the non-finite step guard (real runs of train.py; faults armed at llmtrain/faults.py's points)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from conftest import (
     assert_parity,
     assert_resumed_exactly,
     descendants,
-    faults,
     kill_hard,
     killed_mid_run,
     run_stderr,
@@ -53,6 +52,7 @@ from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.checkpoint.training import resume_path
 from llmtrain.config import CheckpointConfig
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError
+from llmtrain.faults import arm
 from llmtrain.runtime import Runtime
 from llmtrain.tools import upgrade_checkpoint
 from llmtrain.tools.compare_runs import max_relative_difference
@@ -96,7 +96,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_one_before(async_save
         *PARITY,
         *save,
         nproc=0,
-        env=faults(LLMTRAIN_TEST_HANG_IN_SAVE_AT_STEP="6"),
+        env=arm(hang_in_save_at_step="6"),
         name="killed",
     )
     checkpoints, torn = run_dir / "checkpoints", run_dir / "checkpoints" / "step-00000006.tmp"
@@ -151,9 +151,7 @@ def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path, cache_dir):
-    process, run_dir = start_run(
-        tmp_path, cache_dir, *PARITY, nproc=0, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
-    )
+    process, run_dir = start_run(tmp_path, cache_dir, *PARITY, nproc=0, env=arm(step_seconds="0.5"), name="run")
     wait_for_steps(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == PREEMPTED_EXIT, run_stderr(run_dir)[-3000:]
@@ -166,7 +164,7 @@ def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_dir):
     process, run_dir = start_run(
-        tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2, env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"), name="run"
+        tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2, env=arm(step_seconds="0.5"), name="run"
     )
     wait_for_steps(run_dir, 2, process)
     workers = descendants(process.pid)
@@ -318,7 +316,7 @@ def test_a_resume_with_another_model_fails_with_one_line(fsdp_checkpoints, train
 
 @pytest.mark.slow
 def test_non_finite_steps_never_reach_the_weights(train, reference):
-    run = train(*PARITY, env=faults(LLMTRAIN_TEST_INF_AT_STEPS="3"))
+    run = train(*PARITY, env=arm(inf_at_steps="3"))
     assert run.returncode == 0, run.stderr[-3000:]
     skipped = [m["step"] for m in run.metrics if m.get("skipped")]
     assert skipped == [3] and not math.isfinite(run.metrics[2]["loss"])
@@ -343,7 +341,7 @@ def _saved_state(checkpoint: Path, tmp_path: Path) -> dict:
 def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(train, tmp_path):
     """Step 3's gradients overflow while its loss stays finite (what a bf16 overflow in backward looks like): the
     step is skipped, and the checkpoint after it holds exactly the weights and AdamW state of the one before."""
-    run = train(*PARITY, "checkpoint.every=1", "checkpoint.keep=10", env=faults(LLMTRAIN_TEST_INF_GRAD_AT_STEPS="3"))
+    run = train(*PARITY, "checkpoint.every=1", "checkpoint.keep=10", env=arm(inf_grad_at_steps="3"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert [m["step"] for m in run.metrics if m.get("skipped")] == [3] and math.isfinite(run.metrics[2]["loss"])
     checkpoints = run.run_dir / "checkpoints"
@@ -360,7 +358,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(train, t
 
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
-    run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1", env=faults(LLMTRAIN_TEST_INF_AT_STEPS="4,5,6"))
+    run = train(*PARITY, "train.max_bad_steps=2", "checkpoint.every=1", env=arm(inf_at_steps="4,5,6"))
     assert run.returncode == 3
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: step 5: 2 steps in a row"), run.stderr[-2000:]
@@ -371,7 +369,7 @@ def test_too_many_non_finite_steps_stop_the_run_naming_the_step(train):
 
 @pytest.mark.slow
 def test_out_of_memory_is_one_line_naming_the_rank_the_step_and_the_knobs(train):
-    run = train(*PARITY, "checkpoint.every=1", env=faults(LLMTRAIN_TEST_OOM_AT_STEP="3"))
+    run = train(*PARITY, "checkpoint.every=1", env=arm(oom_at_step="3"))
     assert run.returncode == 4
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 0 ran out of cpu memory in step 3 ("), run.stderr
@@ -400,7 +398,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(async_save, trai
     directory, the cause and the fix, exit 5, its partial directory removed, checkpoint 2 still complete, and a
     rerun resumes from it."""
     save = ("checkpoint.every=2", "train.steps=6", f"checkpoint.async_save={str(async_save).lower()}")
-    run = train(*save, env=faults(LLMTRAIN_TEST_DISK_FULL_AT_STEP="4"), name="full")
+    run = train(*save, env=arm(disk_full_at_step="4"), name="full")
     assert run.returncode == 5, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     checkpoints = run.run_dir / "checkpoints"

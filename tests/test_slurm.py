@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, PARITY, REPO, Run, faults
+from conftest import FAST, PARITY, REPO, Run
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import read_meta
+from llmtrain.faults import arm
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 SANDBOX_HINT = 'eval "$(../shared/slurm-sandbox/slurm-sandbox env)" after `slurm-sandbox up` (as .ci/run does)'
@@ -140,7 +141,7 @@ def slurm_jobs(tmp_path_factory, cache_dir):
     is installed, a submitit sweep, submitted together; Slurm polled every second (`sbatch --wait` re-polls with a
     growing sleep)."""
     workdir = tmp_path_factory.mktemp("slurm")
-    job = Job(workdir / "sbatch", cache_dir, "logging.wandb.mode=offline", env=faults(LLMTRAIN_TEST_STEP_SECONDS="0.5"))
+    job = Job(workdir / "sbatch", cache_dir, "logging.wandb.mode=offline", env=arm(step_seconds="0.5"))
     sweep = _submitit_sweep(workdir / "submitit", cache_dir) if HAS_SUBMITIT else None
     signalled = False
     deadline = time.monotonic() + 600

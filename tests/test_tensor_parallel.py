@@ -63,9 +63,9 @@ def _logits_worker(rank: int, port: int, results) -> None:
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
+    from llmtrain.job import build_layout
     from llmtrain.model import cross_entropy_loss
     from llmtrain.runtime import init_runtime
-    from llmtrain.tools import build_layout
 
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -7,7 +7,9 @@ import math
 import uuid
 
 import pytest
-from conftest import PARITY, faults
+from conftest import PARITY
+
+from llmtrain.faults import arm
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +108,7 @@ def test_a_training_step_reads_the_device_once(layout, nproc, train, tmp_path):
     device value stalls the CPU until the device catches up). torch's pipeline schedules infer their stages'
     shapes during the first step, which reads a little more."""
     reads = tmp_path / "host_reads.txt"
-    run = train(layout, "train.steps=4", nproc=nproc, env=faults(LLMTRAIN_TEST_HOST_READS=str(reads)))
+    run = train(layout, "train.steps=4", nproc=nproc, env=arm(host_reads=str(reads)))
     assert run.returncode == 0, run.stderr[-3000:]
     per_step = [int(line) for line in reads.read_text().split()]
     assert len(per_step) == 4 * max(nproc, 1)

@@ -36,9 +36,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from llmtrain import faults
 from llmtrain.checkpoint import safe_load
 from llmtrain.checkpoint.safe_load import (
     DATA_POSITION,
@@ -213,6 +215,17 @@ def staging_options(device: torch.device) -> StagingOptions:
     )
 
 
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with the fault points of checkpoint `step`'s write (llmtrain/faults.py)."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        return faults.checkpoint_write(self.step, lambda: super(_Writer, self).write_data(plan, planner))
+
+
 class CheckpointManager:
     """Writes the checkpoints of one directory (every rank calls `save`), completing async ones."""
 
@@ -256,14 +269,14 @@ class CheckpointManager:
                 if self.use_async:
                     future = dcp.async_save(
                         state,
-                        checkpoint_id=tmp,
+                        storage_writer=_Writer(tmp, step),
                         process_group=self._group,
                         async_stager=self._stager,
                         no_dist=not self.runtime.distributed,
                     )
                     self._pending = (cast(Future, future), tmp, final)
                     return
-                dcp.save(state, checkpoint_id=tmp, no_dist=not self.runtime.distributed)
+                dcp.save(state, storage_writer=_Writer(tmp, step), no_dist=not self.runtime.distributed)
         self._finish(tmp, final)
 
     @contextmanager

@@ -25,7 +25,6 @@ from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
-from llmtrain.runtime import Runtime
 
 
 def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
@@ -109,15 +108,14 @@ class RunCheckpoints:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
-        runtime: Runtime,
-        wandb_run_id: str | None = None,
+        wandb_run_id: str | None,
     ):
         self.manager = manager
         self.strategy = strategy
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
-        self.runtime = runtime
+        self.runtime = manager.runtime
         self.wandb_run_id = wandb_run_id  # a requeued or restarted run continues the same W&B run
 
     def save(self, step: int, records: list[dict[str, Any]]) -> None:

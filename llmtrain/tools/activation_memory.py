@@ -17,8 +17,9 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from llmtrain.job import build_layout
 from llmtrain.runtime import init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 
 
 def main(argv: list[str]) -> None:

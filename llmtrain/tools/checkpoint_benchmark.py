@@ -18,9 +18,10 @@ import time
 import torch
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
+from llmtrain.job import build_layout
 from llmtrain.model import cross_entropy_loss
 from llmtrain.runtime import init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 
 
 def _size(path: str) -> int:
@@ -34,9 +35,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = compose_config(["train.device=cpu", *args.overrides])
     runtime = init_runtime("cpu")
-    strategy, model = build_layout(cfg, runtime, cfg.model.vocab_size or 50257)
+    vocab_size = cfg.model.vocab_size or 50257
+    strategy, model = build_layout(cfg, runtime, vocab_size)
     optimizer = strategy.build_optimizer(model, cfg.optim)
-    tokens = torch.randint(0, model.cfg.vocab_size, (1, 65))
+    tokens = torch.randint(0, vocab_size, (1, 65))
     cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     optimizer.step()
     state = strategy.checkpoint_state(model, optimizer)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmtrain.job import build_layout
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
 from llmtrain.parallel.precision import uses_bf16
@@ -32,7 +33,7 @@ from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_
 from llmtrain.planner.plan import plan_layout
 from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 from llmtrain.tools.comm_count import CommCounter
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
 

@@ -23,13 +23,16 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
+from omegaconf import OmegaConf
 
+from llmtrain.config import RootConfig
 from llmtrain.job import build_training
 from llmtrain.model import GPT, build_model, cross_entropy_loss
 from llmtrain.optim import build_adamw, build_schedule
 from llmtrain.parallel.strategy import unwrap
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
+from llmtrain.train.loop import Trainer
 
 
 def bare_loop(cfg, vocab_size: int, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device):
@@ -80,9 +83,9 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
         ]
     )
     with tempfile.TemporaryDirectory() as run_dir:
-        training = build_training(cfg, runtime, run_dir, preemption=None)
-        trainer = training.trainer
-        data, train_slice = trainer.data.train, trainer.train_slice
+        training = build_training(cast(RootConfig, OmegaConf.to_object(cfg)), runtime, run_dir)
+        trainer = Trainer(training, lambda record: None, preemption=None)
+        data, train_slice = training.data.train, training.train_slice
         vocab_size = cast(GPT, unwrap(training.model)).cfg.vocab_size
         batches = [train_slice.micro_batches(data.next()) for _ in range(max(steps, 4))]
         bare = bare_loop(cfg, vocab_size, batches, runtime.device)

@@ -20,8 +20,9 @@ from collections import Counter
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
+from llmtrain.job import build_layout
 from llmtrain.runtime import Runtime, init_runtime
-from llmtrain.tools import build_layout, compose_config
+from llmtrain.tools import compose_config
 
 
 def expected_per_block(sequence_parallel: bool) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import netrc
@@ -10,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from llmtrain.config import RootConfig
 from llmtrain.train.report import plot_loss, write_json_atomic
 
 log = logging.getLogger("llmtrain")
@@ -133,7 +134,7 @@ class RunLoggers:
 
     def __init__(
         self,
-        cfg,
+        config: RootConfig,
         run_dir: str,
         name: str,
         group: str | None,
@@ -146,16 +147,9 @@ class RunLoggers:
         for record in history:
             self.metrics.write(record)
         self.wandb = None
-        if cfg.logging.wandb.mode != "disabled":
-            self.wandb = WandbLogger(
-                cfg.logging.wandb,
-                run_dir,
-                name,
-                group,
-                cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)),
-                wandb_id,
-            )
-        self.console = Console(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress, len(history))
+        if config.logging.wandb.mode != "disabled":
+            self.wandb = WandbLogger(config.logging.wandb, run_dir, name, group, dataclasses.asdict(config), wandb_id)
+        self.console = Console(config.train.steps, config.logging.log_every, config.logging.progress, len(history))
 
     def record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)

@@ -17,9 +17,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from llmtrain.config import TrainConfig
+from llmtrain import faults
+from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import Preempted, TrainingDiverged
+from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.strategy import full_tensor
@@ -46,45 +48,58 @@ class LoopState:
     bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
 
 
+@dataclass
+class Components:
+    """What one job trains with, whole when made (llmtrain/job.py's build_training builds it): the config, the
+    layout and its model, optimizer and schedule, the data and this rank's slices of each batch, the checkpoints
+    and the loop's state (restored when resuming)."""
+
+    config: RootConfig
+    runtime: Runtime
+    strategy: Strategy
+    model: nn.Module
+    model_config: GPTConfig  # the model's resolved shape (vocabulary from the tokenizer, padding)
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    data: Data
+    train_slice: RankSlice
+    val_slice: RankSlice
+    checkpoints: Checkpoints
+    state: LoopState
+    n_params: int
+    model_flops: float  # per token
+    wandb_id: str | None  # the W&B run this job continues (rank 0)
+
+
 class Trainer:
+    """Runs the steps of one job over its components, reporting each step's record to `on_record` and stopping
+    cleanly at a step boundary when `preemption` saw a stop signal."""
+
     def __init__(
         self,
-        train: TrainConfig,
-        grad_clip: float,
-        checkpoint_every: int,
-        runtime: Runtime,
-        strategy: Strategy,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        schedule: torch.optim.lr_scheduler.LRScheduler,
-        data: Data,
-        train_slice: RankSlice,
-        val_slice: RankSlice,
-        flops_per_token: float,
+        parts: Components,
         on_record: Callable[[dict[str, Any]], None],
-        checkpoints: Checkpoints,
-        preemption: PreemptionWatch | None = None,
-        state: LoopState | None = None,
+        preemption: PreemptionWatch | None,
     ):
-        self.train = train
-        self.grad_clip = grad_clip
-        self.checkpoint_every = checkpoint_every
-        self.runtime = runtime
-        self.strategy = strategy
-        self.model = model
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.data = data
+        self.train = parts.config.train
+        self.grad_clip = parts.config.optim.grad_clip
+        self.checkpoint_every = parts.config.checkpoint.every
+        self.runtime = runtime = parts.runtime
+        self.strategy = parts.strategy
+        self.model = parts.model
+        self.optimizer = parts.optimizer
+        self.schedule = parts.schedule
+        self.data = parts.data
         self.on_record = on_record
-        self.flops_per_token = flops_per_token
-        self.precision, _ = strategy.precision()
-        self.peak = peak_flops(runtime.device, bf16=uses_bf16(train.precision, runtime.device))
-        self.train_slice = train_slice
-        self.val_slice = val_slice
-        self.checkpoints = checkpoints
+        self.flops_per_token = parts.model_flops
+        self.precision, _ = parts.strategy.precision()
+        self.peak = peak_flops(runtime.device, bf16=uses_bf16(self.train.precision, runtime.device))
+        self.train_slice = parts.train_slice
+        self.val_slice = parts.val_slice
+        self.checkpoints = parts.checkpoints
         self.preemption = preemption
+        self.state = parts.state
         self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
-        self.state = state or LoopState()
 
     def _is_checkpoint_step(self, step: int) -> bool:
         every = self.checkpoint_every
@@ -105,9 +120,17 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
+        faults.step_begins(self.state.step + 1)
+        with faults.counting_host_reads(self.optimizer):
+            record = self._step(started)
+        faults.step_ends(started)
+        return record
+
+    def _step(self, started: float) -> dict[str, Any]:
         begin_step_memory(self.runtime.device)
         micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
         loss = self.strategy.reduce_mean(self.strategy.forward_backward(self.model, micro_batches, self.precision))
+        loss = faults.gradients_computed(self.state.step + 1, loss, self.model.parameters())
         grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
         stop = (
             self.preemption.requested_flag(self.runtime)

@@ -4,39 +4,32 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmtrain.train.loop import Components
 
 
-def start_summary(
-    cfg,
-    *,
-    n_params: int,
-    padding: int,
-    vocab_size: int,
-    layout: str,
-    device: str,
-    precision: str,
-    dp_size: int,
-    micro_batching: tuple[int, int],
-    run_dir: str,
-    data: str,
-    memory: str | None = None,
-    resumed: str | None = None,
-) -> str:
-    t, m = cfg.train, cfg.model
+def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, run_dir: str, resumed: str | None) -> str:
+    """The lines printed before the first step: model, layout, batch, run length, data, memory, where it goes."""
+    config, strategy, gpt = parts.config, parts.strategy, parts.model_config
+    t, m = config.train, config.model
+    layout = ("auto -> " if chosen_by_planner else "") + strategy.summary()
+    _, precision = strategy.precision()
+    micro_size, micro_count = strategy.micro_batching()
+    padding = gpt.padding_parameters
     tokens_per_step = t.batch_size * t.seq_len
-    micro_size, micro_count = micro_batching
     padded = f" (+{padding:,} vocabulary padding)" if padding else ""
     return "\n".join(
         [
-            f"model     {m.name}: {n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
-            f"d_model {m.d_model}, vocab {vocab_size}, max_seq_len {m.max_seq_len})",
-            f"layout    {layout} on {device}, {precision}",
+            f"model     {m.name}: {parts.n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
+            f"d_model {m.d_model}, vocab {gpt.vocab_size}, max_seq_len {m.max_seq_len})",
+            f"layout    {layout} on {parts.runtime.device}, {precision}",
             f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
-            f"(micro {micro_size} x accumulation {micro_count} x data-parallel {dp_size})",
-            f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; seed {cfg.seed}",
-            f"data      {data}",
-            *([f"memory    {memory}"] if memory else []),
+            f"(micro {micro_size} x accumulation {micro_count} x data-parallel {strategy.dp_size})",
+            f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; seed {config.seed}",
+            f"data      {parts.data.description}",
+            f"memory    {memory}",
             f"run dir   {run_dir}",
             *([f"resumed   from {resumed}"] if resumed else []),
         ]

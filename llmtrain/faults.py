@@ -1,0 +1,155 @@
+"""Named fault points: the places where a test makes a run fail the way the world does (a hang, a device out of
+memory, a full disk, a non-finite step) or counts what a step does. A run arms them with one environment variable,
+read once per process:
+
+    LLMTRAIN_FAULTS="hang_at_step=9"                LLMTRAIN_FAULTS="inf_at_steps=4,5,6 step_seconds=0.5"
+
+  hang_at_step=k            step k never finishes (a test then kills the run: a crash mid-run)
+  step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
+  inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
+  inf_grad_at_steps=3       those steps' gradients become non-finite, their loss stays finite
+  oom_at_step=k             step k raises torch.OutOfMemoryError, as the CUDA allocator does
+  hang_in_save_at_step=k    checkpoint k's shards are written, then its write never finishes (no .metadata, no
+                            rename), in the background thread under checkpoint.async_save
+  disk_full_at_step=k       checkpoint k's write fails with ENOSPC, as a full disk makes it
+  host_reads=FILE           each step appends to FILE how many times the training thread read a tensor's value on
+                            the host (item, tolist, float, int, bool): each one a device sync on a GPU. Reads
+                            inside optimizer.step are left out (AdamW keeps its step counters on the host)
+
+Unarmed, a point costs a dictionary lookup. The code calls the points by these names; nothing is patched."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from functools import cache
+from typing import Any, NoReturn
+
+ENVIRONMENT = "LLMTRAIN_FAULTS"
+POINTS = (
+    "hang_at_step",
+    "step_seconds",
+    "inf_at_steps",
+    "inf_grad_at_steps",
+    "oom_at_step",
+    "hang_in_save_at_step",
+    "disk_full_at_step",
+    "host_reads",
+)
+
+
+@cache
+def armed() -> dict[str, str]:
+    """The points this process was started with (name -> value)."""
+    points = dict(item.split("=", 1) for item in os.environ.get(ENVIRONMENT, "").split())
+    unknown = set(points) - set(POINTS)
+    if unknown:
+        raise ValueError(f"{ENVIRONMENT} names unknown fault points {sorted(unknown)}: the points are {POINTS}")
+    return points
+
+
+def arm(**points: object) -> dict[str, str]:
+    """The environment entry that arms `points` in a run started with it (for tests)."""
+    unknown = set(points) - set(POINTS)
+    if unknown:
+        raise ValueError(f"unknown fault points {sorted(unknown)}: the points are {POINTS}")
+    return {ENVIRONMENT: " ".join(f"{name}={value}" for name, value in points.items())}
+
+
+def _steps(name: str) -> set[int]:
+    return {int(step) for step in armed().get(name, "").split(",") if step}
+
+
+def _hang() -> NoReturn:
+    while True:
+        time.sleep(1)
+
+
+def step_begins(step: int) -> None:
+    """At the start of training step `step`: hang_at_step, oom_at_step."""
+    if step in _steps("hang_at_step"):
+        _hang()
+    if step in _steps("oom_at_step"):
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated: oom_at_step)")
+
+
+def gradients_computed(step: int, loss: Any, parameters: Iterator[Any]) -> Any:
+    """After step `step`'s backward, with its loss: inf_at_steps, inf_grad_at_steps. Returns the loss."""
+    if step in _steps("inf_at_steps") | _steps("inf_grad_at_steps"):
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(float("inf"))
+        if step in _steps("inf_at_steps"):
+            return loss * float("inf")
+    return loss
+
+
+def step_ends(started: float) -> None:
+    """At the end of a training step that began at perf_counter() `started`: step_seconds."""
+    seconds = float(armed().get("step_seconds", 0))
+    time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
+
+
+def checkpoint_write(step: int, write: Callable[[], Any]) -> Any:
+    """Around the write of checkpoint `step`'s shards (`write()`; its result, when it has a `wait`, is waited on
+    before hanging): disk_full_at_step, hang_in_save_at_step."""
+    if step in _steps("disk_full_at_step"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"checkpoint {step} (simulated: disk_full_at_step)")
+    written = write()
+    if step in _steps("hang_in_save_at_step"):
+        written.wait()  # the shards are on disk
+        _hang()
+    return written
+
+
+_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def counting_host_reads(optimizer: Any):
+    """A context around one training step: host_reads. Counts the training thread's reads of tensor values on the
+    host while the step runs (outside `optimizer.step`) and appends the count to the armed file."""
+    path = armed().get("host_reads")
+    return _counting(path, optimizer) if path else nullcontext()
+
+
+@contextmanager
+def _counting(path: str, optimizer: Any) -> Iterator[None]:
+    import torch
+
+    thread, count, in_optimizer = threading.get_ident(), [0], [False]
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def counted(original: Callable) -> Callable:
+        def read(tensor, *args, **kwargs):
+            if threading.get_ident() == thread and not in_optimizer[0]:
+                count[0] += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    optimizer_step = optimizer.step
+
+    def step_uncounted(*args, **kwargs):
+        in_optimizer[0] = True
+        try:
+            return optimizer_step(*args, **kwargs)
+        finally:
+            in_optimizer[0] = False
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    optimizer.step = step_uncounted
+    try:
+        yield
+    finally:
+        del optimizer.step
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        with open(path, "a") as f:
+            f.write(f"{count[0]}\n")
