@@ -20,6 +20,7 @@ from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (
     RunCheckpoints,
+    RunIdentity,
     check_model_matches,
     read_data_position,
     resume_path,
@@ -255,7 +256,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             schedule,
             data,
             gpt_cfg,
-            wandb_id,
+            RunIdentity(os.path.abspath(run_dir), wandb_id),
         )
         point = checkpoints.restore(resume) if resume else None
         parts = Components(

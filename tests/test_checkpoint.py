@@ -3,6 +3,7 @@ checkpoints, and the non-finite step guard (real runs of train.py; faults armed 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -44,12 +45,11 @@ from llmtrain.checkpoint.manager import (
     latest_checkpoint,
     load_checkpoint,
     read_data_position,
-    read_meta,
     single_process_quiet,
     write_data_position,
 )
 from llmtrain.checkpoint.offline import find_checkpoint
-from llmtrain.checkpoint.training import resume_path
+from llmtrain.checkpoint.training import logged_records, resume_path
 from llmtrain.config import CheckpointConfig
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError
 from llmtrain.faults import arm
@@ -144,7 +144,9 @@ def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints
     resumed = run_train(tmp_path, cache_dir, *PARITY, f"parallel={layout}", f"checkpoint.resume={step_5}", nproc=nproc)
     assert_parity(resumed, reference)
     assert f"resumed   from {step_5}" in resumed.stdout + resumed.stderr
-    assert resumed.metrics[:5] == read_meta(str(step_5))["records"]
+    saved_run = [json.loads(line) for line in (fsdp_checkpoints.parent / "metrics.jsonl").read_text().splitlines()]
+    assert len(saved_run) == 8 and resumed.metrics[:5] == saved_run[:5]
+    assert "records" not in read_meta(str(step_5))  # the history stays in metrics.jsonl, not in each checkpoint
     assert resumed.metrics[5]["step"] == 6
     assert resumed.metrics[5]["loss"] == pytest.approx(reference.metrics[5]["loss"], rel=LOSS_RTOL)
 
@@ -281,6 +283,18 @@ def test_a_data_position_never_runs_code_when_read(tmp_path):
     assert "\n" not in str(error.value)
     upgrade_checkpoint.main([str(legacy)])
     assert not (legacy / "data.pkl").exists() and read_data_position(str(legacy))["rng"] == position["rng"]
+
+
+def test_a_resumed_run_takes_its_history_from_the_metrics_the_saving_run_logged(tmp_path, caplog):
+    """A run resuming from step 3 continues the records the saving run logged up to step 3 (a line cut short by a
+    crash left out); a checkpoint copied away from its run starts a new history, with a warning."""
+    lines = [json.dumps({"step": step, "loss": 10.0 - step}) for step in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')
+    assert logged_records(str(tmp_path), 3) == [{"step": s, "loss": 10.0 - s} for s in (1, 2, 3)]
+    assert len(logged_records(str(tmp_path), 9)) == 5
+    with caplog.at_level(logging.WARNING, logger="llmtrain"):
+        assert logged_records(str(tmp_path / "moved"), 3) == []
+    assert "metrics start at step 4" in caplog.text
 
 
 def test_dcp_metadata_that_would_run_code_is_refused_before_dcp_reads_it(tmp_path):

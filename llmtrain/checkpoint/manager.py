@@ -3,7 +3,7 @@
 A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
   DCP's shard files and `.metadata`   model and optimizer state: each rank writes only the shards it holds, under
                                       the unsplit model's names, so any layout can load what any other saved;
-  meta.json                           step, model config, layout, LR schedule, the loss records so far (rank 0);
+  meta.json                           step, model config, layout, LR schedule, the run that wrote it (rank 0);
   data.pt                             the training stream's position after the last step (rank 0), read back
                                       with `weights_only=True`: loading a checkpoint never runs code it holds;
   rng-<rank>.pt                       each rank's random generator states (dropout);

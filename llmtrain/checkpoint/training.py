@@ -1,9 +1,12 @@
-"""A training run's checkpoints: what goes into one (model, optimizer, LR schedule, step and loss records, the
-data position, generator states) and how a run resumes from one, under its own layout or another."""
+"""A training run's checkpoints: what goes into one (model, optimizer, LR schedule, step, the run that wrote it, the
+data position, generator states) and how a run resumes from one, under its own layout or another. The history of
+records is not copied into every checkpoint: a resumed run reads it from the writing run's metrics.jsonl."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import uuid
 from typing import Any
@@ -25,6 +28,8 @@ from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel import Strategy
+
+log = logging.getLogger("llmtrain")
 
 
 def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
@@ -89,6 +94,37 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """The run that writes the checkpoints, as its checkpoints record it: where its metrics.jsonl is (a resumed run
+    takes its history from there) and its W&B run (a requeued or restarted run continues it)."""
+
+    run_dir: str
+    wandb_id: str | None
+
+
+def logged_records(run_dir: str | None, step: int) -> list[dict[str, Any]]:
+    """The records up to `step` that the run in `run_dir` logged to its metrics.jsonl: the history a run resuming
+    from its step-`step` checkpoint continues. Empty, with a warning, when the file is gone (a checkpoint copied
+    elsewhere): the resumed run's summary then covers the steps it trains."""
+    path = os.path.join(run_dir or "", "metrics.jsonl")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        log.warning(f"{path} cannot be read: the resumed run's metrics start at step {step + 1}")
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line a crash cut short
+            continue
+        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+            records.append(record)
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """Where a restored run continues: after `step`, with the records logged up to it."""
 
@@ -108,7 +144,7 @@ class RunCheckpoints:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
-        wandb_run_id: str | None,
+        run: RunIdentity,
     ):
         self.manager = manager
         self.strategy = strategy
@@ -116,17 +152,17 @@ class RunCheckpoints:
         self.data = data
         self.gpt_cfg = gpt_cfg
         self.runtime = manager.runtime
-        self.wandb_run_id = wandb_run_id  # a requeued or restarted run continues the same W&B run
+        self.run = run
 
-    def save(self, step: int, records: list[dict[str, Any]]) -> None:
+    def save(self, step: int) -> None:
         meta = {
             "step": step,
             "model": dataclasses.asdict(self.gpt_cfg),
             "layout": self.strategy.describe(),
             "world_size": self.runtime.world_size,
             "schedule": self.schedule.state_dict(),
-            "records": records,
-            "wandb_run_id": self.wandb_run_id,
+            "run_dir": self.run.run_dir,
+            "wandb_run_id": self.run.wandb_id,
         }
         self.manager.save(
             step,
@@ -156,7 +192,8 @@ class RunCheckpoints:
         # Same world size: each rank continues its own dropout stream; otherwise ranks keep their fresh seeds.
         if meta["world_size"] == self.runtime.world_size:
             restore_rng_states(path, self.runtime.rank)
-        return ResumePoint(step=meta["step"], records=meta["records"])
+        records = meta["records"] if "records" in meta else logged_records(meta.get("run_dir"), meta["step"])
+        return ResumePoint(step=meta["step"], records=records)
 
 
 __all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path", "wandb_run_id"]

@@ -33,7 +33,7 @@ log = logging.getLogger("llmtrain")
 
 
 class Checkpoints(Protocol):
-    def save(self, step: int, records: list[dict[str, Any]]) -> None: ...
+    def save(self, step: int) -> None: ...
 
     def poll(self) -> None: ...
 
@@ -202,7 +202,7 @@ class Trainer:
         self.on_record(record)
         stop = self.stop_requested
         if stop or self._is_checkpoint_step(self.state.step):
-            self.checkpoints.save(self.state.step, self.state.records)
+            self.checkpoints.save(self.state.step)
         if stop:
             self.checkpoints.finish()
             signal_name = self.preemption.signal_name if self.preemption is not None else None
