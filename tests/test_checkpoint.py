@@ -45,6 +45,7 @@ from llmtrain.checkpoint.manager import (
     latest_checkpoint,
     load_checkpoint,
     read_data_position,
+    read_meta,
     single_process_quiet,
     write_data_position,
 )
