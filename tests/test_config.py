@@ -25,7 +25,7 @@ from llmtrain.config import (
 from llmtrain.errors import ConfigError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.md"))
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
     for group in ("model", "data", "parallel", "optim", "logging", "hardware")
@@ -131,11 +131,15 @@ def _leaves(node, prefix: str = "") -> dict:
     return leaves
 
 
+def _docs_lines() -> list[str]:
+    return [line for page in DOCS for line in page.read_text().splitlines()]
+
+
 def _readme_keys(header: str = "| key | default | meaning |") -> dict[str, str]:
-    """Key -> documented default, from README's tables with this header. A row may name several keys: its default
+    """Key -> documented default, from the docs' tables with this header. A row may name several keys: its default
     is then either theirs in the same order, separated by ", ", or one value they share."""
     documented, in_table = {}, False
-    for line in README.read_text().splitlines():
+    for line in _docs_lines():
         if line == header:
             in_table = True
         elif not line.startswith("|"):
@@ -145,7 +149,7 @@ def _readme_keys(header: str = "| key | default | meaning |") -> dict[str, str]:
             keys = re.findall(r"`([^`]+)`", keys_cell)
             defaults = default_cell.split(", ") if len(keys) > 1 else [default_cell]
             defaults = defaults * len(keys) if len(defaults) == 1 else defaults
-            assert len(defaults) == len(keys), f"README: {len(keys)} keys but defaults {default_cell!r}"
+            assert len(defaults) == len(keys), f"docs: {len(keys)} keys but defaults {default_cell!r}"
             documented.update(zip(keys, defaults))
     return documented
 
@@ -168,21 +172,21 @@ def _same(documented, composed) -> bool:
     return documented == composed
 
 
-def test_the_readme_documents_every_key_with_its_default():
-    """README's key tables against the default composition, as `python train.py` composes it (model=tiny,
+def test_the_docs_document_every_key_with_its_default():
+    """docs/' key tables against the default composition, as `python train.py` composes it (model=tiny,
     data=stdlib, parallel=single, ...; not tools.compose_config, which forces the byte tokenizer): every key of the
     config is documented, every documented key exists, and every documented default is the value."""
     composed = _leaves(_compose())
     documented = _readme_keys()
-    assert sorted(set(composed) - set(documented)) == [], "keys the README's key tables do not document"
-    assert sorted(set(documented) - set(composed)) == [], "keys the README documents that the config lacks"
+    assert sorted(set(composed) - set(documented)) == [], "keys the docs/' key tables do not document"
+    assert sorted(set(documented) - set(composed)) == [], "keys the docs documents that the config lacks"
     wrong = {
         key: (text, composed[key]) for key, text in documented.items() if not _same(_readme_value(text), composed[key])
     }
-    assert wrong == {}, "README default vs composed default"
+    assert wrong == {}, "documented default vs composed default"
 
 
-def test_the_readme_documents_every_prepare_key_with_its_default():
+def test_the_docs_document_every_prepare_key_with_its_default():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         composed = _leaves(compose("prepare"))
     prepare_keys = {key: value for key, value in composed.items() if key.startswith("prepare.")}
@@ -209,10 +213,10 @@ def test_schema_defaults_are_the_default_options_values():
     assert differing == {}, "schema default vs conf/"
 
 
-def test_the_readme_lists_every_option_of_every_group():
+def test_the_docs_list_every_option_of_every_group():
     rows = {
         line.split(" | ")[0].strip("|` "): line
-        for line in README.read_text().splitlines()
+        for line in _docs_lines()
         if line.startswith("| `") and line.endswith("` |")
     }
     for group, options in GROUPS.items():
