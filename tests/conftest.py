@@ -191,6 +191,27 @@ PARAM_ATOL = 1e-5
 PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=4")
 
 
+LAYOUT_WORKER = Path(__file__).with_name("layout_worker.py")
+
+
+def layout_group(tmp_path_factory, nproc: int, common: str, layouts: list[str]) -> dict:
+    """tests/layout_worker.py's results for `layouts` on `nproc` ranks of one process group."""
+    out = tmp_path_factory.mktemp("layouts")
+    torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=900)
+    return json.loads((out / "results.json").read_text())
+
+
+def assert_matches_single(results: dict, layout: str, weight_atol: float) -> None:
+    """A layout of a layout_group followed its unsplit model: losses, gradient norms and the validation loss within
+    LOSS_RTOL, the same parameter names, weights within `weight_atol` after the last step."""
+    from layout_worker import reference_name
+
+    reference, run = results[reference_name(layout)], results[layout]
+    for key in ("losses", "norms", "val_losses"):
+        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (layout, key, run[key], reference[key])
+    assert run["same_names"] and run["weight_difference"] <= weight_atol, (layout, run)
+
+
 def layout_strategy(*overrides: str, world_size: int):
     """The strategy a `world_size`-rank job with these overrides builds. Its checks run before any process group
     is needed, so bad layouts can be tested in this process; a good one goes on to need the real process group."""

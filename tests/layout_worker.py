@@ -1,13 +1,14 @@
-"""Run by tests under torchrun: several layouts of one model, each trained a few steps by the real trainer (the
-components llmtrain/job.py builds for train.py) in one process group, on the same global batches as the unsplit
-model, which rank 0 also trains by itself (`single`, in-process). The process group and the imports are paid for
+"""Run by tests under torchrun: several layouts, each trained a few steps by the real trainer (the components
+llmtrain/job.py builds for train.py) in one process group, on the same global batches as the unsplit model, which
+rank 0 trains by itself first (`single`, before the group forms). The process group and the imports are paid for
 once, however many layouts.
 
     torchrun --nproc_per_node=N tests/layout_worker.py OUT_DIR "<overrides for all>" "<layout 1>" "<layout 2>" ...
 
-Each layout is a space-separated list of overrides ("parallel=tp parallel.sequence_parallel=true"). Rank 0 writes
-OUT_DIR/results.json: per layout its per-step losses and gradient norms, and its largest weight difference to the
-unsplit model after the last step; "single" holds the reference's losses and norms.
+Each layout is a space-separated list of overrides ("parallel=tp parallel.sequence_parallel=true"); one that
+starts with a `model=` override is compared with the unsplit run of that model (`single model=...`). Rank 0 writes
+OUT_DIR/results.json: per layout its per-step losses and gradient norms, its validation loss, and its largest
+weight difference to the unsplit model after the last step.
 """
 
 from __future__ import annotations
@@ -25,40 +26,68 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 from llmtrain.train.loop import Trainer
 
-# A few steps of the tiny model on the embedded corpus, byte tokens, no validation; each layout's run directory
-# (its end-of-run checkpoint) under OUT_DIR.
-RUN = ["train.steps=3", "train.eval_every=0", "logging.wandb.mode=disabled", "train.device=cpu"]
+STEPS = 3
+# The tiny models on the embedded corpus in byte tokens, validated after the last step. train.steps is one more
+# than the steps taken, so no end-of-run checkpoint is written (checkpoints have tests of their own); each layout
+# gets its own run directory under OUT_DIR, and never resumes.
+RUN = [
+    f"train.steps={STEPS + 1}",
+    f"train.eval_every={STEPS}",
+    "logging.wandb.mode=disabled",
+    "train.device=cpu",
+    "checkpoint.resume=none",
+]
 
 
-def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[list[float], list[float], dict | None]:
-    """(losses, gradient norms, rank 0's full weights) of the trainer's run of `overrides`."""
-    training = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
+def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, dict | None]:
+    """The trainer's records of `overrides` (losses, gradient norms, validation loss), and rank 0's full weights."""
+    parts = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
     records: list[dict] = []
     try:
-        Trainer(training, records.append, preemption=None).run()
-        training.checkpoints.finish()
+        trainer = Trainer(parts, records.append, preemption=None)
+        parts.model.train()
+        for _ in range(STEPS):
+            trainer.advance()
     finally:
-        training.data.close()
-    losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-    return losses, norms, training.strategy.full_state_dict(training.model)
+        parts.data.close()
+    curves = {
+        "losses": [r["loss"] for r in records],
+        "norms": [r["grad_norm"] for r in records],
+        "val_losses": [r["val_loss"] for r in records if "val_loss" in r],
+    }
+    return curves, parts.strategy.full_state_dict(parts.model)
+
+
+def reference_name(layout: str) -> str:
+    first = layout.split()[0]
+    return f"single {first}" if first.startswith("model=") else "single"
+
+
+def combined(common: list[str], layout: list[str]) -> list[str]:
+    """The overrides of a run: the common ones, then the layout's (whose own `model=` replaces the common one)."""
+    if layout and layout[0].startswith("model="):
+        common = [override for override in common if not override.startswith("model=")]
+    return [*common, *layout]
 
 
 def main(out_dir: str, common: str, layouts: list[str]) -> None:
-    runtime = init_runtime("cpu")
     overrides = common.split()
     results: dict[str, dict] = {}
-    reference = None
-    if runtime.is_main:
-        local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
-        losses, norms, reference = train([*overrides, "parallel=single"], local, os.path.join(out_dir, "single"))
-        results["single"] = {"losses": losses, "norms": norms}
+    references: dict[str, dict | None] = {}
+    if os.environ["RANK"] == "0":  # the unsplit models first, alone: the other ranks wait to form the group
+        alone = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+        for name in dict.fromkeys(reference_name(layout) for layout in layouts):
+            model = name.split()[1:]
+            run_dir = os.path.join(out_dir, f"reference-{len(references)}")
+            results[name], references[name] = train(combined(overrides, [*model, "parallel=single"]), alone, run_dir)
+    runtime = init_runtime("cpu")
     for index, layout in enumerate(layouts):
-        losses, norms, weights = train([*overrides, *layout.split()], runtime, os.path.join(out_dir, f"{index}"))
+        curves, weights = train(combined(overrides, layout.split()), runtime, os.path.join(out_dir, f"layout-{index}"))
         if runtime.is_main:
+            reference = references[reference_name(layout)]
             assert weights is not None and reference is not None
             results[layout] = {
-                "losses": losses,
-                "norms": norms,
+                **curves,
                 "same_names": sorted(weights) == sorted(reference),
                 "weight_difference": max_weight_difference(weights, reference),
             }

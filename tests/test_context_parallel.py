@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, REPO, json_lines, torchrun
+from conftest import REPO, assert_matches_single, json_lines, layout_group, torchrun
 
 from llmtrain.errors import ConfigError
 from llmtrain.parallel.context import check_context_parallel, zigzag_positions
-
-WORKER = Path(__file__).with_name("layout_worker.py")
 
 
 @pytest.mark.slow  # four processes' imports: ~20 s on two cores
@@ -57,7 +55,7 @@ def test_context_parallel_errors_name_the_key(args, key):
     assert key in str(error.value) and "\n" not in str(error.value)
 
 
-COMMON = "train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
 LAYOUTS = [
     "parallel=fsdp parallel.cp=4",
     "parallel=fsdp parallel.cp=2",  # dp_shard 2 x cp 2
@@ -65,24 +63,23 @@ LAYOUTS = [
     "parallel=fsdp_tp parallel.cp=2",  # cp 2 x tp 2 with sequence parallelism
     "parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     "parallel=fsdp parallel.cp=2 train.activation_checkpointing=selective train.compile=true",
+    # the Llama family's rotary positions and grouped-query heads on sequence shards
+    "model=llama-tiny parallel=fsdp parallel.cp=4",
+    "model=llama-tiny parallel=fsdp_tp parallel.cp=2",
+    "model=llama-tiny parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
 ]
 WEIGHT_ATOL = 5e-5  # as test_llama.py: Adam's first steps amplify summation-order differences of tiny gradients
 
 
-@pytest.fixture(scope="module", params=["tiny", "llama-tiny"])
-def results(request, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"cp-{request.param}")
-    torchrun(4, str(WORKER), str(out), f"model={request.param} {COMMON}", *LAYOUTS, timeout=600)
-    return json.loads((out / "results.json").read_text())
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return layout_group(tmp_path_factory, 4, COMMON, LAYOUTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_context_parallel_layout_matches_single(layout, results):
-    reference, run = results["single"], results[layout]
-    for key in ("losses", "norms"):
-        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
-    assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
+    assert_matches_single(results, layout, WEIGHT_ATOL)
 
 
 @pytest.mark.slow

@@ -1,19 +1,15 @@
 """The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) under every layout family: each
 reproduces the unsplit llama-tiny, step for step, in one 4-rank process group (tests/layout_worker.py), and 3-D
-(pipeline x FSDP x tensor parallel) in an 8-rank one.
+(pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too.
 Its forward against transformers' LlamaForCausalLM and its parameter counts are in test_model.py."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from conftest import LOSS_RTOL, torchrun
+from conftest import assert_matches_single, layout_group
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("layout_worker.py")
 # Three steps at the full learning rate from the second: Adam's first updates are near lr x sign(gradient), so a
 # weight whose gradient is tiny can move by a different ~1e-5 under another summation order (GPT-2's tiny shows the
 # same here); losses and gradient norms stay within 1e-5 relative.
@@ -37,35 +33,25 @@ LAYOUTS = [
 ]
 
 
-# pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed.
-LAYOUT_3D = (
+# pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed; and GPT-2's family (tiny) too.
+LAYOUTS_3D = [
     "parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
-    " train.activation_checkpointing=full"
-)
-
-
-def layout_results(tmp_path_factory, nproc: int, layouts: list[str]) -> dict:
-    out = tmp_path_factory.mktemp("llama")
-    torchrun(nproc, str(WORKER), str(out), COMMON, *layouts, timeout=600)
-    return json.loads((out / "results.json").read_text())
+    " train.activation_checkpointing=full",
+    "model=tiny parallel=3d",
+]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return layout_results(tmp_path_factory, 4, LAYOUTS)
+    return layout_group(tmp_path_factory, 4, COMMON, LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_llama_layout_matches_single(layout, results):
-    assert_matches_single(results, layout)
+    assert_matches_single(results, layout, WEIGHT_ATOL)
 
 
-def test_llama_3d_matches_single(tmp_path_factory):
-    assert_matches_single(layout_results(tmp_path_factory, 8, [LAYOUT_3D]), LAYOUT_3D)
-
-
-def assert_matches_single(results: dict, layout: str) -> None:
-    reference, run = results["single"], results[layout]
-    for key in ("losses", "norms"):
-        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
-    assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
+def test_3d_layouts_match_single(tmp_path_factory):
+    results = layout_group(tmp_path_factory, 8, COMMON, LAYOUTS_3D)
+    for layout in LAYOUTS_3D:
+        assert_matches_single(results, layout, WEIGHT_ATOL)

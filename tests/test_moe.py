@@ -6,12 +6,10 @@ model (tests/layout_worker.py). The all-to-all exchange itself: tests/test_exper
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, METRICS, PARITY, run_train, torchrun
+from conftest import LOSS_RTOL, METRICS, PARITY, assert_matches_single, layout_group, run_train
 
 from llmtrain.config import validate
 from llmtrain.errors import ConfigError
@@ -132,11 +130,10 @@ def test_a_run_records_the_load_of_each_expert(tmp_path, cache_dir):
         assert record["expert_imbalance"] >= 1.0
 
 
-WORKER = Path(__file__).with_name("layout_worker.py")
 # Balance and z losses 50x and (from 0) on: a wrong auxiliary gradient under some split (missed, doubled, or seeing
 # only a rank's part of the tokens) moves the gradient norms far beyond the tolerance.
 COMMON = (
-    "train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
+    "model=moe-tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
     "model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
 )
 LAYOUTS = [
@@ -152,16 +149,20 @@ LAYOUTS = [
     "parallel=fsdp parallel.cp=2 parallel.ep=2",  # balance counts summed over the ranks sharing each sequence
     "parallel=pp parallel.pp_schedule=1f1b",
     "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 parallel.ep=2",
+    # Mixtral's experts are SwiGLU (a third, gated matrix): where they are split or exchanged
+    "model=mixtral-tiny parallel=fsdp parallel.ep=4",
+    "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2 parallel.ep=2 parallel.sequence_parallel=false",
+    "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2",
+    "model=mixtral-tiny parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 "
+    "parallel.ep=2",
 ]
 EXPERT_PARALLEL = LAYOUTS[3:6]  # fsdp over 4 ranks with ep 1, 2, 4
 WEIGHT_ATOL = 5e-5  # as test_llama.py
 
 
-@pytest.fixture(scope="module", params=PRESETS)
-def results(request, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(request.param)
-    torchrun(4, str(WORKER), str(out), f"model={request.param} {COMMON}", *LAYOUTS, timeout=600)
-    return json.loads((out / "results.json").read_text())
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return layout_group(tmp_path_factory, 4, COMMON, LAYOUTS)
 
 
 @pytest.mark.slow
@@ -169,10 +170,7 @@ def results(request, tmp_path_factory) -> dict:
 def test_mixture_layout_matches_single(layout, results):
     """Dropless routing and a balance loss per micro-batch: the same micro-batches give the same losses, the
     same gradients (router included) and the same weights under any data, tensor, expert or pipeline split."""
-    reference, run = results["single"], results[layout]
-    for key in ("losses", "norms"):
-        assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (key, run[key], reference[key])
-    assert run["same_names"] and run["weight_difference"] <= WEIGHT_ATOL, run
+    assert_matches_single(results, layout, WEIGHT_ATOL)
 
 
 @pytest.mark.slow

@@ -3,28 +3,42 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PARITY, assert_parity, layout_strategy, run_train
+from conftest import PARAM_ATOL, PARITY, assert_matches_single, assert_parity, layout_group, layout_strategy, run_train
 
 from llmtrain.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
 
-# Each family once, at 4 ranks where it shards (the 15-minute suite budget on two cores).
-@pytest.mark.parametrize(
-    "layout, nproc, extra",
-    [
-        ("ddp", 2, []),
-        ("zero1", 4, []),
-        ("zero2", 4, []),
-        ("fsdp", 4, []),
-        ("hsdp", 4, ["parallel.dp_shard=2"]),
-    ],
-)
-def test_layout_matches_single(layout, nproc, extra, reference, layout_run):
-    run = layout_run(f"parallel={layout}", *extra, nproc=nproc)
+# The entry point end to end (validation, metrics, summary, final weights) for the data-parallel families: ddp on 2
+# ranks, fsdp on 4 (these runs are also the uninterrupted runs test_checkpoint.py resumes against).
+@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 4)])
+def test_layout_matches_single(layout, nproc, reference, layout_run):
+    run = layout_run(f"parallel={layout}", nproc=nproc)
     assert_parity(run, reference)
-    assert f"layout    {'fsdp' if layout in ('zero2', 'hsdp') else layout}" in run.stderr + run.stdout
+    assert f"layout    {layout}" in run.stderr + run.stdout
+
+
+# The other data-parallel and the combined pipeline layouts of GPT-2's family, in one 4-rank process group driving
+# the same trainer (the Llama family's in test_llama.py).
+LAYOUTS = [
+    "parallel=zero1",
+    "parallel=zero2",
+    "parallel=hsdp parallel.dp_shard=2",
+    "parallel=pp_fsdp",
+    "parallel=pp_tp",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    common = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+    return layout_group(tmp_path_factory, 4, common, LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_of_one_group_match_single(layout, results):
+    assert_matches_single(results, layout, PARAM_ATOL)
 
 
 def test_auto_picks_a_layout_says_why_and_trains(reference, layout_run):

@@ -1,5 +1,6 @@
 """Pipeline parallelism: the stage split, schedule checks, every schedule's parity with the unsplit model (one
-torchrun per pipeline depth, tests/pipeline_worker.py), and the pp / pp_fsdp / pp_tp / 3d layouts end to end."""
+torchrun per pipeline depth, tests/pipeline_worker.py), and pp end to end (pp_fsdp, pp_tp and 3d with the other
+layouts: test_parallel.py, test_llama.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, PARAM_ATOL, PARITY, PIPELINE, assert_parity, layout_strategy, torchrun
+from conftest import LOSS_RTOL, PARAM_ATOL, PIPELINE, assert_parity, layout_strategy, torchrun
 from pipeline_worker import STEPS
 
 from llmtrain.errors import ConfigError
@@ -181,12 +182,6 @@ def test_pipeline_run_matches_single_and_draws_its_schedule(reference, layout_ru
         sorted((kind, i) for kind in "FB" for i in range(4))
     ] * 2
     assert "pipeline  bubble" in run.stderr + run.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout, nproc", [("pp_fsdp", 4), ("pp_tp", 4), ("3d", 8)])
-def test_combined_layouts_match_single(layout, nproc, reference, train):
-    assert_parity(train(*PARITY, f"parallel={layout}", nproc=nproc), reference)
 
 
 @pytest.mark.slow

@@ -52,6 +52,10 @@ from llmtrain.errors import CheckpointWriteError, ConfigError, first_line
 from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
+# DCP warns on each call without a process group that it assumes one process, which is what a single-process run
+# asks for (no_dist=True). An async save warns from its writing thread, after any `catch_warnings` around the call
+# has ended (the user then saw it beside the one-line error of a failed save), so the filter holds for the process.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -70,14 +74,6 @@ def _failure_reason(error: BaseException) -> str:
             cause = cause.__cause__ or cause.__context__
     own = found[-1]  # the failing rank's own exception when DCP wrapped it
     return first_line(own)
-
-
-@contextmanager
-def single_process_quiet() -> Iterator[None]:
-    """DCP warns on every call without a process group that it assumes one process, which is what we ask for."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def checkpoint_path(directory: str, step: int) -> str:
@@ -265,18 +261,17 @@ class CheckpointManager:
                 write_data_position(tmp, data_position)
                 if write_main_files is not None:
                     write_main_files(tmp)
-            with single_process_quiet():
-                if self.use_async:
-                    future = dcp.async_save(
-                        state,
-                        storage_writer=_Writer(tmp, step),
-                        process_group=self._group,
-                        async_stager=self._stager,
-                        no_dist=not self.runtime.distributed,
-                    )
-                    self._pending = (cast(Future, future), tmp, final)
-                    return
-                dcp.save(state, storage_writer=_Writer(tmp, step), no_dist=not self.runtime.distributed)
+            if self.use_async:
+                future = dcp.async_save(
+                    state,
+                    storage_writer=_Writer(tmp, step),
+                    process_group=self._group,
+                    async_stager=self._stager,
+                    no_dist=not self.runtime.distributed,
+                )
+                self._pending = (cast(Future, future), tmp, final)
+                return
+            dcp.save(state, storage_writer=_Writer(tmp, step), no_dist=not self.runtime.distributed)
         self._finish(tmp, final)
 
     @contextmanager
@@ -338,7 +333,6 @@ class CheckpointManager:
 def load_checkpoint(path: str, state: dict[str, Any], distributed: bool) -> None:
     """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
     try:
-        with single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     except CheckpointException as error:  # raised on every rank: a shard that does not unpickle or is short
         raise damaged(path, "its model and optimizer shards", error) from None

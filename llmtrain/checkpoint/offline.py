@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, read_meta, single_process_quiet
+from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, read_meta
 from llmtrain.model import GPT, GPTConfig
 from llmtrain.model.materialize import allocate
 
@@ -34,6 +34,5 @@ def load_checkpoint_model(path: str) -> GPT:
     allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
     # In place, into the parameters; a tied one is stored as (and is) its source (Strategy.checkpoint_state).
     weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
-    with single_process_quiet():
-        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     return model.eval()

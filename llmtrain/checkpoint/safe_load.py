@@ -3,7 +3,7 @@ download, and a pickle can call anything while it is read.
 
 - The training stream's position (`data.pt`) is saved with `torch.save` and read with torch's weights-only
   unpickler, which builds tensors and plain containers and refuses anything else. numpy arrays in the position
-  travel as tensors.
+  travel as tensors (a list of them as one).
 - DCP's own `.metadata` is a pickle that torch reads without restriction; `read_dcp_metadata` reads it first with
   an unpickler that admits only DCP's metadata records (dataclasses and enums), torch sizes, dtypes and layouts,
   and paths, so a checkpoint whose metadata would call anything else is refused before DCP ever reads it.
@@ -84,7 +84,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointFile(f".metadata asks for {module}.{name}, which is not checkpoint metadata")
 
 
+# A list of 1-D numpy arrays (token runs, shuffle buffers of windows: thousands of them) travels as one flat
+# tensor and the lengths: a tensor each would cost a pickled storage each, seconds per checkpoint.
+_PACKED = "packed 1-D arrays"
+
+
+def _packable(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 1
+        and all(isinstance(item, np.ndarray) and item.ndim == 1 for item in value)
+        and len({item.dtype for item in value}) == 1
+    )
+
+
 def _arrays_to_tensors(value: Any) -> Any:
+    if _packable(value):
+        flat = torch.from_numpy(np.concatenate(value))
+        return {_PACKED: flat, "lengths": torch.tensor([len(item) for item in value])}
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, np.generic):
@@ -97,6 +114,9 @@ def _arrays_to_tensors(value: Any) -> Any:
 
 
 def _arrays_from_tensors(value: Any) -> Any:
+    if isinstance(value, dict) and _PACKED in value:
+        flat, ends = value[_PACKED].numpy(), value["lengths"].cumsum(0).tolist()
+        return list(np.split(flat, ends[:-1]))
     if isinstance(value, torch.Tensor):
         return value.numpy()
     if isinstance(value, dict):
