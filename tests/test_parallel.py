@@ -27,6 +27,8 @@ LAYOUTS = [
     "parallel=hsdp parallel.dp_shard=2",
     "parallel=pp_fsdp",
     "parallel=pp_tp",
+    "parallel=tp parallel.sequence_parallel=true train.activation_checkpointing=selective",
+    "parallel=fsdp_tp train.activation_checkpointing=full",
 ]
 
 

@@ -15,20 +15,11 @@ from llmtrain.tools.compare_runs import compare
 pytestmark = pytest.mark.slow
 
 
-# Each TP shape once, most with activation checkpointing on (full and selective recomputation are checked against
-# the reference without it here): the suite has a 15-minute budget on two cores.
-@pytest.mark.parametrize(
-    "nproc, layout, extra",
-    [
-        (2, "tp", []),
-        (4, "tp", ["parallel.sequence_parallel=true", "train.activation_checkpointing=selective"]),
-        (4, "fsdp_tp", ["train.activation_checkpointing=full"]),
-    ],
-)
-def test_tensor_parallel_layouts_match_single(nproc, layout, extra, reference, train):
+# tp through the entry point; tp 4 with sequence parallelism and fsdp_tp, each with recomputation, run with the
+# other layouts of GPT-2's family in test_parallel.py's process group.
+def test_tensor_parallel_matches_single(reference, train):
     # 8 sequences per micro-batch: with tp alone every rank computes the whole global batch of 16.
-    run = train(*PARITY, f"parallel={layout}", "train.micro_batch_size=8", *extra, nproc=nproc)
-    assert_parity(run, reference)
+    assert_parity(train(*PARITY, "parallel=tp", "train.micro_batch_size=8", nproc=2), reference)
 
 
 def test_dropout_masks_follow_the_data_not_the_split(reference, train):
