@@ -59,7 +59,10 @@ def test_a_recomputed_block_drops_what_its_forward_dropped(mode, compiled):
     stored = gradients()
     checkpoint_blocks([block], mode)
     for recomputed, kept in zip(gradients(), stored, strict=True):
-        torch.testing.assert_close(recomputed, kept, rtol=0, atol=1e-6)
+        # Compiled, the recomputed region is fused differently from the forward's, so results differ by float32
+        # rounding: a few ulps of the largest gradient (1.19e-6 was seen, failing an absolute 1e-6). 1e-5 of the
+        # largest leaves room for that; another dropout mask moves a dropped element's gradient by its whole size.
+        torch.testing.assert_close(recomputed, kept, rtol=0, atol=1e-5 * float(kept.abs().max()))
     assert not torch.equal(stored[0], gradients_without_dropout(block, x))  # dropout did change the gradients
 
 
