@@ -328,11 +328,14 @@ def test_a_resume_with_another_model_fails_with_one_line(fsdp_checkpoints, train
 
 
 @pytest.mark.slow
-def test_non_finite_steps_never_reach_the_weights(train, reference):
-    run = train(*PARITY, env=arm(inf_at_steps="3"))
+def test_non_finite_steps_never_reach_the_weights_or_the_optimizer(train, reference, tmp_path):
+    """Step 3 overflows in loss and gradients, step 6 in its gradients alone while its loss stays finite (what a
+    bf16 overflow in backward looks like): both are skipped, the weights stay finite, and the checkpoint after step
+    6 holds exactly the weights and AdamW state of the one before it."""
+    run = train(*PARITY, "checkpoint.every=1", "checkpoint.keep=10", env=arm(inf_at_steps="3", inf_grad_at_steps="6"))
     assert run.returncode == 0, run.stderr[-3000:]
     skipped = [m["step"] for m in run.metrics if m.get("skipped")]
-    assert skipped == [3] and not math.isfinite(run.metrics[2]["loss"])
+    assert skipped == [3, 6] and not math.isfinite(run.metrics[2]["loss"]) and math.isfinite(run.metrics[5]["loss"])
     assert all(math.isfinite(m["loss"]) for m in run.metrics if m["step"] != 3)
     weights = load_final_model(run.run_dir / "model.pt")
     trained = {name: w for name, w in weights.items() if name != "lm_head.bias"}  # the bias is the -inf padding mask
@@ -342,31 +345,24 @@ def test_non_finite_steps_never_reach_the_weights(train, reference):
     later, expected = [m["loss"] for m in run.metrics[3:]], [m["loss"] for m in reference.metrics[3:]]
     assert all(map(math.isfinite, later)) and max_relative_difference(later, expected) > LOSS_RTOL
 
+    checkpoints = run.run_dir / "checkpoints"
+    before = _saved_state(checkpoints / "step-00000005", tmp_path)
+    after = _saved_state(checkpoints / "step-00000006", tmp_path)
+    later_state = _saved_state(checkpoints / "step-00000007", tmp_path)
+    # the weights, and AdamW's moments and step counts ("state.<param>.exp_avg", ...); the schedule moves on
+    kept = {**before["model"], **{key: value for key, value in before["optimizer"].items() if key.startswith("state.")}}
+    assert any(key.endswith(".exp_avg_sq") for key in kept) and any(key.endswith(".step") for key in kept)
+    after_kept = {**after["model"], **after["optimizer"]}
+    assert all(torch.equal(value, after_kept[key]) for key, value in kept.items())
+    fc_in = "blocks.0.mlp.fc_in.weight"
+    assert not torch.equal(after["model"][fc_in], later_state["model"][fc_in])
+
 
 def _saved_state(checkpoint: Path, tmp_path: Path) -> dict:
     """Everything a DCP checkpoint holds (model, AdamW moments and counts, schedule), read in this process."""
     out = tmp_path / f"{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, out)
     return torch.load(out, weights_only=False)
-
-
-@pytest.mark.slow  # real processes: the slow tier
-def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(train, tmp_path):
-    """Step 3's gradients overflow while its loss stays finite (what a bf16 overflow in backward looks like): the
-    step is skipped, and the checkpoint after it holds exactly the weights and AdamW state of the one before."""
-    run = train(*PARITY, "checkpoint.every=1", "checkpoint.keep=10", env=arm(inf_grad_at_steps="3"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert [m["step"] for m in run.metrics if m.get("skipped")] == [3] and math.isfinite(run.metrics[2]["loss"])
-    checkpoints = run.run_dir / "checkpoints"
-    before = _saved_state(checkpoints / "step-00000002", tmp_path)
-    after = _saved_state(checkpoints / "step-00000003", tmp_path)
-    later = _saved_state(checkpoints / "step-00000004", tmp_path)
-    # the weights, and AdamW's moments and step counts ("state.<param>.exp_avg", ...); the schedule moves on
-    kept = {**before["model"], **{key: value for key, value in before["optimizer"].items() if key.startswith("state.")}}
-    assert any(key.endswith(".exp_avg_sq") for key in kept) and any(key.endswith(".step") for key in kept)
-    after_kept = {**after["model"], **after["optimizer"]}
-    assert all(torch.equal(value, after_kept[key]) for key, value in kept.items())
-    assert not torch.equal(after["model"]["blocks.0.mlp.fc_in.weight"], later["model"]["blocks.0.mlp.fc_in.weight"])
 
 
 @pytest.mark.slow
