@@ -14,6 +14,7 @@ import difflib
 import functools
 import glob
 import os
+import textwrap
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,182 +54,503 @@ PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)
 class RopeScalingConfig:
     """Llama 3's stretching of the slow rotary frequencies (llmtrain/model/rope.py); the numbers are Llama 3.1's."""
 
-    type: str = key("none", OneOf(("none", "llama3")))  # none (plain RoPE) | llama3 (transformers' "llama3")
-    factor: float = key(8.0, Number(low=1))  # how much longer than original_max_seq_len the stretched context is
-    low_freq_factor: float = key(1.0, positive())  # rotations with fewer turns than this slow by factor
-    high_freq_factor: float = key(4.0, positive())  # rotations with more turns than this keep their frequency
-    original_max_seq_len: int = key(8192, at_least(1))  # the context the model was pretrained on before the stretch
+    type: str = key(
+        "none",
+        OneOf(("none", "llama3")),
+        "`none` (plain RoPE) or `llama3`: Llama 3's stretch of the slow rotary frequencies (transformers' `rope_type: "
+        "llama3`). Rotations with more than `high_freq_factor` turns over the original context keep their frequency, "
+        "those with fewer than `low_freq_factor` slow by `factor`, the band between blends the two. `llama3.2-1b` "
+        "sets Meta's (32, 1, 4, 8192), so its weights load with `model.init_from`",
+    )
+    factor: float = key(8.0, Number(low=1), "`llama3`: the stretched context is `factor` × `original_max_seq_len`")
+    low_freq_factor: float = key(
+        1.0,
+        positive(),
+        "`llama3`: rotations with fewer turns than this over the original context slow by `factor`",
+    )
+    high_freq_factor: float = key(4.0, positive(), "`llama3`: rotations with more turns than this keep their frequency")
+    original_max_seq_len: int = key(8192, at_least(1), "`llama3`: the context the model was pretrained on")
 
 
 @dataclass
 class MoEGroupConfig:
     """Mixture-of-experts blocks (llmtrain/model/moe.py); num_experts 0 keeps every MLP dense."""
 
-    num_experts: int = key(0, at_least(0))  # routed experts per mixture block
-    top_k: int = key(2, at_least(1))  # experts each token is sent to (at most num_experts)
-    every: int = key(1, at_least(1))  # block i is a mixture when (i + 1) % every == 0
-    shared_experts: int = key(0, at_least(0))  # always-on experts beside the routed ones
-    d_ff: Optional[int] = key(None, at_least(1))  # one expert's hidden width; None: model.d_ff (the dense MLP's)
-    aux_loss_coef: float = key(0.01, Number(low=0))  # Switch / GShard load-balancing loss
-    z_loss_coef: float = key(0.0, Number(low=0))  # ST-MoE router z-loss
+    num_experts: int = key(
+        0,
+        at_least(0),
+        "routed experts per mixture-of-experts block; 0 keeps every MLP dense. `moe-tiny` (8, GPT-2 family) and "
+        "`mixtral-tiny` (8, Llama family) set it",
+    )
+    top_k: int = key(
+        2,
+        at_least(1),
+        "experts each token goes to; their router probabilities, renormalised to sum to 1, weight the outputs "
+        "(Mixtral's rule). Dropless: no capacity limit, no token dropped",
+    )
+    every: int = key(
+        1,
+        at_least(1),
+        "block i is a mixture when (i + 1) % every == 0 (1: every block; 2: every second, as `moe-tiny`)",
+    )
+    shared_experts: int = key(
+        0,
+        at_least(0),
+        "always-on experts beside the routed ones (DeepSeek-style), run as one MLP of shared_experts × the expert "
+        "width",
+    )
+    d_ff: Optional[int] = key(
+        None,
+        at_least(1),
+        "one expert's hidden width; null = the dense MLP's (`model.d_ff`, or its default)",
+    )
+    aux_loss_coef: float = key(
+        0.01,
+        Number(low=0),
+        "Switch / GShard load-balancing loss, coef · E · Σ_e (share of routed slots_e · mean router probability_e), "
+        "per micro-batch",
+    )
+    z_loss_coef: float = key(0.0, Number(low=0), "ST-MoE router z-loss, coef · mean(logsumexp(router logits)²)")
 
 
 @dataclass
 class ModelConfig:
-    name: str = key(MISSING, Text())
-    n_layer: int = key(MISSING, at_least(1))
-    n_head: int = key(MISSING, at_least(1))
-    d_model: int = key(MISSING, at_least(1))
-    d_ff: Optional[int] = key(None, at_least(1))  # None: 4 * d_model
-    max_seq_len: int = key(1024, at_least(1))
-    vocab_size: Optional[int] = key(None, at_least(1))  # None: the tokenizer's vocabulary size
-    dropout: float = key(0.0, fraction())  # embeddings and residual branches
-    attention_dropout: float = key(0.0, fraction())  # attention weights: materialises them (no fused kernel)
-    bias: bool = key(True, Flag())
-    vocab_multiple: int = key(64, at_least(1))  # pad the vocabulary (embedding rows, head outputs) to a multiple
+    name: str = key(MISSING, Text(), "the preset's name, shown in summaries")
+    n_layer: int = key(MISSING, at_least(1), "transformer blocks; each preset sets its own")
+    n_head: int = key(MISSING, at_least(1), "attention heads (`d_model` divisible by it); each preset sets its own")
+    d_model: int = key(MISSING, at_least(1), "the residual stream's width; each preset sets its own")
+    d_ff: Optional[int] = key(None, at_least(1), "MLP hidden width; null = 4 × d_model")
+    max_seq_len: int = key(
+        1024,
+        at_least(1),
+        "learned position embeddings; 1024 in the GPT-2 presets, 2048 in `gpt3-2.7b`",
+    )
+    vocab_size: Optional[int] = key(
+        None,
+        at_least(1),
+        "null = the tokenizer's vocabulary size; must be at least the tokenizer's. 50257 (GPT-2's) in the other "
+        "presets",
+    )
+    dropout: float = key(
+        0.0,
+        fraction(),
+        "on embeddings and residual branches. Each element's mask bit is a hash of the seed and its index in the "
+        "unsplit tensor, so tensor/sequence parallel and recomputed blocks drop exactly what one process drops, no "
+        "rank draws more than its own elements, and under `train.compile` the mask is fused into the block's kernel "
+        "(data-parallel ranks draw independent masks; a compiled run draws its seeds through the compiler's "
+        "random-number path, so its masks differ from an eager run's but are as reproducible)",
+    )
+    attention_dropout: float = key(
+        0.0,
+        fraction(),
+        "on the attention weights, with the same split-invariant masks; > 0 materialises the (batch, heads, t, t) "
+        "weights instead of the fused attention kernel: memory grows with t², so keep it for short contexts",
+    )
+    bias: bool = key(True, Flag(), "biases in Linear and LayerNorm, as GPT-2")
+    vocab_multiple: int = key(
+        64,
+        at_least(1),
+        "pad the vocabulary (embedding rows, head outputs) to a multiple of this; the padded logits are masked to "
+        "-inf, so the loss is the unpadded model's; tensor parallelism needs it divisible by tp. The printed "
+        "parameter count leaves the padding out",
+    )
     # A model in Hugging Face format (GPT-2, Llama, Mixtral) to start from: a local directory or a hub id.
-    init_from: Optional[str] = key(None, DirectoryOrHub(("config.json",)))
+    init_from: Optional[str] = key(
+        None,
+        DirectoryOrHub(("config.json",)),
+        "start from GPT-2, Llama or Mixtral weights in Hugging Face format (a local directory, or a hub name where the "
+        "hub is reachable), read one tensor at a time into each rank's shards; its shape must match the preset (a "
+        "mismatch names the keys). Use its tokenizer: `data.tokenizer.kind=hf data.tokenizer.name=<same>`",
+    )
     # The Llama family's choices (GPT-2's are the defaults): conf/model/llama-tiny.yaml and the presets set them.
-    norm: str = key("layernorm", OneOf(("layernorm", "rmsnorm")))
-    position: str = key("learned", OneOf(("learned", "rope")))
-    rope_theta: float = key(10000.0, positive())  # rope: the base of the rotation frequencies
+    norm: str = key("layernorm", OneOf(("layernorm", "rmsnorm")), "`layernorm` (GPT-2) or `rmsnorm` (Llama)")
+    position: str = key(
+        "learned",
+        OneOf(("learned", "rope")),
+        "`learned` (a position embedding, GPT-2) or `rope` (rotary on queries and keys, transformers' half-split "
+        "convention)",
+    )
+    rope_theta: float = key(10000.0, positive(), "base of the rotary frequencies (SmolLM2 1e5, Llama 3 5e5)")
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: type=llama3 stretches it
-    mlp: str = key("gelu", OneOf(("gelu", "swiglu")))  # swiglu: d_ff is then the gated hidden width
-    n_kv_head: Optional[int] = key(None, at_least(1))  # key/value heads (grouped-query attention); None: n_head
-    tie_embeddings: bool = key(True, Flag())  # the LM head shares the token embedding's weights
-    norm_eps: float = key(1e-5, positive())
+    mlp: str = key(
+        "gelu",
+        OneOf(("gelu", "swiglu")),
+        "`gelu` (GPT-2's fc_in, GELU, fc_out) or `swiglu` (fc_out(silu(fc_gate(x)) · fc_in(x)); `model.d_ff` is its "
+        "hidden width, null = 8/3·d_model rounded up to 64)",
+    )
+    n_kv_head: Optional[int] = key(
+        None,
+        at_least(1),
+        "key/value heads: grouped-query attention when below `n_head` (must divide it; 1 = multi-query); null = "
+        "`n_head`. Tensor parallelism splits them with their query heads, so tp must divide it",
+    )
+    tie_embeddings: bool = key(True, Flag(), "the LM head shares the token embedding's weights")
+    norm_eps: float = key(1e-5, positive(), "epsilon of the norms")
     moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
 
 
 @dataclass
 class TokenizerConfig:
     # data=prepared leaves these null: the store's manifest names its tokenizer, and a key set here must agree.
-    kind: Optional[str] = key("bpe", OneOf(TOKENIZER_KINDS))  # byte | bpe | hf
-    vocab_size: Optional[int] = key(4096, at_least(1))  # bpe: size of the vocabulary to train (at least 512)
-    train_chars: Optional[int] = key(4_000_000, at_least(1))  # bpe: characters of the training stream it reads
-    name: Optional[str] = key(None, DirectoryOrHub(TOKENIZER_FILES))  # hf: a tokenizer's hub id or local directory
+    kind: Optional[str] = key(
+        "bpe",
+        OneOf(TOKENIZER_KINDS),
+        "`byte` (256 bytes + end-of-text, no files), `bpe` (byte-level BPE trained on the training stream and "
+        "cached), `hf` (a transformers tokenizer)",
+    )
+    vocab_size: Optional[int] = key(
+        4096,
+        at_least(1),
+        "`bpe`: the vocabulary to train; 8192 for `local`, 16384 for `hf`",
+    )
+    train_chars: Optional[int] = key(
+        4_000_000,
+        at_least(1),
+        "`bpe`: characters of the training stream it is trained on; 10,000,000 for `local`, 20,000,000 for `hf`",
+    )
+    name: Optional[str] = key(None, DirectoryOrHub(TOKENIZER_FILES), "`hf`: a hub name (`gpt2`) or a local directory")
 
 
 @dataclass
 class DataConfig:
-    source: str = key(MISSING, OneOf(("stdlib", "local", "hf", "prepared")))
-    path: Optional[str] = key(None, ExistingPath("glob"))  # local: a file, folder or glob; prepared: the store
-    name: Optional[str] = key(None, Text())  # hf: dataset name on the hub
-    subset: Optional[str] = key(None, Text())  # hf: configuration / subset
-    split: str = key("train", Text())
-    val_split: Optional[str] = key(None, Text())  # hf: the validation split; None: hold out val_fraction
-    val_path: Optional[str] = key(None, ExistingPath("glob"))  # local: validation files; None: hold out val_fraction
-    val_fraction: float = key(0.02, Number(low=0, high=0.5, low_open=True, high_open=True))
-    text_field: str = key("text", Text())  # jsonl / parquet / hf column holding the text
-    doc_shuffle_buffer: int = key(1000, at_least(0))  # documents (0 or 1: no shuffling)
-    window_shuffle_buffer: int = key(4096, at_least(0))  # packed windows (0 or 1: no shuffling)
-    cache_dir: str = key("~/.cache/llmtrain", WritableDirectory())  # trained tokenizers
+    source: str = key(
+        MISSING,
+        OneOf(("stdlib", "local", "hf", "prepared")),
+        "`stdlib`, `local`, `hf` or `prepared`: set by the `data` option",
+    )
+    path: Optional[str] = key(
+        None,
+        ExistingPath("glob"),
+        "`local`: a file, a folder (searched recursively) or a glob of `.txt`, `.jsonl`, `.parquet`; `prepared`: the "
+        "directory `llmtrain.data.prepare` wrote",
+    )
+    name: Optional[str] = key(None, Text(), "`hf`: dataset name and configuration on the hub")
+    subset: Optional[str] = key(None, Text(), "`hf`: dataset name and configuration on the hub")
+    split: str = key("train", Text(), "`hf`: the split to train on")
+    val_split: Optional[str] = key(
+        None,
+        Text(),
+        "`hf`: a validation split to use; null holds out `val_fraction` of the text",
+    )
+    val_path: Optional[str] = key(
+        None,
+        ExistingPath("glob"),
+        "`local`: validation files (a file, a folder or a glob); null holds out `val_fraction` of the text",
+    )
+    val_fraction: float = key(
+        0.02,
+        Number(low=0, high=0.5, low_open=True, high_open=True),
+        "share of the text held out for validation, in ~4 KB chunks (a long document gives that share of its chunks, "
+        "spread through it; a short one is held out whole by a hash of its text): disjoint from training, the same on "
+        "every run; 0.05 for `local` (a one-file corpus of ~1 MB validates with the defaults), 0.005 for `hf`",
+    )
+    text_field: str = key("text", Text(), "the jsonl / parquet / hub column holding the text")
+    doc_shuffle_buffer: int = key(
+        1000,
+        at_least(0),
+        "documents shuffled in a seeded buffer (and the file order, for local files); 10000 for `hf`",
+    )
+    window_shuffle_buffer: int = key(
+        4096,
+        at_least(0),
+        "packed windows shuffled in a seeded buffer; 256 for `local`, 1024 for `hf`",
+    )
+    cache_dir: str = key("~/.cache/llmtrain", WritableDirectory(), "where trained BPE tokenizers are cached")
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = key("single", OneOf(STRATEGIES))  # a layout of llmtrain/catalog.py, or auto
+    strategy: str = key(
+        "single",
+        OneOf(STRATEGIES),
+        "the strategy the layout uses (named in `llmtrain/catalog.py`): `single`, `ddp`, `zero1`, `fsdp`, `tp` or `pp`",
+    )
     # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks"; 0 is refused.
-    pp: int = key(1, MeshDegree())
-    dp_replicate: int = key(1, MeshDegree())
-    dp_shard: int = key(1, MeshDegree())
-    cp: int = key(1, MeshDegree())  # context parallel: each sequence split over cp ranks, attention around a ring
-    tp: int = key(1, MeshDegree())
-    ep: int = key(1, at_least(1))  # expert parallel: each mixture's experts split over ep of the dp_shard x cp ranks
-    nproc: int = key(1, at_least(1))  # workers to start on this machine when not launched by torchrun or srun
-    reshard_after_forward: bool = key(True, Flag())  # fsdp: free gathered parameters after forward (ZeRO-3)
-    cpu_offload: bool = key(False, Flag())  # fsdp: keep sharded parameters, gradients, optimizer state on the host
-    sequence_parallel: bool = key(False, Flag())  # tp: shard LayerNorm / residual / dropout along the sequence
-    loss_parallel: bool = key(True, Flag())  # tp: cross-entropy on vocabulary shards, never gathering full logits
-    pp_schedule: str = key("1f1b", OneOf(PIPELINE_SCHEDULES))  # pp: the schedule (README: Pipeline schedules)
-    pp_stages_per_rank: int = key(1, at_least(1))  # pp: virtual stages per rank (interleaved: >= 2; V: 2)
-    microbatches: Optional[int] = key(None, at_least(1))  # pp: None = batch / (data-parallel x micro batch)
-    pp_edge_blocks: int = key(0, at_least(0))  # pp: the first and last stage each get this many fewer blocks
+    pp: int = key(
+        1,
+        MeshDegree(),
+        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
+        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
+        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+        "pipeline ones take it",
+    )
+    dp_replicate: int = key(
+        1,
+        MeshDegree(),
+        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
+        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
+        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+        "pipeline ones take it",
+    )
+    dp_shard: int = key(
+        1,
+        MeshDegree(),
+        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
+        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
+        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+        "pipeline ones take it",
+    )
+    cp: int = key(
+        1,
+        MeshDegree(),
+        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
+        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
+        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+        "pipeline ones take it",
+    )
+    tp: int = key(
+        1,
+        MeshDegree(),
+        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
+        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
+        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+        "pipeline ones take it",
+    )
+    ep: int = key(
+        1,
+        at_least(1),
+        "expert parallelism for mixture-of-experts models: each mixture's experts split over `ep` of the dp_shard × "
+        "cp ranks (not a sixth degree: it regroups FSDP's ranks); must divide dp_shard × cp and "
+        "`model.moe.num_experts`; the FSDP and pipeline layouts take it ([moe-cp.md](moe-cp.md))",
+    )
+    nproc: int = key(
+        1,
+        at_least(1),
+        "workers `train.py` starts itself when not launched by torchrun or srun (ignored under them)",
+    )
+    reshard_after_forward: bool = key(
+        True,
+        Flag(),
+        "FSDP: free gathered parameters after each block's forward (ZeRO-3) or keep them for backward (ZeRO-2, what "
+        "`zero2` sets)",
+    )
+    cpu_offload: bool = key(
+        False,
+        Flag(),
+        "FSDP: keep sharded parameters, gradients and optimizer state in host memory",
+    )
+    sequence_parallel: bool = key(
+        False,
+        Flag(),
+        "tensor parallel: keep LayerNorm, residual and dropout activations sharded along the sequence "
+        "(`train.seq_len` divisible by tp); `fsdp_tp`, `ddp_tp`, `pp_tp` and `3d` set true",
+    )
+    loss_parallel: bool = key(
+        True,
+        Flag(),
+        "tensor parallel: cross-entropy on vocabulary shards; no rank holds full-vocabulary logits",
+    )
+    pp_schedule: str = key(
+        "1f1b",
+        OneOf(PIPELINE_SCHEDULES),
+        "pipeline: `gpipe`, `1f1b`, `1f1b_reference` (written here), `interleaved_1f1b`, `zero_bubble`, `zbv`, "
+        "`dualpipev`",
+    )
+    pp_stages_per_rank: int = key(
+        1,
+        at_least(1),
+        "pipeline: virtual stages per rank; ≥ 2 for `interleaved_1f1b` / `zero_bubble`, exactly 2 for `zbv` / "
+        "`dualpipev` (`model.n_layer` must split into pp × this many stages)",
+    )
+    microbatches: Optional[int] = key(
+        None,
+        at_least(1),
+        "pipeline: micro-batches m per step; null = batch_size / (data-parallel × micro_batch_size). 1F1B-family "
+        "schedules need m ≥ pp, V schedules m ≥ 2·pp, interleaved ones m a multiple of pp",
+    )
+    pp_edge_blocks: int = key(
+        0,
+        at_least(0),
+        "pipeline: the first and last stage each get this many fewer blocks (the embedding and the head cost about a "
+        "block each)",
+    )
 
 
 @dataclass
 class OptimConfig:
-    name: str = key("adamw", OneOf(("adamw",)))
-    lr: float = key(1e-3, positive())
-    min_lr_ratio: float = key(0.1, fraction(high_open=False))  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = key(0.1, Number(low=0))
-    beta1: float = key(0.9, fraction())
-    beta2: float = key(0.95, fraction())
-    eps: float = key(1e-8, positive())
-    warmup_steps: int = key(20, at_least(0))
-    grad_clip: float = key(1.0, Number(low=0))  # 0 disables clipping
+    name: str = key("adamw", OneOf(("adamw",)), "the optimizer")
+    lr: float = key(1e-3, positive(), "peak learning rate")
+    min_lr_ratio: float = key(0.1, fraction(high_open=False), "cosine decays to lr × min_lr_ratio at the last step")
+    weight_decay: float = key(0.1, Number(low=0), "on Linear weights and embeddings; never on biases and LayerNorms")
+    beta1: float = key(0.9, fraction(), "AdamW")
+    beta2: float = key(0.95, fraction(), "AdamW")
+    eps: float = key(1e-8, positive(), "AdamW")
+    warmup_steps: int = key(20, at_least(0), "linear warmup steps")
+    grad_clip: float = key(1.0, Number(low=0), "clip the global gradient norm; 0 disables")
 
 
 @dataclass
 class WandbConfig:
-    mode: str = key("auto", OneOf(("auto", "online", "offline", "disabled")))
-    project: str = key("llmtrain", Text())
-    entity: Optional[str] = key(None, Text())
-    name: Optional[str] = key(None, Text())  # None: the run directory
-    group: Optional[str] = key(None, Text())  # None: the sweep directory of a -m sweep, no group for a single run
+    mode: str = key(
+        "auto",
+        OneOf(("auto", "online", "offline", "disabled")),
+        "`auto`: online when a W&B key is configured (`WANDB_API_KEY` or `wandb login`), offline otherwise; `online`; "
+        "`offline`; `disabled`",
+    )
+    project: str = key("llmtrain", Text(), "W&B project")
+    entity: Optional[str] = key(None, Text(), "W&B user or team; null = the key's default")
+    name: Optional[str] = key(
+        None,
+        Text(),
+        "run name; null = the run directory (a sweep job: sweep directory + its overrides)",
+    )
+    group: Optional[str] = key(None, Text(), "run group; null = the sweep directory for `-m` sweeps, none otherwise")
 
 
 @dataclass
 class LoggingConfig:
-    log_every: int = key(10, at_least(1))  # steps between console lines when no progress bar is shown
-    progress: str = key("auto", OneOf(("auto", "bar", "lines")))  # auto: a bar when attached to a terminal
+    log_every: int = key(10, at_least(1), "steps between console lines when there is no progress bar")
+    progress: str = key(
+        "auto",
+        OneOf(("auto", "bar", "lines")),
+        "`auto`: a progress bar on a terminal, log lines otherwise; `bar`; `lines`",
+    )
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = key(300, at_least(1))
-    batch_size: int = key(32, at_least(1))  # global sequences per optimizer step
-    micro_batch_size: int = key(8, at_least(1))  # sequences per rank per forward/backward
-    seq_len: int = key(128, at_least(1))
-    eval_every: int = key(50, at_least(0))  # 0 disables periodic validation
-    eval_batches: int = key(2, at_least(1))  # global batches (of batch_size sequences) per validation
-    precision: str = key("auto", OneOf(("auto", "bf16", "fp32")))  # auto: bf16 autocast on CUDA, fp32 on CPU
-    device: str = key("auto", OneOf(("auto", "cpu", "cuda")))
-    save_model: bool = key(True, Flag())  # write the final weights (full state dict) to model.pt in the run dir
-    activation_checkpointing: str = key("none", OneOf(("none", "full", "selective")))
-    compile: bool = key(False, Flag())  # torch.compile each transformer block
-    max_bad_steps: int = key(3, at_least(1))  # stop after this many consecutive steps with a non-finite loss or norm
+    steps: int = key(300, at_least(1), "optimizer steps")
+    batch_size: int = key(32, at_least(1), "global batch: sequences per optimizer step, over all data-parallel ranks")
+    micro_batch_size: int = key(
+        8,
+        at_least(1),
+        "sequences per rank per forward/backward; gradient accumulation = batch_size / (micro_batch_size × "
+        "data-parallel ranks)",
+    )
+    seq_len: int = key(128, at_least(1), "tokens per sequence, at most `model.max_seq_len`")
+    eval_every: int = key(50, at_least(0), "validate every N steps and at the last step; 0 disables")
+    eval_batches: int = key(
+        2,
+        at_least(1),
+        "global batches of held-out windows in one validation: the same windows every time and for every layout",
+    )
+    precision: str = key(
+        "auto",
+        OneOf(("auto", "bf16", "fp32")),
+        "`auto`: bf16 on CUDA, fp32 on CPU; `bf16`; `fp32`. bf16 is one policy (`parallel/precision.py`, "
+        "torchtitan's): where FSDP applies, its mixed precision alone (bf16 copies of the fp32 weights for compute, "
+        "gradients reduced in fp32), elsewhere autocast over fp32 weights; losses in fp32. Layouts agree to 1e-5 in "
+        "fp32 (CPU tests); in bf16 `gpu_check` holds each layout to 3% of one GPU's per-step loss (a stated bound, "
+        "not yet measured on a GPU); fp32 matmuls use TF32 on GPUs",
+    )
+    device: str = key("auto", OneOf(("auto", "cpu", "cuda")), "`auto`: CUDA when visible, else CPU; `cpu`; `cuda`")
+    save_model: bool = key(
+        True,
+        Flag(),
+        "write the final weights as one full state dict, `model.pt`, in the run directory",
+    )
+    activation_checkpointing: str = key(
+        "none",
+        OneOf(("none", "full", "selective")),
+        "`full`: recompute each block in backward (keeps only block inputs); `selective`: keep matmul and attention "
+        "outputs, recompute the cheap ops between them",
+    )
+    compile: bool = key(
+        False,
+        Flag(),
+        "`torch.compile` each transformer block (on GPU; compiling on CPU is slow to start); the end summary and "
+        "`summary.json` (`compiled_graphs`) count the graphs compiled",
+    )
+    max_bad_steps: int = key(3, at_least(1), "consecutive non-finite steps before the run stops")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = key(0, at_least(0))  # also save every N optimizer steps; 0: only at the end and on preemption
-    dir: Optional[str] = key(None, WritableDirectory())  # None: <run dir>/checkpoints
-    keep: int = key(2, at_least(1))  # complete checkpoints kept, newest first
-    async_save: bool = key(False, Flag())  # write in the background (DCP async_save) while training continues
-    resume: str = key("auto", CheckpointSource())  # auto: the latest complete one in dir, if any | none | <path>
+    every: int = key(0, at_least(0), "also save every N steps (0: only at the end and on preemption)")
+    dir: Optional[str] = key(
+        None,
+        WritableDirectory(),
+        "null = `<run dir>/checkpoints`; a run given a directory with checkpoints resumes from it",
+    )
+    keep: int = key(2, at_least(1), "complete checkpoints kept, newest first")
+    async_save: bool = key(False, Flag(), "DCP async save: training continues while shards are written")
+    resume: str = key(
+        "auto",
+        CheckpointSource(),
+        "`auto`: the latest complete checkpoint in `checkpoint.dir`, if any; `none`; or a checkpoint path",
+    )
 
 
 @dataclass
 class HardwareConfig:
     """The machines a run is planned for (conf/hardware/): what the planner's memory and time estimates use."""
 
-    name: str = key(MISSING, Text())
-    nodes: int = key(1, at_least(1))
-    gpus_per_node: int = key(1, at_least(1))  # devices (ranks) per node
-    device_memory_gib: Optional[float] = key(None, positive())  # one device's; None: host memory / ranks per node
-    intra_node_gbps: float = key(MISSING, positive())  # GB/s per device, one direction, to the others of its node
-    inter_node_gbps: float = key(MISSING, positive())  # GB/s per device, one direction, across nodes
-    peak_tflops: Optional[float] = key(None, positive())  # dense bf16 (fp32 accumulate) per device; None: unknown
-    peer_to_peer: bool = key(True, Flag())  # devices of a node reach each other directly (NVLink, PCIe P2P)
+    name: str = key(MISSING, Text(), "the machine description (`conf/hardware/<name>.yaml`)")
+    nodes: int = key(1, at_least(1), "nodes")
+    gpus_per_node: int = key(1, at_least(1), "devices (ranks) per node")
+    device_memory_gib: Optional[float] = key(
+        None,
+        positive(),
+        "memory of one device in GiB; null (cpu): the host's memory shared out over the ranks of the node",
+    )
+    intra_node_gbps: float = key(
+        MISSING,
+        positive(),
+        "GB/s per device, one direction, to the other devices of its node (cpu: gloo's all-reduce bus bandwidth "
+        "measured by `comm_bench` on a 2-core machine)",
+    )
+    inter_node_gbps: float = key(
+        MISSING,
+        positive(),
+        "GB/s per device, one direction, across nodes (cpu: 1 Gbit/s Ethernet)",
+    )
+    peak_tflops: Optional[float] = key(
+        None,
+        positive(),
+        "dense bf16 TFLOP/s (fp32 accumulate) per device; null: unknown (CPUs)",
+    )
+    peer_to_peer: bool = key(
+        True,
+        Flag(),
+        "devices reach each other directly (NVLink, PCIe P2P) rather than through host memory",
+    )
 
 
 @dataclass
 class PlanConfig:
     """The planner's knobs (llmtrain.tools.plan; parallel=auto reads `measured`, `mfu` and `reserved_gib`)."""
 
-    world_size: Optional[int] = key(None, at_least(1))  # None: hardware.nodes x hardware.gpus_per_node
-    parameters: Optional[int] = key(None, at_least(1))  # plan model states for this many parameters ("what if")
-    param_bytes: float = key(2, positive())  # bytes per parameter of the weights (bf16)
-    grad_bytes: float = key(2, positive())  # ... of the gradients (bf16)
-    optimizer_bytes: float = key(12, positive())  # ... of the optimizer state (fp32 master + two AdamW moments)
-    layouts: str = key("dp", OneOf(("dp", "all")))  # dp: data-parallel layouts | all: also tensor, pipeline, 3-D
-    measured: Optional[str] = key(None, ExistingPath("file"))  # a comm_bench.csv replacing the hardware's links
-    mfu: float = key(0.4, Number(low=0, high=1, low_open=True))  # fraction of peak FLOP/s the compute reaches
-    reserved_gib: float = key(1.0, Number(low=0))  # per device: CUDA context, comm buffers, fragmentation
-    out: str = key("plan.json", Text())  # where llmtrain.tools.plan writes its JSON
+    world_size: Optional[int] = key(
+        None,
+        at_least(1),
+        "ranks the planner plans for; null: `hardware.nodes` × `hardware.gpus_per_node` (`parallel=auto`: the real "
+        "world)",
+    )
+    parameters: Optional[int] = key(
+        None,
+        at_least(1),
+        'plan model states for this many parameters instead of the model\'s ("what if")',
+    )
+    param_bytes: float = key(2, positive(), "bytes per parameter of the weights (bf16; llmtrain itself keeps fp32: 4)")
+    grad_bytes: float = key(2, positive(), "bytes per parameter of the gradients (bf16; llmtrain: 4)")
+    optimizer_bytes: float = key(
+        12,
+        positive(),
+        "bytes per parameter of the optimizer state (fp32 master copy + 2 AdamW moments; llmtrain: 8)",
+    )
+    layouts: str = key(
+        "dp",
+        OneOf(("dp", "all")),
+        "`dp`: the data-parallel layouts; `all`: also tensor, pipeline and 3-D layouts",
+    )
+    measured: Optional[str] = key(
+        None,
+        ExistingPath("file"),
+        "a `comm_bench.csv` whose measured bus bandwidths replace the hardware's link numbers",
+    )
+    mfu: float = key(
+        0.4,
+        Number(low=0, high=1, low_open=True),
+        "fraction of `hardware.peak_tflops` the compute is assumed to reach (predicted step times)",
+    )
+    reserved_gib: float = key(
+        1.0,
+        Number(low=0),
+        "per device, kept out of the plan: CUDA context, NCCL buffers, allocator fragmentation",
+    )
+    out: str = key("plan.json", Text(), "where `llmtrain.tools.plan` writes its JSON")
 
 
 @dataclass
@@ -242,13 +564,30 @@ class RootConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    seed: int = key(1337, Number(low=0, high=2**32 - 1, whole=True))
+    seed: int = key(
+        1337,
+        Number(low=0, high=2**32 - 1, whole=True),
+        "seeds the weights, the data order and dropout: same seed + same global batch = same run",
+    )
 
 
 @dataclass
 class PrepareConfig:
-    out: Optional[str] = key(None, WritableDirectory())  # required: the directory the token store is written to
-    num_proc: int = key(1, at_least(1))  # tokenising processes (1: this one, whose fast tokenizer uses every core)
+    out: Optional[str] = key(
+        None,
+        WritableDirectory(),
+        "required: the store's directory. Written to `<out>.partial` and renamed when complete, so an interrupted run "
+        "leaves nothing that looks complete; a second run on the same inputs (config, file sizes and times) does "
+        "nothing; a store of other inputs is never overwritten",
+    )
+    num_proc: int = key(
+        1,
+        at_least(1),
+        "tokenising processes; the store is the same for any number. With 1, a fast (Rust) tokenizer already spreads "
+        "each batch over every core: on 2 cores the stdlib corpus prepared at 492k tokens/s with the trained BPE "
+        "(390k with 2 processes), 407k with a transformers tokenizer (398k). More processes pay off for a tokenizer "
+        "without a fast version, or on many cores where the one reading process becomes the limit",
+    )
 
 
 @dataclass
@@ -271,20 +610,21 @@ def _keys_help(which: str, _root_: DictConfig) -> str:
 
 
 def keys_help(cfg: DictConfig, schema: type) -> str:
-    """One line per key: its composed value and what it accepts (the README says what each one does)."""
+    """Per key its composed value and what it accepts, then what it does on a line below."""
     rows = []
     sections = {f.name: _plain(cfg[f.name]) if isinstance(cfg[f.name], DictConfig) else cfg[f.name]
                 for f in dataclasses.fields(schema)}  # fmt: skip
-    for dotted, item, nullable in _schema_leaves(schema):
+    for dotted, item, nullable in schema_fields(schema):
         missing, value = _lookup(sections, dotted)
         shown = "???" if missing else OmegaConf.to_yaml({"v": value})[3:].strip()  # null, true, 0.001 as typed
-        domain = item.metadata.get("domain")
-        rows.append((dotted, shown, (domain.accepts() if domain else "") + (", or null" if nullable else "")))
-    width = max(len(k) + len(v) for k, v, _ in rows) + 3
-    return "\n".join(f"  {f'{k}={v}':<{width}} {a}" for k, v, a in rows)
+        accepts = item.metadata["domain"].accepts() + (", or null" if nullable else "")
+        rows.append((f"{dotted}={shown}", accepts, item.metadata["doc"]))
+    width = max(len(setting) for setting, _, _ in rows) + 3
+    wrap = functools.partial(textwrap.fill, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(f"  {setting:<{width}} {accepts}\n{wrap(doc)}" for setting, accepts, doc in rows)
 
 
-def _schema_leaves(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, bool]]:
+def schema_fields(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, bool]]:
     """(dotted key, its field, whether it may be null) for every leaf of a schema dataclass."""
     hints = typing.get_type_hints(schema)
     for item in dataclasses.fields(schema):
@@ -292,7 +632,7 @@ def _schema_leaves(schema: type, prefix: str = "") -> Iterator[tuple[str, datacl
         args = typing.get_args(kind)
         inner = next((a for a in args if a is not type(None)), kind)  # Optional[X] -> X
         if dataclasses.is_dataclass(inner):
-            yield from _schema_leaves(inner, f"{prefix}{item.name}.")  # type: ignore[arg-type]
+            yield from schema_fields(inner, f"{prefix}{item.name}.")  # type: ignore[arg-type]
         else:
             yield f"{prefix}{item.name}", item, type(None) in args
 
@@ -300,7 +640,7 @@ def _schema_leaves(schema: type, prefix: str = "") -> Iterator[tuple[str, datacl
 @functools.cache
 def schema_keys(schema: type) -> tuple[tuple[str, Domain | None], ...]:
     """Every leaf key of a schema dataclass, dotted, with its declared domain (None: none declared)."""
-    return tuple((dotted, item.metadata.get("domain")) for dotted, item, _ in _schema_leaves(schema))
+    return tuple((dotted, item.metadata.get("domain")) for dotted, item, _ in schema_fields(schema))
 
 
 def unknown_key_line(name: str, keys: list[str]) -> str:

@@ -235,9 +235,10 @@ class CheckpointSource(Domain):
         return ["", "/nonexistent/step-5"]
 
 
-def key(default: Any, domain: Domain) -> Any:
-    """A dataclass field with its domain attached (read back by config.schema_keys)."""
-    return field(default=default, metadata={"domain": domain})
+def key(default: Any, domain: Domain, doc: str) -> Any:
+    """A config key, declared once: its default, its domain and a one-line doc (read back by config.schema_keys;
+    --help and docs/config.md are generated from them)."""
+    return field(default=default, metadata={"domain": domain, "doc": doc})
 
 
 def _number(value: float) -> str:

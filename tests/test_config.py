@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from llmtrain.config import (
 from llmtrain.errors import ConfigError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-DOCS = sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.md"))
 GROUPS = {
     group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
     for group in ("model", "data", "parallel", "optim", "logging", "hardware")
@@ -131,67 +129,12 @@ def _leaves(node, prefix: str = "") -> dict:
     return leaves
 
 
-def _docs_lines() -> list[str]:
-    return [line for page in DOCS for line in page.read_text().splitlines()]
+def test_the_config_page_is_the_one_the_schema_generates():
+    """docs/config.md is written by llmtrain.tools.config_doc from each key's one declaration (default, domain, doc)
+    and the option files: a key, an option or a default changed without regenerating it fails here."""
+    from llmtrain.tools.config_doc import PAGE, render
 
-
-def _readme_keys(header: str = "| key | default | meaning |") -> dict[str, str]:
-    """Key -> documented default, from the docs' tables with this header. A row may name several keys: its default
-    is then either theirs in the same order, separated by ", ", or one value they share."""
-    documented, in_table = {}, False
-    for line in _docs_lines():
-        if line == header:
-            in_table = True
-        elif not line.startswith("|"):
-            in_table = False
-        elif in_table and not line.startswith("|---"):
-            keys_cell, default_cell = line.split(" | ")[:2]
-            keys = re.findall(r"`([^`]+)`", keys_cell)
-            defaults = default_cell.split(", ") if len(keys) > 1 else [default_cell]
-            defaults = defaults * len(keys) if len(defaults) == 1 else defaults
-            assert len(defaults) == len(keys), f"docs: {len(keys)} keys but defaults {default_cell!r}"
-            documented.update(zip(keys, defaults))
-    return documented
-
-
-def _readme_value(text: str):
-    text = text.strip().strip("`")
-    if text in ("null", "true", "false"):
-        return {"null": None, "true": True, "false": False}[text]
-    for parse in (lambda t: int(t.replace(",", "")), float):
-        try:
-            return parse(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _same(documented, composed) -> bool:
-    if isinstance(documented, bool) or isinstance(composed, bool):  # True == 1 would pass otherwise
-        return documented is composed
-    return documented == composed
-
-
-def test_the_docs_document_every_key_with_its_default():
-    """docs/' key tables against the default composition, as `python train.py` composes it (model=tiny,
-    data=stdlib, parallel=single, ...; not tools.compose_config, which forces the byte tokenizer): every key of the
-    config is documented, every documented key exists, and every documented default is the value."""
-    composed = _leaves(_compose())
-    documented = _readme_keys()
-    assert sorted(set(composed) - set(documented)) == [], "keys the docs/' key tables do not document"
-    assert sorted(set(documented) - set(composed)) == [], "keys the docs documents that the config lacks"
-    wrong = {
-        key: (text, composed[key]) for key, text in documented.items() if not _same(_readme_value(text), composed[key])
-    }
-    assert wrong == {}, "documented default vs composed default"
-
-
-def test_the_docs_document_every_prepare_key_with_its_default():
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        composed = _leaves(compose("prepare"))
-    prepare_keys = {key: value for key, value in composed.items() if key.startswith("prepare.")}
-    documented = _readme_keys("| prepare key | default | meaning |")
-    assert {key: _readme_value(text) for key, text in documented.items()} == prepare_keys
+    assert Path(PAGE).read_text() == render(), "run: python -m llmtrain.tools.config_doc --write"
 
 
 def test_schema_defaults_are_the_default_options_values():
@@ -211,14 +154,3 @@ def test_schema_defaults_are_the_default_options_values():
         defaults.update(_leaves(OmegaConf.structured(schema), f"{group}."))
     differing = {key: (value, composed[key]) for key, value in defaults.items() if value not in ("???", composed[key])}
     assert differing == {}, "schema default vs conf/"
-
-
-def test_the_docs_list_every_option_of_every_group():
-    rows = {
-        line.split(" | ")[0].strip("|` "): line
-        for line in _docs_lines()
-        if line.startswith("| `") and line.endswith("` |")
-    }
-    for group, options in GROUPS.items():
-        listed = re.findall(r"`([^`]+)`", rows[group].split(" | ")[1])
-        assert sorted(listed) == options, group
