@@ -1,7 +1,10 @@
 """The GPT and its construction from the `model` config group: built on the meta device, laid out, then
-materialised with the initial weights of the seed or of a Hugging Face GPT-2 (model.init_from)."""
+materialised with the initial weights of the seed or of a Hugging Face model (model.init_from)."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -13,27 +16,15 @@ from llmtrain.model.rope import RopeScaling
 
 
 def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
-    """The model config group, with the vocabulary size resolved (the group's own, or the tokenizer's)."""
+    """The model config group as the network's shape: each field of GPTConfig is the group's key of that name,
+    with the vocabulary resolved (the group's own, or the tokenizer's) and the nested groups converted."""
+    resolved: dict[str, Any] = {
+        "vocab_size": model_cfg.vocab_size or vocab_size,
+        "rope_scaling": rope_scaling(model_cfg.rope_scaling),
+        "moe": MoEConfig(**{f.name: getattr(model_cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)}),
+    }
     return GPTConfig(
-        vocab_size=model_cfg.vocab_size or vocab_size,
-        n_layer=model_cfg.n_layer,
-        n_head=model_cfg.n_head,
-        d_model=model_cfg.d_model,
-        max_seq_len=model_cfg.max_seq_len,
-        d_ff=model_cfg.d_ff,
-        dropout=model_cfg.dropout,
-        attention_dropout=model_cfg.attention_dropout,
-        bias=model_cfg.bias,
-        vocab_multiple=model_cfg.vocab_multiple,
-        norm=model_cfg.norm,
-        position=model_cfg.position,
-        rope_theta=model_cfg.rope_theta,
-        rope_scaling=rope_scaling(model_cfg.rope_scaling),
-        mlp=model_cfg.mlp,
-        n_kv_head=model_cfg.n_kv_head,
-        tie_embeddings=model_cfg.tie_embeddings,
-        norm_eps=model_cfg.norm_eps,
-        moe=MoEConfig(**{key: getattr(model_cfg.moe, key) for key in MoEConfig.__dataclass_fields__}),
+        **{f.name: resolved.get(f.name, getattr(model_cfg, f.name)) for f in dataclasses.fields(GPTConfig)}
     )
 
 
