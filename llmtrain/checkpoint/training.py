@@ -166,7 +166,7 @@ class RunCheckpoints:
         }
         self.manager.save(
             step,
-            self.strategy.checkpoint_state(self.model, self.optimizer),
+            self.strategy.checkpoint_state(self.model, self.optimizer).values,
             meta,
             self.data.train.state_dict(),
             self._write_tokenizer,
@@ -185,7 +185,7 @@ class RunCheckpoints:
 
     def restore(self, path: str) -> ResumePoint:
         state = self.strategy.checkpoint_state(self.model, self.optimizer)
-        load_checkpoint(path, state, self.runtime.distributed)
+        load_checkpoint(path, state.values, self.runtime.distributed)
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
         meta = read_meta(path)
         self.schedule.load_state_dict(meta["schedule"])

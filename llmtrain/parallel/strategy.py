@@ -5,8 +5,10 @@ changes. How a layout is applied to the model is parallelize.py's linear sequenc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import ClassVar, cast
 
 import torch
@@ -50,7 +52,6 @@ class Strategy:
     def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
         self.parallel, self.train, self.runtime = parallel, train, runtime
         self.degrees = resolve_degrees(parallel, runtime.world_size)
-        self.fsdp_mixed_precision = False  # FSDP casts parameters to bf16 for compute (set by parallelize)
         self.validate(model)
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
@@ -135,6 +136,11 @@ class Strategy:
         one, activation checkpointing and compilation as train.* asks; layouts that shard add FSDP."""
         return self._layout()
 
+    @functools.cached_property
+    def planned_layout(self) -> Layout:
+        """`layout()`, made once (its meshes are sliced once) and read by `parallelize` and `precision`."""
+        return self.layout()
+
     @property
     def cp_mesh(self) -> DeviceMesh | None:
         """The context-parallel dimension, when sequences are split (parallel.cp > 1)."""
@@ -174,17 +180,17 @@ class Strategy:
     def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
         what the trainer runs."""
-        layout = self.layout()
-        self.fsdp_mixed_precision = layout.fsdp_mesh is not None and layout.param_dtype is not None
-        apply_layout(model, layout)
+        apply_layout(model, self.planned_layout)
         materialize(model, self.init_device, init)
         return self.wrap(model)
 
     def precision(self) -> tuple[PrecisionContext, str]:
-        """The forward passes' precision context and its description, once the model is laid out
-        (parallel/precision.py: FSDP's mixed precision where it applies, autocast elsewhere)."""
+        """The forward passes' precision context and its description (parallel/precision.py: FSDP's mixed
+        precision where the layout applies it, autocast elsewhere)."""
+        layout = self.planned_layout
+        fsdp_mixed_precision = layout.fsdp_mesh is not None and layout.param_dtype is not None
         return precision_policy(
-            self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), self.fsdp_mixed_precision
+            self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), fsdp_mixed_precision
         )
 
     def wrap(self, model: LayeredModel) -> nn.Module:
@@ -262,7 +268,7 @@ class Strategy:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return cast(dict[str, torch.Tensor], state) if self.runtime.is_main else None
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointState:
         """Model and optimizer state as this rank holds it (DTensor shards where sharded), keyed by the unsplit
         model's parameter names (the optimizer's flattened: "state.<param>.exp_avg"), so that a checkpoint saved
         under one layout loads under any other. DCP saves it, or loads into it in place.
@@ -272,17 +278,15 @@ class Strategy:
         uses it on load."""
         model_state, optimizer_state = self.model_and_optimizer_state(model, optimizer)
         tied = unwrap(model).tied_parameters
-        state = {}
-        self._stored_as = {}  # part -> {stored key: the keys of this rank's state it stands for}
+        state = CheckpointState({}, {})
         for part, values in (("model", model_state), ("optimizer", optimizer_state)):
-            state[part], self._stored_as[part] = _store_tied_once(values, tied)
+            state.values[part], state.stored_as[part] = _store_tied_once(values, tied)
         return state
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Put a `checkpoint_state` that DCP has filled back into the model and optimizer."""
-        self.load_model_and_optimizer_state(
-            model, optimizer, *(_restore_tied(state[part], self._stored_as[part]) for part in ("model", "optimizer"))
-        )
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: CheckpointState) -> None:
+        """Put a `checkpoint_state` whose values DCP has filled back into the model and optimizer."""
+        restored = (_restore_tied(state.values[part], state.stored_as[part]) for part in ("model", "optimizer"))
+        self.load_model_and_optimizer_state(model, optimizer, *restored)
 
     def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return (get_model_state_dict(model), get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER))
@@ -297,6 +301,15 @@ class Strategy:
         """Collective, after training: what this layout measured, for the end summary (rank 0 may also write
         files into run_dir); {} on the other ranks."""
         return {}
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What DCP saves, or loads in place (`values`: "model" and "optimizer" state), and for each part which keys of
+    this rank's state each stored key stands for (a tied parameter is stored once)."""
+
+    values: dict[str, dict]
+    stored_as: dict[str, dict[str, list[str]]]
 
 
 def unwrap(model: nn.Module) -> LayeredModel:

@@ -41,7 +41,7 @@ def main() -> None:
     tokens = torch.randint(0, vocab_size, (1, 65))
     cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     optimizer.step()
-    state = strategy.checkpoint_state(model, optimizer)
+    state = strategy.checkpoint_state(model, optimizer).values
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         print(f"{cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters + AdamW state")
         for step, use_async in ((1, False), (2, True)):
