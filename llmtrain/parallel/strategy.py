@@ -137,7 +137,7 @@ class Strategy:
         return self._layout()
 
     @functools.cached_property
-    def planned_layout(self) -> Layout:
+    def _planned_layout(self) -> Layout:
         """`layout()`, made once (its meshes are sliced once) and read by `parallelize` and `precision`."""
         return self.layout()
 
@@ -180,14 +180,14 @@ class Strategy:
     def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
         what the trainer runs."""
-        apply_layout(model, self.planned_layout)
+        apply_layout(model, self._planned_layout)
         materialize(model, self.init_device, init)
         return self.wrap(model)
 
     def precision(self) -> tuple[PrecisionContext, str]:
         """The forward passes' precision context and its description (parallel/precision.py: FSDP's mixed
         precision where the layout applies it, autocast elsewhere)."""
-        layout = self.planned_layout
+        layout = self._planned_layout
         fsdp_mixed_precision = layout.fsdp_mesh is not None and layout.param_dtype is not None
         return precision_policy(
             self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), fsdp_mixed_precision

@@ -110,7 +110,7 @@ class PipelineParallel(Strategy):
         self.stages = []
         for stage in self.stage_indices:
             view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
-            apply_layout(view, self.planned_layout)
+            apply_layout(view, self._planned_layout)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
             materialize(view, self.init_device, init)
             self.stages.append(view)
