@@ -329,7 +329,10 @@ def test_the_planner_answers_a_bad_override_as_train_py_does(override, capsys):
 
 @pytest.mark.parametrize(
     "command",
-    [[str(REPO / "train.py"), "--help"], ["-m", "llmtrain.tools.plan", "--help"]],
+    [
+        [str(REPO / "train.py"), "--help"],
+        pytest.param(["-m", "llmtrain.tools.plan", "--help"], marks=pytest.mark.slow),  # imports torch: 5 s
+    ],
     ids=["train.py", "plan"],
 )
 def test_help_into_a_pipe_closed_early_ends_quietly(command, tmp_path):
