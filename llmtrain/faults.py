@@ -93,7 +93,8 @@ def gradients_computed(step: int, loss: Any, parameters: Iterator[Any]) -> Any:
 def step_ends(started: float) -> None:
     """At the end of a training step that began at perf_counter() `started`: step_seconds."""
     seconds = float(armed().get("step_seconds", 0))
-    time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
+    if seconds > 0:
+        time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
 
 
 def checkpoint_write(step: int, write: Callable[[], Any]) -> Any:
