@@ -42,22 +42,22 @@ POINTS = (
 )
 
 
+def _known(points: dict) -> dict:
+    unknown = set(points) - set(POINTS)
+    if unknown:
+        raise ValueError(f"{ENVIRONMENT}: unknown fault points {sorted(unknown)}: the points are {POINTS}")
+    return points
+
+
 @cache
 def armed() -> dict[str, str]:
     """The points this process was started with (name -> value)."""
-    points = dict(item.split("=", 1) for item in os.environ.get(ENVIRONMENT, "").split())
-    unknown = set(points) - set(POINTS)
-    if unknown:
-        raise ValueError(f"{ENVIRONMENT} names unknown fault points {sorted(unknown)}: the points are {POINTS}")
-    return points
+    return _known(dict(item.split("=", 1) for item in os.environ.get(ENVIRONMENT, "").split()))
 
 
 def arm(**points: object) -> dict[str, str]:
     """The environment entry that arms `points` in a run started with it (for tests)."""
-    unknown = set(points) - set(POINTS)
-    if unknown:
-        raise ValueError(f"unknown fault points {sorted(unknown)}: the points are {POINTS}")
-    return {ENVIRONMENT: " ".join(f"{name}={value}" for name, value in points.items())}
+    return {ENVIRONMENT: " ".join(f"{name}={value}" for name, value in _known(points).items())}
 
 
 def _steps(name: str) -> set[int]:
