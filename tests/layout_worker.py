@@ -26,7 +26,7 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 from llmtrain.train.loop import Trainer
 
-STEPS = 3
+STEPS = 2
 # The tiny models on the embedded corpus in byte tokens, validated after the last step. train.steps is one more
 # than the steps taken, so no end-of-run checkpoint is written (checkpoints have tests of their own); each layout
 # gets its own run directory under OUT_DIR, and never resumes.

@@ -55,7 +55,7 @@ def test_context_parallel_errors_name_the_key(args, key):
     assert key in str(error.value) and "\n" not in str(error.value)
 
 
-COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+COMMON = "model=tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
 LAYOUTS = [
     "parallel=fsdp parallel.cp=4",
     "parallel=fsdp parallel.cp=2",  # dp_shard 2 x cp 2

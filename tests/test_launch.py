@@ -15,9 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_group(tmp_path, cache_dir, reference):
-    """`-m` over two layouts and two learning rates, each point's 2 workers started by train.py itself, with
-    accumulation (micro-batches of 4 on 2 ranks: 2 per step): the points at the default learning rate reproduce
-    `single`."""
+    """`-m` over two learning rates of fsdp, each point's 2 workers started by train.py itself, with accumulation
+    (micro-batches of 4 on 2 ranks: 2 per step): the point at the default learning rate reproduces `single`."""
     sweep = tmp_path / "sweep"
     args, env, _ = train_command(
         tmp_path,
@@ -25,7 +24,7 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
         *PARITY,
         "train.micro_batch_size=4",
         "optim.lr=0.001,0.0003",
-        "parallel=ddp,fsdp",
+        "parallel=fsdp",
         "parallel.nproc=2",
         f"hydra.sweep.dir={sweep}",
     )
@@ -36,19 +35,18 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
     assert done.returncode == 0, done.stderr[-3000:]
 
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [p.name for p in points] == ["0", "1", "2", "3"]
+    assert [p.name for p in points] == ["0", "1"]
     seen, names, schedules = set(), set(), {}
     for point in points:
         overrides = yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text())
         lr = next(o for o in overrides if o.startswith("optim.lr="))
-        layout = next(o for o in overrides if o.startswith("parallel="))
-        seen.add((lr, layout))
+        seen.add(lr)
         run = Run(0, "", "", point)
-        schedules[(lr, layout)] = [m["lr"] for m in run.metrics]
+        schedules[lr] = [m["lr"] for m in run.metrics]
         if lr == "optim.lr=0.001":  # the reference's learning rate
             assert_parity(run, reference)
         assert len(run.metrics) == 10
-        assert run.summary["world_size"] == 2 and run.summary["layout"].startswith(layout.split("=")[1])
+        assert run.summary["world_size"] == 2 and run.summary["layout"].startswith("fsdp")
         # the W&B identity the point's workers were given (rank 0's composed overrides): the sweep's group, a
         # name of its own (W&B recording the group is tested with a real offline run in test_slurm.py)
         pinned = {
@@ -58,14 +56,11 @@ def test_a_local_sweep_gives_every_point_its_workers_run_directory_and_wandb_gro
         }
         assert pinned["logging.wandb.group"] == "sweep"
         names.add(pinned["logging.wandb.name"])
-    assert seen == {
-        (lr, layout) for lr in ("optim.lr=0.001", "optim.lr=0.0003") for layout in ("parallel=ddp", "parallel=fsdp")
-    }
-    assert len(names) == 4
+    assert seen == {"optim.lr=0.001", "optim.lr=0.0003"} and len(names) == 2
     assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep directory
-    for layout in ("parallel=ddp", "parallel=fsdp"):  # each point trained at its own learning rate, every step
-        high, low = schedules[("optim.lr=0.001", layout)], schedules[("optim.lr=0.0003", layout)]
-        assert low == pytest.approx([0.3 * lr for lr in high], rel=1e-9)
+    # each point trained at its own learning rate, every step
+    high, low = schedules["optim.lr=0.001"], schedules["optim.lr=0.0003"]
+    assert low == pytest.approx([0.3 * lr for lr in high], rel=1e-9)
 
 
 def test_two_torchrun_nodes_on_loopback_reproduce_one_node(tmp_path, cache_dir, reference, layout_run):

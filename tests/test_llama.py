@@ -10,26 +10,21 @@ from conftest import assert_matches_single, layout_group
 
 pytestmark = pytest.mark.slow
 
-# Three steps at the full learning rate from the second: Adam's first updates are near lr x sign(gradient), so a
-# weight whose gradient is tiny can move by a different ~1e-5 under another summation order (GPT-2's tiny shows the
-# same here); losses and gradient norms stay within 1e-5 relative.
+# Adam's first updates are near lr x sign(gradient) (one warm-up step, then the full learning rate), so a weight
+# whose gradient is tiny can move by a different ~1e-5 under another summation order (GPT-2's tiny shows the same
+# here); losses and gradient norms stay within 1e-5 relative.
 WEIGHT_ATOL = 5e-5
-COMMON = "model=llama-tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+COMMON = "model=llama-tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
 LAYOUTS = [
     "parallel=ddp train.compile=true",
-    "parallel=zero1",
-    "parallel=zero2",
     "parallel=fsdp train.activation_checkpointing=full",
     "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
     "parallel=tp parallel.sequence_parallel=true",  # 2 key/value heads per rank with their 4 query heads
     "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=false",
     "parallel=fsdp_tp",
     "parallel=pp parallel.pp_schedule=1f1b",
-    "parallel=pp parallel.pp_schedule=gpipe",
     "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
-    "parallel=pp_fsdp parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
     "parallel=pp_tp parallel.pp_schedule=zbv parallel.pp_stages_per_rank=2",
-    "parallel=pp_tp parallel.pp_schedule=dualpipev parallel.pp_stages_per_rank=2",
 ]
 
 

@@ -133,13 +133,11 @@ def test_a_run_records_the_load_of_each_expert(tmp_path, cache_dir):
 # Balance and z losses 50x and (from 0) on: a wrong auxiliary gradient under some split (missed, doubled, or seeing
 # only a rank's part of the tokens) moves the gradient norms far beyond the tolerance.
 COMMON = (
-    "model=moe-tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
+    "model=moe-tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1 "
     "model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
 )
 LAYOUTS = [
     "parallel=ddp",
-    "parallel=zero1",
-    "parallel=zero2",
     "parallel=fsdp train.activation_checkpointing=selective",
     "parallel=fsdp train.activation_checkpointing=full parallel.ep=2",  # experts over ep 2 x expert_shard 2
     "parallel=fsdp parallel.ep=4",
@@ -151,12 +149,11 @@ LAYOUTS = [
     "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 parallel.ep=2",
     # Mixtral's experts are SwiGLU (a third, gated matrix): where they are split or exchanged
     "model=mixtral-tiny parallel=fsdp parallel.ep=4",
-    "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2 parallel.ep=2 parallel.sequence_parallel=false",
     "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2",
     "model=mixtral-tiny parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 "
     "parallel.ep=2",
 ]
-EXPERT_PARALLEL = LAYOUTS[3:6]  # fsdp over 4 ranks with ep 1, 2, 4
+EXPERT_PARALLEL = LAYOUTS[1:4]  # fsdp over 4 ranks with ep 1, 2, 4
 WEIGHT_ATOL = 5e-5  # as test_llama.py
 
 
