@@ -23,8 +23,10 @@ LEARNS = [
 ]
 
 
-def test_a_short_run_on_the_embedded_corpus_learns(train):
-    run = train(*LEARNS)
+def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secrets(train):
+    secret = "k" + uuid.uuid4().hex + uuid.uuid4().hex[:7]  # 40 characters no corpus or config contains
+    # present in the run's environment, must not reach any file
+    run = train(*LEARNS, "logging.wandb.project=parity", env={"WANDB_API_KEY": secret})
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = run.metrics
     assert [m["step"] for m in metrics] == list(range(1, 61))
@@ -43,14 +45,6 @@ def test_a_short_run_on_the_embedded_corpus_learns(train):
     assert summary["steps"] == 60 and summary["final_val_loss"] == metrics[-1]["val_loss"]
     assert (run.run_dir / "loss.png").stat().st_size > 10_000
     assert "parameters" in run.stderr + run.stdout and "tokens/step" in run.stderr + run.stdout
-
-
-def test_offline_wandb_run_is_written_without_secrets(train):
-    secret = "k" + uuid.uuid4().hex + uuid.uuid4().hex[:7]  # 40 characters no corpus or config contains
-    run = train(
-        "train.steps=3", "logging.wandb.mode=offline", "logging.wandb.project=parity", env={"WANDB_API_KEY": secret}
-    )  # present in the run's environment, must not reach any file
-    assert run.returncode == 0, run.stderr[-3000:]
     offline_runs = list((run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1
     assert list(offline_runs[0].glob("*.wandb"))
@@ -59,12 +53,11 @@ def test_offline_wandb_run_is_written_without_secrets(train):
             assert secret.encode() not in path.read_bytes(), path
 
 
-def test_metrics_loss_is_reproducible_for_a_seed(train, reference):
-    first = reference.metrics
-    again = train(*PARITY, name="again").metrics
+def test_another_seed_gives_another_run(train, reference):
+    """The same seed repeating a run to the bit is asserted by every killed-run resume in test_checkpoint.py (the
+    killed process's records are an independent run's); here the seed reaches the run at all."""
     other = train(*PARITY, "seed=7", name="other").metrics
-    assert [m["loss"] for m in first] == [m["loss"] for m in again]
-    assert [m["loss"] for m in first] != [m["loss"] for m in other]
+    assert [m["loss"] for m in reference.metrics] != [m["loss"] for m in other]
 
 
 def _assert_clean_failure(run, key: str, exit_code: int = 2) -> None:
