@@ -5,14 +5,17 @@ run directory and hands the config to llmtrain.job.run; a config it cannot compo
 """
 
 import os
+from typing import cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig, register_schemas, validate
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
-from llmtrain.resolvers import launch_rank
+from llmtrain.plan import check_layout
+from llmtrain.resolvers import launch_coordinates, launch_rank
 from llmtrain.run_dir import exit_with_config_error
 
 register_schemas()
@@ -28,7 +31,12 @@ def main(cfg) -> None:
     # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
     with PreemptionWatch() as preemption:
         try:
-            validate(cfg)  # before torch is imported: a bad key answers in a second, on the main rank only
+            validate(cfg)  # before torch is imported: a bad key or layout answers in a second, on the main rank only
+            _, world_size, _, launcher = launch_coordinates()
+            if launcher != "none" or cfg.parallel.nproc <= 1:  # else the workers it starts check their own world
+                check_layout(
+                    cast(RootConfig, OmegaConf.to_object(cfg)), list(HydraConfig.get().overrides.task), world_size
+                )
         except ConfigError as error:
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
         from llmtrain.job import run

@@ -6,17 +6,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# parallel.strategy -> the class that lays the model out, as "module:Class" (imported when a run asks for it).
-STRATEGIES: dict[str, str] = {
-    "single": "llmtrain.parallel.layouts:Single",
-    "ddp": "llmtrain.parallel.layouts:DDP",
-    "zero1": "llmtrain.parallel.layouts:ZeroOne",
-    "fsdp": "llmtrain.parallel.layouts:FSDP",
-    "tp": "llmtrain.parallel.layouts:TensorParallel",
-    "pp": "llmtrain.parallel.pipeline.strategy:PipelineParallel",
+from llmtrain.errors import ConfigError
+
+# The device mesh's dimensions, outer to inner (llmtrain/parallel/mesh.py says why in this order).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    implementation: str  # the class that lays the model out, "module:Class" (imported when a run asks for it)
+    dims: tuple[str, ...]  # the mesh dimensions it splits over: a degree above 1 on any other is refused
+
+
+# parallel.strategy -> its layout.
+STRATEGIES: dict[str, LayoutSpec] = {
+    "single": LayoutSpec("llmtrain.parallel.strategy:Strategy", ()),
+    "ddp": LayoutSpec("llmtrain.parallel.layouts:DDP", ("dp_replicate",)),
+    "zero1": LayoutSpec("llmtrain.parallel.layouts:ZeroOne", ("dp_replicate",)),
+    "fsdp": LayoutSpec("llmtrain.parallel.layouts:FSDP", ("dp_replicate", "dp_shard", "cp", "tp")),
+    "tp": LayoutSpec("llmtrain.parallel.strategy:Strategy", ("tp",)),
+    "pp": LayoutSpec("llmtrain.parallel.pipeline.strategy:PipelineParallel", MESH_DIMS),
 }
 # parallel.strategy=auto: the planner picks one of STRATEGIES for the world it runs in.
 AUTO = "auto"
+
+
+def layout_spec(name: str) -> LayoutSpec:
+    if name not in STRATEGIES:
+        raise ConfigError(f"parallel.strategy={name!r} is not a layout: use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,11 @@ class ScheduleSpec:
     microbatches_at_least: str  # "1", "pp" or "stages" (= 2 pp for V schedules)
     microbatches_multiple_of_pp: bool = False
     splits_backward: bool = False  # input- and weight-gradient halves run separately
+
+    @property
+    def fewest_stages_per_rank(self) -> int:
+        """The smallest parallel.pp_stages_per_rank the schedule runs with."""
+        return 1 if self.stages_per_rank == "one" else 2
 
 
 # parallel.pp_schedule -> how the micro-batches flow (llmtrain/parallel/pipeline/schedules.py describes each).
@@ -39,3 +62,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "two", "v", "stages", splits_backward=True),
     "dualpipev": ScheduleSpec("ScheduleDualPipeV", "two", "v", "stages", splits_backward=True),
 }
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={name!r} is not a pipeline schedule: use one of {', '.join(SCHEDULES)}"
+        )
+    return SCHEDULES[name]

@@ -33,6 +33,7 @@ from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, nu
 from llmtrain.optim import build_schedule
 from llmtrain.parallel import Strategy, get_strategy
 from llmtrain.parallel.precision import uses_bf16
+from llmtrain.plan import ParallelPlan, plan_command, with_layouts_that_run
 from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
@@ -98,8 +99,8 @@ def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
                 runtime.rank, where, runtime.device, config.train.micro_batch_size, _plan(runtime)
             ) from error
     except RunError as error:
-        if isinstance(error, ConfigError) and "parallel." in str(error):  # the planner lists the layouts that run
-            error = ConfigError(f"{error}; layouts that run: {_plan(runtime)}")
+        if isinstance(error, ConfigError):
+            error = with_layouts_that_run(error, list(HydraConfig.get().overrides.task), runtime.world_size)
         if isinstance(error, ConfigError) and runtime.is_main:
             remove_if_empty_run(run_dir)
         preempted = isinstance(error, Preempted)
@@ -168,8 +169,6 @@ def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -
 
 def _plan(runtime: Runtime) -> str:
     """The planner command for this run (its overrides, this world size)."""
-    from llmtrain.planner.inputs import plan_command
-
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
@@ -183,9 +182,10 @@ def build_layout(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: 
 
 
 def build_strategy(config: RootConfig, runtime: Runtime) -> Strategy:
-    """The layout of `config` on this rank: its degrees checked against the model and the world (ConfigError),
-    its mesh built."""
-    return get_strategy(config.parallel.strategy)(config.parallel, config.train, config.model, runtime)
+    """The layout of `config` on this rank: its plan checked against the model and the world (ConfigError), its
+    mesh built."""
+    plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
+    return get_strategy(plan.name)(plan, runtime)
 
 
 def _laid_out(strategy: Strategy, config: RootConfig, meta: GPT) -> nn.Module:
@@ -208,22 +208,15 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         config = dataclasses.replace(config, parallel=auto.parallel)  # what W&B and the summaries show
         log.info(auto.summary)
     strategy = build_strategy(config, runtime)
-    t = config.train
-    per_step = t.micro_batch_size * strategy.dp_size
-    if t.batch_size % per_step:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size x "
-            f"data-parallel size = {t.micro_batch_size} x {strategy.dp_size}: "
-            f"set train.batch_size to a multiple of {per_step}"
-        )
-    train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
+    t, dp_size = config.train, strategy.plan.dp_size
+    train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, dp_size)
     # The validation set is eval_batches global batches, whatever the layout, so val_loss compares across layouts.
-    val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, strategy.dp_size)
+    val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, dp_size)
     # Dropout draws from this generator: data-parallel ranks (different sequences) get their own streams, the
     # tensor-parallel ranks of one replica share one (llmtrain/model/dropout.py).
     torch.manual_seed(config.seed + strategy.dp_rank)
 
-    if runtime.is_main and (warning := streaming_scale_warning(config.data, strategy.dp_size)):
+    if runtime.is_main and (warning := streaming_scale_warning(config.data, dp_size)):
         log.warning(warning)
     meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
     gpt_cfg = meta.cfg
@@ -333,7 +326,10 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
             state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
         )
         summary.update(
-            parameters=training.n_params, layout=strategy.summary(), world_size=runtime.world_size, **layout_results
+            parameters=training.n_params,
+            layout=strategy.plan.summary(),
+            world_size=runtime.world_size,
+            **layout_results,
         )
         if t.compile:  # evidence that compilation happened: graphs dynamo produced in this (rank 0's) process
             summary["compiled_graphs"] = compiled_graphs()

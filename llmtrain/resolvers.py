@@ -49,6 +49,18 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+def launch_coordinates() -> tuple[int, int, int, str]:
+    """(rank, world size, local rank, launcher) as the launcher set them: torchrun's variables, a Slurm step that
+    started one task per rank (SLURM_STEP_* exist only inside a job step, not in the batch shell), or one plain
+    process ("none")."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun"
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
+    return 0, 1, 0, "none"
+
+
 def hydra_output_subdir() -> str | None:
     """Only rank 0 writes the composed config (.hydra/) into the shared run directory."""
     return ".hydra" if launch_rank() == 0 else None

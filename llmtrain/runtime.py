@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
+from llmtrain.resolvers import launch_coordinates
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,11 @@ def slurm_job_port(job_id: str) -> int:
 
 
 def _process_coordinates() -> tuple[int, int, int, str]:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun"
-    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        # srun started one task per rank (SLURM_STEP_* exist only inside a job step, not in the batch shell):
-        # derive the rendezvous torch expects from the step itself.
-        env.setdefault("MASTER_ADDR", first_slurm_host(env["SLURM_STEP_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(slurm_job_port(env["SLURM_JOB_ID"])))
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
-    return 0, 1, 0, "none"
+    rank, world_size, local_rank, launcher = launch_coordinates()
+    if launcher == "slurm":  # srun started one task per rank: the rendezvous torch expects, from the step itself
+        os.environ.setdefault("MASTER_ADDR", first_slurm_host(os.environ["SLURM_STEP_NODELIST"]))
+        os.environ.setdefault("MASTER_PORT", str(slurm_job_port(os.environ["SLURM_JOB_ID"])))
+    return rank, world_size, local_rank, launcher
 
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:

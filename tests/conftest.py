@@ -25,8 +25,7 @@ from omegaconf import OmegaConf
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import complete_checkpoints
 from llmtrain.faults import arm
-from llmtrain.job import build_strategy
-from llmtrain.runtime import Runtime
+from llmtrain.plan import ParallelPlan
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import METRICS, compare
 
@@ -212,12 +211,10 @@ def assert_matches_single(results: dict, layout: str, weight_atol: float) -> Non
     assert run["same_names"] and run["weight_difference"] <= weight_atol, (layout, run)
 
 
-def layout_strategy(*overrides: str, world_size: int):
-    """The strategy a `world_size`-rank job with these overrides builds. Its checks run before any process group
-    is needed, so bad layouts can be tested in this process; a good one goes on to need the real process group."""
+def layout_plan(*overrides: str, world_size: int) -> ParallelPlan:
+    """The plan a `world_size`-rank job with these overrides makes (llmtrain/plan.py: no process group needed)."""
     config = OmegaConf.to_object(compose_config(list(overrides)))
-    runtime = Runtime(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), launcher="torchrun")
-    return build_strategy(config, runtime)
+    return ParallelPlan.of(config.parallel, config.train, config.model, world_size)
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,8 @@ from contextlib import nullcontext
 
 import torch
 
+from llmtrain.catalog import SCHEDULES as ALL_SCHEDULES
 from llmtrain.job import build_layout
-from llmtrain.parallel.pipeline.schedules import SCHEDULES as ALL_SCHEDULES
-from llmtrain.parallel.pipeline.schedules import fewest_stages_per_rank
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
@@ -28,7 +27,7 @@ from llmtrain.tools.compare_runs import max_weight_difference
 STEPS = 3
 VOCAB = 257
 # name -> virtual stages per rank
-SCHEDULES = {name: fewest_stages_per_rank(name) for name in ALL_SCHEDULES}
+SCHEDULES = {name: spec.fewest_stages_per_rank for name, spec in ALL_SCHEDULES.items()}
 
 
 def config(layout: list[str], microbatches: int):

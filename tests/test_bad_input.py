@@ -107,19 +107,19 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a Strategy named as the table
-    names it, and each schedule is a class torch has (or the reference)."""
+    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a Strategy, and each
+    schedule is a class torch has (or the reference)."""
     from llmtrain.catalog import SCHEDULES
+    from llmtrain.catalog import STRATEGIES as LAYOUTS
     from llmtrain.parallel.pipeline.schedules import torch_schedule
-    from llmtrain.parallel.registry import get_strategy, strategy_names
+    from llmtrain.parallel.registry import get_strategy
     from llmtrain.parallel.strategy import Strategy
 
-    for name in strategy_names():
-        strategy = get_strategy(name)
-        assert issubclass(strategy, Strategy) and strategy.name == name
+    for name in LAYOUTS:
+        assert issubclass(get_strategy(name), Strategy)
     for spec in SCHEDULES.values():
         assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
-    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and STRATEGIES[-1] == "auto"
+    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and STRATEGIES == (*LAYOUTS, "auto")
 
 
 def test_the_schema_walk_refuses_every_invalid_value_with_one_line_naming_its_key():

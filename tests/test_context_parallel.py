@@ -14,7 +14,8 @@ import torch
 from conftest import REPO, assert_matches_single, json_lines, layout_group, torchrun
 
 from llmtrain.errors import ConfigError
-from llmtrain.parallel.context import check_context_parallel, zigzag_positions
+from llmtrain.parallel.context import zigzag_positions
+from llmtrain.plan import check_context_parallel
 
 
 @pytest.mark.slow  # four processes' imports: ~20 s on two cores

@@ -11,8 +11,7 @@ import pytest
 from conftest import torchrun
 
 from llmtrain.errors import ConfigError
-from llmtrain.parallel.expert import check_expert_parallel
-from llmtrain.parallel.mesh import resolve_degrees
+from llmtrain.plan import check_expert_parallel, resolve_degrees
 from llmtrain.tools import compose_config
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PARAM_ATOL, PARITY, assert_matches_single, assert_parity, layout_group, layout_strategy, run_train
+from conftest import PARAM_ATOL, PARITY, assert_matches_single, assert_parity, layout_group, layout_plan, run_train
 
 from llmtrain.errors import ConfigError
 
@@ -71,7 +71,7 @@ def test_only_rank_zero_writes_and_speaks(layout_run):
 )
 def test_bad_layouts_are_refused_before_any_process_group(overrides, world_size, message):
     with pytest.raises(ConfigError) as error:
-        layout_strategy(*overrides, world_size=world_size)
+        layout_plan(*overrides, world_size=world_size)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

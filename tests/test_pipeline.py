@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOSS_RTOL, PARAM_ATOL, PIPELINE, assert_parity, layout_strategy, torchrun
+from conftest import LOSS_RTOL, PARAM_ATOL, PIPELINE, assert_parity, layout_plan, torchrun
 from pipeline_worker import STEPS
 
+from llmtrain.catalog import SCHEDULES
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
-from llmtrain.parallel.pipeline.schedules import SCHEDULES, validate_schedule
-from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
+from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
+from llmtrain.plan import stage_layers, validate_schedule
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_relative_difference
 
@@ -121,7 +122,7 @@ def test_compiled_blocks_only_with_schedules_that_run_backward_whole():
 )
 def test_pipeline_layout_checks(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
-        layout_strategy("parallel=pp", *overrides, world_size=2)
+        layout_plan("parallel=pp", *overrides, world_size=2)
 
 
 # -- every schedule against the unsplit model ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
-from llmtrain.parallel.mesh import Degrees
+from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
 from llmtrain.planner.inputs import machine_for, workload_for
 from llmtrain.planner.links import Links

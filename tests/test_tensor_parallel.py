@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_strategy, torchrun
+from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_plan, torchrun
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss
@@ -109,5 +109,5 @@ def test_collectives_per_layer_match_the_design(sequence_parallel):
 )
 def test_bad_tensor_parallel_config_is_refused(overrides, world_size, message):
     with pytest.raises(ConfigError) as error:
-        layout_strategy(*overrides, world_size=world_size)
+        layout_plan(*overrides, world_size=world_size)
     assert message in str(error.value) and "\n" not in str(error.value)

@@ -158,7 +158,7 @@ class RunCheckpoints:
         meta = {
             "step": step,
             "model": dataclasses.asdict(self.gpt_cfg),
-            "layout": self.strategy.describe(),
+            "layout": self.strategy.plan.describe(),
             "world_size": self.runtime.world_size,
             "schedule": self.schedule.state_dict(),
             "run_dir": self.run.run_dir,

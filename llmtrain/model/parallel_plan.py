@@ -34,7 +34,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from llmtrain.errors import ConfigError
 from llmtrain.model.dropout import Dropout, Split
 from llmtrain.model.moe import MoE
 
@@ -196,37 +195,3 @@ def _holds(block: nn.Module, name: str) -> bool:
         return block.get_submodule(name) is not None
     except AttributeError:
         return False
-
-
-def check_tensor_parallel(model_cfg, tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
-    m = model_cfg
-    expert_hidden = m.moe.d_ff or m.d_ff or 4 * m.d_model
-    if m.moe.num_experts and expert_hidden % tp:
-        raise ConfigError(
-            f"the experts' width (model.moe.d_ff or the MLP's) {expert_hidden} is not divisible by parallel.tp={tp}: "
-            f"tensor parallelism splits every expert's hidden units; choose a tp that divides it"
-        )
-    if m.n_head % tp:
-        raise ConfigError(
-            f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "
-            f"heads across ranks; choose a tp that divides {m.n_head}"
-        )
-    if m.n_kv_head and m.n_kv_head % tp:
-        raise ConfigError(
-            f"model.n_kv_head={m.n_kv_head} is not divisible by parallel.tp={tp}: tensor parallelism splits the "
-            f"key/value heads across ranks with their query heads; choose a tp that divides {m.n_kv_head}"
-        )
-    if m.d_model % tp or (m.d_ff or 4 * m.d_model) % tp:
-        raise ConfigError(f"model.d_model={m.d_model} (and the MLP width) must be divisible by parallel.tp={tp}")
-    if sequence_parallel and seq_len % tp:
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}, which sequence "
-            f"parallelism needs: set train.seq_len to a multiple of {tp} or "
-            f"parallel.sequence_parallel=false"
-        )
-    if m.vocab_multiple % tp:
-        raise ConfigError(
-            f"model.vocab_multiple={m.vocab_multiple} is not divisible by parallel.tp={tp}: the padded "
-            f"vocabulary is split across tp ranks; use a multiple of {tp} (e.g. {64 * tp})"
-        )

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmtrain.parallel.registry import get_strategy, strategy_names
+    from llmtrain.parallel.registry import get_strategy
     from llmtrain.parallel.strategy import Strategy
 
-__all__ = ["Strategy", "get_strategy", "strategy_names"]
+__all__ = ["Strategy", "get_strategy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,8 +21,8 @@ def __getattr__(name: str) -> Any:
         from llmtrain.parallel.strategy import Strategy
 
         return Strategy
-    if name in ("get_strategy", "strategy_names"):
-        from llmtrain.parallel import registry
+    if name == "get_strategy":
+        from llmtrain.parallel.registry import get_strategy
 
-        return getattr(registry, name)
+        return get_strategy
     raise AttributeError(f"module 'llmtrain.parallel' has no attribute {name!r}")

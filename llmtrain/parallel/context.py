@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
 from llmtrain.parallel.ring_attention import ring_attention
 
@@ -62,22 +61,3 @@ class ContextShard:
 def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
     """Make `model` (or a pipeline stage) run on this rank's zigzag shard of every sequence."""
     model.shard_sequence(ContextShard(mesh))
-
-
-def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: int, sequence_parallel: bool) -> None:
-    """The shapes and settings context parallelism needs, as one-line errors naming the key."""
-    if seq_len % (2 * cp):
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each rank holds two equal "
-            f"chunks): set train.seq_len to a multiple of {2 * cp}"
-        )
-    if attention_dropout > 0:
-        raise ConfigError(
-            f"model.attention_dropout={attention_dropout} needs the whole attention matrix, which parallel.cp="
-            f"{cp} never builds: set model.attention_dropout=0 or parallel.cp=1"
-        )
-    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
-        raise ConfigError(
-            f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by parallel.tp={tp} "
-            f"(sequence parallelism splits them again): set train.seq_len to a multiple of {cp * tp}"
-        )

@@ -33,39 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from llmtrain.errors import ConfigError
 from llmtrain.model.moe import Experts, MoE
 from llmtrain.model.parallel_plan import EXPERT_HIDDEN_DIM
-
-
-def check_expert_parallel(
-    ep: int, num_experts: int, supports_ep: bool, strategy: str, activation_checkpointing: str = "none"
-) -> None:
-    """Refuse what expert parallelism cannot do, before any process group exists."""
-    if ep == 1:
-        return
-    if not num_experts:
-        raise ConfigError(
-            f"parallel.ep={ep} but the model has no experts (model.moe.num_experts=0): set parallel.ep=1, or use "
-            f"a mixture-of-experts model (model=moe-tiny, mixtral-tiny, or set model.moe.num_experts)"
-        )
-    if num_experts % ep:
-        raise ConfigError(
-            f"model.moe.num_experts={num_experts} is not divisible by parallel.ep={ep}: every ep rank holds the "
-            f"same number of experts; set parallel.ep to a divisor of {num_experts}"
-        )
-    if not supports_ep:
-        raise ConfigError(
-            f"parallel.ep={ep} but parallel.strategy={strategy} does not shard parameters: expert parallelism "
-            f"takes its ranks from FSDP's; use parallel=fsdp, hsdp, fsdp_tp or a pipeline with FSDP"
-        )
-    if activation_checkpointing == "selective":
-        # The experts' own FSDP unit runs inside the checkpointed block, and its hooks replay a different sequence
-        # of ops in the recompute than in forward, which selective checkpointing's op cache refuses.
-        raise ConfigError(
-            f"train.activation_checkpointing=selective with parallel.ep={ep}: the experts' FSDP unit inside each "
-            f"block does not replay the same ops when recomputed; use train.activation_checkpointing=full or none"
-        )
 
 
 class AllToAllDispatch:

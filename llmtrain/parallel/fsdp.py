@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import Experts
-from llmtrain.parallel.mesh import Degrees
+from llmtrain.plan import Degrees
 
 
 def apply_fsdp(

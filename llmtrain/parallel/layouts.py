@@ -1,8 +1,8 @@
 """The layouts without a pipeline, keyed by `parallel.strategy` in llmtrain/catalog.py (conf/parallel/*.yaml picks
-one): what each adds to the base Strategy. The pipeline layouts live in pipeline/strategy.py.
+one): what each adds to the base Strategy. The pipeline layouts live in pipeline/strategy.py; `single` (one process,
+no wrapper: every other layout is tested against it) and `tp` (tensor parallelism over all ranks, which the base
+applies wherever parallel.tp > 1) are the base Strategy itself.
 
-  single  one process, no wrapper: every other layout is tested against it
-  tp      tensor parallelism over all ranks (the base applies it wherever parallel.tp > 1)
   ddp     DistributedDataParallel (ddp.py)
   zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
   fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1 and
@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.config import OptimConfig
-from llmtrain.errors import ConfigError
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.parallelize import Layout
@@ -29,34 +28,7 @@ from llmtrain.parallel.strategy import MicroBatches, PrecisionContext, Strategy,
 from llmtrain.parallel.zero import ZeroOneAdamW
 
 
-class Single(Strategy):
-    def __init__(self, parallel, train, model, runtime):
-        if runtime.world_size != 1:
-            raise ConfigError(
-                f"parallel=single runs one process but the world size is {runtime.world_size}: "
-                f"launch without torchrun or pick a multi-process layout (parallel=ddp, fsdp, ...)"
-            )
-        super().__init__(parallel, train, model, runtime)
-
-
-class TensorParallel(Strategy):
-    supported_dims = ("tp",)
-
-    def describe(self) -> str:
-        extras = [
-            name
-            for name, on in (
-                ("sequence parallel", self.parallel.sequence_parallel),
-                ("loss parallel", self.parallel.loss_parallel),
-            )
-            if on
-        ]
-        return f"{self.name} ({self.degrees.describe()}{', ' if extras else ''}{', '.join(extras)})"
-
-
 class DDP(Strategy):
-    supported_dims = ("dp_replicate",)
-
     def wrap(self, model: nn.Module) -> nn.Module:
         return apply_ddp(model, self.dp_group, self.runtime.device)
 
@@ -65,8 +37,6 @@ class DDP(Strategy):
 
 
 class ZeroOne(Strategy):
-    supported_dims = ("dp_replicate",)
-
     def build_optimizer(self, model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
         self.optimizer = ZeroOneAdamW(model, optim, self.dp_group)
         return self.optimizer
@@ -102,18 +72,6 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
 
 
 class FSDP(Strategy):
-    supported_dims = ("dp_replicate", "dp_shard", "cp", "tp")
-
-    def describe(self) -> str:
-        if self.degrees.dp_replicate > 1:
-            kind = "HSDP" if self.degrees.dp_shard > 1 else "replicated"
-        else:
-            kind = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
-        offload = ", CPU offload" if self.parallel.cpu_offload else ""
-        tp = f", TP{' + SP' if self.parallel.sequence_parallel else ''}" if self.degrees.tp > 1 else ""
-        cp = ", ring attention" if self.degrees.cp > 1 else ""
-        return f"{self.name} {kind}{offload}{tp}{cp} ({self.degrees.describe()})"
-
     def layout(self) -> Layout:
         return self._layout(
             fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees),

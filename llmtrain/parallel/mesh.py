@@ -8,88 +8,12 @@ all-reduces) crosses nodes.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llmtrain.errors import ConfigError
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-@dataclass(frozen=True)
-class Degrees:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1  # borrowed from dp_shard x cp, not a mesh dimension of its own (expert_mesh)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def dp_shard_cp(self) -> int:
-        """The ranks FSDP shards over: data-parallel shards and context-parallel ranks hold the same weights."""
-        return self.dp_shard * self.cp
-
-    def as_tuple(self) -> tuple[int, ...]:
-        return tuple(getattr(self, dim) for dim in MESH_DIMS)
-
-    @property
-    def expert_shard(self) -> int:
-        """The ranks each expert's weights are sharded over (FSDP): those of dp_shard x cp that ep leaves."""
-        return self.dp_shard_cp // self.ep
-
-    def describe(self) -> str:
-        split = " x ".join(f"{dim} {getattr(self, dim)}" for dim in MESH_DIMS if getattr(self, dim) > 1) or "1 rank"
-        return split + (f", experts over ep {self.ep}" if self.ep > 1 else "")
-
-
-def _listing(values: dict[str, int]) -> str:
-    return ", ".join(f"parallel.{dim}={value}" for dim, value in values.items())
-
-
-def resolve_degrees(parallel_cfg, world_size: int) -> Degrees:
-    """The five degrees with a -1 (at most one) replaced by the ranks that remain; their product must be the
-    world size."""
-    values = {dim: int(getattr(parallel_cfg, dim)) for dim in MESH_DIMS}
-    free = [dim for dim, value in values.items() if value == -1]
-    if len(free) > 1:
-        raise ConfigError(
-            f"-1 ('the remaining ranks') is set on {' and '.join('parallel.' + d for d in free)}: "
-            f"set it on at most one degree ({_listing(values)})"
-        )
-    if any(value == 0 or value < -1 for value in values.values()):
-        raise ConfigError(f"parallel degrees must be positive or -1 ({_listing(values)})")
-    fixed = math.prod(value for value in values.values() if value != -1)
-    if free:
-        if world_size % fixed:
-            raise ConfigError(
-                f"the world size {world_size} is not divisible by the fixed degrees' product {fixed} "
-                f"({_listing(values)}): change them so their product divides {world_size}"
-            )
-        values[free[0]] = world_size // fixed
-    elif fixed != world_size:
-        raise ConfigError(
-            f"parallel degrees multiply to {fixed} but the world size is {world_size} "
-            f"({_listing(values)}): make their product {world_size}, or use -1 on one of them"
-        )
-    ep = int(getattr(parallel_cfg, "ep", 1))
-    if ep < 1:
-        raise ConfigError(f"parallel.ep={ep}: set it to a positive number of ranks (1: experts are not split)")
-    shard_cp = values["dp_shard"] * values["cp"]
-    if shard_cp % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} does not divide dp_shard x cp = {shard_cp}: expert parallelism takes its ranks from "
-            f"the sharded data-parallel ones; set parallel.ep to a divisor of {shard_cp}"
-        )
-    return Degrees(**values, ep=ep)
+from llmtrain.catalog import MESH_DIMS
+from llmtrain.plan import Degrees
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:

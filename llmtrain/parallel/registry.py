@@ -6,19 +6,10 @@ from __future__ import annotations
 
 import importlib
 
-from llmtrain.catalog import STRATEGIES
-from llmtrain.errors import ConfigError
+from llmtrain.catalog import layout_spec
 from llmtrain.parallel.strategy import Strategy
 
 
-def strategy_names() -> list[str]:
-    return list(STRATEGIES)
-
-
 def get_strategy(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ConfigError(f"parallel.strategy={name!r} is not a layout: use one of {', '.join(STRATEGIES)}")
-    module, _, class_name = STRATEGIES[name].partition(":")
-    strategy = getattr(importlib.import_module(module), class_name)
-    strategy.name = name  # the table is the one place a layout's name is written
-    return strategy
+    module, _, class_name = layout_spec(name).implementation.partition(":")
+    return getattr(importlib.import_module(module), class_name)

@@ -9,7 +9,7 @@ import functools
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -24,18 +24,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from llmtrain.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from llmtrain.errors import ConfigError
+from llmtrain.config import OptimConfig
 from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
-from llmtrain.model.parallel_plan import check_tensor_parallel
 from llmtrain.optim import build_adamw
-from llmtrain.parallel.context import check_context_parallel, shard_tokens
-from llmtrain.parallel.expert import check_expert_parallel
+from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
-from llmtrain.parallel.mesh import MESH_DIMS, build_expert_mesh, build_mesh, mean_over, resolve_degrees
+from llmtrain.parallel.mesh import build_expert_mesh, build_mesh, mean_over
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.precision import PrecisionContext, precision_policy, uses_bf16
 from llmtrain.parallel.tp import loss_context
+from llmtrain.plan import ParallelPlan
 from llmtrain.runtime import Runtime, join_single_process_group
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -43,27 +41,27 @@ _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Strategy:
-    """Base layout: resolves the degrees, checks them (`validate`), then builds the mesh. Subclasses name the
-    mesh dimensions they use in `supported_dims`; a degree above 1 on any other dimension is refused."""
+    """Base layout: the mesh of a checked `plan` (llmtrain/plan.py) on this rank, and what the trainer calls. The
+    plan is whole and checked before the strategy exists; this adds where the rank sits and what runs."""
 
-    name: ClassVar[str]
-    supported_dims: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, runtime: Runtime):
-        self.parallel, self.train, self.runtime = parallel, train, runtime
-        self.degrees = resolve_degrees(parallel, runtime.world_size)
-        self.validate(model)
+    def __init__(self, plan: ParallelPlan, runtime: Runtime):
+        self.plan, self.runtime = plan, runtime
+        self.parallel, self.train, self.degrees = plan.parallel, plan.train, plan.degrees
         self.mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
         self.expert_mesh: DeviceMesh | None = None
-        if runtime.world_size == 1 and self.supported_dims:
+        if runtime.world_size == 1 and plan.dims:
             join_single_process_group(runtime)  # every degree is 1: the layout runs as one rank of many would
-        if runtime.world_size > 1 or self.supported_dims:
+        if runtime.world_size > 1 or plan.dims:
             self.mesh = build_mesh(self.degrees, runtime.device.type)
             # One flat data-parallel dimension over replicas and shards: the group the loss is averaged over.
             self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
             if self.degrees.ep > 1:
                 self.expert_mesh = build_expert_mesh(self.degrees, runtime.device.type)
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -80,56 +78,9 @@ class Strategy:
         return self.dp_mesh.get_group()
 
     # -- layout ---------------------------------------------------------------------------------------------
-    def validate(self, model: ModelConfig) -> None:
-        """Raise ConfigError when the layout cannot run with these degrees, or the model's shapes do not fit it
-        (before any process group or memory is needed)."""
-        for dim in MESH_DIMS:
-            if getattr(self.degrees, dim) > 1 and dim not in self.supported_dims:
-                uses = ", ".join(self.supported_dims) or "no dimension"
-                raise ConfigError(
-                    f"parallel.{dim}={getattr(self.degrees, dim)} but parallel.strategy={self.name} "
-                    f"does not split over {dim} (it uses {uses}): "
-                    f"set parallel.{dim}=1 or choose a layout that has it"
-                )
-        if self.degrees.tp > 1:
-            check_tensor_parallel(model, self.degrees.tp, self.train.seq_len, self.parallel.sequence_parallel)
-        if self.degrees.cp > 1:
-            check_context_parallel(
-                self.degrees.cp,
-                self.train.seq_len,
-                model.attention_dropout,
-                self.degrees.tp,
-                self.parallel.sequence_parallel,
-            )
-        check_expert_parallel(
-            self.degrees.ep,
-            model.moe.num_experts,
-            "dp_shard" in self.supported_dims,
-            self.name,
-            self.train.activation_checkpointing,
-        )
-
     @property
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
-
-    @property
-    def dp_size(self) -> int:
-        return self.degrees.dp
-
-    def micro_batching(self) -> tuple[int, int]:
-        """(sequences per micro-batch, micro-batches per rank and step)."""
-        t = self.train
-        return t.micro_batch_size, t.batch_size // (t.micro_batch_size * self.dp_size)
-
-    def describe(self) -> str:
-        """The layout and its mesh, in a few words (layouts add what they configure)."""
-        return f"{self.name} ({self.degrees.describe()})"
-
-    def summary(self) -> str:
-        """The start-up summary's layout line: `describe()`, and on one process that nothing is split."""
-        alone = " (one process: nothing is split)" if self.runtime.world_size == 1 and self.supported_dims else ""
-        return self.describe() + alone
 
     def layout(self) -> Layout:
         """The steps apply_layout takes on this rank's model: tensor parallelism over the tp dimension when it has

@@ -1,19 +1,17 @@
 """The layouts the planner weighs: each a registered strategy with its mesh degrees, named as conf/parallel/ names
-them, checked against the model and batch with the same checks training runs (a layout that cannot run is not a
-candidate)."""
+them, checked against the model and batch by the plan training makes (llmtrain/plan.py: a layout that cannot run is
+not a candidate)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from llmtrain.catalog import schedule_spec
+from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.model.parallel_plan import check_tensor_parallel
-from llmtrain.parallel.context import check_context_parallel
-from llmtrain.parallel.expert import check_expert_parallel
-from llmtrain.parallel.mesh import Degrees, resolve_degrees
-from llmtrain.parallel.pipeline.schedules import schedule_spec, validate_schedule
-from llmtrain.parallel.pipeline.split import stage_layers
+from llmtrain.plan import Degrees, ParallelPlan, resolve_degrees
 
 
 @dataclass(frozen=True)
@@ -172,20 +170,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
-    """Whether training could run this layout (the checks the strategies make before building anything)."""
-    d, t = c.degrees, train_cfg
+    """Whether training could run this layout: the plan training would make of it (llmtrain/plan.py) checks out."""
     try:
-        if d.tp > 1:
-            check_tensor_parallel(model_cfg, d.tp, t.seq_len, c.sequence_parallel)
-        if d.cp > 1:
-            check_context_parallel(d.cp, t.seq_len, model_cfg.attention_dropout, d.tp, c.sequence_parallel)
-        check_expert_parallel(d.ep, model_cfg.moe.num_experts, c.strategy in ("fsdp", "pp"), c.strategy)
-        m = c.pipeline_microbatches(t.batch_size, t.micro_batch_size)
-        if m < 1 or t.batch_size % (d.dp * m) or t.batch_size % (d.dp * t.micro_batch_size):
-            return False
-        if d.pp > 1:
-            validate_schedule(c.pp_schedule, d.pp, c.pp_stages_per_rank, m)
-            stage_layers(model_cfg.n_layer, d.pp * c.pp_stages_per_rank, c.pp_edge_blocks)
+        ParallelPlan.of(ParallelConfig(**c.parallel_values()), train_cfg, model_cfg, math.prod(c.degrees.as_tuple()))
     except ConfigError:
         return False
     return True

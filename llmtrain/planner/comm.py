@@ -34,8 +34,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import GPTConfig
-from llmtrain.parallel.pipeline.schedules import schedule_spec
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.memory import StateBytes

@@ -1,5 +1,5 @@
 """The plan's inputs from a composed config: the machine (hardware group, plan.*), the workload (model, batch),
-the bytes per parameter, and the planner command that reproduces a run."""
+and the bytes per parameter."""
 
 from __future__ import annotations
 
@@ -8,15 +8,6 @@ from llmtrain.model import gpt_config
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
 from llmtrain.planner.plan import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
-
-# Overrides that change nothing the planner reads: left out of the command it suggests.
-_NOT_PLANNED = ("parallel.nproc", "hydra", "logging", "checkpoint", "data.path", "data.val_path", "seed")
-
-
-def plan_command(overrides: list[str], world_size: int) -> str:
-    """The planner's command line for the run these train.py overrides start on `world_size` ranks."""
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_PLANNED)]
-    return " ".join(["python -m llmtrain.tools.plan", *kept, f"plan.world_size={world_size}", "plan.layouts=all"])
 
 
 def llmtrain_state_bytes(bf16: bool) -> StateBytes:

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import GPTConfig, flops_per_token
-from llmtrain.parallel.pipeline.schedules import schedule_spec
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
     Traffic,

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain.model.gpt import GPTConfig
-from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
+from llmtrain.parallel.pipeline.split import rank_stages
+from llmtrain.plan import stage_layers
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         print(
             json.dumps(
                 {
-                    "layout": strategy.describe(),
+                    "layout": strategy.plan.describe(),
                     "ac": cfg.train.activation_checkpointing,
                     "micro_batch": cfg.train.micro_batch_size,
                     "seq_len": cfg.train.seq_len,

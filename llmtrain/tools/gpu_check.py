@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtrain.parallel.pipeline.schedules import SCHEDULES, fewest_stages_per_rank
+from llmtrain.catalog import SCHEDULES
 from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def multi_gpu_checks() -> list[Check]:
     for schedule in SCHEDULES:
         pipeline = [
             f"parallel.pp_schedule={schedule}",
-            f"parallel.pp_stages_per_rank={fewest_stages_per_rank(schedule)}",
+            f"parallel.pp_stages_per_rank={SCHEDULES[schedule].fewest_stages_per_rank}",
         ]
         layouts.append((f"pp {schedule}", [*pipeline, "parallel.microbatches=4"]))
     return [

@@ -68,7 +68,7 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
     will_hold = held_bytes(model, optimizer)
     row = {
         "rank": runtime.rank,
-        "layout": strategy.describe(),
+        "layout": strategy.plan.describe(),
         "parameters": n_params,
         "reported": will_hold.__dict__,
         "build_peak": build.bytes,
@@ -90,7 +90,7 @@ def _two_steps(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: i
     """Two training steps on random tokens, the second one's communication counted (the first pays one-off
     traffic: DDP's bucket rebuild, the pipeline's shape exchange); then what the rank holds."""
     precision, _ = strategy.precision()
-    size, count = strategy.micro_batching()
+    size, count = strategy.plan.micro_batching()
     generator = torch.Generator().manual_seed(strategy.dp_rank)
     held_in_step = None
     if strategy.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens

@@ -1,4 +1,5 @@
-"""The stage split: which blocks each pipeline stage runs and which stages each pipeline rank holds, without tracing.
+"""The stage split: which stages each pipeline rank holds (which blocks each stage runs is the plan's
+`stage_layers`, llmtrain/plan.py, checked before anything is built), without tracing.
 
 The model cuts itself (`pipeline_part`, `stage_view`): a rank's part holds the blocks of all its stages under
 their whole-model names ("blocks.5.attn.q_proj.weight"), plus the embeddings if it runs the first stage and the
@@ -9,31 +10,6 @@ schedule runs is a view made of the part's own modules, holding just that stage'
 """
 
 from __future__ import annotations
-
-from llmtrain.errors import ConfigError
-
-
-def stage_layers(n_layer: int, n_stages: int, edge_blocks: int) -> list[range]:
-    """The blocks of each stage: equal shares of the work, counting the embedding and the head as `edge_blocks`
-    blocks each (so the first and last stage get that many fewer)."""
-    units = n_layer + 2 * edge_blocks
-    per_stage = units // n_stages
-    if units % n_stages:
-        raise ConfigError(
-            f"model.n_layer={n_layer} (+ 2 x parallel.pp_edge_blocks={edge_blocks}) does not split evenly into "
-            f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank): choose model.n_layer + "
-            f"2 x pp_edge_blocks divisible by {n_stages}"
-        )
-    sizes = [per_stage] * n_stages
-    sizes[0] -= edge_blocks
-    sizes[-1] -= edge_blocks
-    if min(sizes) < 1:
-        raise ConfigError(
-            f"parallel.pp_edge_blocks={edge_blocks} leaves the first or last of {n_stages} stages "
-            f"without a block (model.n_layer={n_layer}): lower parallel.pp_edge_blocks"
-        )
-    starts = [sum(sizes[:i]) for i in range(n_stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:

@@ -22,15 +22,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.parallel.fsdp import fsdp_mesh
-from llmtrain.parallel.mesh import MESH_DIMS, mean_over
+from llmtrain.parallel.mesh import mean_over
 from llmtrain.parallel.parallelize import Layout, apply_layout
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
-from llmtrain.parallel.pipeline.schedules import schedule_spec, torch_schedule, validate_schedule
-from llmtrain.parallel.pipeline.split import rank_stages, stage_layers, stage_rank
+from llmtrain.parallel.pipeline.schedules import torch_schedule
+from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
 from llmtrain.parallel.strategy import (
     MicroBatches,
@@ -42,52 +43,25 @@ from llmtrain.parallel.strategy import (
     squared_norm,
     unwrap,
 )
+from llmtrain.plan import ParallelPlan, stage_layers
+from llmtrain.runtime import Runtime
 
 
 class PipelineParallel(Strategy):
-    supported_dims = MESH_DIMS
-
-    def __init__(self, parallel, train, model, runtime):
-        super().__init__(parallel, train, model, runtime)
-        self.spec = schedule_spec(parallel.pp_schedule)
+    def __init__(self, plan: ParallelPlan, runtime: Runtime):
+        super().__init__(plan, runtime)
+        self.spec = schedule_spec(self.parallel.pp_schedule)
+        self.microbatches = plan.microbatches
         self.pp_group = self.device_mesh["pp"].get_group()
         self.pp_rank = self.device_mesh.get_local_rank("pp")
-        self.n_stages = self.degrees.pp * parallel.pp_stages_per_rank
-        self.stage_indices = rank_stages(self.pp_rank, self.degrees.pp, parallel.pp_stages_per_rank, self.spec.style)
+        self.n_stages = self.degrees.pp * self.parallel.pp_stages_per_rank
+        self.stage_indices = rank_stages(
+            self.pp_rank, self.degrees.pp, self.parallel.pp_stages_per_rank, self.spec.style
+        )
         self.timeline = Timeline(runtime.device)
         self.tied_group = self._tied_embedding_group()
 
     # -- layout ---------------------------------------------------------------------------------------------
-    @property
-    def microbatches(self) -> int:
-        t = self.train
-        return self.parallel.microbatches or t.batch_size // (t.micro_batch_size * self.degrees.dp)
-
-    def micro_batching(self) -> tuple[int, int]:
-        return self.train.batch_size // (self.degrees.dp * self.microbatches), self.microbatches
-
-    def validate(self, model) -> None:
-        super().validate(model)
-        p, t = self.parallel, self.train
-        m = self.microbatches
-        if t.batch_size % (self.degrees.dp * m):
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
-                f"parallel.microbatches = {self.degrees.dp} x {m}: set train.batch_size to a multiple "
-                f"of {self.degrees.dp * m}"
-            )
-        validate_schedule(p.pp_schedule, self.degrees.pp, p.pp_stages_per_rank, m, compiled=t.compile)
-        stage_layers(model.n_layer, self.degrees.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
-
-    def describe(self) -> str:
-        p = self.parallel
-        within = [name for name, degree in (("FSDP", self.degrees.dp), ("TP", self.degrees.tp)) if degree > 1]
-        virtual = f", {p.pp_stages_per_rank} stages/rank" if p.pp_stages_per_rank > 1 else ""
-        return (
-            f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
-            f"{' + ' + ' + '.join(within) if within else ''} ({self.degrees.describe()})"
-        )
-
     def layout(self) -> Layout:
         # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
         # re-gather them for every micro-batch. Context-parallel ranks shard (and average gradients) like
