@@ -45,6 +45,10 @@ from llmtrain.domains import (
 from llmtrain.errors import ConfigError
 from llmtrain.resolvers import register_resolvers
 
+# The option files (train.yaml, prepare.yaml, one folder per group): conf/ at the top of a checkout, which
+# llmtrain/conf links to, so that a wheel carries them inside the package and the tools find them from anywhere.
+CONF_DIR = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
+
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 STRATEGIES = (*catalog.STRATEGIES, catalog.AUTO)
 PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)

@@ -8,6 +8,11 @@ import csv
 import functools
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +258,30 @@ def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     error = capsys.readouterr().err
     assert exit_code.value.code == 2 and error.strip().count("\n") == 0 and "plan.layouts" in error
     assert not (tmp_path / "other.json").exists()
+
+
+@pytest.mark.slow  # builds and installs a wheel, then a process of its own
+def test_the_planner_runs_from_a_wheel_installed_outside_the_checkout(tmp_path):
+    """The wheel carries conf/ (through the llmtrain/conf link), so a tool composes the same config from any
+    directory of a non-editable install as from the checkout."""
+    source = tmp_path / "source"  # built from a copy: setuptools leaves build/ behind in the tree it builds
+    ignored = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "outputs", "multirun", "wandb")
+    shutil.copytree(Path(__file__).parents[1], source, symlinks=True, ignore=ignored)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("llmtrain-*.whl")
+    installed, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(installed), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "llmtrain.tools.plan", "model=gpt2-xl", "hardware=rtx4080x4", "plan.out=plan.json"],
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(installed)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads((elsewhere / "plan.json").read_text())
+    assert plan["pick"] in {row["layout"] for row in plan["layouts"]}

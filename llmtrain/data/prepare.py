@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from llmtrain.config import (
+    CONF_DIR,
     DataConfig,
     PrepareConfig,
     PrepareRootConfig,
@@ -48,7 +49,6 @@ from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_t
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 
-CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 # A worker's task: documents up to about this much text (large enough that pickling is a small share of the work).
 BATCH_CHARS = 1 << 20
 BATCH_DOCS = 4096

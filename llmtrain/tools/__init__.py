@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from hydra import compose, initialize_config_dir
 
-from llmtrain.config import register_schemas
-
-CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
+from llmtrain.config import CONF_DIR, register_schemas
 
 
 def compose_config(overrides: list[str]):

@@ -13,9 +13,8 @@ import typing
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from llmtrain.config import PrepareRootConfig, RootConfig, register_schemas, schema_fields
+from llmtrain.config import CONF_DIR, PrepareRootConfig, RootConfig, register_schemas, schema_fields
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.tools import CONF_DIR
 
 PAGE = os.path.join(os.path.dirname(CONF_DIR), "docs", "config.md")
 GROUPS = ("model", "data", "parallel", "optim", "logging", "hardware")
