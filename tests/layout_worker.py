@@ -36,6 +36,7 @@ RUN = [
     "logging.wandb.mode=disabled",
     "train.device=cpu",
     "checkpoint.resume=none",
+    "data.tokenizer.kind=byte",
 ]
 
 

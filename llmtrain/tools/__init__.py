@@ -8,8 +8,7 @@ from llmtrain.config import CONF_DIR, register_schemas
 
 
 def compose_config(overrides: list[str]):
-    """The training config a `train.py` command line with these overrides would run (byte tokenizer by default:
-    the tools feed random tokens)."""
+    """The training config a `train.py` command line with these overrides would run."""
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=["data.tokenizer.kind=byte", *overrides])
+        return compose("train", overrides=overrides)

@@ -78,6 +78,7 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
             "train.eval_every=0",
             "checkpoint.every=0",
             "logging.wandb.mode=disabled",
+            "data.tokenizer.kind=byte",  # none to train: the loops' work is the model's
             f"train.steps={10**9}",  # the trainer never reaches its last step (which would save a checkpoint)
             *overrides,
         ]
