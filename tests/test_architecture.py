@@ -18,7 +18,7 @@ LAYERS = [
     {"planner", "checkpoint"},
     {"train"},
     {"job", "spawn"},
-    {"entry", "tools", "export", "generate"},
+    {"entry", "tools", "bench", "export", "generate"},
 ]
 
 

@@ -25,7 +25,7 @@ MARGIN = 24 * 2**20
 
 
 def _rows(nproc: int, *overrides: str) -> list[dict]:
-    rows = json_lines(torchrun(nproc, "-m", "llmtrain.tools.layout_memory", "--build-only", *MODEL, *overrides).stdout)
+    rows = json_lines(torchrun(nproc, "-m", "llmtrain.bench.layout_memory", "--build-only", *MODEL, *overrides).stdout)
     assert len(rows) == nproc
     return rows
 

@@ -1,4 +1,4 @@
-"""The collective benchmark (llmtrain/tools/comm_bench.py): its config errors, nccl-tests' bus factors, and a real
+"""The collective benchmark (llmtrain/bench/comm_bench.py): its config errors, nccl-tests' bus factors, and a real
 4-rank gloo run whose CSVs, plot and table agree with each other and with the definitions."""
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 from conftest import REPO, torchrun
 
-from llmtrain.errors import ConfigError
-from llmtrain.runtime import Runtime
-from llmtrain.tools.comm_bench import (
+from llmtrain.bench.comm_bench import (
     CSV_HEADER,
     OK,
     OPS,
@@ -29,6 +27,8 @@ from llmtrain.tools.comm_bench import (
     parse_config,
     round_size,
 )
+from llmtrain.errors import ConfigError
+from llmtrain.runtime import Runtime
 
 CPU = torch.device("cpu")
 SIZES, PAIR_BYTES, RANKS = (4096, 65536), 1 << 20, 4
@@ -75,7 +75,7 @@ def test_a_bad_argument_is_one_line_naming_it(arg, named):
 @pytest.mark.slow  # a process of its own: the fast tier checks the same parser in-process above
 def test_a_misspelt_key_exits_2_with_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "llmtrain.tools.comm_bench", "bench.iter=3"],
+        [sys.executable, "-m", "llmtrain.bench.comm_bench", "bench.iter=3"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -117,7 +117,7 @@ def _csv(path) -> tuple[list[str], list[dict[str, str]]]:
 def test_four_gloo_ranks_measure_every_supported_op_and_pair(tmp_path):
     done = torchrun(
         RANKS,
-        *("-m", "llmtrain.tools.comm_bench", f"bench.sizes=[{','.join(map(str, SIZES))}]"),
+        *("-m", "llmtrain.bench.comm_bench", f"bench.sizes=[{','.join(map(str, SIZES))}]"),
         *("bench.iters=3", "bench.warmup=1", f"bench.out={tmp_path}", "bench.pairs=true"),
         f"bench.pair_bytes={PAIR_BYTES}",
         timeout=120,

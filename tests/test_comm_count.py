@@ -1,4 +1,4 @@
-"""The collective byte counter (llmtrain/tools/comm_count.py): 4 real gloo ranks issue collectives of known size,
+"""The collective byte counter (llmtrain/bench/comm_count.py): 4 real gloo ranks issue collectives of known size,
 directly, through DDP's C++ reducer and through FSDP2, and each rank's counts must be exactly the definitions'.
 
 The ranks meet through a FileStore rather than conftest's port and environment: every spawned rank re-imports this
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from llmtrain.tools.comm_count import CommCounter
+from llmtrain.bench.comm_count import CommCounter
 
 RANKS = 4
 

@@ -1,4 +1,4 @@
-"""The data benchmark (llmtrain/tools/data_benchmark.py) on a tiny local corpus: every measurement is reported, and
+"""The data benchmark (llmtrain/bench/data_benchmark.py) on a tiny local corpus: every measurement is reported, and
 the work per rank is what each path promises (a streamed rank tokenises the whole batch, a prepared one reads its
 rows)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
+from llmtrain.bench.data_benchmark import main
 from llmtrain.data.sources import stdlib_files
-from llmtrain.tools.data_benchmark import main
 
 SEQ_LEN, BATCH, DPS, RESUME_STEPS = 32, 8, (1, 2), (2, 40)
 

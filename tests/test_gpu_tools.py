@@ -41,7 +41,7 @@ def test_the_gpu_check_compares_each_run_with_its_reference_and_resumes_async_ch
 @pytest.mark.slow
 def test_the_overhead_benchmark_times_both_loops_on_the_same_work():
     done = _tool(
-        "llmtrain.tools.overhead",
+        "llmtrain.bench.overhead",
         *("--steps", "2", "--rounds", "2"),
         *("model=tiny", "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=4"),
     )

@@ -1,4 +1,4 @@
-"""What the planner predicts against what real layouts hold and send: llmtrain.tools.layout_memory runs every
+"""What the planner predicts against what real layouts hold and send: llmtrain.bench.layout_memory runs every
 layout for two steps in one 4-rank gloo process group and reports each rank's parameter, gradient and optimizer
 bytes and the bytes of every collective of the second step (counted by the profiler), beside the planner's numbers
 for that rank's pipeline stage (llmtrain/planner/)."""
@@ -33,7 +33,7 @@ def rows() -> dict[str, list[dict]]:
     # two micro-batches per data-parallel rank (gradient accumulation), 8 per pipeline (4 with pp_fsdp)
     small = ("train.seq_len=32", "train.batch_size=16", "train.micro_batch_size=2")
     layouts = f"--layouts={';'.join(LAYOUTS.values())}"
-    output = torchrun(4, "-m", "llmtrain.tools.layout_memory", layouts, *small).stdout
+    output = torchrun(4, "-m", "llmtrain.bench.layout_memory", layouts, *small).stdout
     by_layout: dict[str, list[dict]] = {}
     for row in json_lines(output):
         by_layout.setdefault(row["parallel"], []).append(row)

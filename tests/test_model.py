@@ -229,7 +229,7 @@ def test_padded_vocabulary_ids_get_minus_infinity_and_change_nothing():
 @pytest.mark.slow  # three processes' imports
 def test_activation_checkpointing_keeps_fewer_activations():
     """Evidence that recomputation happens (a mode that silently did nothing would still match `single`):
-    MemTracker's peak activations of one forward + backward (llmtrain.tools.activation_memory), measured 34.1 MiB
+    MemTracker's peak activations of one forward + backward (llmtrain.bench.activation_memory), measured 34.1 MiB
     without, 22.6 selective (matmul outputs kept), 5.5 full (block inputs only) for 4 x 256 tokens of tiny."""
     peaks = {}
     for mode in ("none", "selective", "full"):
@@ -237,7 +237,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
             [
                 sys.executable,
                 "-m",
-                "llmtrain.tools.activation_memory",
+                "llmtrain.bench.activation_memory",
                 f"train.activation_checkpointing={mode}",
                 "train.seq_len=256",
                 "train.micro_batch_size=4",

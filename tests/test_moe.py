@@ -198,9 +198,9 @@ def test_an_expert_parallel_checkpoint_continues_in_one_process(tmp_path, cache_
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_benchmarks_dense_twin_meets_as_many_parameters_per_token(preset):
-    """llmtrain.tools.moe_bench compares a mixture with a dense model whose tokens meet as many parameters: the
+    """llmtrain.bench.moe_bench compares a mixture with a dense model whose tokens meet as many parameters: the
     twin has no experts, and its active parameters are within 1% of the mixture's (which holds several times more)."""
-    from llmtrain.tools.moe_bench import active_parameters, dense_twin
+    from llmtrain.bench.moe_bench import active_parameters, dense_twin
 
     mixture = compose_config([f"model={preset}"]).model
     twin = dense_twin([f"model={preset}"])

@@ -89,7 +89,7 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
 
 
 def _tp_comms(*overrides: str) -> dict:
-    return json_lines(torchrun(2, "-m", "llmtrain.tools.tp_comms", *overrides).stdout)[0]
+    return json_lines(torchrun(2, "-m", "llmtrain.bench.tp_comms", *overrides).stdout)[0]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -39,7 +39,7 @@ SCORE_TILE = 2**19  # score elements (fp32: 2 MiB) materialised at once: a tile 
 @dataclass
 class RingTimes:
     """Seconds spent computing blocks and waiting for transfers after the compute was done (collected when
-    enabled, for tools/ring_overlap.py): a transfer fully hidden behind compute waits ~0."""
+    enabled, for bench/ring_overlap.py): a transfer fully hidden behind compute waits ~0."""
 
     enabled: bool = False
     compute: list[float] = field(default_factory=list)

@@ -11,5 +11,5 @@ how long a step should take, and which layout to run ("measure first", then comp
     auto.py        parallel=auto
 
 Used by `python -m llmtrain.tools.plan`, by `parallel=auto` (llmtrain/job.py) and by
-llmtrain.tools.layout_memory, which measures what the plans predict.
+llmtrain.bench.layout_memory, which measures what the plans predict.
 """

@@ -71,7 +71,7 @@ def read_comm_bench(path: str) -> dict[str, list[tuple[float, float]]]:
     if not os.path.isfile(path):
         raise ConfigError(
             f"plan.measured={path!r} does not exist: write it with torchrun --nproc_per_node=N -m "
-            f"llmtrain.tools.comm_bench, or unset plan.measured to use the hardware config's links"
+            f"llmtrain.bench.comm_bench, or unset plan.measured to use the hardware config's links"
         )
     curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
     with open(path, newline="") as f:

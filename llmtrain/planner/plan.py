@@ -8,7 +8,7 @@ Step time = compute + pipeline bubble + the communication nothing hides:
 - communication (links.py): DDP's and FSDP's gradient and parameter traffic overlaps the compute and costs only
   what exceeds it; ZeRO-1's reduce-scatter and all-gather, tensor parallelism's per-layer collectives and
   pipeline sends sit on the critical path.
-The estimate ranks layouts; it is not a benchmark (llmtrain.tools.layout_benchmark measures them).
+The estimate ranks layouts; it is not a benchmark (llmtrain.bench.layout_benchmark measures them).
 """
 
 from __future__ import annotations

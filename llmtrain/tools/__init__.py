@@ -1,4 +1,5 @@
-"""Command-line tools beside training (benchmarks, planners, export, generation)."""
+"""The commands a user runs beside training: plan (the planner's table), gpu_check (the GPU path end to end),
+compare_runs, config_doc (docs/config.md from the schema), upgrade_checkpoint. Measurements live in llmtrain/bench/."""
 
 from __future__ import annotations
 

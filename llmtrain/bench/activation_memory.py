@@ -1,6 +1,6 @@
 """Peak activation memory per rank of one forward + backward, measured with torch's MemTracker (CPU or GPU).
 
-    torchrun --standalone --nproc_per_node=2 -m llmtrain.tools.activation_memory parallel=tp \
+    torchrun --standalone --nproc_per_node=2 -m llmtrain.bench.activation_memory parallel=tp \
         parallel.sequence_parallel=true train.activation_checkpointing=selective
 
 MemTracker follows every tensor allocation and files it under parameters, gradients, activations, temporaries

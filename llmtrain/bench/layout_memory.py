@@ -1,14 +1,14 @@
 """What each rank holds and sends under a layout, measured, next to the planner's prediction (llmtrain/planner/).
 
-    torchrun --standalone --nproc_per_node=4 -m llmtrain.tools.layout_memory parallel=fsdp [model=gpt2 ...]
-    torchrun ... -m llmtrain.tools.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
-    torchrun ... -m llmtrain.tools.layout_memory "--layouts=ddp;zero1;tp parallel.sequence_parallel=true;pp"
+    torchrun --standalone --nproc_per_node=4 -m llmtrain.bench.layout_memory parallel=fsdp [model=gpt2 ...]
+    torchrun ... -m llmtrain.bench.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
+    torchrun ... -m llmtrain.bench.layout_memory "--layouts=ddp;zero1;tp parallel.sequence_parallel=true;pp"
 
 Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py) and runs two training
 steps on random tokens. It counts the bytes each rank holds in parameters, gradients and optimizer state
 (distinct storages, local shards only) after the optimizer step, the parameters held between forward and
 backward (where ZeRO-2 and ZeRO-3 differ), and the bytes of every collective and send of the second step by type
-(llmtrain/tools/comm_count.py: the first step pays one-off traffic). Rank 0 prints one JSON line per rank and a
+(llmtrain/bench/comm_count.py: the first step pays one-off traffic). Rank 0 prints one JSON line per rank and a
 table of measured / planned, the plan being the planner's for this rank's pipeline stage with the sizes llmtrain
 holds (fp32 weights, gradients and AdamW moments): with Ψ the parameter count and N the sharding degree,
     DDP: Ψ, Ψ, 2Ψ    ZeRO-1: Ψ, Ψ, 2Ψ/N    ZeRO-2: Ψ/N, Ψ/N, 2Ψ/N (Ψ during the step)    FSDP: Ψ/N, Ψ/N, 2Ψ/N
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmtrain.bench.comm_count import CommCounter
 from llmtrain.job import build_layout
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
@@ -34,7 +35,6 @@ from llmtrain.planner.plan import plan_layout
 from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
-from llmtrain.tools.comm_count import CommCounter
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
 
 

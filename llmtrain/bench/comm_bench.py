@@ -1,6 +1,6 @@
 """Bandwidth of each collective training uses, per message size, measured and reported as nccl-tests does.
 
-    torchrun --standalone --nproc_per_node=N -m llmtrain.tools.comm_bench [bench.KEY=VALUE ...]
+    torchrun --standalone --nproc_per_node=N -m llmtrain.bench.comm_bench [bench.KEY=VALUE ...]
 
 Keys (checked against BenchConfig: a misspelt key or a wrong type is a one-line error, exit code 2):
 - bench.ops: the ops to time, a list (default all): all_reduce, reduce_scatter, all_gather, broadcast, all_to_all,
@@ -403,7 +403,7 @@ def main(argv: list[str]) -> None:
             print(f"error: {error}", file=sys.stderr)
         runtime.shutdown()
         sys.exit(2)
-    join_single_process_group(runtime)  # `python -m llmtrain.tools.comm_bench` runs as a group of one
+    join_single_process_group(runtime)  # `python -m llmtrain.bench.comm_bench` runs as a group of one
     results = run(cfg, runtime)
     runtime.shutdown(synchronize=True)
     if any(r.status == WRONG for r in results):

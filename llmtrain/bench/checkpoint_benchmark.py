@@ -1,6 +1,6 @@
 """How big a checkpoint is and how long a save stops training, sync against async, on this machine.
 
-    python -m llmtrain.tools.checkpoint_benchmark model=gpt2 [--dir /fast/disk]
+    python -m llmtrain.bench.checkpoint_benchmark model=gpt2 [--dir /fast/disk]
 
 One process builds the model and a stepped AdamW (so the optimizer state exists), then saves the same state with
 the run's CheckpointManager twice: synchronously, and in the background as checkpoint.async_save=true does (DCP

@@ -1,6 +1,6 @@
 """A pipelined run's last step as text, for a terminal without an image viewer (pipeline.png is the picture).
 
-    python -m llmtrain.tools.pipeline_chart outputs/<run> [--width 120]
+    python -m llmtrain.bench.pipeline_chart outputs/<run> [--width 120]
 
 One row per pipeline rank; each column is a slice of the step's wall-clock time showing what ran there:
 F forward, B backward (input gradient when the schedule splits it), W weight gradient, lower case for a rank's

@@ -1,6 +1,6 @@
 """How much of ring attention's transfer hides behind its compute, measured on this machine.
 
-    torchrun --standalone --nproc_per_node=4 -m llmtrain.tools.ring_overlap --seq-len 4096 --heads 8 --head-dim 64
+    torchrun --standalone --nproc_per_node=4 -m llmtrain.bench.ring_overlap --seq-len 4096 --heads 8 --head-dim 64
 
 Per ring step (one key/value block), rank 0 reports the compute time, the time it still waited for the transfer
 after computing (exposed), and the time the same transfer takes alone (nothing to hide behind). hidden = 1 -

@@ -1,6 +1,6 @@
 """Collectives of one tensor-parallel training step, counted by torch's CommDebugMode, against the design.
 
-    torchrun --standalone --nproc_per_node=2 -m llmtrain.tools.tp_comms [parallel.sequence_parallel=true] [model=...]
+    torchrun --standalone --nproc_per_node=2 -m llmtrain.bench.tp_comms [parallel.sequence_parallel=true] [model=...]
 
 Megatron's pairing costs, per transformer block and micro-batch:
 - without sequence parallelism: 2 all-reduces in forward (after attention's and the MLP's row-parallel matmul,

@@ -1,6 +1,6 @@
 """The data pipeline alone, no model: streamed against prepared, per data-parallel rank and on resume.
 
-    python -m llmtrain.tools.data_benchmark [--source stdlib|local --path FILES] [--tokenizer byte|bpe]
+    python -m llmtrain.bench.data_benchmark [--source stdlib|local --path FILES] [--tokenizer byte|bpe]
         [--dp 1,2,4,8] [--resume-steps 10,10000] [--store DIR] [data.* overrides, e.g. data.cache_dir=/tmp/cache]
 
 The data config is the one `train.py` would run with the same overrides (conf/data/<source>.yaml). Without

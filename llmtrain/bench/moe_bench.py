@@ -1,8 +1,8 @@
 """Mixture of experts on this machine: its speed against a dense model with as many active parameters, and how
 evenly its experts are loaded over a short run with and without the balance loss.
 
-    python -m llmtrain.tools.moe_bench                               # moe-tiny, on this CPU or GPU
-    python -m llmtrain.tools.moe_bench --preset mixtral-tiny --steps 200 --skip-load
+    python -m llmtrain.bench.moe_bench                               # moe-tiny, on this CPU or GPU
+    python -m llmtrain.bench.moe_bench --preset mixtral-tiny --steps 200 --skip-load
 
 Speed: one process runs forward, backward and an AdamW step of the preset and of its dense twin (the same model
 with no experts and its MLPs widened so that a token meets as many parameters) on random tokens, and prints

@@ -1,6 +1,6 @@
 """Tokens/s of several layouts on this machine, each run through the real entry point, in one table.
 
-    python -m llmtrain.tools.layout_benchmark --nproc 4 --layouts ddp,zero1,zero2,fsdp,hsdp -- model=tiny
+    python -m llmtrain.bench.layout_benchmark --nproc 4 --layouts ddp,zero1,zero2,fsdp,hsdp -- model=tiny
 
 Every layout trains the same model on the same global batches for the same steps (`single` runs in one process,
 the others with --nproc workers); the table gives steady-state tokens/s (first step excluded), the ratio to the

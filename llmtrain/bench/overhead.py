@@ -1,7 +1,7 @@
 """What the harness costs per step over a bare PyTorch loop with the same model, batches and optimizer.
 
-    python -m llmtrain.tools.overhead [--steps 5] [--rounds 6] [overrides...]
-    python -m llmtrain.tools.overhead model=gpt2 train.seq_len=64 train.batch_size=4 train.micro_batch_size=2
+    python -m llmtrain.bench.overhead [--steps 5] [--rounds 6] [overrides...]
+    python -m llmtrain.bench.overhead model=gpt2 train.seq_len=64 train.batch_size=4 train.micro_batch_size=2
 
 One process builds the job as `train.py` would with the same overrides (parallel=single; no validation, logging or
 checkpoints, which cost what the config asks for) and, beside it, a bare loop: the same model (the same initial
