@@ -113,6 +113,25 @@ class OneOf(Domain):
 
 
 @dataclass(frozen=True)
+class ListOf(Domain):
+    """A non-empty list, each item in `item`."""
+
+    item: Domain
+
+    def complaint(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)) or not value:
+            return "is not a non-empty list"
+        wrong = [v for v in value if self.item.complaint(v) is not None]
+        return f"holds {', '.join(map(_shown, wrong))}, not {self.item.accepts()}" if wrong else None
+
+    def accepts(self) -> str:
+        return f"a non-empty list, each {self.item.accepts()}"
+
+    def outside(self) -> list[Any]:
+        return [[], [self.item.outside()[0]]] if self.item.outside() else [[]]
+
+
+@dataclass(frozen=True)
 class Flag(Domain):
     def complaint(self, value: Any) -> str | None:
         return None

@@ -15,7 +15,7 @@ import argparse
 import os
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.model.hf import family_of
 
 
@@ -46,4 +46,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

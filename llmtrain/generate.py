@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import GPT, materialize
 
 
@@ -85,4 +86,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

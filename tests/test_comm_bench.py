@@ -60,7 +60,7 @@ def test_config_defaults_and_overrides():
     "arg, named",
     [
         ("bench.iter=3", "bench.iter"),
-        ("iters=3", "'iters=3'"),
+        ("iters=3", "iters is not a key"),
         ("bench.warmup=lots", "bench.warmup"),
         ("bench.dtype=float8", "bench.dtype"),
         ("bench.ops=[all_reduce,allgather]", "allgather"),
@@ -83,8 +83,8 @@ def test_a_misspelt_key_exits_2_with_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: bench.iter is not a key of comm_bench: the keys are ops, sizes, dtype, warmup, iters, out, pairs, "
-        "pair_bytes"
+        "error: bench.iter is not a key: did you mean bench.iters? (the keys of bench: dtype, iters, ops, out, "
+        "pair_bytes, pairs, sizes, warmup)"
     ]
 
 

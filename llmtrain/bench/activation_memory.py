@@ -17,6 +17,7 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.runtime import init_runtime
 from llmtrain.tools import compose_config
@@ -55,4 +56,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

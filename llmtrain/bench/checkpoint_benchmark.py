@@ -18,6 +18,7 @@ import time
 import torch
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.model import cross_entropy_loss
 from llmtrain.runtime import init_runtime
@@ -59,4 +60,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

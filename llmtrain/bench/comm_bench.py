@@ -2,18 +2,8 @@
 
     torchrun --standalone --nproc_per_node=N -m llmtrain.bench.comm_bench [bench.KEY=VALUE ...]
 
-Keys (checked against BenchConfig: a misspelt key or a wrong type is a one-line error, exit code 2):
-- bench.ops: the ops to time, a list (default all): all_reduce, reduce_scatter, all_gather, broadcast, all_to_all,
-  send_recv.
-- bench.sizes: message sizes in bytes, a list such as [4096,65536] (default null: 1 KiB to 1 GiB by factors of 4
-  on CUDA / NCCL, 1 KiB to 16 MiB on CPU / gloo). Each is rounded down to a multiple of ranks x element size.
-- bench.dtype: float32 | bfloat16 | float16 (default float32).
-- bench.warmup: untimed iterations before each measurement (default 5; the first, made even at 0, checks the
-  op's result).
-- bench.iters: timed iterations per measurement (default 20).
-- bench.out: the directory the CSVs and the plot are written to (default ".").
-- bench.pairs: also time every ordered pair of ranks on its own, one send at a time (default false).
-- bench.pair_bytes: the message of each pair (default null: 64 MiB on CUDA, 4 MiB on CPU).
+Keys: `--help` lists them (each declared once, in BenchConfig below, with its default, domain and doc); a misspelt
+key or a value outside its domain is a one-line error, exit code 2.
 
 Sizes follow nccl-tests: `bytes` is the whole buffer. all_reduce and broadcast: the tensor; all_gather: the
 gathered output (each rank contributes bytes/n); reduce_scatter: the input (each rank keeps bytes/n); all_to_all:
@@ -39,7 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional, cast
 
 import torch
@@ -47,7 +37,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from llmtrain.errors import ConfigError
+from llmtrain.config import check_domains, keys_help, schema_keys, unknown_key_line
+from llmtrain.domains import Flag, ListOf, OneOf, WritableDirectory, at_least, key
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
 from llmtrain.planner.links import CSV_HEADER, bus_factor
 from llmtrain.runtime import Runtime, init_runtime, join_single_process_group
 
@@ -69,14 +61,24 @@ all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 @dataclass
 class BenchConfig:
-    ops: list[str] = field(default_factory=lambda: list(OPS))
-    sizes: Optional[list[int]] = None  # None: default_sizes(device)
-    dtype: str = "float32"
-    warmup: int = 5
-    iters: int = 20
-    out: str = "."
-    pairs: bool = False
-    pair_bytes: Optional[int] = None  # None: 64 MiB on CUDA, 4 MiB on CPU
+    ops: Optional[list[str]] = key(None, ListOf(OneOf(OPS)), "the ops to time, in this order (null: all of them)")
+    sizes: Optional[list[int]] = key(
+        None,
+        ListOf(at_least(1)),
+        "message sizes in bytes, each rounded down to a multiple of ranks x element size (null: 1 KiB to 1 GiB by "
+        "factors of 4 on CUDA / NCCL, to 16 MiB on CPU / gloo)",
+    )
+    dtype: str = key("float32", OneOf(tuple(DTYPES)), "the element type")
+    warmup: int = key(5, at_least(0), "untimed iterations before each measurement (the first also checks the result)")
+    iters: int = key(20, at_least(1), "timed iterations per measurement")
+    out: str = key(".", WritableDirectory(), "where the CSVs and the plot are written")
+    pairs: bool = key(False, Flag(), "also time every ordered pair of ranks on its own, one send at a time")
+    pair_bytes: Optional[int] = key(None, at_least(1), "the message of each pair (null: 64 MiB on CUDA, 4 MiB on CPU)")
+
+
+@dataclass
+class BenchRootConfig:
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 def default_sizes(device: torch.device) -> list[int]:
@@ -86,38 +88,20 @@ def default_sizes(device: torch.device) -> list[int]:
 
 
 def parse_config(argv: list[str], device: torch.device) -> BenchConfig:
-    """The config of `bench.KEY=VALUE` arguments, defaults filled in for `device`; ConfigError (one line naming
-    the key) on an unknown key, a wrong type or a value out of range."""
-    keys = ", ".join(f.name for f in fields(BenchConfig))
-    dotlist = []
-    for arg in argv:
-        if not arg.startswith("bench.") or "=" not in arg:
-            raise ConfigError(f"{arg!r} is not bench.KEY=VALUE (the keys are {keys})")
-        dotlist.append(arg.removeprefix("bench."))
+    """The config of `bench.KEY=VALUE` arguments, checked against the keys' domains and with the defaults that
+    depend on `device` filled in; ConfigError (one line naming the key) on an unknown key or a value outside."""
+    keys = [name for name, _ in schema_keys(BenchRootConfig)]
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(BenchConfig), OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(OmegaConf.structured(BenchRootConfig), OmegaConf.from_dotlist(argv))
     except ConfigKeyError as error:
-        raise ConfigError(f"bench.{error.full_key} is not a key of comm_bench: the keys are {keys}") from None
+        raise ConfigError(unknown_key_line(error.full_key or "?", keys)) from None
     except OmegaConfBaseException as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ConfigError(f"bench.{getattr(error, 'full_key', '?')}: {message}") from None
-    cfg = cast(BenchConfig, OmegaConf.to_object(merged))
-    unknown = [op for op in cfg.ops if op not in OPS]
-    if unknown or not cfg.ops:
-        raise ConfigError(f"bench.ops={cfg.ops}: {unknown or 'none'} not among {', '.join(OPS)}")
-    cfg.ops = list(dict.fromkeys(cfg.ops))  # each op once, in the order given
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"bench.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
-    if cfg.warmup < 0 or cfg.iters < 1:
-        raise ConfigError(f"bench.warmup={cfg.warmup} must be >= 0 and bench.iters={cfg.iters} >= 1")
-    if cfg.sizes is None:
-        cfg.sizes = default_sizes(device)
-    if not cfg.sizes or min(cfg.sizes) <= 0:
-        raise ConfigError(f"bench.sizes={cfg.sizes} must be a non-empty list of positive byte counts")
-    if cfg.pair_bytes is None:
-        cfg.pair_bytes = 64 * MiB if device.type == "cuda" else 4 * MiB
-    if cfg.pair_bytes <= 0:
-        raise ConfigError(f"bench.pair_bytes={cfg.pair_bytes} must be positive")
+        raise ConfigError(f"{getattr(error, 'full_key', '') or argv}: {first_line(str(error))}") from None
+    check_domains(merged, BenchRootConfig)
+    cfg = cast(BenchRootConfig, OmegaConf.to_object(merged)).bench
+    cfg.ops = list(dict.fromkeys(cfg.ops or OPS))  # each op once, in the order given
+    cfg.sizes = cfg.sizes or default_sizes(device)
+    cfg.pair_bytes = cfg.pair_bytes or (64 * MiB if device.type == "cuda" else 4 * MiB)
     return cfg
 
 
@@ -371,7 +355,7 @@ def run(cfg: BenchConfig, runtime: Runtime) -> list[Result]:
         os.makedirs(cfg.out, exist_ok=True)
         print(f"\n{'op':<15}{'bytes':>10}{'time_us':>13}{'algbw GB/s':>12}{'busbw GB/s':>12}", flush=True)
     results = []
-    for op in cfg.ops:
+    for op in cast(list[str], cfg.ops):
         if op == "send_recv" and n < 2:
             if runtime.is_main:
                 print(f"{op:<15}{'':>10}   skipped: needs at least 2 ranks", flush=True)
@@ -395,6 +379,10 @@ def run(cfg: BenchConfig, runtime: Runtime) -> list[Result]:
 
 
 def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        usage = "\n\n".join(__doc__.split("\n\n")[:2])
+        print(f"{usage}\n\nKeys:\n{keys_help(OmegaConf.structured(BenchRootConfig), BenchRootConfig)}")
+        return
     runtime = init_runtime("auto")
     try:
         cfg = parse_config(argv, runtime.device)
@@ -411,4 +399,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

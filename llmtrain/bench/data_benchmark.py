@@ -51,7 +51,7 @@ from llmtrain.data.sources import TRAIN
 from llmtrain.data.store import read_manifest
 from llmtrain.data.stream import RankSlice, StreamedBatches
 from llmtrain.data.tokenizers import Tokenizer
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.tools import compose_config
 
 PROGRESS_EVERY_S = 10.0
@@ -349,4 +349,5 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from llmtrain.errors import closed_pipe_is_quiet
+
 TRAIN_PY = os.path.join(os.path.dirname(__file__), "..", "..", "train.py")
 DEFAULTS = ["train.steps=20", "train.eval_every=0", "logging.wandb.mode=disabled", "train.save_model=false"]
 
@@ -64,4 +66,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

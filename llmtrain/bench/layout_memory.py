@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.bench.comm_count import CommCounter
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel import Strategy
@@ -186,4 +187,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import build_model, meta_model, num_parameters
 from llmtrain.model.gpt import inactive_expert_parameters
 from llmtrain.tools import compose_config
@@ -132,4 +133,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

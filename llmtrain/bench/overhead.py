@@ -26,6 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_training
 from llmtrain.model import GPT, build_model, cross_entropy_loss
 from llmtrain.optim import build_adamw, build_schedule
@@ -126,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 
+from llmtrain.errors import closed_pipe_is_quiet
+
 
 def text_gantt(events_per_rank: list[list[dict]], width: int) -> list[str]:
     start = min(e["start"] for events in events_per_rank for e in events)
@@ -51,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

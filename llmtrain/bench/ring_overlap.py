@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.parallel import ring_attention as ring
 from llmtrain.runtime import init_runtime
 
@@ -92,4 +93,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

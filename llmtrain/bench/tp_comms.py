@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
@@ -76,4 +77,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from llmtrain.checkpoint import load_final_model
+from llmtrain.errors import closed_pipe_is_quiet
 
 METRICS = ("loss", "val_loss", "grad_norm")
 
@@ -89,4 +90,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

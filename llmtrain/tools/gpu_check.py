@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.catalog import SCHEDULES
+from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,4 +251,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()

@@ -13,6 +13,7 @@ import sys
 
 from llmtrain.checkpoint.manager import is_checkpoint_name
 from llmtrain.checkpoint.safe_load import PICKLED_DATA_POSITION, write_data_position
+from llmtrain.errors import closed_pipe_is_quiet
 
 
 def upgrade(path: str) -> bool:
@@ -44,4 +45,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with closed_pipe_is_quiet():
+        main()
