@@ -162,9 +162,10 @@ def _resident_bytes() -> int:
 
 
 def test_training_holds_the_rows_it_reads_not_the_store(tmp_path):
-    """A 256 MiB store, 20 batches read from it (160 windows, 40 KiB): the process grows by what it read plus the
-    epoch's order (8 bytes per window), not by the store (a memory map of it grows by ~176 MiB on kernel 6.18)."""
-    tokens = 128 * 2**20
+    """A 128 MiB store, 20 batches read from it (160 windows, 40 KiB): the process grows by what it read plus the
+    epoch's order (8 bytes per window, 4 MiB), not by the store (a memory map of a 256 MiB one grew by ~176 MiB on
+    kernel 6.18)."""
+    tokens = 64 * 2**20
     writer = SplitWriter(split_file(str(tmp_path), TRAIN), np.dtype(np.uint16))
     chunk = np.random.default_rng(0).integers(0, 257, size=2**22, dtype=np.uint16)
     for _ in range(tokens // len(chunk)):
@@ -181,7 +182,7 @@ def test_training_holds_the_rows_it_reads_not_the_store(tmp_path):
     batches = PreparedBatches(str(tmp_path), 128, 0, RankSlice(8, 8, 0, 1), None)
     rows = [batches.next() for _ in range(20)]
     grown = _resident_bytes() - before
-    assert len(rows) == 20 and store_bytes == 256 * 2**20
+    assert len(rows) == 20 and store_bytes == 128 * 2**20
     assert grown < store_bytes / 10, f"reading 20 batches grew the process by {grown / 2**20:.1f} MiB"
 
 

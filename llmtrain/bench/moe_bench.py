@@ -49,8 +49,10 @@ def dense_twin(overrides: list[str]) -> list[str]:
     target = active_parameters(compose_config(overrides).model)
     dense = [*overrides, "model.moe.num_experts=0"]
     dense_cfg = compose_config(dense).model
-    widths = range(16, 16 * dense_cfg.d_model + 1, 16)
-    width = min(widths, key=lambda f: abs(active_parameters(OmegaConf.merge(dense_cfg, {"d_ff": f})) - target))
+    # A token meets a + b x d_ff parameters: two widths give the line, the multiple of 16 nearest its solution.
+    low, high = (active_parameters(OmegaConf.merge(dense_cfg, {"d_ff": f})) for f in (16, 32))
+    exact = 16 + (target - low) * 16 / (high - low)
+    width = min(max(16 * round(exact / 16), 16), 16 * dense_cfg.d_model)
     return [*dense, f"model.d_ff={width}"]
 
 
