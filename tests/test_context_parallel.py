@@ -57,16 +57,17 @@ def test_context_parallel_errors_name_the_key(args, key):
 
 
 COMMON = "model=tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
+# Where every rank shares each sequence (no data parallelism), micro-batches of 4: 2 per step, not 4.
 LAYOUTS = [
-    "parallel=fsdp parallel.cp=4",
+    "parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     "parallel=fsdp parallel.cp=2",  # dp_shard 2 x cp 2
     "parallel=hsdp parallel.dp_replicate=2 parallel.dp_shard=1 parallel.cp=2",
-    "parallel=fsdp_tp parallel.cp=2",  # cp 2 x tp 2 with sequence parallelism
+    "parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",  # cp 2 x tp 2 with sequence parallelism
     "parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     "parallel=fsdp parallel.cp=2 train.activation_checkpointing=selective train.compile=true",
     # the Llama family's rotary positions and grouped-query heads on sequence shards
-    "model=llama-tiny parallel=fsdp parallel.cp=4",
-    "model=llama-tiny parallel=fsdp_tp parallel.cp=2",
+    "model=llama-tiny parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
+    "model=llama-tiny parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
     "model=llama-tiny parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
 ]
 WEIGHT_ATOL = 5e-5  # as test_llama.py: Adam's first steps amplify summation-order differences of tiny gradients

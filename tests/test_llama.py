@@ -19,8 +19,9 @@ LAYOUTS = [
     "parallel=ddp train.compile=true",
     "parallel=fsdp train.activation_checkpointing=full",
     "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
-    "parallel=tp parallel.sequence_parallel=true",  # 2 key/value heads per rank with their 4 query heads
-    "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=false",
+    # 2 key/value heads per rank with their 4 query heads; every rank runs the whole batch, in 2 micro-batches
+    "parallel=tp parallel.sequence_parallel=true train.micro_batch_size=4",
+    "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=false train.micro_batch_size=4",
     "parallel=fsdp_tp",
     "parallel=pp parallel.pp_schedule=1f1b",
     "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",

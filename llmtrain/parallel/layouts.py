@@ -29,16 +29,16 @@ from llmtrain.parallel.zero import ZeroOneAdamW
 
 
 class DDP(Strategy):
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return apply_ddp(model, self.dp_group, self.runtime.device)
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        return apply_ddp(model, self._dp_group, self.runtime.device)
 
-    def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+    def _grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, model).no_sync()
 
 
 class ZeroOne(Strategy):
     def build_optimizer(self, model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-        self.optimizer = ZeroOneAdamW(model, optim, self.dp_group)
+        self.optimizer = ZeroOneAdamW(model, optim, self._dp_group)
         return self.optimizer
 
     def forward_backward(
@@ -57,10 +57,10 @@ class ZeroOne(Strategy):
         clip_gradients(self.optimizer.shards(), max_norm, norm)
         return norm
 
-    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def _model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return get_model_state_dict(model), cast(ZeroOneAdamW, optimizer).flat_state_dict(_names(model))
 
-    def load_model_and_optimizer_state(
+    def _load_model_and_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
     ) -> None:
         set_model_state_dict(model, model_state)
@@ -72,8 +72,8 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
 
 
 class FSDP(Strategy):
-    def layout(self) -> Layout:
-        return self._layout(
+    def _layout(self) -> Layout:
+        return self._base_layout(
             fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees),
             reshard_after_forward=self.parallel.reshard_after_forward,
         )

@@ -71,7 +71,7 @@ class Strategy:
         return self.mesh
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
+    def _dp_group(self) -> dist.ProcessGroup:
         """The data-parallel ranks' process group (replicas and shards together)."""
         if self.dp_mesh is None:
             raise RuntimeError(f"parallel.strategy={self.name} needs a mesh, which a single process does not have")
@@ -82,29 +82,29 @@ class Strategy:
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
 
-    def layout(self) -> Layout:
+    def _layout(self) -> Layout:
         """The steps apply_layout takes on this rank's model: tensor parallelism over the tp dimension when it has
         one, activation checkpointing and compilation as train.* asks; layouts that shard add FSDP."""
-        return self._layout()
+        return self._base_layout()
 
     @functools.cached_property
     def _planned_layout(self) -> Layout:
-        """`layout()`, made once (its meshes are sliced once) and read by `parallelize` and `precision`."""
-        return self.layout()
+        """`_layout()`, made once (its meshes are sliced once) and read by `parallelize` and `precision`."""
+        return self._layout()
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
         """The context-parallel dimension, when sequences are split (parallel.cp > 1)."""
         return self.device_mesh["cp"] if self.degrees.cp > 1 else None
 
-    def context_shard(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _context_shard(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of every sequence of `tokens` (batch, seq): all of it without context parallelism."""
         cp = self.cp_mesh
         return tokens if cp is None else shard_tokens(tokens, cp.size(), cp.get_local_rank())
 
-    def _layout(self, **fsdp) -> Layout:
+    def _base_layout(self, **fsdp) -> Layout:
         tp = self.degrees.tp > 1
-        if self.expert_mesh is not None:  # validate() allows ep only where FSDP shards (so `fsdp` is set)
+        if self.expert_mesh is not None:  # the plan allows ep only where FSDP shards (so `fsdp` is set)
             fsdp.update(
                 ep_mesh=self.expert_mesh["ep", "tp"] if self.degrees.tp > 1 else self.expert_mesh["ep"],
                 expert_fsdp_mesh=expert_fsdp_mesh(self.expert_mesh, self.degrees),
@@ -124,7 +124,7 @@ class Strategy:
         )
 
     @property
-    def init_device(self) -> torch.device:
+    def _init_device(self) -> torch.device:
         """Where parameters live: the device, or host memory when FSDP offloads them."""
         return torch.device("cpu") if self.parallel.cpu_offload else self.runtime.device
 
@@ -132,8 +132,8 @@ class Strategy:
         """Lay out `model` (built on the meta device), allocate and initialise this rank's part of it, and return
         what the trainer runs."""
         apply_layout(model, self._planned_layout)
-        materialize(model, self.init_device, init)
-        return self.wrap(model)
+        materialize(model, self._init_device, init)
+        return self._wrap(model)
 
     def precision(self) -> tuple[PrecisionContext, str]:
         """The forward passes' precision context and its description (parallel/precision.py: FSDP's mixed
@@ -144,7 +144,7 @@ class Strategy:
             self.runtime.device, uses_bf16(self.train.precision, self.runtime.device), fsdp_mixed_precision
         )
 
-    def wrap(self, model: LayeredModel) -> nn.Module:
+    def _wrap(self, model: LayeredModel) -> nn.Module:
         """A wrapper that needs the materialised weights (DDP), or the model itself."""
         return model
 
@@ -156,7 +156,7 @@ class Strategy:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
         return loss_context(self.degrees.tp, self.parallel.loss_parallel)
 
-    def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+    def _grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward + backward; layouts that reduce gradients skip all but the last."""
         return nullcontext()
 
@@ -166,8 +166,8 @@ class Strategy:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
         total = torch.zeros((), device=self.runtime.device)
         for i, (inputs, targets) in enumerate(micro_batches):
-            inputs, targets = self.context_shard(inputs), self.context_shard(targets)
-            with self.grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
+            inputs, targets = self._context_shard(inputs), self._context_shard(targets)
+            with self._grad_sync(model, is_last_micro_batch=i == len(micro_batches) - 1), self.loss_context():
                 with precision(), auxiliary_loss_scale(1 / len(micro_batches)):
                     loss = cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
                 (loss / len(micro_batches)).backward()
@@ -178,7 +178,7 @@ class Strategy:
     def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
         total = torch.zeros((), device=self.runtime.device)
         for inputs, targets in micro_batches:
-            inputs, targets = self.context_shard(inputs), self.context_shard(targets)
+            inputs, targets = self._context_shard(inputs), self._context_shard(targets)
             with precision(), self.loss_context():
                 total += full_tensor(
                     cross_entropy_loss(model(inputs.to(self.runtime.device)), targets.to(self.runtime.device))
@@ -200,14 +200,14 @@ class Strategy:
         """Mean of a per-rank scalar over the data-parallel ranks (each holds an equal share of the batch)."""
         return mean_over(value, self.dp_mesh)
 
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global gradient norm (over all ranks' shards and stages)."""
         return squared_norm(grads_by_layout(model.parameters())).sqrt()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (0: measure only) and return the global gradient norm before clipping."""
         replicate_partial_gradients(model.parameters())
-        norm = self.grad_norm(model)
+        norm = self._grad_norm(model)
         clip_gradients(model.parameters(), max_norm, norm)
         return norm
 
@@ -227,7 +227,7 @@ class Strategy:
         A tied parameter (the LM head's weight is the embedding matrix: one tensor in one model, equal copies on
         two pipeline stages) is stored once, under its source's names, and handed back to every parameter that
         uses it on load."""
-        model_state, optimizer_state = self.model_and_optimizer_state(model, optimizer)
+        model_state, optimizer_state = self._model_and_optimizer_state(model, optimizer)
         tied = unwrap(model).tied_parameters
         state = CheckpointState({}, {})
         for part, values in (("model", model_state), ("optimizer", optimizer_state)):
@@ -237,12 +237,12 @@ class Strategy:
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: CheckpointState) -> None:
         """Put a `checkpoint_state` whose values DCP has filled back into the model and optimizer."""
         restored = (_restore_tied(state.values[part], state.stored_as[part]) for part in ("model", "optimizer"))
-        self.load_model_and_optimizer_state(model, optimizer, *restored)
+        self._load_model_and_optimizer_state(model, optimizer, *restored)
 
-    def model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def _model_and_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return (get_model_state_dict(model), get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER))
 
-    def load_model_and_optimizer_state(
+    def _load_model_and_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
     ) -> None:
         set_model_state_dict(model, model_state)

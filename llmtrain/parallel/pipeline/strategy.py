@@ -62,13 +62,13 @@ class PipelineParallel(Strategy):
         self.tied_group = self._tied_embedding_group()
 
     # -- layout ---------------------------------------------------------------------------------------------
-    def layout(self) -> Layout:
+    def _layout(self) -> Layout:
         # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
         # re-gather them for every micro-batch. Context-parallel ranks shard (and average gradients) like
         # data-parallel ones.
         if self.degrees.dp == 1 and self.degrees.cp == 1:
-            return self._layout()
-        return self._layout(fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees), reshard_after_forward=False)
+            return self._base_layout()
+        return self._base_layout(fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees), reshard_after_forward=False)
 
     def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """This rank's part of `model` (on the meta device), returned for the trainer and optimizer: the pipeline
@@ -86,7 +86,7 @@ class PipelineParallel(Strategy):
             view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
             apply_layout(view, self._planned_layout)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
-            materialize(view, self.init_device, init)
+            materialize(view, self._init_device, init)
             self.stages.append(view)
         self.schedule = self._build_schedule()
         return part
@@ -129,8 +129,8 @@ class PipelineParallel(Strategy):
         self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
     ) -> torch.Tensor:
         device = self.runtime.device
-        inputs = self.context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
-        targets = self.context_shard(torch.cat([y for _, y in micro_batches])).to(device)
+        inputs = self._context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
+        targets = self._context_shard(torch.cat([y for _, y in micro_batches])).to(device)
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
         with self.loss_context(), precision():
@@ -179,7 +179,7 @@ class PipelineParallel(Strategy):
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         with precision(), self.loss_context():
             for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
-                inputs, targets = self.context_shard(whole_inputs), self.context_shard(whole_targets)
+                inputs, targets = self._context_shard(whole_inputs), self._context_shard(whole_targets)
                 carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
                 for stage, module in stages:
                     if stage == 0:
@@ -208,7 +208,7 @@ class PipelineParallel(Strategy):
     def _global_rank(self, stage: int) -> int:
         return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))
 
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         # A tied parameter's copy (the LM head's embedding matrix) is one parameter of the model: count it once.
         tied = unwrap(model).tied_parameters
         counted = [param for name, param in model.named_parameters() if name not in tied]
