@@ -283,6 +283,7 @@ def _external_cases(tmp: Path) -> list[tuple[list[str], dict[str, str], str]]:
     ]
 
 
+@pytest.mark.slow  # processes of their own: the schema walk above checks the same lines in-process
 def test_the_command_line_answers_a_bad_config_with_one_line_and_exit_2(tmp_path):
     _assert_one_line_errors(tmp_path, CONFIG_CASES)
 
@@ -324,12 +325,10 @@ def test_the_planner_answers_a_bad_override_as_train_py_does(override, capsys):
     assert capsys.readouterr().err.strip() == f"error: {error_line(_composed(), override)}"
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.parametrize(
     "command",
-    [
-        [str(REPO / "train.py"), "--help"],
-        pytest.param(["-m", "llmtrain.tools.plan", "--help"], marks=pytest.mark.slow),  # imports torch: 5 s
-    ],
+    [[str(REPO / "train.py"), "--help"], ["-m", "llmtrain.tools.plan", "--help"]],
     ids=["train.py", "plan"],
 )
 def test_help_into_a_pipe_closed_early_ends_quietly(command, tmp_path):
