@@ -51,7 +51,6 @@ class PipelineParallel(Strategy):
     def __init__(self, plan: ParallelPlan, runtime: Runtime):
         super().__init__(plan, runtime)
         self.spec = schedule_spec(self.parallel.pp_schedule)
-        self.microbatches = plan.microbatches
         self.pp_group = self.device_mesh["pp"].get_group()
         self.pp_rank = self.device_mesh.get_local_rank("pp")
         self.n_stages = self.degrees.pp * self.parallel.pp_stages_per_rank
@@ -92,7 +91,7 @@ class PipelineParallel(Strategy):
         return part
 
     def _build_schedule(self):
-        m, device = self.microbatches, self.runtime.device
+        m, device = self.plan.microbatches, self.runtime.device
         schedule_class = torch_schedule(self.spec)
         if schedule_class is None:
             return Reference1F1B(
@@ -259,7 +258,7 @@ class PipelineParallel(Strategy):
         gathered = self._gather_to_main((self.timeline.events, self.timeline.peak_in_flight))
         if not gathered:
             return {}
-        p, v, m = self.degrees.pp, self.parallel.pp_stages_per_rank, self.microbatches
+        p, v, m = self.degrees.pp, self.parallel.pp_stages_per_rank, self.plan.microbatches
         events = [rank_events for rank_events, _ in gathered]
         measured, theory = bubble_fraction(events), (p - 1) / (v * m)
         schedule = self.parallel.pp_schedule
