@@ -8,10 +8,14 @@ import os
 import re
 import shutil
 import sys
+import time
 from typing import NoReturn
 
 from llmtrain.errors import ConfigError
 
+# Every rank finds the same config error; the others wait this long before exiting, because a launcher that sees a
+# worker exit stops the rest, and the main rank must have printed the one line the user reads by then.
+_MAIN_RANK_REPORTS_WITHIN_S = 10.0
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
 HYDRA_ONLY = {".hydra", "train.log"}
 _DATE_FOLDER = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # the default run directory's parent (resolvers.STAMP_FORMAT)
@@ -33,4 +37,6 @@ def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoR
     if is_main:
         print(f"error: {error}", file=sys.stderr)
         remove_if_empty_run(run_dir)
+    else:
+        time.sleep(_MAIN_RANK_REPORTS_WITHIN_S)
     sys.exit(ConfigError.exit_code)
