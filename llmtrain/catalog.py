@@ -14,18 +14,18 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    implementation: str  # the class that lays the model out, "module:Class" (imported when a run asks for it)
+    implementation: str  # "module:Class" of the ParallelModel that lays it out (imported when a run asks for it)
     dims: tuple[str, ...]  # the mesh dimensions it splits over: a degree above 1 on any other is refused
 
 
 # parallel.strategy -> its layout.
 STRATEGIES: dict[str, LayoutSpec] = {
-    "single": LayoutSpec("llmtrain.parallel.strategy:Strategy", ()),
-    "ddp": LayoutSpec("llmtrain.parallel.layouts:DDP", ("dp_replicate",)),
-    "zero1": LayoutSpec("llmtrain.parallel.layouts:ZeroOne", ("dp_replicate",)),
-    "fsdp": LayoutSpec("llmtrain.parallel.layouts:FSDP", ("dp_replicate", "dp_shard", "cp", "tp")),
-    "tp": LayoutSpec("llmtrain.parallel.strategy:Strategy", ("tp",)),
-    "pp": LayoutSpec("llmtrain.parallel.pipeline.strategy:PipelineParallel", MESH_DIMS),
+    "single": LayoutSpec("llmtrain.parallel.parallel_model:ParallelModel", ()),
+    "ddp": LayoutSpec("llmtrain.parallel.data_parallel:DDP", ("dp_replicate",)),
+    "zero1": LayoutSpec("llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",)),
+    "fsdp": LayoutSpec("llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp")),
+    "tp": LayoutSpec("llmtrain.parallel.parallel_model:ParallelModel", ("tp",)),
+    "pp": LayoutSpec("llmtrain.parallel.pipeline.parallel_model:PipelineParallel", MESH_DIMS),
 }
 # parallel.strategy=auto: the planner picks one of STRATEGIES for the world it runs in.
 AUTO = "auto"

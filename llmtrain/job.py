@@ -1,5 +1,5 @@
-"""One training job, start to finish: runtime -> config checks -> tokenizer -> model -> strategy -> data ->
-trainer -> report. `train.py` calls `run` with the composed Hydra config."""
+"""One training job, start to finish: runtime -> config checks -> tokenizer -> plan and mesh -> data -> the model
+laid out -> trainer -> report. `train.py` calls `run` with the composed Hydra config."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
@@ -31,8 +30,10 @@ from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scal
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.optim import build_schedule
-from llmtrain.parallel import Strategy, get_strategy
+from llmtrain.parallel.mesh import RankMesh
+from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
+from llmtrain.parallel.registry import parallelize
 from llmtrain.plan import ParallelPlan, plan_command, with_layouts_that_run
 from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
 from llmtrain.runtime import Runtime, init_runtime
@@ -172,25 +173,19 @@ def _plan(runtime: Runtime) -> str:
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
-def build_layout(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> tuple[Strategy, nn.Module]:
-    """(strategy, model): the layout of `config` and its model laid out and materialised, as training builds them
-    (for tools and tests that run steps of their own)."""
+def build_layout(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> ParallelModel:
+    """The model of `config` laid out on this rank with its optimizer, as training builds it (for tools and tests
+    that run steps of their own)."""
     if isinstance(config, DictConfig):
         config = cast(RootConfig, OmegaConf.to_object(config))
-    strategy = build_strategy(config, runtime)
-    return strategy, _laid_out(strategy, config, meta_model(config.model, vocab_size))
-
-
-def build_strategy(config: RootConfig, runtime: Runtime) -> Strategy:
-    """The layout of `config` on this rank: its plan checked against the model and the world (ConfigError), its
-    mesh built."""
     plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
-    return get_strategy(plan.name)(plan, runtime)
+    return _laid_out(config, plan, RankMesh.of(plan, runtime), runtime, meta_model(config.model, vocab_size))
 
 
-def _laid_out(strategy: Strategy, config: RootConfig, meta: GPT) -> nn.Module:
+def _laid_out(config: RootConfig, plan: ParallelPlan, mesh: RankMesh, runtime: Runtime, meta: GPT) -> ParallelModel:
     """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
-    return strategy.parallelize(meta, initial_weights(config.model, meta, config.seed))
+    init = initial_weights(config.model, meta, config.seed)
+    return parallelize(meta, init, plan, mesh, runtime, config.optim)
 
 
 def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:
@@ -207,14 +202,16 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         auto = decided
         config = dataclasses.replace(config, parallel=auto.parallel)  # what W&B and the summaries show
         log.info(auto.summary)
-    strategy = build_strategy(config, runtime)
-    t, dp_size = config.train, strategy.plan.dp_size
-    train_slice = RankSlice(t.batch_size, t.micro_batch_size, strategy.dp_rank, dp_size)
+    # The plan checked against the model and the world (ConfigError), then where this rank sits in it.
+    plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
+    mesh = RankMesh.of(plan, runtime)
+    t, dp_size = config.train, plan.dp_size
+    train_slice = RankSlice(t.batch_size, t.micro_batch_size, mesh.dp_rank, dp_size)
     # The validation set is eval_batches global batches, whatever the layout, so val_loss compares across layouts.
-    val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, strategy.dp_rank, dp_size)
+    val_slice = RankSlice(t.eval_batches * t.batch_size, t.micro_batch_size, mesh.dp_rank, dp_size)
     # Dropout draws from this generator: data-parallel ranks (different sequences) get their own streams, the
     # tensor-parallel ranks of one replica share one (llmtrain/model/dropout.py).
-    torch.manual_seed(config.seed + strategy.dp_rank)
+    torch.manual_seed(config.seed + mesh.dp_rank)
 
     if runtime.is_main and (warning := streaming_scale_warning(config.data, dp_size)):
         log.warning(warning)
@@ -236,16 +233,13 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with BuildPeak(runtime.device) as build:
-            model = _laid_out(strategy, config, meta)
-            optimizer = strategy.build_optimizer(model, config.optim)
-        memory = _memory_summary(runtime, held_bytes(model, optimizer), build.bytes)
-        schedule = build_schedule(optimizer, t.steps, config.optim)
+            model = _laid_out(config, plan, mesh, runtime, meta)
+        memory = _memory_summary(runtime, held_bytes(model.module, model.optimizer), build.bytes)
+        schedule = build_schedule(model.optimizer, t.steps, config.optim)
         wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
         checkpoints = RunCheckpoints(
             CheckpointManager(checkpoint_dir, config.checkpoint.keep, config.checkpoint.async_save, runtime),
-            strategy,
             model,
-            optimizer,
             schedule,
             data,
             gpt_cfg,
@@ -255,10 +249,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         parts = Components(
             config=config,
             runtime=runtime,
-            strategy=strategy,
             model=model,
             model_config=gpt_cfg,
-            optimizer=optimizer,
             schedule=schedule,
             data=data,
             train_slice=train_slice,
@@ -297,7 +289,7 @@ def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
 def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
     training = build_training(config, runtime, run_dir)
-    config, strategy, model, t = training.config, training.strategy, training.model, training.config.train
+    config, model, t = training.config, training.model, training.config.train
     loggers = None
     if runtime.is_main:
         name, group = _wandb_identity(config.logging.wandb, run_dir)
@@ -317,17 +309,17 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         if loggers:
             loggers.close_console()
     if t.save_model:
-        weights = strategy.full_state_dict(model)  # on rank 0 only
+        weights = model.full_state_dict()  # on rank 0 only
         if weights is not None:
             save_final_model(weights, os.path.join(run_dir, "model.pt"))
-    layout_results = strategy.report(run_dir)
+    layout_results = model.report(run_dir)
     if loggers:
         summary = end_summary(
             state.records, time.perf_counter() - wall_start, state.train_seconds, t.batch_size * t.seq_len
         )
         summary.update(
             parameters=training.n_params,
-            layout=strategy.plan.summary(),
+            layout=model.plan.summary(),
             world_size=runtime.world_size,
             **layout_results,
         )

@@ -46,7 +46,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     records: list[dict] = []
     try:
         trainer = Trainer(parts, records.append, preemption=None)
-        parts.model.train()
+        parts.model.module.train()
         for _ in range(STEPS):
             trainer.advance()
     finally:
@@ -56,7 +56,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         "norms": [r["grad_norm"] for r in records],
         "val_losses": [r["val_loss"] for r in records if "val_loss" in r],
     }
-    return curves, parts.strategy.full_state_dict(parts.model)
+    return curves, parts.model.full_state_dict()
 
 
 def reference_name(layout: str) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import nullcontext
 
 import torch
 
@@ -54,29 +53,28 @@ def batches(cfg) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return steps
 
 
-def validation_loss(strategy, model) -> float:
+def validation_loss(model) -> float:
     """The trained model's loss on micro-batches of 3, 5 and 2 sequences: the receiving stages learn only the first
     one's shape from a header, the others' from their own micro-batch sizes."""
     tokens = torch.randint(0, VOCAB, (10, 33), generator=torch.Generator().manual_seed(1))
     micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split([3, 5, 2])]
-    model.eval()
-    loss = strategy.reduce_mean(strategy.evaluate(model, micro_batches, nullcontext)).item()
-    model.train()
+    model.module.eval()
+    loss = model.reduce_mean(model.evaluate(micro_batches)).item()
+    model.module.train()
     return loss
 
 
 def train(cfg, runtime: Runtime):
-    """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the strategy, the model."""
+    """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the parallel model."""
     torch.manual_seed(cfg.seed)
-    strategy, model = build_layout(cfg, runtime, VOCAB)
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    model = build_layout(cfg, runtime, VOCAB)
     losses, norms = [], []
     for micro_batches in batches(cfg):
-        losses.append(strategy.reduce_mean(strategy.forward_backward(model, micro_batches, nullcontext)).item())
-        norms.append(strategy.clip_grad_norm(model, cfg.optim.grad_clip).item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, norms, strategy, model
+        losses.append(model.reduce_mean(model.forward_backward(micro_batches)).item())
+        norms.append(model.clip_grad_norm(cfg.optim.grad_clip).item())
+        model.optimizer.step()
+        model.optimizer.zero_grad(set_to_none=True)
+    return losses, norms, model
 
 
 class PostedGroups:
@@ -102,9 +100,9 @@ class PostedGroups:
 def main(out_dir: str, microbatches: int) -> None:
     runtime = init_runtime("cpu")
     local = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
-    ref_losses, ref_norms, ref_strategy, ref_model = train(config(["parallel=single"], microbatches), local)
-    reference = ref_strategy.full_state_dict(ref_model)
-    ref_validation = validation_loss(ref_strategy, ref_model)
+    ref_losses, ref_norms, ref_model = train(config(["parallel=single"], microbatches), local)
+    reference = ref_model.full_state_dict()
+    ref_validation = validation_loss(ref_model)
     results = {}
     for schedule, stages_per_rank in SCHEDULES.items():
         cfg = config(
@@ -117,14 +115,14 @@ def main(out_dir: str, microbatches: int) -> None:
             microbatches,
         )
         with PostedGroups() as posted:
-            losses, norms, strategy, model = train(cfg, runtime)
-        validation = validation_loss(strategy, model)
+            losses, norms, model = train(cfg, runtime)
+        validation = validation_loss(model)
         groups = [None] * runtime.world_size
         torch.distributed.all_gather_object(groups, posted.groups)
-        weights = strategy.full_state_dict(model)
+        weights = model.full_state_dict()
         run_dir = os.path.join(out_dir, schedule)
         os.makedirs(run_dir, exist_ok=True)
-        report = strategy.report(run_dir)
+        report = model.report(run_dir)
         if runtime.is_main:
             results[schedule] = {
                 "losses": losses,

@@ -108,16 +108,16 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a Strategy, and each
+    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a ParallelModel, and each
     schedule is a class torch has (or the reference)."""
     from llmtrain.catalog import SCHEDULES
     from llmtrain.catalog import STRATEGIES as LAYOUTS
     from llmtrain.parallel.pipeline.schedules import torch_schedule
-    from llmtrain.parallel.registry import get_strategy
-    from llmtrain.parallel.strategy import Strategy
+    from llmtrain.parallel.parallel_model import ParallelModel
+    from llmtrain.parallel.registry import parallel_model_class
 
     for name in LAYOUTS:
-        assert issubclass(get_strategy(name), Strategy)
+        assert issubclass(parallel_model_class(name), ParallelModel)
     for spec in SCHEDULES.values():
         assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
     assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and STRATEGIES == (*LAYOUTS, "auto")

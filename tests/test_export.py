@@ -140,16 +140,16 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
         cfg = compose_config(
             ["model=tiny", f"model.init_from={directory}", "train.batch_size=4", "train.micro_batch_size=2", *layout]
         )
-        strategy, model = build_layout(cfg, runtime, 257)
+        model = build_layout(cfg, runtime, 257)
         with torch.no_grad():
-            if strategy.name == "fsdp":  # every rank runs the whole model from its shards
-                found["fsdp"] = (model.eval()(ids)[..., :257] - theirs).abs().max().item()
-            weights = strategy.full_state_dict(model)  # model.pt's path: one tensor at a time to rank 0
+            if model.name == "fsdp":  # every rank runs the whole model from its shards
+                found["fsdp"] = (model.module.eval()(ids)[..., :257] - theirs).abs().max().item()
+            weights = model.full_state_dict()  # model.pt's path: one tensor at a time to rank 0
             if runtime.is_main:
                 with torch.device("meta"):
-                    whole = GPT(model.cfg)
+                    whole = GPT(model.module.cfg)
                 whole.load_state_dict(weights, assign=True)
-                found[f"{strategy.name} model.pt"] = (whole.eval()(ids)[..., :257] - theirs).abs().max().item()
+                found[f"{model.name} model.pt"] = (whole.eval()(ids)[..., :257] - theirs).abs().max().item()
     results.put((rank, found))
     runtime.shutdown(synchronize=True)
 

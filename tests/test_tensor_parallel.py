@@ -62,12 +62,12 @@ def _logits_worker(rank: int, port: int, results) -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=16"])
     runtime = init_runtime("cpu")
-    strategy, model = build_layout(cfg, runtime, 257)
+    model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
     seen = []
-    model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.to_local().shape)))
-    with strategy.loss_context():
-        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    model.module.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.to_local().shape)))
+    with model.loss_context():
+        loss = cross_entropy_loss(model.module(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
     results.put((rank, seen[0], type(loss).__name__, loss.full_tensor().item()))
     runtime.shutdown(synchronize=True)

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     runtime = init_runtime(cfg.train.device)
     # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
     vocab_size = cfg.model.vocab_size or 256
-    strategy, model = build_layout(cfg, runtime, vocab_size)
+    model = build_layout(cfg, runtime, vocab_size)
     tokens = torch.randint(
         0,
         vocab_size,
@@ -37,14 +37,14 @@ def main(argv: list[str]) -> None:
     )
     tracker = MemTracker()
     with tracker:
-        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], strategy.precision()[0])
+        model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     mib = {str(kind).split(".")[-1].lower(): round(value / 2**20, 3) for kind, value in peak.items()}
     if runtime.is_main:
         print(
             json.dumps(
                 {
-                    "layout": strategy.plan.describe(),
+                    "layout": model.plan.describe(),
                     "ac": cfg.train.activation_checkpointing,
                     "micro_batch": cfg.train.micro_batch_size,
                     "seq_len": cfg.train.seq_len,

@@ -18,6 +18,7 @@ import time
 import torch
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
+from llmtrain.checkpoint.state import checkpoint_state
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.model import cross_entropy_loss
@@ -37,14 +38,13 @@ def main() -> None:
     cfg = compose_config(["train.device=cpu", *args.overrides])
     runtime = init_runtime("cpu")
     vocab_size = cfg.model.vocab_size or 50257
-    strategy, model = build_layout(cfg, runtime, vocab_size)
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    model = build_layout(cfg, runtime, vocab_size)
     tokens = torch.randint(0, vocab_size, (1, 65))
-    cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    optimizer.step()
-    state = strategy.checkpoint_state(model, optimizer).values
+    cross_entropy_loss(model.module(tokens[:, :-1]), tokens[:, 1:]).backward()
+    model.optimizer.step()
+    state = checkpoint_state(model).values
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        print(f"{cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters + AdamW state")
+        print(f"{cfg.model.name}: {sum(p.numel() for p in model.module.parameters()):,} parameters + AdamW state")
         for step, use_async in ((1, False), (2, True)):
             manager = CheckpointManager(directory, keep=2, use_async=use_async, runtime=runtime)
             started = time.perf_counter()

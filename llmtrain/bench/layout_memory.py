@@ -28,7 +28,7 @@ from llmtrain.bench.comm_count import CommCounter
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_layout
 from llmtrain.model import meta_model, num_parameters
-from llmtrain.parallel import Strategy
+from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.candidates import describe_layout
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
@@ -39,13 +39,13 @@ from llmtrain.tools import compose_config
 from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
 
 
-def predicted(cfg, strategy: Strategy, runtime: Runtime, vocab_size: int) -> dict[str, Any]:
+def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> dict[str, Any]:
     """The planner's numbers for this rank (its pipeline rank's), with the sizes llmtrain holds."""
     bf16 = uses_bf16(cfg.train.precision, runtime.device)
     candidate = describe_layout(cfg.parallel, runtime.world_size)
     machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
     plan = plan_layout(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16)), machine)
-    pp_rank = strategy.device_mesh.get_local_rank("pp") if strategy.degrees.pp > 1 else 0
+    pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.degrees.pp > 1 else 0
     memory = plan.ranks[pp_rank]
     return {
         "params": memory.parameters,
@@ -64,12 +64,11 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
     n_params = num_parameters(whole)
     largest = max(p.numel() * p.element_size() for p in whole.parameters())
     with BuildPeak(runtime.device) as build:
-        strategy, model = build_layout(cfg, runtime, vocab_size)
-        optimizer = strategy.build_optimizer(model, cfg.optim)
-    will_hold = held_bytes(model, optimizer)
+        model = build_layout(cfg, runtime, vocab_size)
+    will_hold = held_bytes(model.module, model.optimizer)
     row = {
         "rank": runtime.rank,
-        "layout": strategy.plan.describe(),
+        "layout": model.plan.describe(),
         "parameters": n_params,
         "reported": will_hold.__dict__,
         "build_peak": build.bytes,
@@ -77,8 +76,8 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
         "largest_tensor": largest,
     }
     if not build_only:
-        row.update(_two_steps(cfg, strategy, model, optimizer, runtime, vocab_size))
-        row["predicted"] = predicted(cfg, strategy, runtime, vocab_size)
+        row.update(_two_steps(cfg, model, runtime, vocab_size))
+        row["predicted"] = predicted(cfg, model, runtime, vocab_size)
     rows: list[Any] = [None] * runtime.world_size
     if runtime.distributed:
         dist.all_gather_object(rows, row)
@@ -87,33 +86,33 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
     return rows
 
 
-def _two_steps(cfg, strategy: Strategy, model, optimizer, runtime, vocab_size: int) -> dict:
+def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int) -> dict:
     """Two training steps on random tokens, the second one's communication counted (the first pays one-off
     traffic: DDP's bucket rebuild, the pipeline's shape exchange); then what the rank holds."""
-    precision, _ = strategy.precision()
-    size, count = strategy.plan.micro_batching()
-    generator = torch.Generator().manual_seed(strategy.dp_rank)
+    module, optimizer = model.module, model.optimizer
+    size, count = model.plan.micro_batching()
+    generator = torch.Generator().manual_seed(model.mesh.dp_rank)
     held_in_step = None
-    if strategy.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
-        with torch.no_grad(), precision():
-            model(torch.randint(0, vocab_size, (size, cfg.train.seq_len), generator=generator).to(runtime.device))
-        held_in_step = tensor_bytes(model.parameters())  # gathered parameters kept between forward and backward
+    if model.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
+        with torch.no_grad(), model.precision():
+            module(torch.randint(0, vocab_size, (size, cfg.train.seq_len), generator=generator).to(runtime.device))
+        held_in_step = tensor_bytes(module.parameters())  # gathered parameters kept between forward and backward
 
     def step(keep_gradients: bool) -> None:
         tokens = torch.randint(0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=generator)
-        strategy.forward_backward(model, [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)], precision)
-        strategy.clip_grad_norm(model, cfg.optim.grad_clip)
+        model.forward_backward([(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)])
+        model.clip_grad_norm(cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=not keep_gradients)  # kept (zeroed) to be counted below
 
     step(keep_gradients=False)
     with CommCounter() as counter:
         step(keep_gradients=True)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
     grads += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     return {
-        "params": tensor_bytes(model.parameters()),
+        "params": tensor_bytes(module.parameters()),
         "grads": tensor_bytes(grads),
         "optimizer": tensor_bytes(state),
         "params_during_step": held_in_step,

@@ -28,9 +28,8 @@ from omegaconf import OmegaConf
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_training
-from llmtrain.model import GPT, build_model, cross_entropy_loss
+from llmtrain.model import build_model, cross_entropy_loss
 from llmtrain.optim import build_adamw, build_schedule
-from llmtrain.parallel.strategy import unwrap
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
@@ -88,10 +87,10 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
         training = build_training(cast(RootConfig, OmegaConf.to_object(cfg)), runtime, run_dir)
         trainer = Trainer(training, lambda record: None, preemption=None)
         data, train_slice = training.data.train, training.train_slice
-        vocab_size = cast(GPT, unwrap(training.model)).cfg.vocab_size
+        vocab_size = training.model_config.vocab_size
         batches = [train_slice.micro_batches(data.next()) for _ in range(max(steps, 4))]
         bare = bare_loop(cfg, vocab_size, batches, runtime.device)
-        trainer.model.train()
+        trainer.model.module.train()
         timings: dict[str, list[float]] = {"bare": [], "trainer": []}
         for round_index in range(rounds + 1):
             for name, step in (("bare", bare), ("trainer", trainer.advance)):

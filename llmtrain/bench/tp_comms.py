@@ -38,11 +38,11 @@ def _short(op) -> str:
 
 
 def count_step(cfg, runtime: Runtime) -> Counter:
-    """Collectives of one forward + backward on one micro-batch (the strategy's own step)."""
-    strategy, model = build_layout(cfg, runtime, 257)
+    """Collectives of one forward + backward on one micro-batch (the layout's own step)."""
+    model = build_layout(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
-        strategy.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], strategy.precision()[0])
+        model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
     return Counter({_short(op): n for op, n in comm.get_comm_counts().items()})
 
 

@@ -1,5 +1,5 @@
 """The final weights, `model.pt`: one full state dict under the unsplit GPT's parameter names, which the layout
-gathers from wherever it holds them (Strategy.full_state_dict), so any run's file loads into a plain `GPT`."""
+gathers from wherever it holds them (ParallelModel.full_state_dict), so any run's file loads into a plain `GPT`."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def load_checkpoint_model(path: str) -> GPT:
     with torch.device("meta"):
         model = GPT(GPTConfig.from_dict(read_meta(path)["model"]))
     allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
-    # In place, into the parameters; a tied one is stored as (and is) its source (Strategy.checkpoint_state).
+    # In place, into the parameters; a tied one is stored as (and is) its source (llmtrain/checkpoint/state.py).
     weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
     dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     return model.eval()

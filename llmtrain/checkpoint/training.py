@@ -12,7 +12,6 @@ import uuid
 from typing import Any
 
 import torch
-from torch import nn
 
 from llmtrain.checkpoint.manager import (
     CheckpointManager,
@@ -23,11 +22,12 @@ from llmtrain.checkpoint.manager import (
     read_meta,
     restore_rng_states,
 )
+from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
 from llmtrain.data import Data
 from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
-from llmtrain.parallel import Strategy
+from llmtrain.parallel.parallel_model import ParallelModel
 
 log = logging.getLogger("llmtrain")
 
@@ -138,17 +138,14 @@ class RunCheckpoints:
     def __init__(
         self,
         manager: CheckpointManager,
-        strategy: Strategy,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: ParallelModel,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
         run: RunIdentity,
     ):
         self.manager = manager
-        self.strategy = strategy
-        self.model, self.optimizer, self.schedule = model, optimizer, schedule
+        self.model, self.schedule = model, schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
         self.runtime = manager.runtime
@@ -158,7 +155,7 @@ class RunCheckpoints:
         meta = {
             "step": step,
             "model": dataclasses.asdict(self.gpt_cfg),
-            "layout": self.strategy.plan.describe(),
+            "layout": self.model.plan.describe(),
             "world_size": self.runtime.world_size,
             "schedule": self.schedule.state_dict(),
             "run_dir": self.run.run_dir,
@@ -166,7 +163,7 @@ class RunCheckpoints:
         }
         self.manager.save(
             step,
-            self.strategy.checkpoint_state(self.model, self.optimizer).values,
+            checkpoint_state(self.model).values,
             meta,
             self.data.train.state_dict(),
             self._write_tokenizer,
@@ -184,9 +181,9 @@ class RunCheckpoints:
         self.manager.wait()
 
     def restore(self, path: str) -> ResumePoint:
-        state = self.strategy.checkpoint_state(self.model, self.optimizer)
+        state = checkpoint_state(self.model)
         load_checkpoint(path, state.values, self.runtime.distributed)
-        self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
+        load_checkpoint_state(self.model, state)
         meta = read_meta(path)
         self.schedule.load_state_dict(meta["schedule"])
         # Same world size: each rank continues its own dropout stream; otherwise ranks keep their fresh seeds.

@@ -8,12 +8,15 @@ all-reduces) crosses nodes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.catalog import MESH_DIMS
-from llmtrain.plan import Degrees
+from llmtrain.plan import Degrees, ParallelPlan
+from llmtrain.runtime import Runtime, join_single_process_group
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
@@ -41,3 +44,54 @@ def mean_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return value / mesh.size()
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """Where this rank sits in a plan's layout: the mesh (None for one process without a parallel dimension), its
+    flattened data-parallel dimension (replicas and shards: the ranks a loss is averaged over) and, with expert
+    parallelism, the experts' mesh."""
+
+    degrees: Degrees
+    mesh: DeviceMesh | None
+    dp_mesh: DeviceMesh | None
+    expert_mesh: DeviceMesh | None
+
+    @classmethod
+    def of(cls, plan: ParallelPlan, runtime: Runtime) -> RankMesh:
+        """The mesh of a checked plan on this rank (a collective: every rank builds it)."""
+        degrees = plan.degrees
+        if runtime.world_size == 1 and plan.dims:
+            join_single_process_group(runtime)  # every degree is 1: the layout runs as one rank of many would
+        if runtime.world_size == 1 and not plan.dims:
+            return cls(degrees, None, None, None)
+        mesh = build_mesh(degrees, runtime.device.type)
+        expert = build_expert_mesh(degrees, runtime.device.type) if degrees.ep > 1 else None
+        return cls(degrees, mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp"), expert)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh of a multi-process layout (a single process has none)."""
+        if self.mesh is None:
+            raise RuntimeError("a single process without parallel dimensions has no mesh")
+        return self.mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel ranks' process group (replicas and shards together)."""
+        if self.dp_mesh is None:
+            raise RuntimeError("a single process without parallel dimensions has no data-parallel group")
+        return self.dp_mesh.get_group()
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel dimension, when sequences are split (parallel.cp > 1)."""
+        return self.device_mesh["cp"] if self.degrees.cp > 1 else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.device_mesh["tp"] if self.degrees.tp > 1 else None

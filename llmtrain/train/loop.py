@@ -1,4 +1,4 @@
-"""The training loop: for each optimizer step, the strategy's forward/backward over this rank's micro-batches,
+"""The training loop: for each optimizer step, the parallel model's forward/backward over this rank's micro-batches,
 the global-batch loss, clipping, the optimizer and schedule steps, then metrics, validation and checkpoints on
 schedule, and a clean stop when the job is asked to end (preemption.py).
 
@@ -15,16 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from llmtrain import faults
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import Preempted, TrainingDiverged
 from llmtrain.model import GPTConfig
-from llmtrain.parallel import Strategy
+from llmtrain.parallel.parallel_model import ParallelModel, full_tensor
 from llmtrain.parallel.precision import uses_bf16
-from llmtrain.parallel.strategy import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.preemption import PreemptionWatch
@@ -51,15 +49,13 @@ class LoopState:
 @dataclass
 class Components:
     """What one job trains with, whole when made (llmtrain/job.py's build_training builds it): the config, the
-    layout and its model, optimizer and schedule, the data and this rank's slices of each batch, the checkpoints
+    model laid out with its optimizer, the LR schedule, the data and this rank's slices of each batch, the checkpoints
     and the loop's state (restored when resuming)."""
 
     config: RootConfig
     runtime: Runtime
-    strategy: Strategy
-    model: nn.Module
+    model: ParallelModel
     model_config: GPTConfig  # the model's resolved shape (vocabulary from the tokenizer, padding)
-    optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
     data: Data
     train_slice: RankSlice
@@ -85,14 +81,12 @@ class Trainer:
         self.grad_clip = parts.config.optim.grad_clip
         self.checkpoint_every = parts.config.checkpoint.every
         self.runtime = runtime = parts.runtime
-        self.strategy = parts.strategy
         self.model = parts.model
-        self.optimizer = parts.optimizer
+        self.optimizer = parts.model.optimizer
         self.schedule = parts.schedule
         self.data = parts.data
         self.on_record = on_record
         self.flops_per_token = parts.model_flops
-        self.precision, _ = parts.strategy.precision()
         self.peak = peak_flops(runtime.device, bf16=uses_bf16(self.train.precision, runtime.device))
         self.train_slice = parts.train_slice
         self.val_slice = parts.val_slice
@@ -110,13 +104,11 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.train.steps)
 
     def validation_loss(self) -> float:
-        self.model.eval()
+        self.model.module.eval()
         assert self.data.val_rows is not None, "validation rows are read when train.eval_every > 0"
-        loss = self.strategy.evaluate(
-            self.model, self.val_slice.micro_batches(self.data.val_rows, self.runtime.device), self.precision
-        )
-        self.model.train()
-        return self.strategy.reduce_mean(loss).item()
+        loss = self.model.evaluate(self.val_slice.micro_batches(self.data.val_rows, self.runtime.device))
+        self.model.module.train()
+        return self.model.reduce_mean(loss).item()
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -129,9 +121,9 @@ class Trainer:
     def _step(self, started: float) -> dict[str, Any]:
         begin_step_memory(self.runtime.device)
         micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
-        loss = self.strategy.reduce_mean(self.strategy.forward_backward(self.model, micro_batches, self.precision))
-        loss = faults.gradients_computed(self.state.step + 1, loss, self.model.parameters())
-        grad_norm = self.strategy.clip_grad_norm(self.model, self.grad_clip)
+        loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
+        loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
+        grad_norm = self.model.clip_grad_norm(self.grad_clip)
         stop = (
             self.preemption.requested_flag(self.runtime)
             if self.preemption is not None
@@ -139,7 +131,7 @@ class Trainer:
         )
         # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped.
-        load = self.strategy.expert_load(self.model)
+        load = self.model.expert_load()
         scalars = [full_tensor(loss).float(), grad_norm.float(), stop.float()]
         loss_value, norm_value, stop_value, *load_values = torch.cat(
             [torch.stack(scalars).double(), *([] if load is None else [load.double().to(grad_norm.device)])]
@@ -184,7 +176,7 @@ class Trainer:
             )
 
     def run(self) -> LoopState:
-        self.model.train()
+        self.model.module.train()
         while self.state.step < self.train.steps:
             self.advance()
         return self.state

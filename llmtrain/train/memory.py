@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmtrain.errors import OutOfMemory
-from llmtrain.parallel.strategy import local_tensor
+from llmtrain.parallel.parallel_model import local_tensor
 
 MIB = 2**20
 

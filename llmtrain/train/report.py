@@ -12,11 +12,11 @@ if TYPE_CHECKING:
 
 def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, run_dir: str, resumed: str | None) -> str:
     """The lines printed before the first step: model, layout, batch, run length, data, memory, where it goes."""
-    config, strategy, gpt = parts.config, parts.strategy, parts.model_config
+    config, plan, gpt = parts.config, parts.model.plan, parts.model_config
     t, m = config.train, config.model
-    layout = ("auto -> " if chosen_by_planner else "") + strategy.plan.summary()
-    _, precision = strategy.precision()
-    micro_size, micro_count = strategy.plan.micro_batching()
+    layout = ("auto -> " if chosen_by_planner else "") + plan.summary()
+    precision = parts.model.precision_description
+    micro_size, micro_count = plan.micro_batching()
     padding = gpt.padding_parameters
     tokens_per_step = t.batch_size * t.seq_len
     padded = f" (+{padding:,} vocabulary padding)" if padding else ""
@@ -26,7 +26,7 @@ def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, ru
             f"d_model {m.d_model}, vocab {gpt.vocab_size}, max_seq_len {m.max_seq_len})",
             f"layout    {layout} on {parts.runtime.device}, {precision}",
             f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
-            f"(micro {micro_size} x accumulation {micro_count} x data-parallel {strategy.plan.dp_size})",
+            f"(micro {micro_size} x accumulation {micro_count} x data-parallel {plan.dp_size})",
             f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; seed {config.seed}",
             f"data      {parts.data.description}",
             f"memory    {memory}",

@@ -27,7 +27,7 @@ from llmtrain.parallel.tp import apply_tensor_parallel
 
 @dataclass(frozen=True)
 class Layout:
-    """What `apply_layout` does to one model (or pipeline stage); a strategy decides it (Strategy._layout)."""
+    """What `apply_layout` does to one model (or pipeline stage); each layout decides it (ParallelModel._layout)."""
 
     cp_mesh: DeviceMesh | None = None  # None: no context parallelism
     ep_mesh: DeviceMesh | None = None  # the experts' (ep) or (ep, tp) mesh; None: every rank holds all experts

@@ -23,56 +23,68 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
+from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.parallel.fsdp import fsdp_mesh
-from llmtrain.parallel.mesh import mean_over
-from llmtrain.parallel.parallelize import Layout, apply_layout
+from llmtrain.parallel.layout import Layout, apply_layout
+from llmtrain.parallel.mesh import RankMesh, mean_over
+from llmtrain.parallel.parallel_model import (
+    MicroBatches,
+    ParallelModel,
+    full_tensor,
+    grads_by_layout,
+    local_tensor,
+    squared_norm,
+)
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import torch_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
-from llmtrain.parallel.strategy import (
-    MicroBatches,
-    PrecisionContext,
-    Strategy,
-    full_tensor,
-    grads_by_layout,
-    local_tensor,
-    squared_norm,
-    unwrap,
-)
 from llmtrain.plan import ParallelPlan, stage_layers
 from llmtrain.runtime import Runtime
 
 
-class PipelineParallel(Strategy):
-    def __init__(self, plan: ParallelPlan, runtime: Runtime):
-        super().__init__(plan, runtime)
-        self.spec = schedule_spec(self.parallel.pp_schedule)
-        self.pp_group = self.device_mesh["pp"].get_group()
-        self.pp_rank = self.device_mesh.get_local_rank("pp")
-        self.n_stages = self.degrees.pp * self.parallel.pp_stages_per_rank
+class PipelineParallel(ParallelModel):
+    """This rank's stages of the cut model (`stages`, one per entry of `stage_indices`; `module` holds them all)
+    and the schedule that runs them, both made at construction."""
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        mesh: RankMesh,
+        runtime: Runtime,
+        model: LayeredModel,
+        init: ParameterInit,
+        optim: OptimConfig,
+    ):
+        # Where this rank sits in the pipeline, which the base constructor's layout steps (_laid_out) cut by.
+        self.spec = schedule_spec(plan.parallel.pp_schedule)
+        self.pp_group = mesh.device_mesh["pp"].get_group()
+        self.pp_rank = mesh.device_mesh.get_local_rank("pp")
+        self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(
-            self.pp_rank, self.degrees.pp, self.parallel.pp_stages_per_rank, self.spec.style
+            self.pp_rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style
         )
         self.timeline = Timeline(runtime.device)
+        self.stages: list[LayeredModel] = []
+        super().__init__(plan, mesh, runtime, model, init, optim)
         self.tied_group = self._tied_embedding_group()
+        self.schedule = self._build_schedule()
 
-    # -- layout ---------------------------------------------------------------------------------------------
+    # -- construction ---------------------------------------------------------------------------------------
     def _layout(self) -> Layout:
         # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
         # re-gather them for every micro-batch. Context-parallel ranks shard (and average gradients) like
         # data-parallel ones.
         if self.degrees.dp == 1 and self.degrees.cp == 1:
             return self._base_layout()
-        return self._base_layout(fsdp_mesh=fsdp_mesh(self.device_mesh, self.degrees), reshard_after_forward=False)
+        return self._base_layout(fsdp_mesh=fsdp_mesh(self.mesh.device_mesh, self.degrees), reshard_after_forward=False)
 
-    def parallelize(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
-        """This rank's part of `model` (on the meta device), returned for the trainer and optimizer: the pipeline
-        cut, then each of its stages laid out (tensor / data parallelism) and allocated, and the schedule that runs
-        them."""
+    def _laid_out(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
+        """This rank's part of `model` (on the meta device), for the optimizer: the pipeline cut, then each of its
+        stages laid out (tensor / data parallelism) and allocated."""
         layers = stage_layers(len(model.blocks), self.n_stages, self.parallel.pp_edge_blocks)
         last = self.n_stages - 1
         part = model.pipeline_part(
@@ -80,14 +92,12 @@ class PipelineParallel(Strategy):
             first=0 in self.stage_indices,
             last=last in self.stage_indices,
         )
-        self.stages = []
         for stage in self.stage_indices:
             view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
-            apply_layout(view, self._planned_layout)
+            apply_layout(view, self.layout)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
             materialize(view, self._init_device, init)
             self.stages.append(view)
-        self.schedule = self._build_schedule()
         return part
 
     def _build_schedule(self):
@@ -116,7 +126,7 @@ class PipelineParallel(Strategy):
         if stage_rank(self.n_stages - 1, self.degrees.pp, self.spec.style) == 0:
             return None
         mine = None
-        ends = self.device_mesh.mesh[[0, -1]].reshape(2, -1)
+        ends = self.mesh.device_mesh.mesh[[0, -1]].reshape(2, -1)
         for pair in ends.T.tolist():  # every rank creates every group, in the same order
             group = dist.new_group(pair)
             if self.runtime.rank in pair:
@@ -124,26 +134,24 @@ class PipelineParallel(Strategy):
         return mine
 
     # -- one step -------------------------------------------------------------------------------------------
-    def forward_backward(
-        self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext
-    ) -> torch.Tensor:
+    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         device = self.runtime.device
         inputs = self._context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
         targets = self._context_shard(torch.cat([y for _, y in micro_batches])).to(device)
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
-        with self.loss_context(), precision():
+        with self.loss_context(), self.precision():
             if 0 in self.stage_indices:
                 self.schedule.step(inputs, target=targets, losses=losses)
             else:
                 self.schedule.step(target=targets, losses=losses)
-        self._sum_tied_gradients(model)
+        self._sum_tied_gradients()
         return self._mean_from_last_stage(losses)
 
-    def _sum_tied_gradients(self, model: nn.Module) -> None:
-        held = {name for name, _ in model.named_parameters()}
-        for tied, source in unwrap(model).tied_parameters.items():
-            grads = [_local_grad(model.get_parameter(name)) for name in (source, tied) if name in held]
+    def _sum_tied_gradients(self) -> None:
+        held = {name for name, _ in self.module.named_parameters()}
+        for tied, source in self.tied_parameters.items():
+            grads = [_local_grad(self.module.get_parameter(name)) for name in (source, tied) if name in held]
             if len(grads) == 2:
                 total = grads[0] + grads[1]
                 for grad in grads:
@@ -160,10 +168,10 @@ class PipelineParallel(Strategy):
             else torch.zeros((), device=self.runtime.device)
         )
         dist.all_reduce(total, group=self.pp_group)
-        return mean_over(total, self.cp_mesh)
+        return mean_over(total, self.mesh.cp_mesh)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, micro_batches: MicroBatches, precision: PrecisionContext) -> torch.Tensor:
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """Forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages
         in increasing order, receiving each input from the previous stage's rank and sending each output on. Every
         rank goes through (micro-batch, stage) in the same order, so the k-th message between two ranks is the
@@ -176,7 +184,7 @@ class PipelineParallel(Strategy):
         losses: list[torch.Tensor] = []
         stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
-        with precision(), self.loss_context():
+        with self.precision(), self.loss_context():
             for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
                 inputs, targets = self._context_shard(whole_inputs), self._context_shard(whole_targets)
                 carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
@@ -207,10 +215,10 @@ class PipelineParallel(Strategy):
     def _global_rank(self, stage: int) -> int:
         return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))
 
-    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
+    def _grad_norm(self) -> torch.Tensor:
         # A tied parameter's copy (the LM head's embedding matrix) is one parameter of the model: count it once.
-        tied = unwrap(model).tied_parameters
-        counted = [param for name, param in model.named_parameters() if name not in tied]
+        tied = self.tied_parameters
+        counted = [param for name, param in self.module.named_parameters() if name not in tied]
         squared = squared_norm(grads_by_layout(counted))
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
@@ -224,20 +232,20 @@ class PipelineParallel(Strategy):
         dist.gather_object(payload, gathered, dst=0, group=self.pp_group)
         return gathered
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model on rank 0's host, assembled tensor by tensor. Every rank walks the same list
         of (pipeline rank, parameter); the ranks of the stage holding one gather it (FSDP / TP shards), and the
         first of them sends it to rank 0 unless rank 0 holds it itself. No rank holds more than one whole tensor
         it does not keep; a tied copy (the head's embedding matrix) is not sent twice."""
-        tied = unwrap(model).tied_parameters
-        params = dict(model.named_parameters())
+        tied = self.tied_parameters
+        params = dict(self.module.named_parameters())
         listing = [(name, tuple(param.shape), param.dtype) for name, param in params.items() if name not in tied]
         held: list = [None] * self.degrees.pp
         dist.all_gather_object(held, listing, group=self.pp_group)
         state: dict[str, torch.Tensor] = {}
         device = self.runtime.device
         for holder, names in enumerate(held):
-            first_rank = int(self.device_mesh.mesh[holder].flatten()[0])
+            first_rank = int(self.mesh.device_mesh.mesh[holder].flatten()[0])
             for name, shape, dtype in names:
                 if holder == self.pp_rank:
                     whole = full_tensor(params[name].detach())

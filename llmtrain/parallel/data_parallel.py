@@ -1,0 +1,75 @@
+"""The layouts without a pipeline, keyed by `parallel.strategy` in llmtrain/catalog.py (conf/parallel/*.yaml picks
+one): what each adds to the base ParallelModel. The pipeline layouts live in pipeline/parallel_model.py; `single`
+(one process, no wrapper: every other layout is tested against it) and `tp` (tensor parallelism over all ranks,
+which the base applies wherever parallel.tp > 1) are the base ParallelModel itself.
+
+  ddp     DistributedDataParallel (ddp.py)
+  zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
+  fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1 and
+          context parallelism (sequences split over cp ranks, context.py) when parallel.cp > 1
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from llmtrain.config import OptimConfig
+from llmtrain.parallel.ddp import apply_ddp
+from llmtrain.parallel.fsdp import fsdp_mesh
+from llmtrain.parallel.layout import Layout
+from llmtrain.parallel.parallel_model import MicroBatches, ParallelModel, clip_gradients
+from llmtrain.parallel.zero import ZeroOneAdamW
+
+
+class DDP(ParallelModel):
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        return apply_ddp(model, self.mesh.dp_group, self.runtime.device)
+
+    def _grad_sync(self, is_last_micro_batch: bool) -> AbstractContextManager:
+        return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, self.module).no_sync()
+
+
+class ZeroOne(ParallelModel):
+    optimizer: ZeroOneAdamW
+
+    def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
+        return ZeroOneAdamW(self.module, optim, self.mesh.dp_group)
+
+    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
+        loss = super().forward_backward(micro_batches)
+        self.optimizer.reduce_scatter_gradients()
+        return loss
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
+        grads = self.optimizer.shard_gradients()
+        squares = torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
+        dist.all_reduce(squares, group=self.optimizer.group)
+        norm = squares.sqrt()
+        clip_gradients(self.optimizer.shards(), max_norm, norm)
+        return norm
+
+    def model_and_optimizer_state(self) -> tuple[dict, dict]:
+        return get_model_state_dict(self.module), self.optimizer.flat_state_dict(self._names())
+
+    def load_model_and_optimizer_state(self, model_state: dict, optimizer_state: dict) -> None:
+        set_model_state_dict(self.module, model_state)
+        self.optimizer.load_flat_state_dict(optimizer_state, self._names())
+
+    def _names(self) -> dict[nn.Parameter, str]:
+        return {param: name for name, param in self.module.named_parameters()}
+
+
+class FSDP(ParallelModel):
+    def _layout(self) -> Layout:
+        return self._base_layout(
+            fsdp_mesh=fsdp_mesh(self.mesh.device_mesh, self.degrees),
+            reshard_after_forward=self.parallel.reshard_after_forward,
+        )
