@@ -91,6 +91,13 @@ def resolve_degrees(parallel: ParallelConfig, world_size: int) -> Degrees:
     return Degrees(**values, ep=ep)
 
 
+def micro_batching(batch_size: int, micro_batch_size: int, dp: int, pipeline_m: int | None) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per rank and step) of a global batch over `dp` data-parallel
+    ranks: a pipeline's m when it sets one (`pipeline_m`), else gradient accumulation's count."""
+    count = pipeline_m or batch_size // (micro_batch_size * dp)
+    return batch_size // (dp * count), count
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """A layout that runs: `parallel.strategy` over `degrees` on `world_size` ranks, with the parallel.* and train.*
@@ -134,14 +141,13 @@ class ParallelPlan:
     @property
     def microbatches(self) -> int:
         """Micro-batches per rank and step: a pipeline's m, or gradient accumulation's count."""
-        t = self.train
-        per_step = t.batch_size // (t.micro_batch_size * self.degrees.dp)
-        return (self.parallel.microbatches or per_step) if self.pipelined else per_step
+        return self.micro_batching()[1]
 
     def micro_batching(self) -> tuple[int, int]:
         """(sequences per micro-batch, micro-batches per rank and step)."""
-        m = self.microbatches
-        return self.train.batch_size // (self.degrees.dp * m), m
+        t = self.train
+        pipeline_m = self.parallel.microbatches if self.pipelined else None
+        return micro_batching(t.batch_size, t.micro_batch_size, self.degrees.dp, pipeline_m)
 
     def describe(self) -> str:
         """The layout and its degrees, in a few words."""

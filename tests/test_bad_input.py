@@ -112,8 +112,8 @@ def test_every_name_in_the_catalog_builds_what_it_names():
     schedule is a class torch has (or the reference)."""
     from llmtrain.catalog import SCHEDULES
     from llmtrain.catalog import STRATEGIES as LAYOUTS
-    from llmtrain.parallel.pipeline.schedules import torch_schedule
     from llmtrain.parallel.parallel_model import ParallelModel
+    from llmtrain.parallel.pipeline.schedules import torch_schedule
     from llmtrain.parallel.registry import parallel_model_class
 
     for name in LAYOUTS:

@@ -11,7 +11,7 @@ from typing import Any
 from llmtrain.catalog import schedule_spec
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.plan import Degrees, ParallelPlan, resolve_degrees
+from llmtrain.plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,10 @@ class Candidate:
             return "gradients"
         return "parameters"
 
-    def pipeline_microbatches(self, batch_size: int, micro_batch_size: int) -> int:
-        """Micro-batches per step that each rank runs (a pipeline's m, or gradient accumulation's count)."""
-        if self.degrees.pp > 1 and self.microbatches:
-            return self.microbatches
-        return batch_size // (micro_batch_size * self.degrees.dp)
-
-    def micro_batch_rows(self, batch_size: int, micro_batch_size: int) -> int:
-        return batch_size // (self.degrees.dp * self.pipeline_microbatches(batch_size, micro_batch_size))
+    def micro_batching(self, batch_size: int, micro_batch_size: int) -> tuple[int, int]:
+        """(sequences per micro-batch, micro-batches per rank and step), as training splits the batch."""
+        pipeline_m = self.microbatches if self.degrees.pp > 1 else None
+        return micro_batching(batch_size, micro_batch_size, self.degrees.dp, pipeline_m)
 
     def parallel_values(self) -> dict[str, Any]:
         """The parallel.* keys that run this layout."""

@@ -159,8 +159,7 @@ def _bubble_fraction(c: Candidate, m: int) -> float:
 
 def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     d, gpt = c.degrees, work.gpt
-    k = c.pipeline_microbatches(work.batch_size, work.micro_batch_size)
-    rows = c.micro_batch_rows(work.batch_size, work.micro_batch_size)
+    rows, k = c.micro_batching(work.batch_size, work.micro_batch_size)
     style = schedule_spec(c.pp_schedule).style
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
     ranks: list[RankMemory] = []
