@@ -128,7 +128,9 @@ def test_a_killed_run_with_dropout_resumes_bit_identically(overrides, nproc, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, nproc", [("single", 0), ("ddp_tp", 4), ("pp_fsdp", 4)])
+# Sharded over 4 ranks, continued in one process, tensor-parallel over 2 (each weight resplit along another dimension:
+# 2 ranks, not ddp_tp's 4, since 4 tensor-parallel ranks on 2 cores took 100 s) and pipelined over 2 x 2.
+@pytest.mark.parametrize("layout, nproc", [("single", 0), ("tp", 2), ("pp_fsdp", 4)])
 def test_a_checkpoint_loads_under_another_layout(layout, nproc, fsdp_checkpoints, tmp_path, cache_dir, reference):
     """Saved by fsdp on 4 ranks at step 5; continued under another layout, it follows the uninterrupted run: the
     model, the optimizer state and the data position all carried over (a repeated or skipped batch, or a lost

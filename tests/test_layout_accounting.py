@@ -16,11 +16,11 @@ LAYOUTS = {
     "zero2": "zero2",
     "fsdp": "fsdp",
     "hsdp": "hsdp parallel.dp_shard=2",
-    "tp": "tp",
-    "tp+sp": "tp parallel.sequence_parallel=true",
+    "tp": "tp train.micro_batch_size=8",
+    "tp+sp": "tp parallel.sequence_parallel=true train.micro_batch_size=8",
     "pp": "pp",
     "pp_fsdp": "pp_fsdp",
-    "pp_tp": "pp_tp",
+    "pp_tp": "pp_tp train.micro_batch_size=4",
     "fsdp cp2": "fsdp parallel.cp=2",  # dp_shard 2 x cp 2: the ring's sends and receives
     "pp cp2": "pp parallel.cp=2",
     "fsdp ep2": "fsdp parallel.ep=2 model=moe-tiny",  # experts' FSDP over 2 ranks, tokens by all-to-all
@@ -30,7 +30,8 @@ MEMORY_TOLERANCE, COMM_TOLERANCE = 0.02, 0.05
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict]]:
-    # two micro-batches per data-parallel rank (gradient accumulation), 8 per pipeline (4 with pp_fsdp)
+    # two micro-batches per data-parallel rank (gradient accumulation), 8 per pipeline (4 with pp_fsdp and pp_tp),
+    # and two for the tensor-parallel ranks (which share one replica's batch: every collective per micro-batch)
     small = ("train.seq_len=32", "train.batch_size=16", "train.micro_batch_size=2")
     layouts = f"--layouts={';'.join(LAYOUTS.values())}"
     output = torchrun(4, "-m", "llmtrain.bench.layout_memory", layouts, *small).stdout
