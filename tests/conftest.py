@@ -318,3 +318,12 @@ def killed_mid_run(tmp_path, cache_dir, layout: tuple[str, ...], nproc: int, *ex
     kill_hard(process)
     assert [Path(p).name for p in complete_checkpoints(str(checkpoints))] == ["step-00000005"]
     return checkpoints
+
+
+# Started first, so that the two workers finish together: the files whose tests take minutes (the Slurm jobs, mostly
+# queued and polled; the kill-and-resume runs).
+FIRST = ("test_slurm.py", "test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
