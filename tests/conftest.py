@@ -8,7 +8,8 @@ import os
 # run it starts (a GPU machine is checked separately, by hand).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import json  # noqa: E402
+import hashlib  # noqa: E402
+import json
 import random
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from omegaconf import OmegaConf
 
 from llmtrain.checkpoint import load_final_model
@@ -218,26 +220,41 @@ def layout_plan(*overrides: str, world_size: int) -> ParallelPlan:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, cache_dir) -> Run:
+def shared_runs(tmp_path_factory, cache_dir, worker_id: str):
+    """shared_runs(*overrides, nproc=N): the PARITY run of these overrides, made once per session, whichever of the
+    pytest-xdist workers asks first (the others wait for it under a file lock and read what it left), and shared by
+    every test that needs it (parity, resume, reshard)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # xdist gives each worker a folder under one session's
+    runs = shared / "shared-runs"
+    runs.mkdir(exist_ok=True)
+
+    def get(*overrides: str, nproc: int = 0) -> Run:
+        name = hashlib.sha256(json.dumps([overrides, nproc]).encode()).hexdigest()[:16]
+        with FileLock(runs / f"{name}.lock"):
+            made = runs / f"{name}.json"
+            if made.exists():
+                fields = json.loads(made.read_text())
+                return Run(**{**fields, "run_dir": Path(fields["run_dir"])})
+            run = run_train(runs, cache_dir, *PARITY, *overrides, nproc=nproc, name=name)
+            made.write_text(json.dumps({**run.__dict__, "run_dir": str(run.run_dir)}))
+            return run
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(shared_runs) -> Run:
     """The single-process run every layout must reproduce."""
-    run = run_train(tmp_path_factory.mktemp("single"), cache_dir, *PARITY, name="single")
+    run = shared_runs()
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
 
 @pytest.fixture(scope="session")
-def layout_run(tmp_path_factory, cache_dir):
-    """layout_run(*overrides, nproc=N): the PARITY run of a layout, made once per session and shared by the
-    tests that need it (parity, resume, reshard)."""
-    runs: dict[tuple, Run] = {}
-
-    def get(*overrides: str, nproc: int) -> Run:
-        key = (overrides, nproc)
-        if key not in runs:
-            runs[key] = run_train(tmp_path_factory.mktemp("layout"), cache_dir, *PARITY, *overrides, nproc=nproc)
-        return runs[key]
-
-    return get
+def layout_run(shared_runs):
+    """layout_run(*overrides, nproc=N): the PARITY run of a layout, made once per session and shared."""
+    return shared_runs
 
 
 def assert_resumed_exactly(resumed: Run, uninterrupted: Run) -> None:
