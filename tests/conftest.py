@@ -202,15 +202,33 @@ def layout_group(tmp_path_factory, nproc: int, common: str, layouts: list[str]) 
     return json.loads((out / "results.json").read_text())
 
 
-def assert_matches_single(results: dict, layout: str, weight_atol: float) -> None:
+def layout_groups(tmp_path_factory, common: str, groups: dict[int, list[str]]) -> dict:
+    """layout_group's results for each `{nproc: layouts}`, together. Each layout runs on the fewest ranks that
+    give every one of its degrees a 2: on CI's two cores, a layout's steps over 4 ranks cost 3-4 times those over
+    2 (twice the processes per core, each collective waiting for all of them to be scheduled)."""
+    return {
+        name: row
+        for nproc, layouts in groups.items()
+        for name, row in layout_group(tmp_path_factory, nproc, common, layouts).items()
+    }
+
+
+# The layout groups' runs warm up for one step, then take the full learning rate: Adam's first updates are near
+# lr x sign(gradient), so a weight whose gradient is tiny can move by a different ~1e-5 under another summation order
+# (measured: up to 1.2e-5, GPT-2's tiny under tensor parallelism in 2 micro-batches). Losses and gradient norms stay
+# within LOSS_RTOL, where a missed or doubled reduction shows far beyond it.
+GROUP_WEIGHT_ATOL = 5e-5
+
+
+def assert_matches_single(results: dict, layout: str) -> None:
     """A layout of a layout_group followed its unsplit model: losses, gradient norms and the validation loss within
-    LOSS_RTOL, the same parameter names, weights within `weight_atol` after the last step."""
+    LOSS_RTOL, the same parameter names, weights within GROUP_WEIGHT_ATOL after the last step."""
     from layout_worker import reference_name
 
     reference, run = results[reference_name(layout)], results[layout]
     for key in ("losses", "norms", "val_losses"):
         assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (layout, key, run[key], reference[key])
-    assert run["same_names"] and run["weight_difference"] <= weight_atol, (layout, run)
+    assert run["same_names"] and run["weight_difference"] <= GROUP_WEIGHT_ATOL, (layout, run)
 
 
 def layout_plan(*overrides: str, world_size: int) -> ParallelPlan:

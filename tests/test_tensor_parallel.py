@@ -15,13 +15,8 @@ from llmtrain.tools.compare_runs import compare
 pytestmark = pytest.mark.slow
 
 
-# tp through the entry point; tp 4 with sequence parallelism and fsdp_tp, each with recomputation, run with the
-# other layouts of GPT-2's family in test_parallel.py's process group.
-def test_tensor_parallel_matches_single(reference, train):
-    # 8 sequences per micro-batch: with tp alone every rank computes the whole global batch of 16.
-    assert_parity(train(*PARITY, "parallel=tp", "train.micro_batch_size=8", nproc=2), reference)
-
-
+# tp with and without sequence parallelism, fsdp_tp and pp_tp, with recomputation, run with the other layouts of
+# GPT-2's family in test_parallel.py's process groups; here, what tensor parallelism alone must also get right.
 def test_dropout_masks_follow_the_data_not_the_split(reference, train):
     """Dropout on (residual and attention weights): tensor + sequence parallel with recomputed blocks drops exactly
     what one process drops with the same micro-batches, each rank hashing only its own elements' indices."""

@@ -163,7 +163,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        self.load = counts.detach() if self.load is None else self.load + counts.detach()
+        if self.training and torch.is_grad_enabled():  # a training step's routing, not validation's or shape probes
+            self.load = counts.detach() if self.load is None else self.load + counts.detach()
 
         out = out.view(shape)
         loss = self.balance_loss(logits, probs, counts, len(tokens)) if self.training else None
