@@ -83,13 +83,16 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
     assert kind == "DTensor" and loss0 == loss1 == pytest.approx(expected, rel=1e-6)
 
 
-def _tp_comms(*overrides: str) -> dict:
-    return json_lines(torchrun(2, "-m", "llmtrain.bench.tp_comms", *overrides).stdout)[0]
+@pytest.fixture(scope="module")
+def tp_comms() -> dict[bool, dict]:
+    """llmtrain.bench.tp_comms over 2 ranks: each setting of sequence parallelism's collectives per block."""
+    rows = json_lines(torchrun(2, "-m", "llmtrain.bench.tp_comms").stdout)
+    return {row["sequence_parallel"]: row for row in rows}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_collectives_per_layer_match_the_design(sequence_parallel):
-    counts = _tp_comms(f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+def test_collectives_per_layer_match_the_design(sequence_parallel, tp_comms):
+    counts = tp_comms[sequence_parallel]
     measured = {op: n for op, n in counts["per_block"].items() if n}
     assert measured == counts["expected_per_block"]
 

@@ -1,6 +1,6 @@
 """Collectives of one tensor-parallel training step, counted by torch's CommDebugMode, against the design.
 
-    torchrun --standalone --nproc_per_node=2 -m llmtrain.bench.tp_comms [parallel.sequence_parallel=true] [model=...]
+    torchrun --standalone --nproc_per_node=2 -m llmtrain.bench.tp_comms [model=...]   # with and without SP
 
 Megatron's pairing costs, per transformer block and micro-batch:
 - without sequence parallelism: 2 all-reduces in forward (after attention's and the MLP's row-parallel matmul,
@@ -46,33 +46,38 @@ def count_step(cfg, runtime: Runtime) -> Counter:
     return Counter({_short(op): n for op, n in comm.get_comm_counts().items()})
 
 
-def main(argv: list[str]) -> None:
-    runtime = init_runtime("cpu")
+def measure(argv: list[str], runtime: Runtime, sequence_parallel: bool) -> dict:
+    """Collective: the collectives per block with and without the blocks outside, against the design."""
     counts = {}
     for n_layer in (2, 4):
         cfg = compose_config(
-            ["parallel=tp", "train.seq_len=32", "train.micro_batch_size=2", *argv, f"model.n_layer={n_layer}"]
+            ["parallel=tp", "train.seq_len=32", "train.micro_batch_size=2", *argv]
+            + [f"parallel.sequence_parallel={str(sequence_parallel).lower()}", f"model.n_layer={n_layer}"]
         )
         counts[n_layer] = count_step(cfg, runtime)
     per_block = {op: (counts[4][op] - counts[2][op]) / 2 for op in counts[4] | counts[2]}
-    expected = expected_per_block(cfg.parallel.sequence_parallel)
-    if runtime.is_main:
-        print(
-            json.dumps(
-                {
-                    "per_block": per_block,
-                    "expected_per_block": expected,
-                    "outside_blocks": {op: counts[2][op] - 2 * per_block[op] for op in per_block},
-                }
+    return {
+        "sequence_parallel": sequence_parallel,
+        "per_block": per_block,
+        "expected_per_block": expected_per_block(sequence_parallel),
+        "outside_blocks": {op: counts[2][op] - 2 * per_block[op] for op in per_block},
+    }
+
+
+def main(argv: list[str]) -> None:
+    runtime = init_runtime("cpu")
+    for sequence_parallel in (False, True):
+        row = measure(argv, runtime, sequence_parallel)
+        if runtime.is_main:
+            print(json.dumps(row))
+            print(
+                f"tp {runtime.world_size}, sequence_parallel={sequence_parallel}: collectives per block "
+                f"(forward + backward, one micro-batch)",
+                file=sys.stderr,
             )
-        )
-        print(
-            f"tp {runtime.world_size}, sequence_parallel={cfg.parallel.sequence_parallel}: collectives per block "
-            f"(forward + backward, one micro-batch)",
-            file=sys.stderr,
-        )
-        for op in sorted(per_block):
-            print(f"  {op:<28} measured {per_block[op]:4.1f}   expected {expected.get(op, 0)}", file=sys.stderr)
+            for op in sorted(row["per_block"]):
+                expected = row["expected_per_block"].get(op, 0)
+                print(f"  {op:<28} measured {row['per_block'][op]:4.1f}   expected {expected}", file=sys.stderr)
     runtime.shutdown(synchronize=True)
 
 

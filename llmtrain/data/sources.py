@@ -11,6 +11,7 @@ The validation stream is the dataset's own validation split when `data.val_split
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sysconfig
@@ -32,12 +33,17 @@ HOLDOUT_CHUNK_CHARS = 4096
 
 def stdlib_files() -> list[str]:
     """The standard library's .py files (site-packages excluded), sorted for a machine-independent order."""
+    return list(_walk_stdlib())
+
+
+@functools.cache  # walked once a process (~0.1 s), not once for each stream opened
+def _walk_stdlib() -> tuple[str, ...]:
     root = sysconfig.get_paths()["stdlib"]
     found: list[str] = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "__pycache__"))
         found.extend(os.path.join(directory, f) for f in files if f.endswith(".py"))
-    return sorted(found)
+    return tuple(sorted(found))
 
 
 def _read_text_files(paths: list[str], strict: bool = True, key: str = "data.path") -> Iterator[dict]:
