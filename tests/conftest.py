@@ -1,4 +1,5 @@
-"""Shared helpers: run the real entry point in a fresh process and read what it wrote."""
+"""Shared helpers: run the real entry point in processes of its own and read what it wrote. The processes start
+from a warm interpreter (tests/zygote.py) that made the imports once; LLMTRAIN_TEST_COLD=1 starts fresh ones."""
 
 from __future__ import annotations
 
@@ -7,14 +8,21 @@ import os
 # The suite tests the CPU / gloo path, also on a machine with GPUs: they are hidden from this process and every
 # run it starts (a GPU machine is checked separately, by hand).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Two xdist workers share CI's two cores: one thread for each worker and every process a test starts (with two, a
+# process's OpenMP threads spin waiting for a descheduled peer; measured on test_train + test_moe: 490 -> 314 CPU s).
+os.environ["OMP_NUM_THREADS"] = "1"
 
-import hashlib  # noqa: E402
+import atexit  # noqa: E402
+import functools
+import hashlib
 import json
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +31,7 @@ import pytest
 import torch
 from filelock import FileLock
 from omegaconf import OmegaConf
+from warm_python import ADDRESS
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import complete_checkpoints
@@ -32,6 +41,7 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import METRICS, compare
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
 
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
 FAST = [
@@ -58,15 +68,55 @@ def free_port(low: int = 0, high: int = 0) -> int:
     raise RuntimeError("no free port")
 
 
+@functools.cache
+def warm_interpreter() -> dict[str, str]:
+    """The environment that starts this pytest process's Python runs, torchrun and its ranks (PYTHON_EXEC) from a
+    warm interpreter (tests/zygote.py, started on first use: a run then skips ~7 CPU s of imports); {} under
+    LLMTRAIN_TEST_COLD=1, where each is a fresh interpreter. `python()` is the interpreter to name."""
+    if os.environ.get("LLMTRAIN_TEST_COLD") == "1":
+        return {}
+    folder = Path(tempfile.mkdtemp(prefix="llmtrain-zygote-"))  # a socket's path has at most 107 bytes
+    address = folder / "socket"
+    client = folder / "python"
+    client.write_text(f"#!/bin/sh\nexec '{sys.executable}' -S '{TESTS / 'warm_python.py'}' \"$@\"\n")
+    client.chmod(0o755)
+    with open(folder / "zygote.log", "w") as log:
+        zygote = subprocess.Popen(
+            [sys.executable, str(TESTS / "zygote.py"), str(address)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C to pytest reaches the runs through their clients, once
+        )
+
+    def stop() -> None:
+        assert zygote.stdin is not None
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+    while not address.exists():
+        assert zygote.poll() is None, (folder / "zygote.log").read_text()
+        time.sleep(0.05)
+    os.environ[ADDRESS] = str(address)  # inherited by every process a test starts: only python()'s client reads it
+    return {ADDRESS: str(address), "PYTHON_EXEC": str(client)}
+
+
+def python() -> str:
+    """The interpreter for a test's Python subprocess: warm_interpreter's client, or this one."""
+    return warm_interpreter().get("PYTHON_EXEC", sys.executable)
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc <args>` from the repository, one thread per rank; asserts that
     it succeeded."""
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
+        [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **warm_interpreter()},
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -88,7 +138,6 @@ def join_as_rank(rank: int, world_size: int, port: int) -> None:
             "LOCAL_RANK": str(rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
         }
     )
 
@@ -131,20 +180,18 @@ def train_command(
     name: str = "run",
     nproc: int = 0,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> tuple[list[str], dict[str, str], Path]:
-    """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks)."""
+    """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks), from
+    the warm interpreter unless `fresh`."""
     run_dir = workdir / name
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if nproc
-        else [sys.executable]
-    )
+    interpreter, warm = (sys.executable, {}) if fresh else (python(), warm_interpreter())
+    torchrun_ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    launcher = [interpreter, *torchrun_ranks]
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)
-    full_env = {**os.environ, "WANDB_SILENT": "true"}
+    full_env = {**os.environ, **warm, "WANDB_SILENT": "true"}
     full_env.pop("WANDB_API_KEY", None)  # a developer's own key never reaches a test run
-    if nproc:
-        full_env["OMP_NUM_THREADS"] = "1"  # several ranks share CI's two cores
     full_env.update(env or {})
     return args, full_env, run_dir
 
@@ -275,16 +322,20 @@ def layout_run(shared_runs):
     return shared_runs
 
 
-def assert_resumed_exactly(resumed: Run, uninterrupted: Run) -> None:
-    """A run resumed from a checkpoint logged what the uninterrupted run did, to the bit, and ended with its
-    weights."""
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed   from" in resumed.stdout + resumed.stderr
+def assert_same_run(run: Run, other: Run) -> None:
+    """`run` logged what `other` did, to the bit, and ended with its weights."""
+    assert run.returncode == 0, run.stderr[-3000:]
     for key in ("loss", "grad_norm", "val_loss"):
-        assert [m.get(key) for m in resumed.metrics] == [m.get(key) for m in uninterrupted.metrics], key
-    final = load_final_model(resumed.run_dir / "model.pt")
-    expected = load_final_model(uninterrupted.run_dir / "model.pt")
+        assert [m.get(key) for m in run.metrics] == [m.get(key) for m in other.metrics], key
+    final = load_final_model(run.run_dir / "model.pt")
+    expected = load_final_model(other.run_dir / "model.pt")
     assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+def assert_resumed_exactly(resumed: Run, uninterrupted: Run) -> None:
+    """A run resumed from a checkpoint repeated the uninterrupted run (assert_same_run)."""
+    assert "resumed   from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+    assert_same_run(resumed, uninterrupted)
 
 
 def assert_parity(run: Run, reference: Run) -> None:
@@ -322,10 +373,20 @@ def start_run(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env:
 
 
 def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and those that tests/zygote.py forked for it (or for them)."""
     children = [
         int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     ]
+    warm = Path(warm_interpreter().get(ADDRESS, "/nonexistent")).parent / "children" / str(pid)
+    if warm.exists():
+        children.append(int(warm.read_text()))
     return children + [d for child in children for d in descendants(child)]
+
+
+def rank_processes(launcher: int) -> list[int]:
+    """The processes that run the ranks of a torchrun job: the launcher's descendants that started none of their own
+    (under the warm interpreter, not the clients that stand in for them)."""
+    return [pid for pid in descendants(launcher) if not descendants(pid)]
 
 
 def kill_hard(process: subprocess.Popen) -> None:

@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from conftest import python
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -300,8 +301,8 @@ def _assert_one_line_errors(tmp_path: Path, cases: list[tuple[list[str], dict[st
     for i, (args, env, _) in enumerate(cases):
         run_dir = tmp_path / f"run{i}"
         has_dir = any(a.startswith("hydra.run.dir=") for a in args)
-        command = [sys.executable, str(REPO / "train.py"), *([] if has_dir else [f"hydra.run.dir={run_dir}"]), *args]
-        environment = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **env}
+        command = [python(), str(REPO / "train.py"), *([] if has_dir else [f"hydra.run.dir={run_dir}"]), *args]
+        environment = {**os.environ, "WANDB_MODE": "disabled", **env}
         process = subprocess.Popen(
             command, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )

@@ -25,9 +25,9 @@ from conftest import (
     Run,
     assert_parity,
     assert_resumed_exactly,
-    descendants,
     kill_hard,
     killed_mid_run,
+    rank_processes,
     run_stderr,
     run_train,
     start_run,
@@ -167,7 +167,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path, cache_d
         tmp_path, cache_dir, *PARITY, "parallel=ddp", nproc=2, env=arm(step_seconds="0.5"), name="run"
     )
     wait_for_steps(run_dir, 2, process)
-    workers = descendants(process.pid)
+    workers = rank_processes(process.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGUSR1)  # one worker only, as a node-local signal would
     assert process.wait(timeout=300) != 0

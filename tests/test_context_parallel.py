@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_matches_single, json_lines, layout_group, torchrun
+from conftest import REPO, assert_matches_single, json_lines, layout_group, python, torchrun
 
 from llmtrain.errors import ConfigError
 from llmtrain.parallel.context import zigzag_positions
@@ -90,7 +89,7 @@ def test_a_long_sequence_over_four_ranks_keeps_a_quarter_of_the_activations():
     matrix, as the fused kernel does not, so about a quarter of the activations (measured: 0.20)."""
     long = ["train.seq_len=2048", "model.max_seq_len=2048", "train.micro_batch_size=1"]
     tool = ["-m", "llmtrain.bench.activation_memory"]
-    single = subprocess.run([sys.executable, *tool, *long], capture_output=True, text=True, cwd=REPO, timeout=300)
+    single = subprocess.run([python(), *tool, *long], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     ring = torchrun(4, *tool, "parallel=fsdp", "parallel.cp=4", *long, timeout=300)
     whole, quarter = json_lines(single.stdout)[0], json_lines(ring.stdout)[0]

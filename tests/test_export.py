@@ -4,12 +4,11 @@ in HF format loads into our model (model.init_from) with theirs, and generation 
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, free_port, join_as_rank
+from conftest import REPO, free_port, join_as_rank, python
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError
@@ -79,7 +78,7 @@ def test_the_generate_command_prints_transformers_greedy_continuation(exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, out = exported
-    command = [sys.executable, "-m", "llmtrain.generate", str(out), "--prompt", "def ", "--max-new-tokens", "20"]
+    command = [python(), "-m", "llmtrain.generate", str(out), "--prompt", "def ", "--max-new-tokens", "20"]
     done = subprocess.run([*command, "--temperature", "0"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     tokenizer = AutoTokenizer.from_pretrained(out)

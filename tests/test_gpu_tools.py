@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, python
 
 
 def _tool(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run([python(), "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 @pytest.mark.slow  # a process of its own

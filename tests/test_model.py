@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import python
 from omegaconf import OmegaConf
 
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, num_parameters
@@ -235,7 +235,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
     for mode in ("none", "selective", "full"):
         done = subprocess.run(
             [
-                sys.executable,
+                python(),
                 "-m",
                 "llmtrain.bench.activation_memory",
                 f"train.activation_checkpointing={mode}",

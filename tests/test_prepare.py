@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PARITY, PIPELINE, REPO, assert_parity, assert_resumed_exactly, killed_mid_run, run_train
+from conftest import (
+    PARITY,
+    PIPELINE,
+    REPO,
+    assert_parity,
+    assert_resumed_exactly,
+    killed_mid_run,
+    python,
+    run_train,
+)
 from omegaconf import OmegaConf
 
 import llmtrain.data.prepare as prepare_module
@@ -195,7 +203,7 @@ def prepared_store(tmp_path_factory) -> Path:
     corpus = write_corpus(tmp_path_factory.mktemp("one-file"), 600_000)
     out = tmp_path_factory.mktemp("prepared") / "store"
     done = subprocess.run(
-        [sys.executable, "-m", "llmtrain.data.prepare", "data=local", f"data.path={corpus / 'part-00.txt'}"]
+        [python(), "-m", "llmtrain.data.prepare", "data=local", f"data.path={corpus / 'part-00.txt'}"]
         + ["data.tokenizer.kind=byte", f"prepare.out={out}", "prepare.num_proc=2"],
         capture_output=True,
         text=True,

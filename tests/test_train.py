@@ -7,7 +7,7 @@ import math
 import uuid
 
 import pytest
-from conftest import PARITY
+from conftest import PARITY, assert_same_run
 
 from llmtrain.faults import arm
 
@@ -53,9 +53,10 @@ def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secr
             assert secret.encode() not in path.read_bytes(), path
 
 
-def test_another_seed_gives_another_run(train, reference):
-    """The same seed repeating a run to the bit is asserted by every killed-run resume in test_checkpoint.py (the
-    killed process's records are an independent run's); here the seed reaches the run at all."""
+def test_a_fresh_interpreter_repeats_the_run_and_another_seed_does_not(train, reference):
+    """The suite starts its runs from forks of a warm interpreter (tests/zygote.py): the same run in a fresh one is
+    the same to the bit. The seed reaches the run at all: another gives other losses."""
+    assert_same_run(train(*PARITY, name="fresh", fresh=True), reference)
     other = train(*PARITY, "seed=7", name="other").metrics
     assert [m["loss"] for m in reference.metrics] != [m["loss"] for m in other]
 
