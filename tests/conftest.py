@@ -186,8 +186,8 @@ def train_command(
     the warm interpreter unless `fresh`."""
     run_dir = workdir / name
     interpreter, warm = (sys.executable, {}) if fresh else (python(), warm_interpreter())
-    torchrun_ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    launcher = [interpreter, *torchrun_ranks]
+    torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    launcher = [interpreter, *torchrun_args]
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)
     full_env = {**os.environ, **warm, "WANDB_SILENT": "true"}
