@@ -377,7 +377,7 @@ def descendants(pid: int) -> list[int]:
     children = [
         int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     ]
-    warm = Path(warm_interpreter().get(ADDRESS, "/nonexistent")).parent / "children" / str(pid)
+    warm = Path(os.environ.get(ADDRESS, "/nonexistent")).parent / "children" / str(pid)  # no zygote: not there
     if warm.exists():
         children.append(int(warm.read_text()))
     return children + [d for child in children for d in descendants(child)]

@@ -27,7 +27,7 @@ import sys
 import threading
 from pathlib import Path
 
-from warm_python import STATUS, startup_environment
+from warm_python import STATUS, receive_exactly, startup_environment
 
 # What a train.py run (alone or as a torchrun rank), torchrun and the test tools import before their first step.
 # Not the modules runs execute as __main__ (runpy warns when one was imported already).
@@ -124,13 +124,9 @@ def become_run(request: dict, streams: list[int], connection: socket.socket, zyg
 
 def receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
     header, streams, _, _ = socket.recv_fds(connection, STATUS.size, 3)
-    size = STATUS.unpack(header)[0]
-    payload = b""
-    while len(payload) < size:
-        chunk = connection.recv(size - len(payload))
-        if not chunk:
-            raise ConnectionError("the client left mid-request")
-        payload += chunk
+    payload = receive_exactly(connection, STATUS.unpack(header)[0])
+    if payload is None:
+        raise ConnectionError("the client left mid-request")
     return json.loads(payload), list(streams)
 
 
