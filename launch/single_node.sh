@@ -7,9 +7,8 @@
 # Every argument is a Hydra override passed to train.py unchanged. NPROC defaults to the number of visible GPUs,
 # or 1 without GPUs.
 #
-# Consumer PCIe cards without NVLink (RTX 40-series): the 40-series has no peer-to-peer over PCIe, and NCCL
-# builds that try it can hang or fall back slowly; NCCL_P2P_DISABLE=1 routes GPU-to-GPU traffic through host
-# memory, which is what the hardware does anyway. NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
+# Peer-to-peer between consumer PCIe cards (RTX 40-series) is decided by train.py itself, from the devices, in
+# every launch path (llmtrain/runtime.py). NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
 # OMP_NUM_THREADS caps CPU threads per worker so N workers do not oversubscribe the cores.
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the caching allocator grow segments instead of splitting
 # fixed blocks: less fragmentation, which is what runs out first on 16 GB cards.
@@ -20,9 +19,6 @@ cd "$(dirname "$0")/.."
 
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
-fi
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "RTX 40"; then
-  export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
 fi
 export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

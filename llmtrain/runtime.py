@@ -26,6 +26,7 @@ class Runtime:
     local_rank: int
     device: torch.device
     launcher: str  # torchrun | slurm | none
+    notes: tuple[str, ...] = ()  # what was decided from the hardware at start, for the start summary
 
     @property
     def is_main(self) -> bool:
@@ -34,6 +35,11 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    def synchronize(self) -> None:
+        """Wait until this process's device has run everything queued on it (nothing to wait for on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -71,22 +77,26 @@ def _process_coordinates() -> tuple[int, int, int, str]:
     return rank, world_size, local_rank, launcher
 
 
-def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """The GPU of the process with this node-local rank; more processes than GPUs on a node is refused (two ranks
-    sharing one device make NCCL fail with "Duplicate GPU", or silently halve the memory each can use)."""
-    if local_rank >= device_count:
-        raise ConfigError(
-            f"local rank {local_rank} but only {device_count} CUDA device(s) are visible on this node: start at most "
-            f"{device_count} processes per node (torchrun --nproc_per_node={device_count}), or train.device=cpu"
-        )
-    return local_rank
+def cuda_device_index(local_rank: int, device_count: int, launcher: str) -> int:
+    """The GPU of the process with this node-local rank. Under srun with per-task GPU binding (--gpus-per-task=1,
+    --gpu-bind) each task sees only its own GPU, as device 0, whatever its local rank. Otherwise more processes
+    than GPUs on a node is refused (two ranks sharing one device make NCCL fail with "Duplicate GPU", or silently
+    halve the memory each can use)."""
+    if local_rank < device_count:
+        return local_rank
+    if launcher == "slurm" and device_count == 1:
+        return 0
+    raise ConfigError(
+        f"local rank {local_rank} but only {device_count} CUDA device(s) are visible on this node: start at most "
+        f"{device_count} processes per node (torchrun --nproc_per_node={device_count}), or train.device=cpu"
+    )
 
 
-def _pick_device(preference: str, local_rank: int) -> torch.device:
+def _pick_device(preference: str, local_rank: int, launcher: str) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible: use train.device=auto or cpu")
     if preference != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count(), launcher))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -106,11 +116,41 @@ def use_tf32_for_fp32_matmuls(device: torch.device) -> None:
         torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
 
 
+def peer_to_peer_verdict(names: list[str], peers_reachable: bool) -> str | None:
+    """Why NCCL must not use peer-to-peer transfers between this node's GPUs, or None when it may: GeForce cards
+    (their drivers can report peer access over PCIe they cannot do, and NCCL then hangs or crawls: the RTX
+    40-series), or devices that report no peer access."""
+    geforce = sorted({name for name in names if "GeForce" in name})
+    if geforce:
+        return f"{', '.join(geforce)}: GeForce drivers can report peer access they cannot do"
+    if not peers_reachable:
+        return "the devices report no peer access to each other"
+    return None
+
+
+def _decide_peer_to_peer(world_size: int) -> tuple[str, ...]:
+    """NCCL_P2P_DISABLE=1 where peer_to_peer_verdict says so, for every launcher (set before the process group
+    exists, so NCCL reads it), unless the user set NCCL's P2P variables: the one line saying what was decided."""
+    if world_size == 1 or not torch.cuda.is_available():
+        return ()
+    if "NCCL_P2P_DISABLE" in os.environ or "NCCL_P2P_LEVEL" in os.environ:
+        return ()
+    count = torch.cuda.device_count()
+    names = [torch.cuda.get_device_name(index) for index in range(count)]
+    pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+    verdict = peer_to_peer_verdict(names, all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs))
+    if verdict is None:
+        return ()
+    os.environ["NCCL_P2P_DISABLE"] = "1"
+    return (f"NCCL peer-to-peer off ({verdict}): GPUs exchange through host memory; NCCL_P2P_DISABLE=0 overrides",)
+
+
 def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -> Runtime:
     rank, world_size, local_rank, launcher = _process_coordinates()
-    device = _pick_device(device_preference, local_rank)
+    device = _pick_device(device_preference, local_rank, launcher)
     use_tf32_for_fp32_matmuls(device)
-    runtime = Runtime(rank, world_size, local_rank, device, launcher)
+    notes = _decide_peer_to_peer(world_size) if device.type == "cuda" else ()
+    runtime = Runtime(rank, world_size, local_rank, device, launcher, notes)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend=process_group_backend(device),

@@ -1,7 +1,7 @@
 """Run by tests/test_context_parallel.py under torchrun on 4 ranks: ring attention against one process's fused
-causal attention, for cp 4 (all ranks) and cp 2 ({0, 1} and {2, 3}), multi-head and grouped-query, with tiles of a
-few query rows so that the tiling is crossed. Each rank writes OUT_DIR/rank<r>.json: per case, the largest
-difference of the output and of the q, k and v gradients on its zigzag shard.
+causal attention, for cp 4 (all ranks) and cp 2 ({0, 1} and {2, 3}), multi-head and grouped-query, in fp64 and in
+bf16 (fused bf16 blocks, fp32 merge). Each rank writes OUT_DIR/rank<r>.json: per case, the largest difference of
+the output and of the q, k and v gradients on its zigzag shard from the fp64 reference's.
 
     torchrun --nproc_per_node=4 tests/ring_worker.py OUT_DIR
 """
@@ -21,7 +21,7 @@ from llmtrain.parallel.context import zigzag_positions
 from llmtrain.runtime import init_runtime
 
 
-def largest_error(cp: int, group: dist.ProcessGroup, heads: int, kv_heads: int) -> float:
+def largest_error(cp: int, group: dist.ProcessGroup, heads: int, kv_heads: int, dtype: torch.dtype) -> float:
     generator = torch.Generator().manual_seed(cp * 10 + kv_heads)
     b, t, d = 2, 64, 8
     q = torch.randn(b, heads, t, d, generator=generator, dtype=torch.float64)
@@ -31,24 +31,24 @@ def largest_error(cp: int, group: dist.ProcessGroup, heads: int, kv_heads: int) 
     expected = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=heads != kv_heads)
     expected.backward(out_grad)
     mine = zigzag_positions(t, cp, dist.get_rank(group))
-    local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+    local = [x[:, :, mine].to(dtype).requires_grad_() for x in (q, k, v)]
     out = ring.ring_attention(*local, group)
-    out.backward(out_grad[:, :, mine])
-    errors = [(out - expected[:, :, mine]).abs().max()]
-    errors += [(mine_part.grad - part.grad[:, :, mine]).abs().max() for mine_part, part in zip(local, whole)]
+    out.backward(out_grad[:, :, mine].to(dtype))
+    errors = [(out.double() - expected[:, :, mine]).abs().max()]
+    errors += [(mine_part.grad.double() - part.grad[:, :, mine]).abs().max() for mine_part, part in zip(local, whole)]
     return max(error.item() for error in errors)
 
 
 def main(out_dir: str) -> None:
     runtime = init_runtime("cpu")
-    ring.SCORE_TILE = 2 * 4 * 16 * 5  # 5 query rows per tile at cp 4, fewer at cp 2
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     world = dist.group.WORLD
     assert world is not None
     found = {
-        f"cp{cp} {heads}/{kv_heads}": largest_error(cp, group, heads, kv_heads)
+        f"cp{cp} {heads}/{kv_heads} {str(dtype)[6:]}": largest_error(cp, group, heads, kv_heads, dtype)
         for cp, group in ((4, world), (2, pairs[runtime.rank // 2]))
         for heads, kv_heads in ((4, 4), (4, 2))
+        for dtype in (torch.float64, torch.bfloat16)
     }
     with open(os.path.join(out_dir, f"rank{runtime.rank}.json"), "w") as f:
         json.dump(found, f)

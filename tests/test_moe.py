@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     GROUP_WEIGHT_ATOL,
     LOSS_RTOL,
@@ -23,7 +24,8 @@ from llmtrain.config import validate
 from llmtrain.errors import ConfigError
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
 from llmtrain.model.gpt import GPTConfig
-from llmtrain.model.moe import MoE
+from llmtrain.model.moe import Experts, MoE
+from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.planner.shapes import whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import compare
@@ -35,6 +37,31 @@ def _mixture(preset: str) -> tuple[MoE, GPTConfig]:
     model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0)
     block = next(block for block in model.blocks.values() if isinstance(block.mlp, MoE))
     return block.mlp, model.cfg
+
+
+def _one_expert(experts: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's MLP written out from its weights."""
+    if experts.w_gate is not None:
+        hidden = F.silu(x @ experts.w_gate[e]) * (x @ experts.w_in[e])
+    else:
+        hidden = F.gelu(x @ experts.w_in[e], approximate="tanh")
+    return hidden @ experts.w_out[e]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_grouped_gemm_gives_the_experts_one_by_one_and_their_gradients(preset):
+    """The grouped GEMM over tokens sorted by expert (some experts given none) against each expert's MLP over its
+    own tokens, forward and the gradients of the tokens and of every weight."""
+    moe, cfg = _mixture(preset)
+    counts = torch.tensor([5, 0, 3, 9, 0, 1, 6, 4])
+    x = torch.randn(int(counts.sum()), cfg.d_model, requires_grad=True)
+    weights = list(moe.experts.parameters())
+    out_grad = torch.randn(len(x), cfg.d_model)
+    grouped = torch.autograd.grad(moe.experts(x, counts), [x, *weights], out_grad)
+    loop = torch.cat([_one_expert(moe.experts, e, rows) for e, rows in enumerate(x.split(counts.tolist()))])
+    torch.testing.assert_close(moe.experts(x, counts), loop)
+    for got, expected in zip(grouped, torch.autograd.grad(loop, [x, *weights], out_grad)):
+        torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -51,7 +78,7 @@ def test_the_mixture_sends_every_token_through_its_top_k_experts(preset):
         for token, p in zip(tokens, probs):
             weights, chosen = p.topk(cfg.moe.top_k)
             weights = weights / weights.sum()
-            expected.append(sum(w * moe.experts.expert(int(e), token[None])[0] for w, e in zip(weights, chosen)))
+            expected.append(sum(w * _one_expert(moe.experts, int(e), token[None])[0] for w, e in zip(weights, chosen)))
     torch.testing.assert_close(out.reshape(-1, cfg.d_model), torch.stack(expected), atol=1e-6, rtol=1e-5)
 
 
@@ -84,14 +111,20 @@ def test_auxiliary_losses_reach_the_router_as_if_added_to_the_loss():
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_expert_load_counts_every_routed_slot(preset):
+def test_expert_load_counts_every_routed_slot_once(preset):
+    """Once per training forward: not again when activation checkpointing reruns the blocks in backward, and not
+    for validation (eval mode) or forwards without gradients."""
     model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0)
-    tokens = torch.randint(0, 257, (4, 16))
-    model(tokens)
-    load = model.take_expert_load()
+    checkpoint_blocks(model.blocks.values(), "full")
+    tokens, cpu = torch.randint(0, 257, (4, 16)), torch.device("cpu")
+    model(tokens).sum().backward()
+    with torch.no_grad():
+        model(tokens)
+    model.eval()(tokens)
+    load = model.take_expert_load(cpu)
     mixtures = sum(model.cfg.moe.is_moe_block(i) for i in range(model.cfg.n_layer))
     assert load is not None and int(load.sum()) == tokens.numel() * model.cfg.moe.top_k * mixtures
-    assert int(model.take_expert_load().sum()) == 0  # read once
+    assert int(model.take_expert_load(cpu).sum()) == 0  # read once
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -16,6 +16,7 @@ from llmtrain.runtime import (
     cuda_device_index,
     first_slurm_host,
     init_runtime,
+    peer_to_peer_verdict,
     process_group_backend,
     use_tf32_for_fp32_matmuls,
 )
@@ -212,10 +213,30 @@ def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
 
 
 def test_more_processes_on_a_node_than_gpus_is_one_line():
-    assert cuda_device_index(1, 2) == 1
+    assert cuda_device_index(1, 2, "torchrun") == 1
     with pytest.raises(ConfigError, match=r"^local rank 2 but only 2 CUDA device\(s\) are visible") as error:
-        cuda_device_index(2, 2)
+        cuda_device_index(2, 2, "torchrun")
     assert "--nproc_per_node=2" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ConfigError):
+        cuda_device_index(1, 1, "torchrun")  # two processes, one GPU
+
+
+def test_peer_to_peer_is_off_on_geforce_cards_and_where_devices_report_none():
+    """Decided from the devices in every launch path (not only launch/single_node.sh): GeForce drivers can report
+    peer access over PCIe they cannot do, on which NCCL hangs or crawls."""
+    geforce = peer_to_peer_verdict(["NVIDIA GeForce RTX 4080"] * 4, peers_reachable=True)
+    assert geforce is not None and "NVIDIA GeForce RTX 4080" in geforce
+    assert peer_to_peer_verdict(["NVIDIA H100 80GB HBM3"] * 8, peers_reachable=True) is None
+    assert (
+        peer_to_peer_verdict(["NVIDIA A10"] * 2, peers_reachable=False)
+        == "the devices report no peer access to each other"
+    )
+
+
+def test_srun_with_one_gpu_bound_per_task_uses_it_whatever_the_local_rank():
+    """srun --gpus-per-task=1: the task of local rank 3 sees its own GPU as device 0."""
+    assert cuda_device_index(3, 1, "slurm") == 0
+    assert cuda_device_index(3, 4, "slurm") == 3  # all four visible: each takes its own
 
 
 def test_gpu_jobs_get_a_gloo_backend_beside_nccl_for_host_tensors():

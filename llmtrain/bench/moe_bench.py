@@ -6,8 +6,13 @@ evenly its experts are loaded over a short run with and without the balance loss
 
 Speed: one process runs forward, backward and an AdamW step of the preset and of its dense twin (the same model
 with no experts and its MLPs widened so that a token meets as many parameters) on random tokens, and prints
-tokens/s of each and their ratio. The gap is the price of routing: the router, the sort by expert, one small
-matmul per expert instead of one large one, and the host sync that reads the per-expert counts.
+tokens/s of each and their ratio. The gap is the price of routing: the router, the sort by expert and the grouped
+matmul over the experts instead of one large one.
+
+Granularity: the same at equal active and total parameters with finer experts, as DeepSeek's (--granularity
+1,2,4,8: g times the experts, each 1/g as wide, g times the top-k: 8 -> 64 experts for moe-tiny), each step time
+against the preset's. Experts run as one grouped GEMM, so finer experts should cost little more; a loop over the
+experts would grow with their number.
 
 Load: train.py trains the preset `--steps` steps on the standard library's text twice, with
 model.moe.aux_loss_coef as configured and at 0, and prints each run's share of the routed slots per expert over
@@ -56,29 +61,55 @@ def dense_twin(overrides: list[str]) -> list[str]:
     return [*dense, f"model.d_ff={width}"]
 
 
-def tokens_per_second(overrides: list[str], batch: int, seq_len: int, device: str, repeats: int) -> dict:
-    cfg = compose_config(overrides).model
-    model = build_model(cfg, VOCAB, seed=0).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (batch, seq_len + 1), device=device)
-    times = []
-    for step in range(repeats + 2):  # two warm-up steps
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    n_params = num_parameters(model)
-    return {
-        "parameters": n_params,
-        "active_parameters": n_params - inactive_expert_parameters(model.cfg),
-        "tokens_per_s": batch * seq_len / statistics.median(times),
+def tokens_per_second(models: dict[str, list[str]], batch: int, seq_len: int, device: str, repeats: int) -> dict:
+    """Each model's parameters and tokens/s over training steps (forward, backward, AdamW) on random tokens. The
+    models take turns step by step, so that a machine's drifting speed weighs on all of them alike."""
+    built = {
+        name: build_model(compose_config(overrides).model, VOCAB, seed=0).to(device)
+        for name, overrides in models.items()
     }
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4) for name, model in built.items()}
+    tokens = torch.randint(0, VOCAB, (batch, seq_len + 1), device=device)
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for step in range(repeats + 2):  # two warm-up steps
+        for name, model in built.items():
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {
+        name: {
+            "parameters": num_parameters(model),
+            "active_parameters": num_parameters(model) - inactive_expert_parameters(model.cfg),
+            "tokens_per_s": batch * seq_len / statistics.median(times[name]),
+        }
+        for name, model in built.items()
+    }
+
+
+def granularity_sweep(mixture: list[str], factors: list[int], args: argparse.Namespace, device: str) -> list[dict]:
+    """The preset with g times as many experts, 1/g as wide, g times the top-k, for each g: its shape and tokens/s."""
+    cfg = compose_config(mixture).model
+    moe = cfg.moe
+    width = moe.d_ff or cfg.d_ff or 4 * cfg.d_model
+    shapes = {g: {"experts": moe.num_experts * g, "top_k": moe.top_k * g, "width": width // g} for g in factors}
+    models = {
+        str(g): [
+            *mixture,
+            f"model.moe.num_experts={shape['experts']}",
+            f"model.moe.top_k={shape['top_k']}",
+            f"model.moe.d_ff={shape['width']}",
+        ]
+        for g, shape in shapes.items()
+    }
+    speeds = tokens_per_second(models, args.batch, args.seq_len, device, args.repeats)
+    return [{"granularity": g, **shape, "tokens_per_s": speeds[str(g)]["tokens_per_s"]} for g, shape in shapes.items()]
 
 
 def expert_shares(overrides: list[str], steps: int, workdir: Path) -> dict:
@@ -103,14 +134,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100, help="training steps of each load run")
-    parser.add_argument("--skip-load", action="store_true", help="only the speed comparison")
+    parser.add_argument("--skip-load", action="store_true", help="only the speed comparisons")
+    parser.add_argument("--granularity", default="1,2,4,8", help="expert granularities to time ('' to skip)")
     args, overrides = parser.parse_known_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mixture = [f"model={args.preset}", f"model.max_seq_len={max(args.seq_len, 256)}", *overrides]
-    rows = {
-        args.preset: tokens_per_second(mixture, args.batch, args.seq_len, device, args.repeats),
-        "dense twin": tokens_per_second(dense_twin(mixture), args.batch, args.seq_len, device, args.repeats),
-    }
+    rows = tokens_per_second(
+        {args.preset: mixture, "dense twin": dense_twin(mixture)}, args.batch, args.seq_len, device, args.repeats
+    )
     print(f"speed on {device}, batch {args.batch} x {args.seq_len} tokens, median of {args.repeats} steps")
     print(f"{'model':>14} {'parameters':>12} {'active':>12} {'tokens/s':>10}")
     for name, row in rows.items():
@@ -118,6 +149,16 @@ def main() -> None:
     ratio = rows[args.preset]["tokens_per_s"] / rows["dense twin"]["tokens_per_s"]
     print(f"{args.preset} runs at {ratio:.2f}x the dense twin's tokens/s")
     print(json.dumps({"speed": rows, "ratio": ratio}))
+    factors = [int(g) for g in args.granularity.split(",") if g]
+    if factors:
+        sweep = granularity_sweep(mixture, factors, args, device)
+        print(f"{'experts':>8} {'top_k':>6} {'width':>6} {'tokens/s':>10} {'step time vs first':>19}")
+        for row in sweep:
+            slower = sweep[0]["tokens_per_s"] / row["tokens_per_s"]
+            print(
+                f"{row['experts']:>8} {row['top_k']:>6} {row['width']:>6} {row['tokens_per_s']:>10,.0f} {slower:>19.2f}"
+            )
+        print(json.dumps({"granularity": sweep}))
     if args.skip_load:
         return
     coef = compose_config(mixture).model.moe.aux_loss_coef

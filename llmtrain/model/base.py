@@ -34,9 +34,9 @@ class LayeredModel(nn.Module):
         reaches the other shards (context parallelism, llmtrain/parallel/context.py)."""
         raise NotImplementedError
 
-    def take_expert_load(self) -> torch.Tensor | None:
+    def take_expert_load(self, device: torch.device) -> torch.Tensor | None:
         """Slots routed to each expert by this model's (or part's) mixture blocks since the last call, summed over
-        the blocks; zeros when the model has experts but this part none; None for a dense model."""
+        the blocks; zeros (on `device`) when the model has experts but this part none; None for a dense model."""
         return None
 
     def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> LayeredModel:

@@ -268,11 +268,15 @@ class GPT(LayeredModel):
 
         return gpt_tensor_parallel_plan(self, sequence_parallel, loss_parallel)
 
-    def take_expert_load(self) -> torch.Tensor | None:
+    def take_expert_load(self, device: torch.device) -> torch.Tensor | None:
         if not self.cfg.moe.num_experts:
             return None
         loads = [block.mlp.take_load() for block in self.blocks.values() if isinstance(block.mlp, MoE)]
-        return torch.stack(loads).sum(0) if loads else torch.zeros(self.cfg.moe.num_experts, dtype=torch.long)
+        return (
+            torch.stack(loads).sum(0)
+            if loads
+            else torch.zeros(self.cfg.moe.num_experts, dtype=torch.long, device=device)
+        )
 
     def shard_sequence(self, sequence: WholeSequence) -> None:
         """Run on a part of each sequence: positions, attention and the mixtures' balance statistics from

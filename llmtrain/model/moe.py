@@ -19,9 +19,9 @@ router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional alway
   and sets `dispatch`, which sends each routed token to the rank holding its expert and back
   (llmtrain/parallel/expert.py).
 
-The experts run one after another over their tokens (sorted by expert): the readable reference, exact on CPU. The
-per-expert token counts are read on the host to split the batch (one sync per MoE block); a grouped GEMM with
-device-side offsets is the GPU's faster path.
+The experts run as grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`, on CPU and CUDA; the group
+boundaries stay on the device), so a block without expert parallelism never waits for the host, and finer experts
+(DeepSeek's many narrow ones) cost about what a few wide ones do.
 """
 
 from __future__ import annotations
@@ -84,9 +84,24 @@ def add_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor
     return _AuxiliaryLoss.apply(output, loss)
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: activation checkpointing recomputing the block. (A compiled
+    block's recomputation replays no Python, so it never gets here.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: the whole stack, or an expert-parallel rank's block of it (a DTensor's local part)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _grouped_kernel_takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """torch._grouped_mm reads rows of 16 bytes at once (every weight's last dimension a multiple of 16 bytes),
+    takes fp32, bf16 and fp16 on CPU and, on CUDA, bf16 only (torch's documentation: fp32 there may have no
+    kernel)."""
+    aligned = all(w.shape[-1] * w.element_size() % 16 == 0 for w in weights)
+    kinds = (torch.float32, torch.bfloat16, torch.float16) if x.device.type == "cpu" else (torch.bfloat16,)
+    return aligned and x.dtype in kinds
 
 
 class Experts(nn.Module):
@@ -99,17 +114,35 @@ class Experts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x through this rank's expert e."""
-        if self.w_gate is not None:
-            hidden = F.silu(x @ _local(self.w_gate)[e]) * (x @ _local(self.w_in)[e])
-        else:
-            hidden = F.gelu(x @ _local(self.w_in)[e], approximate="tanh")
-        return hidden @ _local(self.w_out)[e]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e (a tensor on x's device) -> each
+        through its expert, in the same order. One grouped GEMM per weight over all experts, its group boundaries
+        read on the device: no host sync. Where the grouped kernel does not apply (_grouped_kernel_takes), the
+        experts run one by one, which reads the counts on the host."""
+        weights = [_local(w) for w in (self.w_in, self.w_gate, self.w_out) if w is not None]
+        if torch.is_autocast_enabled(x.device.type):  # what autocast does for each expert's matmul
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        if not _grouped_kernel_takes(x, weights):
+            return self._one_by_one(x, weights, counts.tolist())
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        return self._mlp(x, weights, lambda rows, w: torch._grouped_mm(rows, w, offs=offsets))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e -> each through its expert."""
-        outputs = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if len(rows)]
+    def _mlp(self, x: torch.Tensor, weights: list[torch.Tensor], matmul: Callable) -> torch.Tensor:
+        if self.w_gate is not None:
+            w_in, w_gate, w_out = weights
+            hidden = F.silu(matmul(x, w_gate)) * matmul(x, w_in)
+        else:
+            w_in, w_out = weights
+            hidden = F.gelu(matmul(x, w_in), approximate="tanh")
+        return matmul(hidden, w_out)
+
+    def _one_by_one(self, x: torch.Tensor, weights: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+        outputs = [
+            self._mlp(rows, [w[e] for w in weights], torch.matmul)
+            for e, rows in enumerate(x.split(counts))
+            if len(rows)
+        ]
         # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so that
         # backward reaches the exchange that brought x and every rank takes part in it.
         return torch.cat(outputs) if outputs else x[:0]
@@ -153,17 +186,18 @@ class MoE(nn.Module):
 
         slots = chosen.flatten()
         order = slots.argsort(stable=True)
-        counts = torch.bincount(slots, minlength=self.moe.num_experts)
+        # Slots per expert, counted on the device (bincount would read its largest slot on the host).
+        counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=slots.device)
+        counts.index_add_(0, slots, torch.ones_like(slots))
         token_of_slot = order // self.moe.top_k
         rows = tokens[token_of_slot]
-        routed = (
-            self.experts(rows, counts.tolist()) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
-        )
+        routed = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         routed = routed * weights.flatten()[order, None].to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        if self.training and torch.is_grad_enabled():  # a training step's routing, not validation's or shape probes
+        # A training step's routing, once: not validation's, not shape probes', not activation checkpointing's rerun.
+        if self.training and torch.is_grad_enabled() and not _recomputing():
             self.load = counts.detach() if self.load is None else self.load + counts.detach()
 
         out = out.view(shape)
@@ -172,7 +206,8 @@ class MoE(nn.Module):
 
     def take_load(self) -> torch.Tensor:
         """The slots routed to each expert since the last call (zeros if none), and reset."""
-        load = self.load if self.load is not None else torch.zeros(self.moe.num_experts, dtype=torch.long)
+        zeros = torch.zeros(self.moe.num_experts, dtype=torch.long, device=self.router.weight.device)
+        load = self.load if self.load is not None else zeros
         self.load = None
         return load
 

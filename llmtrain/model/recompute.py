@@ -3,7 +3,10 @@
 - `full`: keep only each block's input; its whole forward runs again in backward (~1/3 more compute).
 - `selective`: keep the outputs of the expensive ops (matmuls, attention) and recompute only the cheap,
   memory-heavy ones between them (LayerNorm, GELU, dropout, adds, reshapes) — most of the saving for a few
-  percent of compute (Korthikanti et al., 2022).
+  percent of compute (Korthikanti et al., 2022). Communication is kept too, so that backward does not repeat it
+  over the wire: tensor parallelism's reduce-scatters, expert parallelism's all-to-alls, and context
+  parallelism's whole ring (one operator, llmtrain/parallel/ring_attention.py, whose inside is never recorded:
+  no score block is kept); and the router's top-k, whose ties must not be broken differently on recompute.
 """
 
 from __future__ import annotations
@@ -15,24 +18,30 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-_EXPENSIVE = {
-    getattr(torch.ops.aten, name)
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
-}
+# Operators by qualified name: the ring's is registered by the parallel layer, which the model does not import.
+SAVED_BY_SELECTIVE = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_grouped_mm",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::topk",
+        "_c10d_functional::reduce_scatter_tensor",
+        "_c10d_functional::all_to_all_single",
+        "llmtrain::ring_attention",
+    }
+)
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in _EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    if op.overloadpacket._qualified_op_name in SAVED_BY_SELECTIVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,6 @@ class ContextShard:
         dist.all_reduce(counts, group=self.group)
         return counts
 
-    @torch.compiler.disable  # point-to-point transfers inside: run eagerly between the compiled pieces
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return ring_attention(q, k, v, self.group)
 

@@ -11,9 +11,9 @@ exchanges them with the ep ranks of its own tp index.
 One block's forward on one rank, with E experts, ep ranks, L = E / ep local experts:
 1. route its tokens (moe.py) and sort the routed slots by expert: counts[e] slots for expert e;
 2. exchange the counts (an all-to-all of E integers): each rank learns how many slots every other rank sends to
-   each of its L experts, which the token all-to-all needs as split sizes (one host sync);
+   each of its L experts, which the token all-to-all needs as split sizes (one host sync, the block's only one);
 3. all-to-all the slots: rank r receives, from every source rank, the slots for experts rL .. rL+L-1, grouped by
-   source then expert; regroup them by expert, run the L experts, undo the regrouping;
+   source then expert; regroup them by expert, run the L experts (one grouped GEMM), undo the regrouping;
 4. all-to-all the results back (the first exchange's splits, swapped): every slot returns to the rank and position
    it came from, where moe.py weights and sums them.
 Backward is the same two exchanges reversed (torch's autograd all-to-all). No token is dropped (no capacity
@@ -47,19 +47,17 @@ class AllToAllDispatch:
     def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         local = len(counts) // self.size
         received_counts = funcol.all_to_all_single(counts, None, None, self.group)
-        # (source rank, local expert) -> slots; the split sizes of both exchanges and the rows per local expert,
-        # read on the host together (the exchanges need them as lists): the block's one sync.
+        # (source rank, local expert) -> slots. The split sizes of both exchanges are read on the host together
+        # (the exchanges take them as lists): the block's one sync. Everything else stays on the device.
         from_source = received_counts.view(self.size, local)
-        sizes = torch.cat([counts.view(self.size, local).sum(dim=1), from_source.sum(dim=1), from_source.sum(dim=0)])
-        sizes_host = sizes.tolist()
-        split_send, split_received = sizes_host[: self.size], sizes_host[self.size : 2 * self.size]
-        per_expert = sizes_host[2 * self.size :]
+        sizes = torch.cat([counts.view(self.size, local).sum(dim=1), from_source.sum(dim=1)]).tolist()
+        split_send, split_received = sizes[: self.size], sizes[self.size :]
 
         received = funcol.all_to_all_single_autograd(rows, split_received, split_send, self.group)
         expert_of_row = torch.arange(local, device=rows.device).repeat(self.size)
-        expert_of_row = expert_of_row.repeat_interleave(from_source.flatten())
+        expert_of_row = expert_of_row.repeat_interleave(from_source.flatten(), output_size=sum(split_received))
         by_expert = expert_of_row.argsort(stable=True)
-        outputs = experts(received[by_expert], per_expert)
+        outputs = experts(received[by_expert], from_source.sum(dim=0))
         outputs = outputs[by_expert.argsort()]
         return funcol.all_to_all_single_autograd(outputs, split_send, split_received, self.group)
 

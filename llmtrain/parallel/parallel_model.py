@@ -156,7 +156,7 @@ class ParallelModel:
         """Collective: slots routed to each expert this step over the whole global batch and every mixture block
         (None for a dense model). Ranks hold different tokens (data, context parallel) or blocks (pipeline) and
         their counts add up; tensor-parallel ranks route the same tokens, so their sum is divided by tp."""
-        load = unwrap(self.module).take_expert_load()
+        load = unwrap(self.module).take_expert_load(self.runtime.device)
         if load is None or self.mesh.mesh is None:
             return load
         load = load.to(self.runtime.device, torch.float64)

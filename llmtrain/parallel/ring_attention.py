@@ -1,6 +1,6 @@
-"""Ring attention: causal attention over a sequence split across the ranks of a context-parallel group, written out
-as the readable reference (and the path gloo and CPUs run; torch's own `context_parallel` has no rule for the CPU
-attention kernel).
+"""Ring attention: causal attention over a sequence split across the ranks of a context-parallel group, written
+out (the ring is what this layer teaches) on the fused attention kernels (attention_blocks.py), for gloo on CPUs and
+NCCL on GPUs alike; torch's own `context_parallel` has no rule for the CPU attention kernel.
 
 The sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp-1-r ("zigzag", llmtrain/parallel/
 context.py), so its queries sit at one early and one late position range. Key/value blocks travel around the ring
@@ -10,17 +10,19 @@ context.py), so its queries sit at one early and one late position range. Key/va
   - j > r: only its late chunk of queries sees j's keys, all of them.
 So every step after the first costs the same 2c x c block on every rank: the causal work is balanced.
 
-Each block gives a partial output and the log-sum-exp of its scores; partials merge by the online-softmax rule
-out = Σ_i exp(lse_i - lse) out_i with lse = log Σ_i exp(lse_i), exact in any order.
-
-Backward is a custom autograd Function that recomputes each block's probabilities from the saved global
-log-sum-exp (as flash attention's backward does) instead of storing them: per layer the ring keeps only q, k, v,
-the output and the log-sum-exp, O(t/cp) per rank. The keys and values circulate again, each with the gradient
-accumulated for it so far, which returns to its owner after the last step.
+Each block gives a partial output and the log-sum-exp of its scores (one fused kernel call); partials merge in
+fp32 by the online-softmax rule out = Σ_i exp(lse_i - lse) out_i with lse = log Σ_i exp(lse_i), exact in any
+order. Backward calls each block's fused backward with the merged output and log-sum-exp, which recomputes the
+block's probabilities instead of storing them: per layer the ring keeps only q, k, v, the output and the
+log-sum-exp, O(t/cp) per rank. The keys and values circulate again, each with the gradient accumulated for it so
+far (fp32), which returns to its owner after the last step.
 
 Transfers overlap compute: the next block's send/receive is posted (as one group, so NCCL pairs them: see
-pipeline/p2p.py) before this block is computed, and waited for after. Scores are computed in fp32 a tile of
-queries at a time (SCORE_TILE scores), so the transient memory is a few tiles, not the block's score matrix.
+pipeline/p2p.py) before this block is computed, and waited for after.
+
+The ring is one custom operator (`torch.ops.llmtrain.ring_attention`, its backward another): torch.compile keeps
+the block around it in one graph, and the selective recomputation policy (model/recompute.py) saves its output
+rather than replaying the ring's transfers in backward.
 """
 
 from __future__ import annotations
@@ -29,21 +31,54 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-SCORE_TILE = 2**19  # score elements (fp32: 2 MiB) materialised at once: a tile of query rows over a block's keys
+from llmtrain.parallel.attention_blocks import block_attention, block_attention_backward
 
 
 @dataclass
 class RingTimes:
-    """Seconds spent computing blocks and waiting for transfers after the compute was done (collected when
-    enabled, for bench/ring_overlap.py): a transfer fully hidden behind compute waits ~0."""
+    """Seconds spent computing blocks, and waiting for transfers once the compute was done (collected when
+    enabled, for bench/ring_overlap.py): a transfer fully hidden behind compute waits ~0. On a GPU both are CUDA
+    events on the compute stream (the host does not wait for NCCL): the wait is how long the stream stalled."""
 
     enabled: bool = False
-    compute: list[float] = field(default_factory=list)
-    wait: list[float] = field(default_factory=list)
+    _marks: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @contextmanager
+    def interval(self, kind: str, device: torch.device) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._marks.append((kind, start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self._marks.append((kind, began, time.perf_counter()))
+
+    def seconds(self, kind: str) -> list[float]:
+        """The measured intervals of one kind (compute or wait), in order."""
+        found = []
+        for mark_kind, start, end in self._marks:
+            if mark_kind == kind:
+                if isinstance(end, float):
+                    found.append(end - start)
+                else:
+                    end.synchronize()
+                    found.append(start.elapsed_time(end) / 1e3)
+        return found
+
+    def clear(self) -> None:
+        self._marks.clear()
 
 
 RING_TIMES = RingTimes()
@@ -67,79 +102,22 @@ class Ring:
         return incoming, dist.batch_isend_irecv(ops)
 
 
-@contextmanager
-def _timed(into: list[float]) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    if RING_TIMES.enabled:
-        into.append(time.perf_counter() - start)
-
-
-def _wait(works: list) -> None:
-    with _timed(RING_TIMES.wait):
+def _wait(works: list, device: torch.device) -> None:
+    with RING_TIMES.interval("wait", device):
         for work in works:
             work.wait()
 
 
-def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated for the query heads they serve (grouped-query attention)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _tile_rows(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Query rows per tile: SCORE_TILE scores over all heads of the batch, at least one row."""
-    return max(1, SCORE_TILE // (q.shape[0] * q.shape[1] * k.shape[-2]))
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row0: int) -> torch.Tensor:
-    """Scaled scores of query rows row0.. over all keys, fp32; causal: key i is seen by query rows >= i."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        rows = torch.arange(row0, row0 + q.shape[-2], device=q.device)[:, None]
-        scores = scores.masked_fill(torch.arange(k.shape[-2], device=q.device)[None, :] > rows, float("-inf"))
-    return scores
-
-
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """Softmax attention of q over one key/value block: its output and log-sum-exp, fp32."""
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    outs, lses = [], []
-    tile = _tile_rows(q, k)
-    for row0 in range(0, q.shape[-2], tile):
-        scores = _scores(q[..., row0 : row0 + tile, :], k, causal, row0)
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.exp(scores - lse[..., None]) @ v)
-        lses.append(lse)
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+def _merged_dtype(q: torch.Tensor) -> torch.dtype:
+    """Blocks merge, and gradients accumulate, in fp32 (fp64 for fp64 inputs, as the kernels' log-sum-exp)."""
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's partial result into (out, lse), in place (the online-softmax rule)."""
+    """Fold one block's partial result into the fp32 (out, lse), in place (the online-softmax rule)."""
     merged = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - merged)[..., None]).add_(block_out * torch.exp(block_lse - merged)[..., None])
     lse.copy_(merged)
-
-
-def _block_backward(q, k, v, out_grad, lse, delta, causal: bool):
-    """Gradients of one block from the global log-sum-exp and delta = rowsum(dO · O): dq, and dk, dv summed back
-    to the key/value heads."""
-    heads = q.shape[1]
-    k_full, v_full = _expand(k, heads), _expand(v, heads)
-    dq = torch.empty_like(q)
-    dk, dv = torch.zeros_like(k_full), torch.zeros_like(v_full)
-    scale = q.shape[-1] ** -0.5
-    tile = _tile_rows(q, k_full)
-    for row0 in range(0, q.shape[-2], tile):
-        rows = slice(row0, row0 + tile)
-        p = torch.exp(_scores(q[..., rows, :], k_full, causal, row0) - lse[..., rows, None])
-        dv += p.transpose(-2, -1) @ out_grad[..., rows, :]
-        dp = out_grad[..., rows, :] @ v_full.transpose(-2, -1)
-        ds = p * (dp - delta[..., rows, None]) * scale
-        dq[..., rows, :] = ds @ k_full
-        dk += ds.transpose(-2, -1) @ q[..., rows, :]
-    groups = heads // k.shape[1]
-    fold = (lambda g: g.unflatten(1, (k.shape[1], groups)).sum(2)) if groups > 1 else (lambda g: g)
-    return dq, fold(dk), fold(dv)
 
 
 def _halves(x: torch.Tensor) -> tuple[slice, slice]:
@@ -147,85 +125,130 @@ def _halves(x: torch.Tensor) -> tuple[slice, slice]:
     return slice(0, c), slice(c, 2 * c)
 
 
-def _forward_step(q, k, v, source: int, rank: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Fold the block of ring rank `source` into this rank's (out, lse): the zigzag cases of the module doc."""
+def _block_source(ring: Ring, step: int) -> int:
+    """Whose keys and values this rank holds at `step`, relative to itself: 0 its own, -1 an earlier rank's (only
+    their early chunk is seen), 1 a later rank's (seen only by this rank's late chunk of queries)."""
+    source = (ring.rank - step) % ring.size
+    return (source > ring.rank) - (source < ring.rank)
+
+
+def _forward_step(q, k, v, source: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold the block of `source` (_block_source) into this rank's (out, lse): the zigzag cases of the module
+    doc."""
     early, late = _halves(q)
-    if source == rank:
-        _merge(out, lse, *_block_forward(q, k, v, causal=True))
-    elif source < rank:
-        _merge(out, lse, *_block_forward(q, k[..., early, :], v[..., early, :], causal=False))
+    if source == 0:
+        _merge(out, lse, *block_attention(q, k, v, causal=True))
+    elif source < 0:
+        _merge(out, lse, *block_attention(q, k[..., early, :], v[..., early, :], causal=False))
     else:
-        _merge(out[..., late, :], lse[..., late], *_block_forward(q[..., late, :], k, v, causal=False))
+        _merge(out[..., late, :], lse[..., late], *block_attention(q[..., late, :], k, v, causal=False))
 
 
-def _backward_step(q, k, v, out_grad, lse, delta, source: int, rank: int, dq: torch.Tensor) -> torch.Tensor:
-    """Add this rank's queries' gradient from the block of `source` to dq; return the block's (dk, dv) stacked."""
+def _backward_step(q, k, v, out_grad, out, lse, source: int, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+    """Add this rank's queries' gradient from the block of `source` (_block_source) to dq (fp32) and the block's
+    key and value gradients to dkv (fp32, stacked)."""
     early, late = _halves(q)
-    block = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-    if source == rank:
-        dq_block, block[0], block[1] = _block_backward(q, k, v, out_grad, lse, delta, causal=True)
+    if source == 0:
+        dq_block, dk, dv = block_attention_backward(out_grad, q, k, v, out, lse, causal=True)
         dq.add_(dq_block)
-    elif source < rank:
-        dq_block, block[0][..., early, :], block[1][..., early, :] = _block_backward(
-            q, k[..., early, :], v[..., early, :], out_grad, lse, delta, causal=False
+        dkv[0].add_(dk)
+        dkv[1].add_(dv)
+    elif source < 0:
+        dq_block, dk, dv = block_attention_backward(
+            out_grad, q, k[..., early, :], v[..., early, :], out, lse, causal=False
         )
         dq.add_(dq_block)
+        dkv[0][..., early, :].add_(dk)
+        dkv[1][..., early, :].add_(dv)
     else:
-        dq_block, block[0], block[1] = _block_backward(
-            q[..., late, :], k, v, out_grad[..., late, :], lse[..., late], delta[..., late], causal=False
+        dq_block, dk, dv = block_attention_backward(
+            out_grad[..., late, :], q[..., late, :], k, v, out[..., late, :], lse[..., late], causal=False
         )
         dq[..., late, :].add_(dq_block)
-    return block
+        dkv[0].add_(dk)
+        dkv[1].add_(dv)
 
 
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ring = Ring(group)
-        qf = q.float()
-        kv = torch.stack([k, v])
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
-        for step in range(ring.size):
-            incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
-            with _timed(RING_TIMES.compute):
-                _forward_step(qf, kv[0].float(), kv[1].float(), (ring.rank - step) % ring.size, ring.rank, out, lse)
-            _wait(works)
-            if incoming is not None:
-                kv = incoming
-        ctx.group = group
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+@torch.library.custom_op("llmtrain::ring_attention", mutates_args=())
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = Ring(_resolve_process_group(GroupName(group_name)))
+    out = torch.zeros(q.shape, dtype=_merged_dtype(q), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_merged_dtype(q), device=q.device)
+    kv = torch.stack([k, v])
+    for step in range(ring.size):
+        incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
+        with RING_TIMES.interval("compute", q.device):
+            _forward_step(q, kv[0], kv[1], _block_source(ring, step), out, lse)
+        _wait(works, q.device)
+        if incoming is not None:
+            kv = incoming
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def backward(ctx, out_grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = Ring(ctx.group)
-        qf, dof = q.float(), out_grad.float()
-        delta = (dof * out).sum(-1)
-        dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v])
-        # The gradient accumulated so far for the block held now travels with it, one step behind its keys.
-        dkv: torch.Tensor | None = None
-        dkv_works: list = []
-        for step in range(ring.size):
-            incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
-            with _timed(RING_TIMES.compute):
-                source = (ring.rank - step) % ring.size
-                block = _backward_step(qf, kv[0].float(), kv[1].float(), dof, lse, delta, source, ring.rank, dq)
-            if dkv is not None:
-                _wait(dkv_works)
-                block += dkv
-            dkv, dkv_works = ring.start(block)
-            _wait(works)
-            if incoming is not None:
-                kv = incoming
-        _wait(dkv_works)  # the last hop brings each rank its own block's gradient, from every rank
-        assert dkv is not None
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+@_ring_forward.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_merged_dtype(q))  # contiguous, as the real ones
+
+
+@torch.library.custom_op("llmtrain::ring_attention_backward", mutates_args=())
+def _ring_backward(
+    out_grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ring = Ring(_resolve_process_group(GroupName(group_name)))
+    out_grad = out_grad.contiguous()
+    dq = torch.zeros(q.shape, dtype=_merged_dtype(q), device=q.device)
+    kv = torch.stack([k, v])
+    # The gradient accumulated so far for the block held now travels with it, one step behind its keys.
+    travelling: torch.Tensor | None = None
+    travelling_works: list = []
+    for step in range(ring.size):
+        incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
+        dkv = torch.zeros(kv.shape, dtype=_merged_dtype(q), device=kv.device)
+        with RING_TIMES.interval("compute", q.device):
+            _backward_step(q, kv[0], kv[1], out_grad, out, lse, _block_source(ring, step), dq, dkv)
+        if travelling is not None:
+            _wait(travelling_works, q.device)
+            dkv += travelling
+        travelling, travelling_works = ring.start(dkv) if ring.size > 1 else (dkv, [])
+        _wait(works, q.device)
+        if incoming is not None:
+            kv = incoming
+    _wait(travelling_works, q.device)  # the last hop brings each rank its own block's gradient, from every rank
+    assert travelling is not None
+    return dq.to(q.dtype), travelling[0].to(k.dtype, copy=True), travelling[1].to(v.dtype, copy=True)
+
+
+@_ring_backward.register_fake
+def _(out_grad, q, k, v, out, lse, group_name):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, group_name = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group_name = group_name
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, out_grad: torch.Tensor, _lse_grad: torch.Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_ring_backward(out_grad, q, k, v, out, lse, ctx.group_name), None)
+
+
+torch.library.register_autograd("llmtrain::ring_attention", _backward, setup_context=_setup_context)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries (batch, heads, 2c, head_dim) over the whole sequence's keys
     and values (batch, kv_heads, 2c, head_dim on each rank of `group`)."""
-    return RingAttention.apply(q, k, v, group)
+    out, _ = torch.ops.llmtrain.ring_attention(q, k, v, group.group_name)
+    return out

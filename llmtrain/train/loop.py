@@ -124,17 +124,19 @@ class Trainer:
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
         loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
         grad_norm = self.model.clip_grad_norm(self.grad_clip)
+        device = self.runtime.device
         stop = (
             self.preemption.requested_flag(self.runtime)
             if self.preemption is not None
-            else torch.zeros((), device=grad_norm.device)
+            else torch.zeros((), device=device)
         )
         # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
-        # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped.
+        # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
+        # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
         load = self.model.expert_load()
-        scalars = [full_tensor(loss).float(), grad_norm.float(), stop.float()]
+        scalars = [full_tensor(loss), grad_norm, stop, *([] if load is None else [load])]
         loss_value, norm_value, stop_value, *load_values = torch.cat(
-            [torch.stack(scalars).double(), *([] if load is None else [load.double().to(grad_norm.device)])]
+            [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
         self.stop_requested = stop_value > 0
         record: dict[str, Any] = {
@@ -154,6 +156,9 @@ class Trainer:
             self._skip(record)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
+        # The step ends when the device has run its optimizer: without this wait a GPU step's clock would stop
+        # while its optimizer kernels are still queued, and their time would land in the next step's.
+        self.runtime.synchronize()
         seconds = time.perf_counter() - started
         tokens = self.train.batch_size * self.train.seq_len
         record["tokens_per_s"] = tokens / seconds

@@ -84,7 +84,8 @@ class PreemptionWatch:
         if self._rank is None:  # not attached yet: announce a signal received while the job started
             self.attach(runtime)
 
-        flag = torch.tensor(float(self.signal_name is not None), device=runtime.device)
+        # Filled on the device: torch.tensor(value, device=cuda) would copy from host memory, a sync each step.
+        flag = torch.full((), float(self.signal_name is not None), device=runtime.device)
         if runtime.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag

@@ -25,6 +25,7 @@ def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, ru
             f"model     {m.name}: {parts.n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
             f"d_model {m.d_model}, vocab {gpt.vocab_size}, max_seq_len {m.max_seq_len})",
             f"layout    {layout} on {parts.runtime.device}, {precision}",
+            *(f"          {note}" for note in parts.runtime.notes),
             f"batch     {t.batch_size} sequences x {t.seq_len} tokens = {tokens_per_step:,} tokens/step "
             f"(micro {micro_size} x accumulation {micro_count} x data-parallel {plan.dp_size})",
             f"run       {t.steps} steps = {t.steps * tokens_per_step:,} tokens; seed {config.seed}",

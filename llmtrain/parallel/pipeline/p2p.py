@@ -27,9 +27,11 @@ def exchange(ops: list[dist.P2POp]) -> None:
 
 
 def send_header(like: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    # Written entry by entry on the device (each a fill): a header built on the host would be copied over, one
+    # more synchronisation per step on the sending rank.
     header = torch.zeros(_HEADER, dtype=torch.int64, device=like.device)
-    header[0], header[1] = like.ndim, _DTYPES.index(like.dtype)
-    header[2 : 2 + like.ndim] = torch.tensor(like.shape)
+    for index, value in enumerate([like.ndim, _DTYPES.index(like.dtype), *like.shape]):
+        header[index] = value
     exchange([dist.P2POp(dist.isend, header, dst, group)])
 
 
