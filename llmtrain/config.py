@@ -522,10 +522,11 @@ class PlanConfig:
         "ranks the planner plans for; null: `hardware.nodes` × `hardware.gpus_per_node` (`parallel=auto`: the real "
         "world)",
     )
-    parameters: Optional[int] = key(
+    # A float, so that 7.5e9 is accepted as the whole number it is (an int key refuses any float).
+    parameters: Optional[float] = key(
         None,
         at_least(1),
-        'plan model states for this many parameters instead of the model\'s ("what if")',
+        'plan model states for this many parameters instead of the model\'s ("what if"), e.g. 7.5e9',
     )
     param_bytes: float = key(2, positive(), "bytes per parameter of the weights (bf16; llmtrain itself keeps fp32: 4)")
     grad_bytes: float = key(2, positive(), "bytes per parameter of the gradients (bf16; llmtrain: 4)")

@@ -46,6 +46,8 @@ class Number(Domain):
     def complaint(self, value: Any) -> str | None:
         if isinstance(value, float) and not math.isfinite(value):
             return "is not a finite number"
+        if self.whole and not float(value).is_integer():
+            return "is not a whole number"
         below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         return "is out of range" if below or above else None

@@ -260,6 +260,27 @@ def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     assert not (tmp_path / "other.json").exists()
 
 
+@pytest.mark.parametrize(
+    "overrides, batch",
+    [
+        (["plan.world_size=64", "plan.parameters=7.5e9"], 512),  # 7.5e9 is a whole number
+        (["model=gpt2", "plan.world_size=8"], 64),
+    ],
+)
+def test_a_world_the_batch_does_not_split_over_is_planned_for_a_batch_that_does(overrides, batch, tmp_path, capsys):
+    """The default batch (32 sequences, micro-batches of 8) does not split over 8 or 64 ranks: the planner plans
+    the model states anyway, for the next batch that does, says so, and puts that batch in the command it
+    suggests."""
+    out = tmp_path / "plan.json"
+    plan_tool.main([*overrides, f"plan.out={out}"])
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert plan["batch"]["batch_size"] == batch and f"planned with train.batch_size={batch}" in plan["batch_note"]
+    assert {"ddp", "zero1", "zero2", "fsdp"} <= {row["layout"] for row in plan["layouts"]}
+    if plan["pick"]:
+        assert f"train.batch_size={batch}" in printed
+
+
 @pytest.mark.slow  # builds and installs a wheel, then a process of its own
 def test_the_planner_runs_from_a_wheel_installed_outside_the_checkout(tmp_path):
     """The wheel carries conf/ (through the llmtrain/conf link), so a tool composes the same config from any

@@ -66,5 +66,5 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         micro_batch_size=t.micro_batch_size,
         recompute=t.activation_checkpointing,
         sizes=sizes,
-        parameters=cfg.plan.parameters,
+        parameters=int(cfg.plan.parameters) if cfg.plan.parameters else None,
     )

@@ -245,6 +245,8 @@ def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
     usable = machine.usable_bytes / GIB
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
     too_big = [p.name for p in plans if not p.fits]
+    if not plans:
+        return Decision(None, None, "no layout can split this model and batch over these ranks")
     if not fitting:
         smallest = min(plans, key=lambda p: p.heaviest.total)
         return Decision(

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig, validate
 from llmtrain.entry import composition_error_line
@@ -33,11 +34,21 @@ from llmtrain.planner.plan import GIB, Decision, LayoutPlan, choose, plan_layout
 from llmtrain.tools import compose_config
 
 
+def splittable_batch(train, world: int) -> int:
+    """The configured global batch if every data-parallel degree of `world` ranks splits it into whole
+    micro-batches, else the next multiple of micro_batch_size x world, which does: a "what fits" question at a
+    world size the default batch does not divide is still answered, for a batch that works."""
+    unit = train.micro_batch_size * world
+    return train.batch_size if train.batch_size % unit == 0 else unit * -(-train.batch_size // unit)
+
+
 def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, Any]]:
     """Plans for every candidate layout of `cfg` (plus its configured one), the choice with the plan.* sizes,
     parallel=auto's (llmtrain's own sizes, every layout), and the run's facts."""
     hw = cfg.hardware
     world = cfg.plan.world_size or hw.nodes * hw.gpus_per_node
+    configured_batch = cfg.train.batch_size
+    cfg = OmegaConf.merge(cfg, {"train": {"batch_size": splittable_batch(cfg.train, world)}})
     # a CPU "device" is a share of its host: the ranks planned fill the configured nodes
     ranks_per_node = -(-world // hw.nodes) if hw.device_memory_gib is None else min(hw.gpus_per_node, world)
     bf16 = plans_bf16(cfg)
@@ -53,7 +64,7 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
     plans = [plan_layout(c, work, machine) for c in candidates]
     facts = {
         "model": cfg.model.name,
-        "parameters": cfg.plan.parameters or _parameters(work),
+        "parameters": work.parameters or _parameters(work),
         "hardware": hw.name,
         "world_size": world,
         "ranks_per_node": ranks_per_node,
@@ -65,6 +76,11 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
         "batch": {"batch_size": cfg.train.batch_size, "micro_batch_size": cfg.train.micro_batch_size,
                   "seq_len": cfg.train.seq_len, "activation_checkpointing": cfg.train.activation_checkpointing},
     }  # fmt: skip
+    if cfg.train.batch_size != configured_batch:
+        facts["batch_note"] = (
+            f"train.batch_size={configured_batch} does not split into micro-batches of {cfg.train.micro_batch_size} "
+            f"over {world} ranks: planned with train.batch_size={cfg.train.batch_size}"
+        )
     auto = auto_decision(cfg, world, ranks_per_node, work.gpt.vocab_size, bf16, cfg.parallel.pp_schedule)
     return plans, choose(plans, machine), auto, facts
 
@@ -88,7 +104,8 @@ def format_table(plans: list[LayoutPlan], facts: dict[str, Any]) -> str:
     )
     columns = ("layout", "params", "grads", "optim", "gathered", "activ", "total", "fits", "comm/step", "step s",
                "max params", "+activ")  # fmt: skip
-    lines = [head, "GiB per rank (heaviest pipeline rank):", "  ".join(f"{c:>10}" for c in columns)]
+    lines = [head, *([f"note: {facts['batch_note']}"] if "batch_note" in facts else [])]
+    lines += ["GiB per rank (heaviest pipeline rank):", "  ".join(f"{c:>10}" for c in columns)]
     for p in plans:
         m = p.heaviest
         cells = [p.name, *(f"{v / GIB:.2f}" for v in (m.parameters, m.gradients, m.optimizer, m.gathered,
@@ -116,6 +133,8 @@ def main(argv: list[str]) -> None:
     print(format_table(plans, facts))
     if decision.chosen:
         command = f"train.py model={cfg.model.name} {decision.chosen.candidate.command_line()}"
+        if "batch_note" in facts:
+            command += f" train.batch_size={facts['batch']['batch_size']}"
         print(f"pick: {decision.reason}\n  run: {command}")
     else:
         print(f"pick: none: {decision.reason}")
