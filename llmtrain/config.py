@@ -34,6 +34,7 @@ from llmtrain.domains import (
     MeshDegree,
     Number,
     OneOf,
+    StepSpan,
     Text,
     WritableDirectory,
     at_least,
@@ -461,6 +462,23 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: Optional[list[int]] = key(
+        None,
+        StepSpan(),
+        "`[first, last]`: record those training steps with torch.profiler: a Chrome trace per rank in `<run "
+        "dir>/profile/` (open in chrome://tracing or ui.perfetto.dev; a W&B artifact when logging online) and the "
+        "busiest operators in the end summary; null: no profiling",
+    )
+    memory: bool = key(
+        False,
+        Flag(),
+        "record the CUDA allocator's history and write `<run dir>/profile/memory-rank<r>.pickle` (drag into "
+        "pytorch.org/memory_viz) on an out-of-memory error or at the end; nothing on CPU",
+    )
+
+
+@dataclass
 class CheckpointConfig:
     every: int = key(0, at_least(0), "also save every N steps (0: only at the end and on preemption)")
     dir: Optional[str] = key(
@@ -569,6 +587,7 @@ class RootConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     seed: int = key(
         1337,
         Number(low=0, high=2**32 - 1, whole=True),
@@ -754,6 +773,11 @@ def validate(cfg) -> None:
         validate_rope_scaling(m.rope_scaling)
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
+    if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
+        raise ConfigError(
+            f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
+            f"within 1..{t.steps}"
+        )
     validate_data(cfg.data)
 
 

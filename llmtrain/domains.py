@@ -134,6 +134,25 @@ class ListOf(Domain):
 
 
 @dataclass(frozen=True)
+class StepSpan(Domain):
+    """[first, last]: two whole step numbers, 1 <= first <= last."""
+
+    def complaint(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            return "is not a list of two steps"
+        first, last = value
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return "holds something other than whole numbers"
+        return None if 1 <= first <= last else "is not [first, last] with 1 <= first <= last"
+
+    def accepts(self) -> str:
+        return "[first, last], two steps with 1 <= first <= last"
+
+    def outside(self) -> list[Any]:
+        return [[0, 2], [3, 2], [1]]
+
+
+@dataclass(frozen=True)
 class Flag(Domain):
     def complaint(self, value: Any) -> str | None:
         return None

@@ -72,7 +72,7 @@ def composition_error_line(error: BaseException, schema: type) -> str:
     if isinstance(error, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_key_line(cause.full_key or "?", list(domains))
     if isinstance(error, ConfigCompositionException) and isinstance(cause, ValidationError):
-        name = cause.full_key or "?"
+        name = re.sub(r"\[\d+\]$", "", cause.full_key or "?")  # an item of a list key: the key
         override = re.search(r"override (\S+=.*)$", str(error))
         shown = override.group(1) if override else name
         domain = domains.get(name)

@@ -49,6 +49,7 @@ from llmtrain.train.memory import (
     out_of_memory,
 )
 from llmtrain.train.preemption import PreemptionWatch
+from llmtrain.train.profiling import StepProfiler
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
 
 log = logging.getLogger("llmtrain")
@@ -294,13 +295,15 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
     if runtime.is_main:
         name, group = _wandb_identity(config.logging.wandb, run_dir)
         loggers = RunLoggers(config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
-    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption)
+    profiler = StepProfiler(config.profile, runtime, run_dir)
+    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption, profiler)
     try:
         state = trainer.run()
         training.checkpoints.finish()
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if isinstance(error, RunError) or not allocation_failed(error):
             raise
+        profiler.write_memory("out of memory")
         raise out_of_memory(
             runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None
@@ -312,6 +315,7 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         weights = model.full_state_dict()  # on rank 0 only
         if weights is not None:
             save_final_model(weights, os.path.join(run_dir, "model.pt"))
+    profiler.write_memory("end of the run")
     layout_results = model.report(run_dir)
     if loggers:
         summary = end_summary(
@@ -325,5 +329,7 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         )
         if t.compile:  # evidence that compilation happened: graphs dynamo produced in this (rank 0's) process
             summary["compiled_graphs"] = compiled_graphs()
+        if (profile := profiler.summary()) is not None:
+            summary["profile"] = profile
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

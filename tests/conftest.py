@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from filelock import FileLock
 from omegaconf import OmegaConf
 from warm_python import ADDRESS
@@ -121,6 +122,14 @@ def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.Complet
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone (its store in memory), left again after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def json_lines(output: str) -> list[dict]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import REPO, assert_matches_single, json_lines, layout_group, python, torchrun
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -34,14 +33,6 @@ def test_ring_attention_equals_full_causal_attention(tmp_path):
     for dtype, tolerance in (("float64", 1e-10), ("bfloat16", 0.05)):
         errors = [error for cases in found for case, error in cases.items() if case.endswith(dtype)]
         assert max(errors) < tolerance, found
-
-
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of this process alone (its store in memory), left again after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_selective_recomputation_keeps_the_ring_whole_and_never_replays_it(one_rank_group):

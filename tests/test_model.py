@@ -250,3 +250,34 @@ def test_activation_checkpointing_keeps_fewer_activations():
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[mode] = json.loads(done.stdout.strip().splitlines()[-1])["act"]
     assert peaks["full"] < 0.3 * peaks["none"] and peaks["full"] < peaks["selective"] < 0.8 * peaks["none"], peaks
+
+
+@pytest.mark.slow  # dynamo traces each block: ~2 s apiece
+@pytest.mark.parametrize(
+    "preset, extra, recompute, dtype",
+    [
+        ("tiny", ["model.dropout=0.1", "model.attention_dropout=0.1"], "full", torch.float32),
+        ("tiny", [], "selective", torch.float32),
+        ("llama-tiny", ["cp"], "selective", torch.float32),  # rotary, grouped-query heads, ring attention
+        ("llama-tiny", ["cp"], "none", torch.bfloat16),
+        ("mixtral-tiny", [], "none", torch.bfloat16),  # experts as one grouped GEMM
+    ],
+)
+def test_every_kind_of_block_compiles_as_one_graph(preset, extra, recompute, dtype, one_rank_group):
+    """What layout.apply_compile compiles with fullgraph=True: dense blocks with dropout and either recomputation,
+    context-parallel blocks (the ring is one operator) and, in bf16, mixture blocks: no graph break."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llmtrain.model import build_model
+    from llmtrain.model.recompute import checkpoint_blocks
+    from llmtrain.parallel.context import apply_context_parallel
+    from llmtrain.tools import compose_config
+
+    torch._dynamo.reset()
+    model = build_model(compose_config([f"model={preset}", *(e for e in extra if e != "cp")]).model, 97, seed=0)
+    if "cp" in extra:
+        apply_context_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)))
+    checkpoint_blocks(model.blocks.values(), recompute)
+    block = list(model.to(dtype).train().blocks.values())[-1]
+    explanation = torch._dynamo.explain(block)(torch.randn(2, 16, model.cfg.d_model, dtype=dtype))
+    assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -26,7 +26,7 @@ LEARNS = [
 def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secrets(train):
     secret = "k" + uuid.uuid4().hex + uuid.uuid4().hex[:7]  # 40 characters no corpus or config contains
     # present in the run's environment, must not reach any file
-    run = train(*LEARNS, "logging.wandb.project=parity", env={"WANDB_API_KEY": secret})
+    run = train(*LEARNS, "logging.wandb.project=parity", "profile.steps=[59,60]", env={"WANDB_API_KEY": secret})
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = run.metrics
     assert [m["step"] for m in metrics] == list(range(1, 61))
@@ -45,6 +45,13 @@ def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secr
     assert summary["steps"] == 60 and summary["final_val_loss"] == metrics[-1]["val_loss"]
     assert (run.run_dir / "loss.png").stat().st_size > 10_000
     assert "parameters" in run.stderr + run.stdout and "tokens/step" in run.stderr + run.stdout
+    # the last two steps profiled: a Chrome trace, the busiest operators in the summaries
+    trace = json.loads((run.run_dir / "profile" / "trace-rank0.json").read_text())
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
+    profile = summary["profile"]
+    assert profile["steps"] == [59, 60] and profile["trace"] == "profile/trace-rank0.json"
+    assert len(profile["top_operators"]) == 5 and 0 < sum(op["share"] for op in profile["top_operators"]) <= 1
+    assert "profile   steps 59-60" in run.stderr + run.stdout
     offline_runs = list((run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1
     assert list(offline_runs[0].glob("*.wandb"))
@@ -96,15 +103,26 @@ def test_jsonl_without_the_text_field(train, tmp_path):
     _assert_clean_failure(run, "data.text_field")
 
 
-@pytest.mark.parametrize("layout, nproc", [("parallel=single", 0), ("parallel=pp", 2)])
-def test_a_training_step_reads_the_device_once(layout, nproc, train, tmp_path):
+@pytest.mark.parametrize(
+    "layout, nproc, reads",
+    [
+        (("parallel=single",), 0, 1),
+        (("parallel=pp",), 2, 1),
+        # experts as grouped GEMMs, their boundaries on the device: no read of their own
+        pytest.param(("model=moe-tiny",), 0, 1, marks=pytest.mark.slow),
+        # expert parallelism reads its exchanges' split sizes: once per mixture block (2) and micro-batch (2)
+        pytest.param(("model=moe-tiny", "parallel=fsdp", "parallel.ep=2"), 2, 1 + 2 * 2, marks=pytest.mark.slow),
+        pytest.param(("parallel=fsdp", "parallel.cp=2"), 2, 1, marks=pytest.mark.slow),  # the ring: none
+    ],
+)
+def test_a_training_step_reads_the_device_once(layout, nproc, reads, train, tmp_path):
     """Loss, gradient norm and the stop flag reach the host together, once per step (on a GPU every read of a
     device value stalls the CPU until the device catches up). torch's pipeline schedules infer their stages'
     shapes during the first step, which reads a little more."""
-    reads = tmp_path / "host_reads.txt"
-    run = train(layout, "train.steps=4", nproc=nproc, env=arm(host_reads=str(reads)))
+    host_reads = tmp_path / "host_reads.txt"
+    run = train(*layout, "train.steps=4", nproc=nproc, env=arm(host_reads=str(host_reads)))
     assert run.returncode == 0, run.stderr[-3000:]
-    per_step = [int(line) for line in reads.read_text().split()]
+    per_step = [int(line) for line in host_reads.read_text().split()]
     assert len(per_step) == 4 * max(nproc, 1)
     steady = per_step if nproc == 0 else sorted(per_step)[: 3 * nproc]  # every rank's steps after its first
-    assert set(steady) == {1}, per_step
+    assert set(steady) == {reads}, per_step

@@ -97,10 +97,11 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 def _grouped_kernel_takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """torch._grouped_mm reads rows of 16 bytes at once (every weight's last dimension a multiple of 16 bytes),
-    takes fp32, bf16 and fp16 on CPU and, on CUDA, bf16 only (torch's documentation: fp32 there may have no
-    kernel)."""
+    takes fp32, bf16 and fp16 on CPU, and bf16 only on CUDA (torch's documentation: fp32 there may have no kernel)
+    and under torch.compile (its shape function refuses the rest)."""
     aligned = all(w.shape[-1] * w.element_size() % 16 == 0 for w in weights)
-    kinds = (torch.float32, torch.bfloat16, torch.float16) if x.device.type == "cpu" else (torch.bfloat16,)
+    eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()  # its compiled form takes bf16 only
+    kinds = (torch.float32, torch.bfloat16, torch.float16) if eager_cpu else (torch.bfloat16,)
     return aligned and x.dtype in kinds
 
 

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.moe import MoE
 from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
@@ -51,9 +52,13 @@ def apply_activation_checkpointing(model: LayeredModel, mode: str) -> None:
 
 
 def apply_compile(model: LayeredModel) -> None:
-    """torch.compile each block: one compiled graph reused by every layer (same shapes), a short compile."""
+    """torch.compile each block: one compiled graph reused by every layer (same shapes), a short compile. Dense and
+    context-parallel blocks compile whole (fullgraph: a break would quietly run part of a block eagerly; tests/
+    test_model.py checks each kind). Mixture blocks may break: in fp32 the grouped GEMM has no compiled form (their
+    experts run one by one, the counts read on the host), and under activation checkpointing their load count is
+    a side effect the recomputed region cannot hold."""
     for block in model.blocks.values():
-        block.compile()
+        block.compile(fullgraph=not isinstance(getattr(block, "mlp", None), MoE))
 
 
 def apply_layout(model: LayeredModel, layout: Layout) -> None:

@@ -87,6 +87,14 @@ class WandbLogger:
     def summary(self, values: dict[str, Any]) -> None:
         self._run.summary.update(values)
 
+    def upload(self, directory: str, name: str, kind: str) -> None:
+        """The files of `directory` as one artifact of the run."""
+        import wandb
+
+        artifact = wandb.Artifact(name, type=kind)
+        artifact.add_dir(directory)
+        self._run.log_artifact(artifact)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -165,5 +173,7 @@ class RunLoggers:
         plot_loss(records, os.path.join(self.run_dir, "loss.png"), self.title)
         if self.wandb:
             self.wandb.summary(summary)
+            if "profile" in summary:  # every rank's trace written so far
+                self.wandb.upload(os.path.join(self.run_dir, "profile"), "profile", "profile")
             self.wandb.close()
         write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)

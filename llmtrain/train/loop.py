@@ -26,6 +26,7 @@ from llmtrain.parallel.precision import uses_bf16
 from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.preemption import PreemptionWatch
+from llmtrain.train.profiling import StepProfiler
 
 log = logging.getLogger("llmtrain")
 
@@ -68,14 +69,15 @@ class Components:
 
 
 class Trainer:
-    """Runs the steps of one job over its components, reporting each step's record to `on_record` and stopping
-    cleanly at a step boundary when `preemption` saw a stop signal."""
+    """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
+    cleanly at a step boundary when `preemption` saw a stop signal, and recording the steps `profiler` asks for."""
 
     def __init__(
         self,
         parts: Components,
         on_record: Callable[[dict[str, Any]], None],
         preemption: PreemptionWatch | None,
+        profiler: StepProfiler | None = None,
     ):
         self.train = parts.config.train
         self.grad_clip = parts.config.optim.grad_clip
@@ -92,6 +94,7 @@ class Trainer:
         self.val_slice = parts.val_slice
         self.checkpoints = parts.checkpoints
         self.preemption = preemption
+        self.profiler = profiler
         self.state = parts.state
         self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
 
@@ -189,7 +192,11 @@ class Trainer:
     def advance(self) -> None:
         """One step and what the run does around it: validation, memory, checkpoint completion, the record,
         saving, stopping when asked."""
+        if self.profiler is not None:
+            self.profiler.before_step(self.state.step + 1)
         record = self.train_step()
+        if self.profiler is not None:
+            self.profiler.after_step(record["step"])
         self.state.step = record["step"]
         if self._is_eval_step(self.state.step):
             record["val_loss"] = self.validation_loss()

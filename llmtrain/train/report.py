@@ -83,6 +83,10 @@ def format_end_summary(summary: dict[str, Any]) -> str:
                 else ""
             )
         )
+    if "profile" in summary:
+        p = summary["profile"]
+        busiest = ", ".join(f"{op['name']} {op['share']:.0%}" for op in p["top_operators"])
+        lines.append(f"profile   steps {p['steps'][0]}-{p['steps'][1]} in {p['trace']}; busiest: {busiest}")
     if "compiled_graphs" in summary:
         lines.append(f"compile   {summary['compiled_graphs']} graphs compiled (torch.compile of each block)")
     if "pipeline" in summary:
