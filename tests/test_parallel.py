@@ -114,3 +114,27 @@ def test_unknown_layout_lists_the_options(train):
     run = train("parallel=zero9")
     assert run.returncode == 2 and run.stderr.startswith("error: parallel=zero9 is not an option of parallel: choose")
     assert "fsdp" in run.stderr and run.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_frees_an_untied_embedding_after_its_forward_and_keeps_the_head(tied, one_rank_group):
+    """The embedding is a unit of its own (resharded once the first block has its input) and [final norm, head]
+    another kept for the start of backward; a head tied to the embedding leaves both in the root."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from llmtrain.model import build_model
+    from llmtrain.parallel.fsdp import apply_fsdp
+    from llmtrain.tools import compose_config
+
+    model = build_model(compose_config(["model=llama-tiny", f"model.tie_embeddings={tied}"]).model, 97, seed=0)
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, param_dtype=None, cpu_offload=False)
+    model(torch.randint(0, 97, (2, 8)))  # forward only: where backward would start
+
+    def resharded(module) -> bool:
+        return all(isinstance(p, DTensor) for p in module.parameters())
+
+    assert resharded(model.tok_emb) is not tied
+    assert not resharded(model.lm_head) and not resharded(model.norm)
+    assert all(resharded(block) for block in model.blocks.values())

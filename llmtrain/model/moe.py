@@ -35,7 +35,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,16 @@ def add_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor
     return _AuxiliaryLoss.apply(output, loss)
 
 
+def _into_split(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron's f: identity forward; backward all-reduces the partial gradients of the ranks' hidden slices."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _out_of_split(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron's g: all-reduce of the ranks' partial sums forward; identity backward."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
 def _recomputing() -> bool:
     """Whether this forward runs inside backward: activation checkpointing recomputing the block. (A compiled
     block's recomputation replays no Python, so it never gets here.)"""
@@ -114,6 +125,9 @@ class Experts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        # Tensor parallelism (model/parallel_plan.py's SplitExperts): each rank of this mesh holds a slice of every
+        # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
+        self.hidden_split: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e (a tensor on x's device) -> each
@@ -191,10 +205,20 @@ class MoE(nn.Module):
         counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=slots.device)
         counts.index_add_(0, slots, torch.ones_like(slots))
         token_of_slot = order // self.moe.top_k
-        rows = tokens[token_of_slot]
+        split = self.experts.hidden_split
+        slot_weights = weights.flatten()[order, None]
+        # Under tensor parallelism the partial sums are reduced per token, after the top_k slots of each token are
+        # combined, and the input gradient per token, before they are copied out: 1/top_k of the traffic of
+        # reducing every routed slot. A slot's routing weight then meets a partial output, so its gradient (one
+        # number per slot) is reduced too; the router stays replicated, its gradients the same on every rank.
+        if split is not None:
+            tokens_in, slot_weights = _into_split(tokens, split), _into_split(slot_weights, split)
+        rows = (tokens if split is None else tokens_in)[token_of_slot]
         routed = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
-        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        routed = routed * slot_weights.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
+        if split is not None:
+            out = _out_of_split(out, split)
         if self.shared is not None:
             out = out + self.shared(tokens)
         # A training step's routing, once: not validation's, not shape probes', not activation checkpointing's rerun.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from llmtrain.model.dropout import Dropout, Split
-from llmtrain.model.moe import MoE
+from llmtrain.model.moe import Experts, MoE
 
 if TYPE_CHECKING:
     from llmtrain.model.gpt import GPT
@@ -73,27 +73,18 @@ EXPERT_HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}
 
 
 class SplitExperts(ParallelStyle):
-    """Each rank keeps a slice of every expert's hidden units and computes a partial sum of each token's output.
-    In: identity forward, all-reduce of the (partial) input gradient backward (Megatron's f); out: all-reduce of
-    the partial outputs forward, identity backward (g). Expert-parallel weights arrive already split over the
-    expert mesh's (ep, tp) and are left as they are."""
+    """Each rank keeps a slice of every expert's hidden units and computes a partial sum of each routed slot's
+    output; the MoE reduces them once per token (moe.py: Megatron's f and g around the experts, after the slots
+    are combined). Expert-parallel weights arrive already split over the expert mesh's (ep, tp) and are left as
+    they are."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
                 split = distribute_tensor(param.data, device_mesh, [Shard(EXPERT_HIDDEN_DIM[name])], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
-
-        def enter(_module, args):
-            x = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
-            return (x.to_local(grad_placements=[Partial()]), *args[1:])
-
-        def leave(_module, _args, output):
-            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
-            return partial.redistribute(device_mesh, [Replicate()]).to_local()
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave)
+        assert isinstance(module, Experts)
+        module.hidden_split = device_mesh
         return module
 
 

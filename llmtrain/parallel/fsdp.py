@@ -2,9 +2,10 @@
 over the data-parallel mesh dimensions, on top of tensor parallelism when parallel.tp > 1 (2-D: TP inside, FSDP
 across, over DTensor parameters that are already TP-sharded).
 
-Each transformer block is one FSDP unit, and the root (embeddings, final norm, head) another: a block's
-parameters are all-gathered just before it runs and freed after, so a rank holds 1/N of the parameters,
-gradients and AdamW state (Ψ/N + Ψ/N + 2Ψ/N) plus one or two gathered blocks at a time.
+Each transformer block is one FSDP unit, the input embeddings another, [final norm, head] a third and the root
+the rest (a head tied to the embedding stays in the root with it: edge_units): a block's parameters are
+all-gathered just before it runs and freed after, so a rank holds 1/N of the parameters, gradients and AdamW
+state (Ψ/N + Ψ/N + 2Ψ/N) plus one or two gathered blocks at a time.
 - `fsdp` (ZeRO-3): reshard after forward; per step all-gather Ψ in forward, again Ψ in backward, reduce-scatter
   Ψ of gradients: 3Ψ on the wire.
 - `zero2` (ZeRO-2-like): keep the gathered parameters from forward to backward (reshard_after_forward=False):
@@ -19,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -63,11 +65,31 @@ def apply_fsdp(
         fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
         )
-    # The root's parameters (embeddings, final norm, tied head) are needed again at the start of backward.
+    embedding, head = edge_units(model)
+    if embedding:  # gathered for the first layer only, freed for the rest of the step
+        fully_shard(
+            embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
+        )
+    if head:  # needed again at the start of backward: kept from the end of forward
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    # The root holds what is left: the tied embedding and head, whose one weight serves both ends of the step.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+def edge_units(model: LayeredModel) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The input embeddings and the [final norm, head] of `model` (or of a pipeline part) as FSDP units of their
+    own, as torchtitan's: the embedding is then freed once the first block has its input, instead of staying
+    gathered, with its gradient, for the whole step in the root. Not when the head is the token embedding (tied,
+    as GPT-2): one weight needed at both ends of the step stays in the root."""
+    tok_emb, lm_head = getattr(model, "tok_emb", None), getattr(model, "lm_head", None)
+    if tok_emb is not None and lm_head is not None and lm_head.weight is tok_emb.weight:
+        return [], []
+    embedding = [m for m in (tok_emb, getattr(model, "pos_emb", None)) if m is not None]
+    head = [m for m in (getattr(model, "norm", None), lm_head) if m is not None]
+    return embedding, head
 
 
 def fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

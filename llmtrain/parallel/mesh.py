@@ -49,13 +49,16 @@ def mean_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
 @dataclass(frozen=True)
 class RankMesh:
     """Where this rank sits in a plan's layout: the mesh (None for one process without a parallel dimension), its
-    flattened data-parallel dimension (replicas and shards: the ranks a loss is averaged over) and, with expert
-    parallelism, the experts' mesh."""
+    flattened data-parallel dimension (replicas and shards: the ranks a loss is averaged over), its context- and
+    tensor-parallel dimensions when split (sliced once: slicing a mesh builds a new one, reading its ranks on the
+    host, which the step must not do) and, with expert parallelism, the experts' mesh."""
 
     degrees: Degrees
     mesh: DeviceMesh | None
     dp_mesh: DeviceMesh | None
     expert_mesh: DeviceMesh | None
+    cp_mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
 
     @classmethod
     def of(cls, plan: ParallelPlan, runtime: Runtime) -> RankMesh:
@@ -67,7 +70,14 @@ class RankMesh:
             return cls(degrees, None, None, None)
         mesh = build_mesh(degrees, runtime.device.type)
         expert = build_expert_mesh(degrees, runtime.device.type) if degrees.ep > 1 else None
-        return cls(degrees, mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp"), expert)
+        return cls(
+            degrees,
+            mesh,
+            mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            expert,
+            cp_mesh=mesh["cp"] if degrees.cp > 1 else None,
+            tp_mesh=mesh["tp"] if degrees.tp > 1 else None,
+        )
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -86,12 +96,3 @@ class RankMesh:
         if self.dp_mesh is None:
             raise RuntimeError("a single process without parallel dimensions has no data-parallel group")
         return self.dp_mesh.get_group()
-
-    @property
-    def cp_mesh(self) -> DeviceMesh | None:
-        """The context-parallel dimension, when sequences are split (parallel.cp > 1)."""
-        return self.device_mesh["cp"] if self.degrees.cp > 1 else None
-
-    @property
-    def tp_mesh(self) -> DeviceMesh | None:
-        return self.device_mesh["tp"] if self.degrees.tp > 1 else None
