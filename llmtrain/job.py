@@ -287,6 +287,16 @@ def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
         return error
 
 
+def _prediction(config: RootConfig, runtime: Runtime, vocab_size: int) -> dict:
+    """The planner's prediction for this run's layout (rank 0; the hardware config's links, or plan.measured)."""
+    from llmtrain.planner.auto import prediction
+    from llmtrain.resolvers import ranks_per_node
+
+    bf16 = uses_bf16(config.train.precision, runtime.device)
+    per_node = min(ranks_per_node(), runtime.world_size)
+    return prediction(config, runtime.world_size, per_node, vocab_size, bf16)
+
+
 def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
     wall_start = time.perf_counter()
     training = build_training(config, runtime, run_dir)
@@ -331,5 +341,6 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
             summary["compiled_graphs"] = compiled_graphs()
         if (profile := profiler.summary()) is not None:
             summary["profile"] = profile
+        summary["predicted"] = _prediction(config, runtime, training.model_config.vocab_size)
         loggers.finish(summary, state.records)
         log.info("\n" + format_end_summary(summary))

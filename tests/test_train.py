@@ -52,6 +52,10 @@ def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secr
     assert profile["steps"] == [59, 60] and profile["trace"] == "profile/trace-rank0.json"
     assert len(profile["top_operators"]) == 5 and 0 < sum(op["share"] for op in profile["top_operators"]) <= 1
     assert "profile   steps 59-60" in run.stderr + run.stdout
+    # the planner's prediction for this layout beside what happened
+    predicted = summary["predicted"]
+    assert predicted["step_s"] > 0 and predicted["peak_gib_per_rank"] > 0 and predicted["hardware"] == "cpu"
+    assert "planner   predicted" in run.stderr + run.stdout
     offline_runs = list((run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1
     assert list(offline_runs[0].glob("*.wandb"))

@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.planner.candidates import enumerate_candidates
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
-from llmtrain.planner.plan import Decision, choose, plan_layout
+from llmtrain.planner.plan import GIB, Decision, choose, plan_layout
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,18 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
     resolved = replace(parallel, **{k: v for k, v in values.items() if k not in ("microbatches", "pp_edge_blocks")})
     summary = f"parallel=auto chose {chosen.name} ({chosen.command_line()}): {decision.reason}"
     return AutoLayout(resolved, summary)
+
+
+def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool) -> dict:
+    """What the planner predicts for the run's own layout, for the end summary to set beside what happened: a
+    machine that is not what its hardware config says (a PCIe card without peer-to-peer, a slow link) shows as a
+    step much slower than predicted."""
+    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16))
+    machine = machine_for(cfg, world_size, ranks_per_node, bf16)
+    plan = plan_layout(describe_layout(cfg.parallel, world_size), work, machine)
+    return {
+        "step_s": plan.step_time_s,
+        "peak_gib_per_rank": plan.heaviest.total / GIB,
+        "comm_gib_per_step": plan.comm_bytes_per_step / GIB,
+        "hardware": cfg.hardware.name,
+    }

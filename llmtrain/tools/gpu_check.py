@@ -19,7 +19,11 @@ Rows (tolerances are on the per-step training loss, max relative difference over
                          against the run without dropout is what dropout costs
   async save / resume    checkpoint.async_save every 5 steps, then a new run resumed from step 5: steps 6-10
                          within 1e-3 of the first run's (GPU kernels are not bit-deterministic)
-  2+ GPUs                ddp, fsdp, tp, and pp with every schedule on 2 GPUs, each within 3% of one GPU
+  moe eager|compiled     8 experts in every second block, one grouped GEMM each: trains, no skipped steps
+  profile                profile.steps=[5,6] and profile.memory=true: within 1% of bf16 (profiling changes no
+                         number), a trace and a memory snapshot written
+  2+ GPUs                ddp, fsdp, tp, fsdp with cp 2 (ring attention on the flash kernels) and pp with every
+                         schedule on 2 GPUs, each within 3% of one GPU
 Speed columns: tokens/s and MFU (steps after the first), peak allocated / reserved GiB over the run.
 
 `--device cpu --model tiny --seq-len 64` runs the same checks on CPU (what the test suite does for two of them): the
@@ -88,12 +92,18 @@ def single_gpu_checks() -> list[Check]:
             overrides = [flag, f"train.activation_checkpointing={ac}"]
             checks.append(Check(f"{mode} {ac}", overrides, reference=reference, tolerance=0.01))
         checks.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"]))
+    # Experts as one grouped GEMM in bf16 (the CUDA kernel), with and without compile: trains, no skipped step;
+    # tokens/s against bf16's is what routing costs on this GPU.
+    experts = ["model.moe.num_experts=8", "model.moe.every=2"]
+    checks += [Check("moe eager", experts), Check("moe compiled", [*experts, "train.compile=true"])]
+    checks.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
     resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
     return [*checks, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
 
 
 def multi_gpu_checks() -> list[Check]:
-    layouts: list[tuple[str, list[str]]] = [("ddp", []), ("fsdp", []), ("tp", [])]
+    # fsdp cp: ring attention on the CUDA flash kernels over NCCL
+    layouts: list[tuple[str, list[str]]] = [("ddp", []), ("fsdp", []), ("tp", []), ("fsdp cp", ["parallel.cp=2"])]
     for schedule in SCHEDULES:
         pipeline = [
             f"parallel.pp_schedule={schedule}",

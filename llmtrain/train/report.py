@@ -83,6 +83,14 @@ def format_end_summary(summary: dict[str, Any]) -> str:
                 else ""
             )
         )
+    if "predicted" in summary:
+        p, measured = summary["predicted"], summary["tokens"] / summary["steps"] / summary["tokens_per_s"]
+        memory = f" (measured {summary['peak_memory_gib']:.2f})" if "peak_memory_gib" in summary else ""
+        lines.append(
+            f"planner   predicted {p['step_s']:.3g} s/step on {p['hardware']}, measured {measured:.3g} s "
+            f"({measured / p['step_s']:.2f}x); {p['peak_gib_per_rank']:.2f} GiB per rank{memory}; "
+            f"{p['comm_gib_per_step']:.3g} GiB communicated per step"
+        )
     if "profile" in summary:
         p = summary["profile"]
         busiest = ", ".join(f"{op['name']} {op['share']:.0%}" for op in p["top_operators"])

@@ -118,8 +118,13 @@ class Reference1F1B:
         received, output = self.saved.pop(i)
         with self.timeline.record("B", self.stage, i):
             if isinstance(self.module, FSDPModule):
-                # Reduce-scatter the gradients once, on the last micro-batch; accumulate unsharded before that.
-                self.module.set_requires_gradient_sync(i == self.m - 1)
+                # As torch's PipelineStage: until the last micro-batch's backward, keep the parameters gathered
+                # (not all-gathered again for every micro-batch) and accumulate unsharded gradients; reduce-scatter
+                # them once, on the last.
+                last = i == self.m - 1
+                self.module.set_is_last_backward(last)
+                self.module.set_reshard_after_backward(last)
+                self.module.set_requires_gradient_sync(last)
             torch.autograd.backward(output, gradient)
         self.timeline.activations_freed(self.stage, i)
         if received is None:  # the first stage sends no gradient
