@@ -201,7 +201,10 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         if isinstance(decided, ConfigError):  # raised on every rank: none is left waiting for the others
             raise decided
         auto = decided
-        config = dataclasses.replace(config, parallel=auto.parallel)  # what W&B and the summaries show
+        # what W&B and the summaries show: the layout, and the knobs turned so that it fits
+        config = dataclasses.replace(
+            config, parallel=auto.parallel, train=dataclasses.replace(config.train, **auto.train)
+        )
         log.info(auto.summary)
     # The plan checked against the model and the world (ConfigError), then where this rank sits in it.
     plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)

@@ -260,6 +260,21 @@ def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     assert not (tmp_path / "other.json").exists()
 
 
+def test_the_pick_turns_micro_batch_and_recomputation_when_no_layout_fits_as_configured(tmp_path, capsys):
+    """GPT-2 XL at 1,024 tokens on 4 x 16 GB: with the default micro-batch of 8 no data-parallel layout fits; the
+    planner turns what an expert would (a smaller micro-batch, recomputation), says which, and puts them in the
+    command it suggests; parallel=auto does the same."""
+    out = tmp_path / "plan.json"
+    plan_tool.main(["model=gpt2-xl", "hardware=rtx4080x4", "train.seq_len=1024", f"plan.out={out}"])
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert not any(row["fits"] for row in plan["layouts"] if row["layout"] in ("ddp", "zero1", "zero2", "fsdp"))
+    assert plan["pick"] is not None and plan["auto_pick"] is not None
+    for reason in (plan["reason"], plan["auto_reason"]):
+        assert " with train.micro_batch_size=" in reason or " with train.activation_checkpointing=" in reason
+    assert "train.micro_batch_size=" in printed.split("run:")[1].splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "overrides, batch",
     [

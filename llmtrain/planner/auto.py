@@ -2,7 +2,8 @@
 
 It weighs every layout (data-parallel, tensor, pipeline, 3-D) with llmtrain's own state sizes (fp32 weights,
 gradients and AdamW moments; activations in the run's precision), the hardware config's memory and links or the
-links measured in plan.measured, and returns the parallel config of the fastest that fits (llmtrain/planner/plan.py).
+links measured in plan.measured, each also with smaller micro-batches and more activation recomputation, and
+returns the parallel config of the fastest that fits and the train.* knobs it turned (llmtrain/planner/plan.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, with_knobs
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.plan import GIB, Decision, choose, plan_layout
 
@@ -19,6 +20,7 @@ from llmtrain.planner.plan import GIB, Decision, choose, plan_layout
 @dataclass(frozen=True)
 class AutoLayout:
     parallel: ParallelConfig  # what the run uses in place of parallel=auto
+    train: dict  # the train.* knobs it turned to fit (micro_batch_size, activation_checkpointing); {}: none
     summary: str  # the decision, its reason and the runner-up, for the start summary
 
 
@@ -33,7 +35,9 @@ def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf
             f"train.micro_batch_size={cfg.train.micro_batch_size}: make batch_size a multiple of micro_batch_size x "
             f"{world_size}"
         )
-    return choose([plan_layout(c, work, machine) for c in candidates], machine)
+    t = cfg.train
+    variants = with_knobs(candidates, t.micro_batch_size, t.activation_checkpointing)
+    return choose([plan_layout(c, work, machine) for c in variants], machine)
 
 
 def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,
@@ -52,7 +56,7 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
     # keep the user's pipeline schedule knobs and nproc; the degrees and the strategy come from the plan
     resolved = replace(parallel, **{k: v for k, v in values.items() if k not in ("microbatches", "pp_edge_blocks")})
     summary = f"parallel=auto chose {chosen.name} ({chosen.command_line()}): {decision.reason}"
-    return AutoLayout(resolved, summary)
+    return AutoLayout(resolved, chosen.train_values(), summary)
 
 
 def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool) -> dict:

@@ -28,6 +28,18 @@ class Candidate:
     pp_stages_per_rank: int = 1
     microbatches: int | None = None
     pp_edge_blocks: int = 0
+    # The train.* knobs an expert turns beside the degrees when a layout does not fit; None: as configured.
+    micro_batch_size: int | None = None
+    recompute: str | None = None
+
+    def train_values(self) -> dict[str, Any]:
+        """The train.* keys this candidate sets (none when it runs with the configured ones)."""
+        values: dict[str, Any] = {}
+        if self.micro_batch_size is not None:
+            values["micro_batch_size"] = self.micro_batch_size
+        if self.recompute is not None:
+            values["activation_checkpointing"] = self.recompute
+        return values
 
     @property
     def sharding(self) -> str:
@@ -80,6 +92,7 @@ class Candidate:
             extra.append(f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.strategy == "fsdp":
             extra.append(f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}")
+        extra += [f"train.{key}={value}" for key, value in self.train_values().items()]
         return " ".join([base, *extra])
 
 
@@ -159,6 +172,28 @@ def enumerate_candidates(
             candidate = Candidate("", "fsdp", Degrees(dp_shard=w, ep=ep))
             found.append(replace(candidate, name=_layout_name(candidate)))
     return [c for c in found if _runs(c, model_cfg, train_cfg)]
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def with_knobs(candidates: list[Candidate], micro_batch_size: int, recompute: str) -> list[Candidate]:
+    """Each candidate as configured, then with smaller micro-batches (the configured size's divisors, so the batch
+    still splits) and more activation recomputation: what an expert turns when a layout does not fit. The
+    configured knobs come first, so that they win a tie."""
+    micro_sizes = [m for m in range(micro_batch_size, 0, -1) if micro_batch_size % m == 0]
+    found = []
+    for candidate in candidates:
+        for mode in RECOMPUTE[RECOMPUTE.index(recompute) :]:
+            for micro in micro_sizes:
+                found.append(
+                    replace(
+                        candidate,
+                        micro_batch_size=micro if micro != micro_batch_size else None,
+                        recompute=mode if mode != recompute else None,
+                    )
+                )
+    return found
 
 
 def _divisors(n: int) -> list[int]:

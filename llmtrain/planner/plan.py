@@ -159,7 +159,8 @@ def _bubble_fraction(c: Candidate, m: int) -> float:
 
 def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     d, gpt = c.degrees, work.gpt
-    rows, k = c.micro_batching(work.batch_size, work.micro_batch_size)
+    recompute = c.recompute or work.recompute
+    rows, k = c.micro_batching(work.batch_size, c.micro_batch_size or work.micro_batch_size)
     style = schedule_spec(c.pp_schedule).style
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
     ranks: list[RankMemory] = []
@@ -168,7 +169,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     for pp_rank in range(d.pp):
         held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks, d.ep)
         states = model_states(c, _scaled(held, factor), work.sizes)
-        acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, work.recompute, work.sizes)
+        acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, recompute, work.sizes)
         ranks.append(RankMemory(*states, acts))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
@@ -197,7 +198,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
     n_params = whole_model_parameters(gpt) - gpt.padding_parameters
     flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank
-    if work.recompute == "full":
+    if recompute == "full":
         flops *= 4 / 3  # the forward runs twice
     compute = flops / (machine.peak_flops * machine.mfu)
     hidden = c.strategy in ("ddp", "fsdp", "pp")  # overlap their data-parallel traffic with compute
@@ -244,7 +245,7 @@ def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
     """The fastest layout that fits (ties within 3% to the simplest), the runner-up, and why, in one line."""
     usable = machine.usable_bytes / GIB
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
-    too_big = [p.name for p in plans if not p.fits]
+    too_big = list(dict.fromkeys(p.name for p in plans if not p.fits and p.name not in {f.name for f in fitting}))
     if not plans:
         return Decision(None, None, "no layout can split this model and batch over these ranks")
     if not fitting:
@@ -257,21 +258,35 @@ def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
         )
     fastest = fitting[0].step_time_s
     close = [p for p in fitting if p.step_time_s <= fastest * (1 + TIE_TOLERANCE)]
-    chosen = min(close, key=lambda p: SIMPLICITY.index(p.name) if p.name in SIMPLICITY else len(SIMPLICITY))
-    others = [p for p in fitting if p is not chosen]
+    # Ties go to the simplest layout, then to the fewest knobs turned away from the configured ones.
+    chosen = min(
+        close,
+        key=lambda p: (
+            SIMPLICITY.index(p.name) if p.name in SIMPLICITY else len(SIMPLICITY),
+            len(p.candidate.train_values()),
+        ),
+    )
+    others = [p for p in fitting if p.name != chosen.name]  # another layout, not the same with other knobs
     runner_up = others[0] if others else None
     why = "the fastest that fits" if chosen is fitting[0] else f"within {TIE_TOLERANCE:.0%} of the fastest and simpler"
     reason = (
-        f"{chosen.name}: {why} ({chosen.heaviest.total / GIB:.2f} of {usable:.2f} GiB per rank, "
+        f"{_described(chosen)}: {why} ({chosen.heaviest.total / GIB:.2f} of {usable:.2f} GiB per rank, "
         f"{chosen.step_time_s:.3g} s/step predicted)"
     )
     if runner_up:
         reason += (
-            f"; runner-up {runner_up.name} ({runner_up.heaviest.total / GIB:.2f} GiB, {runner_up.step_time_s:.3g} s)"
+            f"; runner-up {_described(runner_up)} ({runner_up.heaviest.total / GIB:.2f} GiB, "
+            f"{runner_up.step_time_s:.3g} s)"
         )
     if too_big:
         reason += f"; too big: {', '.join(too_big)}"
     return Decision(chosen, runner_up, reason)
+
+
+def _described(plan: LayoutPlan) -> str:
+    """The layout's name and the train.* knobs it turned, if any."""
+    knobs = " ".join(f"train.{key}={value}" for key, value in plan.candidate.train_values().items())
+    return f"{plan.name} with {knobs}" if knobs else plan.name
 
 
 def host_matmul_flops(ranks_per_node: int) -> float:

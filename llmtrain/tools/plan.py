@@ -28,7 +28,7 @@ from llmtrain.config import RootConfig, validate
 from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, with_knobs
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
 from llmtrain.planner.plan import GIB, Decision, LayoutPlan, choose, plan_layout
 from llmtrain.tools import compose_config
@@ -62,6 +62,10 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]
     plans = [plan_layout(c, work, machine) for c in candidates]
+    # The pick also weighs each layout with smaller micro-batches and more recomputation; the table shows them as
+    # configured.
+    variants = with_knobs(candidates, cfg.train.micro_batch_size, cfg.train.activation_checkpointing)
+    decision = choose([plan_layout(c, work, machine) for c in variants], machine)
     facts = {
         "model": cfg.model.name,
         "parameters": work.parameters or _parameters(work),
@@ -82,7 +86,7 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
             f"over {world} ranks: planned with train.batch_size={cfg.train.batch_size}"
         )
     auto = auto_decision(cfg, world, ranks_per_node, work.gpt.vocab_size, bf16, cfg.parallel.pp_schedule)
-    return plans, choose(plans, machine), auto, facts
+    return plans, decision, auto, facts
 
 
 def _parameters(work) -> int:
