@@ -561,7 +561,9 @@ class PlanConfig:
     measured: Optional[str] = key(
         None,
         ExistingPath("file"),
-        "a `comm_bench.csv` whose measured bus bandwidths replace the hardware's link numbers",
+        "a `comm_bench.csv` whose measured bus bandwidths replace the hardware's link numbers; null: the planner "
+        "tool uses the hardware's, and `parallel=auto` on more than one rank times the machine's collectives at start "
+        "(a few seconds, cached in `data.cache_dir/links/` per host, world size and device)",
     )
     mfu: float = key(
         0.4,

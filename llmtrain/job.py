@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import time
 from typing import cast
@@ -197,6 +198,9 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     _check_vocab(config, tokenizer.vocab_size)
     auto = None
     if config.parallel.strategy == "auto":
+        if config.plan.measured is None and runtime.world_size > 1:  # measure first: the links this machine has
+            measured = _measured_links(config, runtime)
+            config = dataclasses.replace(config, plan=dataclasses.replace(config.plan, measured=measured))
         decided = _agreed(runtime, _auto_layout(config, runtime, tokenizer.vocab_size) if runtime.is_main else None)
         if isinstance(decided, ConfigError):  # raised on every rank: none is left waiting for the others
             raise decided
@@ -274,6 +278,26 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     except BaseException:
         data.close()
         raise
+
+
+def _measured_links(config: RootConfig, runtime: Runtime) -> str:
+    """Collective: a comm_bench CSV of this machine's collectives over all ranks, measured once (a few seconds) and
+    cached in data.cache_dir per host, world size, ranks per node and device; its path, the same on every rank."""
+    from llmtrain.planner.probe import probe_links
+    from llmtrain.resolvers import ranks_per_node
+
+    device = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+    name = f"{socket.gethostname()}-{runtime.world_size}x-{ranks_per_node()}pernode-{device}".replace(" ", "_")
+    path = os.path.join(os.path.expanduser(config.data.cache_dir), "links", f"{name}.csv")
+    path, cached = _agreed(runtime, (path, os.path.exists(path)) if runtime.is_main else None)
+    when = "cached"
+    if not cached:
+        started = time.perf_counter()
+        probe_links(runtime, path)
+        runtime.barrier()
+        when = f"in {time.perf_counter() - started:.1f} s"
+    log.info(f"parallel=auto plans with the collectives measured on this machine ({when}): {path}")
+    return path
 
 
 def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):

@@ -14,20 +14,10 @@ import torch
 import torch.distributed as dist
 from conftest import REPO, torchrun
 
-from llmtrain.bench.comm_bench import (
-    CSV_HEADER,
-    OK,
-    OPS,
-    PAIRS_HEADER,
-    UNSUPPORTED,
-    WRONG,
-    bus_factor,
-    first_call,
-    make_op,
-    parse_config,
-    round_size,
-)
+from llmtrain.bench.comm_bench import OPS, PAIRS_HEADER, parse_config
 from llmtrain.errors import ConfigError
+from llmtrain.planner.links import CSV_HEADER, bus_factor
+from llmtrain.planner.probe import OK, UNSUPPORTED, WRONG, first_call, make_op, round_size
 from llmtrain.runtime import Runtime
 
 CPU = torch.device("cpu")

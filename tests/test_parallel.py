@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import PARITY, assert_matches_single, assert_parity, layout_groups, layout_plan, run_train
 
@@ -58,6 +60,11 @@ def test_auto_picks_a_layout_says_why_and_trains(reference, layout_run):
     assert "GiB per rank" in decision and "s/step predicted" in decision and "runner-up" in decision
     assert f"layout    auto -> {'fsdp' if chosen in ('zero2', 'hsdp') else chosen}" in output
     assert run.summary["world_size"] == 2 and run.summary["layout"].startswith(chosen.split("_")[0])
+    # measure first: the machine's collectives timed at start (or read from the cache) and planned with
+    measured = next(line for line in output.splitlines() if "collectives measured on this machine" in line)
+    table = Path(measured.split(": ")[-1])
+    ops = {row.split(",")[0] for row in table.read_text().splitlines()[1:]}
+    assert {"all_reduce", "reduce_scatter", "all_gather", "send_recv"} <= ops
 
 
 def test_only_rank_zero_writes_and_speaks(layout_run):

@@ -27,8 +27,6 @@ import csv
 import math
 import os
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional, cast
 
@@ -40,23 +38,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from llmtrain.config import check_domains, keys_help, schema_keys, unknown_key_line
 from llmtrain.domains import Flag, ListOf, OneOf, WritableDirectory, at_least, key
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
-from llmtrain.planner.links import CSV_HEADER, bus_factor
+from llmtrain.planner.probe import OK, UNSUPPORTED, WRONG, Result, measure, round_size, slowest, timed, write_csv
 from llmtrain.runtime import Runtime, init_runtime, join_single_process_group
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAIRS_HEADER = ("src", "dst", "bytes", "time_us", "GBps")
-
-# An op whose first call raised one of these is reported as unsupported: c10 errors (gloo's "not supported",
-# an unsupported dtype) reach Python as RuntimeError, NotImplementedError or ValueError.
-UNSUPPORTED_ERRORS = (RuntimeError, NotImplementedError, ValueError)
-OK, UNSUPPORTED, WRONG = 0, 1, 2
-
-# torch 2.13 renamed the single-tensor collectives; the old names remain as deprecated wrappers (a FutureWarning
-# from every rank), and are all older releases have. As llmtrain/parallel/zero.py does.
-reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass
@@ -105,13 +93,6 @@ def parse_config(argv: list[str], device: torch.device) -> BenchConfig:
     return cfg
 
 
-def round_size(nbytes: int, ranks: int, element_size: int) -> int:
-    """`nbytes` rounded down to a multiple of ranks x element size (every rank's share whole elements), at least
-    one element per rank."""
-    unit = ranks * element_size
-    return max(unit, nbytes // unit * unit)
-
-
 def human_bytes(nbytes: float) -> str:
     """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB', 1000 -> '1000 B'."""
     for unit in ("B", "KiB", "MiB"):
@@ -119,128 +100,6 @@ def human_bytes(nbytes: float) -> str:
             return f"{nbytes:.3g} {unit}" if nbytes < 1000 else f"{nbytes:.0f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.3g} GiB" if nbytes < 1000 else f"{nbytes:.0f} GiB"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def slowest(value: float) -> float:
-    """The maximum of `value` over ranks (through the CPU backend: gloo, on a GPU job too)."""
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def timed(run: Callable[[], None], iters: int, device: torch.device) -> float:
-    """This rank's mean seconds per call of `run` over `iters` calls, the ranks started together by a barrier;
-    on a GPU the clock stops when the device has finished, not when the last call was queued."""
-    dist.barrier()
-    _synchronize(device)
-    started = time.perf_counter()
-    for _ in range(iters):
-        run()
-    _synchronize(device)
-    return (time.perf_counter() - started) / iters
-
-
-def make_op(
-    op: str, nbytes: int, dtype: torch.dtype, runtime: Runtime
-) -> tuple[Callable[[], None], Callable[[], bool]]:
-    """(run, check): one call of `op` on a buffer of `nbytes` (nccl-tests' convention), and whether the buffers
-    hold what one call must leave, given inputs filled with rank + 1 (so only right after the first call)."""
-    n, rank, device = runtime.world_size, runtime.rank, runtime.device
-    numel = nbytes // dtype.itemsize
-    share = numel // n
-
-    def filled(count: int, value: float) -> torch.Tensor:
-        return torch.full((count,), value, dtype=dtype, device=device)
-
-    def holds(tensor: torch.Tensor, expected: float | torch.Tensor) -> bool:
-        # Within 1%: a sum over many ranks in 16 bits is rounded, a missing or doubled contribution is not.
-        expected = torch.as_tensor(expected, dtype=torch.float32, device=device).expand(tensor.shape)
-        return torch.allclose(tensor.float(), expected, rtol=1e-2, atol=0)
-
-    def from_each_rank() -> torch.Tensor:
-        """What a buffer whose k-th block came from rank k holds: k + 1 in each element of that block."""
-        return torch.arange(1, n + 1, dtype=torch.float32, device=device).repeat_interleave(share)
-
-    total = n * (n + 1) / 2  # the sum over ranks of rank + 1
-    if op == "all_reduce":
-        tensor = filled(numel, rank + 1)
-        return (lambda: dist.all_reduce(tensor)), lambda: holds(tensor, total)
-    if op == "reduce_scatter":
-        source, kept = filled(numel, rank + 1), filled(share, 0)
-        return (lambda: reduce_scatter(kept, source)), lambda: holds(kept, total)
-    if op == "all_gather":
-        mine, gathered = filled(share, rank + 1), filled(numel, 0)
-        return (lambda: all_gather(gathered, mine)), lambda: holds(gathered, from_each_rank())
-    if op == "broadcast":
-        tensor = filled(numel, rank + 1)
-        return (lambda: dist.broadcast(tensor, src=0)), lambda: holds(tensor, 1)
-    if op == "all_to_all":
-        sent, received = filled(numel, rank + 1), filled(numel, 0)
-        return (lambda: dist.all_to_all_single(received, sent)), lambda: holds(received, from_each_rank())
-    if op == "send_recv":
-        sent, received = filled(numel, rank + 1), filled(numel, 0)
-        previous = (rank - 1) % n
-
-        def ring_step() -> None:
-            # Both posted in one batch: with a blocking send first, every rank would send and none receive, which
-            # deadlocks NCCL once the message outgrows its buffers.
-            ops = [dist.P2POp(dist.isend, sent, (rank + 1) % n), dist.P2POp(dist.irecv, received, previous)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-        return ring_step, lambda: holds(received, previous + 1)
-    raise ValueError(f"unknown op {op!r}")
-
-
-def first_call(run: Callable[[], None], check: Callable[[], bool], device: torch.device) -> tuple[int, str]:
-    """(status, reason) of the op's first call, agreed by every rank: UNSUPPORTED where any rank's call raised
-    (the backend lacks the op or the dtype), WRONG where any rank's buffers do not hold the expected result."""
-    status, reason = OK, ""
-    try:
-        run()
-        _synchronize(device)
-        if not check():
-            status, reason = WRONG, "wrong result after the first call"
-    except UNSUPPORTED_ERRORS as error:
-        status, reason = UNSUPPORTED, (str(error).strip().splitlines() or [type(error).__name__])[0]
-    agreed = int(slowest(float(status)))
-    return agreed, reason if agreed == status else "on another rank"
-
-
-@dataclass
-class Result:
-    op: str
-    nbytes: int
-    ranks: int
-    seconds: float
-    status: int = OK
-    reason: str = ""
-
-    @property
-    def algbw(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-    @property
-    def busbw(self) -> float:
-        return self.algbw * bus_factor(self.op, self.ranks)
-
-
-def measure(op: str, nbytes: int, cfg: BenchConfig, runtime: Runtime) -> Result:
-    """One (op, size): the first call (checked), the rest of the warm-up, the timed calls; every rank returns the
-    slowest rank's time."""
-    run, check = make_op(op, nbytes, DTYPES[cfg.dtype], runtime)
-    status, reason = first_call(run, check, runtime.device)
-    if status != OK:
-        return Result(op, nbytes, runtime.world_size, math.nan, status, reason)
-    for _ in range(cfg.warmup - 1):
-        run()
-    seconds = slowest(timed(run, cfg.iters, runtime.device))
-    return Result(op, nbytes, runtime.world_size, seconds)
 
 
 def measure_pair(src: int, dst: int, nbytes: int, cfg: BenchConfig, runtime: Runtime) -> float:
@@ -270,15 +129,6 @@ def _row(result: Result, backend: str) -> str:
         f"{result.op:<15}{human_bytes(result.nbytes):>10}{result.seconds * 1e6:>13.1f}"
         f"{result.algbw:>12.3f}{result.busbw:>12.3f}"
     )
-
-
-def write_csv(results: list[Result], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_HEADER)
-        for r in results:
-            if r.status == OK:
-                writer.writerow([r.op, r.nbytes, r.ranks, f"{r.seconds * 1e6:.3f}", f"{r.algbw:.6g}", f"{r.busbw:.6g}"])
 
 
 def plot(results: list[Result], path: str, title: str) -> None:
@@ -361,7 +211,7 @@ def run(cfg: BenchConfig, runtime: Runtime) -> list[Result]:
                 print(f"{op:<15}{'':>10}   skipped: needs at least 2 ranks", flush=True)
             continue
         for nbytes in sizes:
-            result = measure(op, nbytes, cfg, runtime)
+            result = measure(op, nbytes, DTYPES[cfg.dtype], cfg.warmup, cfg.iters, runtime)
             results.append(result)
             if runtime.is_main:
                 print(_row(result, backend), flush=True)
