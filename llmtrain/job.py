@@ -43,8 +43,8 @@ from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import Components, LoopState, Trainer
 from llmtrain.train.memory import (
     MIB,
-    BuildPeak,
     HeldBytes,
+    MemoryPeak,
     allocation_failed,
     held_bytes,
     out_of_memory,
@@ -240,7 +240,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     )
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
-        with BuildPeak(runtime.device) as build:
+        with MemoryPeak(runtime.device) as build:
             model = _laid_out(config, plan, mesh, runtime, meta)
         memory = _memory_summary(runtime, held_bytes(model.module, model.optimizer), build.bytes)
         schedule = build_schedule(model.optimizer, t.steps, config.optim)

@@ -2,15 +2,19 @@
 
     torchrun --standalone --nproc_per_node=4 -m llmtrain.bench.layout_memory parallel=fsdp [model=gpt2 ...]
     torchrun ... -m llmtrain.bench.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
+    torchrun --standalone --nproc_per_node=8 -m llmtrain.bench.layout_memory --no-comm parallel=fsdp model=gpt2-medium \
+        train.micro_batch_size=1 train.seq_len=32 train.batch_size=8                          # the step's phases
     torchrun ... -m llmtrain.bench.layout_memory "--layouts=ddp;zero1;tp parallel.sequence_parallel=true;pp"
 
 Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py) and runs two training
 steps on random tokens. It counts the bytes each rank holds in parameters, gradients and optimizer state
 (distinct storages, local shards only) after the optimizer step, the parameters held between forward and
 backward (where ZeRO-2 and ZeRO-3 differ), and the bytes of every collective and send of the second step by type
-(llmtrain/bench/comm_count.py: the first step pays one-off traffic). Rank 0 prints one JSON line per rank and a
-table of measured / planned, the plan being the planner's for this rank's pipeline stage with the sizes llmtrain
-holds (fp32 weights, gradients and AdamW moments): with Ψ the parameter count and N the sharding degree,
+(llmtrain/bench/comm_count.py: the first step pays one-off traffic), and each step's high-water mark per phase
+(forward, backward, clipping, optimizer: allocated bytes on a GPU, the resident set on a CPU). Rank 0 prints one
+JSON line per rank and a table of measured / planned, the plan being the planner's for this rank's pipeline stage
+with the sizes llmtrain holds (fp32 weights, gradients and AdamW moments): with Ψ the parameter count and N the
+sharding degree,
     DDP: Ψ, Ψ, 2Ψ    ZeRO-1: Ψ, Ψ, 2Ψ/N    ZeRO-2: Ψ/N, Ψ/N, 2Ψ/N (Ψ during the step)    FSDP: Ψ/N, Ψ/N, 2Ψ/N
 in elements of 4 bytes, exact up to the padding that makes shards equal.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,7 +41,7 @@ from llmtrain.planner.plan import plan_layout
 from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
-from llmtrain.train.memory import BuildPeak, held_bytes, tensor_bytes
+from llmtrain.train.memory import MemoryPeak, held_bytes, peak_since_reset, reset_peak, tensor_bytes
 
 
 def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> dict[str, Any]:
@@ -56,14 +61,14 @@ def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> d
     }
 
 
-def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
+def measure(cfg, runtime: Runtime, build_only: bool = False, count_comm: bool = True) -> list[dict]:
     """Collective: every rank's row for the layout of `cfg`."""
     torch.manual_seed(cfg.seed)
     vocab_size = cfg.model.vocab_size or 257
     whole = meta_model(cfg.model, vocab_size)
     n_params = num_parameters(whole)
     largest = max(p.numel() * p.element_size() for p in whole.parameters())
-    with BuildPeak(runtime.device) as build:
+    with MemoryPeak(runtime.device) as build:
         model = build_layout(cfg, runtime, vocab_size)
     will_hold = held_bytes(model.module, model.optimizer)
     row = {
@@ -76,7 +81,7 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
         "largest_tensor": largest,
     }
     if not build_only:
-        row.update(_two_steps(cfg, model, runtime, vocab_size))
+        row.update(_two_steps(cfg, model, runtime, vocab_size, count_comm))
         row["predicted"] = predicted(cfg, model, runtime, vocab_size)
     rows: list[Any] = [None] * runtime.world_size
     if runtime.distributed:
@@ -86,9 +91,10 @@ def measure(cfg, runtime: Runtime, build_only: bool = False) -> list[dict]:
     return rows
 
 
-def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int) -> dict:
-    """Two training steps on random tokens, the second one's communication counted (the first pays one-off
-    traffic: DDP's bucket rebuild, the pipeline's shape exchange); then what the rank holds."""
+def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int, count_comm: bool) -> dict:
+    """Two training steps on random tokens, the second one's communication counted unless not `count_comm` (the
+    first pays one-off traffic: DDP's bucket rebuild, the pipeline's shape exchange; the counter's profiler holds
+    memory of its own); then what the rank holds."""
     module, optimizer = model.module, model.optimizer
     size, count = model.plan.micro_batching()
     generator = torch.Generator().manual_seed(model.mesh.dp_rank)
@@ -98,16 +104,26 @@ def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int) -> dict:
             module(torch.randint(0, vocab_size, (size, cfg.train.seq_len), generator=generator).to(runtime.device))
         held_in_step = tensor_bytes(module.parameters())  # gathered parameters kept between forward and backward
 
+    phases = PhasePeaks(runtime.device, module)
+
     def step(keep_gradients: bool) -> None:
         tokens = torch.randint(0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=generator)
+        phases.begin()
         model.forward_backward([(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)])
+        phases.end("backward")
         model.clip_grad_norm(cfg.optim.grad_clip)
+        phases.end("clipping")
         optimizer.step()
+        phases.end("optimizer")
         optimizer.zero_grad(set_to_none=not keep_gradients)  # kept (zeroed) to be counted below
 
     step(keep_gradients=False)
-    with CommCounter() as counter:
+    first_step = phases.take()
+    counter = CommCounter() if count_comm else nullcontext()
+    with counter:
         step(keep_gradients=True)
+    second_step = phases.take()
+    phases.close()
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     grads += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
@@ -116,8 +132,41 @@ def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int) -> dict:
         "grads": tensor_bytes(grads),
         "optimizer": tensor_bytes(state),
         "params_during_step": held_in_step,
-        "comm": counter.bytes,
+        "comm": counter.bytes if isinstance(counter, CommCounter) else {},
+        "step_peaks": [first_step, second_step],
     }
+
+
+class PhasePeaks:
+    """The high-water mark of each phase of a step (CUDA: allocated bytes; CPU: resident set), the mark reset at
+    every boundary: forward (the module's own forward, marked by hooks; a pipeline part's is not split out),
+    backward (the loss, backward and the gradient reduction hooked into it), clipping, optimizer. Several
+    micro-batches: the largest of each."""
+
+    def __init__(self, device: torch.device, module: torch.nn.Module):
+        self.device = device
+        self.peaks: dict[str, int] = {}
+        self.hooks = [
+            module.register_forward_pre_hook(lambda *_: self.end("before forward")),
+            module.register_forward_hook(lambda *_: self.end("forward")),
+        ]
+
+    def begin(self) -> None:
+        reset_peak(self.device)
+
+    def end(self, phase: str) -> None:
+        """The phase that just ended: its peak recorded, a new one started."""
+        if phase != "before forward":
+            self.peaks[phase] = max(self.peaks.get(phase, 0), peak_since_reset(self.device))
+        reset_peak(self.device)
+
+    def take(self) -> dict[str, int]:
+        taken, self.peaks = self.peaks, {}
+        return taken
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
 
 def _table(rows: list[dict]) -> str:
@@ -143,6 +192,12 @@ def _table(rows: list[dict]) -> str:
         ]
         lines.append(f"{r['rank']:>4}{'':45}" + "  ".join(f"{c:>24}" for c in cells))
     lines.append("(n.nnnx) = measured / planned (llmtrain/planner/)")
+    phases = list(rows[0]["step_peaks"][1])
+    lines.append(f"peak per phase of step 1 | step 2, MiB: {'  '.join(f'{p:>20}' for p in phases)}")
+    for r in rows:
+        first, second = r["step_peaks"]
+        cells = [f"{first.get(p, 0) / mib:,.0f} | {second.get(p, 0) / mib:,.0f}" for p in phases]
+        lines.append(f"{r['rank']:>4}{'':34}" + "  ".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)
 
 
@@ -164,11 +219,12 @@ def _build_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """Options: --build-only; --layouts="a;b x.y=z;c" (several layouts, each a parallel= option with its own
-    overrides, measured one after another in one process group and named in each row's "parallel" field: the
-    bytes held and sent are exact for each, the build peak only for the first, since later builds reuse memory the
-    earlier ones freed); the rest are Hydra overrides for every layout."""
-    build_only = "--build-only" in argv
+    """Options: --build-only; --no-comm (no collective counted: memory alone); --layouts="a;b x.y=z;c" (several
+    layouts, each a parallel= option with its own overrides, measured one after another in one process group and
+    named in each row's "parallel" field: the bytes held and sent are exact for each, the build peak only for the
+    first, since later builds reuse memory the earlier ones freed); the rest are Hydra overrides for every
+    layout."""
+    build_only, count_comm = "--build-only" in argv, "--no-comm" not in argv
     layouts = next((arg.split("=", 1)[1].split(";") for arg in argv if arg.startswith("--layouts=")), [None])
     overrides = [arg for arg in argv if not arg.startswith("--")]
     runtime = None
@@ -176,7 +232,7 @@ def main(argv: list[str]) -> None:
         name, *extra = layout.split() if layout else [None]
         cfg = compose_config(overrides + ([f"parallel={name}", *extra] if name else []))
         runtime = runtime or init_runtime(cfg.train.device)
-        rows = measure(cfg, runtime, build_only)
+        rows = measure(cfg, runtime, build_only, count_comm)
         if runtime.is_main:
             for row in rows:
                 print(json.dumps({"parallel": layout, **row}))

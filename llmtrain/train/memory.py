@@ -66,8 +66,31 @@ def _status_kib(field: str) -> int:
     return int(found.group(1))
 
 
-class BuildPeak:
-    """`with BuildPeak(device) as peak: ...`, then `peak.bytes`: the most memory the block held at once above
+def reset_peak(device: torch.device) -> int | None:
+    """Start a new high-water mark at what the process holds now (CUDA: allocated tensors; CPU: resident memory,
+    through /proc/self/clear_refs); that amount, or None where it cannot be measured."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def peak_since_reset(device: torch.device) -> int:
+    """The high-water mark since the last reset_peak (bytes held at once, absolute)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kib("VmHWM") * 1024
+
+
+class MemoryPeak:
+    """`with MemoryPeak(device) as peak: ...`, then `peak.bytes`: the most memory the block held at once above
     what the process held when it began (CUDA: allocated tensors; CPU: resident memory), or None where it cannot
     be measured (a CPU without Linux's /proc)."""
 
@@ -76,28 +99,13 @@ class BuildPeak:
         self.bytes: int | None = None
         self._start: int | None = None
 
-    def __enter__(self) -> BuildPeak:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # reset the high-water mark to the current resident set
-                self._start = _status_kib("VmRSS") * 1024
-            except OSError:
-                self._start = None
+    def __enter__(self) -> MemoryPeak:
+        self._start = reset_peak(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._start is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
-        else:
-            self.bytes = _status_kib("VmHWM") * 1024 - self._start
+        if self._start is not None:
+            self.bytes = peak_since_reset(self.device) - self._start
 
 
 def allocation_failed(error: BaseException) -> bool:
