@@ -131,9 +131,7 @@ def peer_to_peer_verdict(names: list[str], peers_reachable: bool) -> str | None:
 def _decide_peer_to_peer(world_size: int) -> tuple[str, ...]:
     """NCCL_P2P_DISABLE=1 where peer_to_peer_verdict says so, for every launcher (set before the process group
     exists, so NCCL reads it), unless the user set NCCL's P2P variables: the one line saying what was decided."""
-    if world_size == 1 or not torch.cuda.is_available():
-        return ()
-    if "NCCL_P2P_DISABLE" in os.environ or "NCCL_P2P_LEVEL" in os.environ:
+    if world_size == 1 or "NCCL_P2P_DISABLE" in os.environ or "NCCL_P2P_LEVEL" in os.environ:
         return ()
     count = torch.cuda.device_count()
     names = [torch.cuda.get_device_name(index) for index in range(count)]

@@ -114,9 +114,11 @@ def test_jsonl_without_the_text_field(train, tmp_path):
         (("parallel=pp",), 2, 1),
         # experts as grouped GEMMs, their boundaries on the device: no read of their own
         pytest.param(("model=moe-tiny",), 0, 1, marks=pytest.mark.slow),
-        # expert parallelism reads its exchanges' split sizes: once per mixture block (2) and micro-batch (2)
-        pytest.param(("model=moe-tiny", "parallel=fsdp", "parallel.ep=2"), 2, 1 + 2 * 2, marks=pytest.mark.slow),
-        pytest.param(("parallel=fsdp", "parallel.cp=2"), 2, 1, marks=pytest.mark.slow),  # the ring: none
+        # the ring reads nothing; expert parallelism reads its exchanges' split sizes, once per mixture block (2)
+        # and micro-batch (4: the cp ranks share each sequence)
+        pytest.param(
+            ("model=moe-tiny", "parallel=fsdp", "parallel.cp=2", "parallel.ep=2"), 2, 1 + 2 * 4, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_a_training_step_reads_the_device_once(layout, nproc, reads, train, tmp_path):

@@ -211,9 +211,10 @@ class MoE(nn.Module):
         # combined, and the input gradient per token, before they are copied out: 1/top_k of the traffic of
         # reducing every routed slot. A slot's routing weight then meets a partial output, so its gradient (one
         # number per slot) is reduced too; the router stays replicated, its gradients the same on every rank.
+        expert_tokens = tokens
         if split is not None:
-            tokens_in, slot_weights = _into_split(tokens, split), _into_split(slot_weights, split)
-        rows = (tokens if split is None else tokens_in)[token_of_slot]
+            expert_tokens, slot_weights = _into_split(tokens, split), _into_split(slot_weights, split)
+        rows = expert_tokens[token_of_slot]
         routed = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         routed = routed * slot_weights.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
