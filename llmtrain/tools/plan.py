@@ -61,11 +61,12 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
     if cfg.parallel.strategy not in ("single", "auto") or world == 1:
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]
-    plans = [plan_layout(c, work, machine) for c in candidates]
     # The pick also weighs each layout with smaller micro-batches and more recomputation; the table shows them as
-    # configured.
+    # configured (the variants that turn no knob).
     variants = with_knobs(candidates, cfg.train.micro_batch_size, cfg.train.activation_checkpointing)
-    decision = choose([plan_layout(c, work, machine) for c in variants], machine)
+    weighed = [plan_layout(c, work, machine) for c in variants]
+    plans = [p for p in weighed if not p.candidate.train_values()]
+    decision = choose(weighed, machine)
     facts = {
         "model": cfg.model.name,
         "parameters": work.parameters or _parameters(work),
