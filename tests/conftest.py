@@ -13,6 +13,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import atexit  # noqa: E402
+import contextlib
 import functools
 import hashlib
 import json
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,17 +111,67 @@ def python() -> str:
     return warm_interpreter().get("PYTHON_EXEC", sys.executable)
 
 
+# How many ranks of multi-rank runs the pytest-xdist workers run at once. Gloo ranks wait for each other in every
+# collective, so on CI's two cores ranks beyond four cost far more than their share: a 4-rank run took 12.6 s alone
+# and 103 s beside another 4-rank run. A worker whose run would pass this waits until the other's ends.
+RANK_CAPACITY = 4
+# A scheduling aid, never a reason to fail: past this wait a run starts anyway (a test whose own background run
+# holds the slots would otherwise wait for itself).
+RANK_WAIT_LIMIT = 300
+
+
+@contextlib.contextmanager
+def rank_slots(ranks: int) -> Iterator[None]:
+    """Hold `ranks` of RANK_CAPACITY while the block runs (see claim_ranks)."""
+    claim = claim_ranks(ranks)
+    try:
+        yield
+    finally:
+        if claim is not None:
+            claim.unlink()
+
+
+def claim_ranks(ranks: int) -> Path | None:
+    """Wait until `ranks` more fit in RANK_CAPACITY, then claim them for this process: a claim file named by its
+    pid under a folder of this pytest run, counted under a file lock; the claim of a process that has ended
+    (renamed to a run's pid: when that run ends) counts no more. None where nothing is claimed: a run of one
+    process, or one worker alone."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if ranks < 2 or run_id is None:
+        return None
+    folder = Path(tempfile.gettempdir()) / f"llmtrain-ranks-{run_id}"
+    folder.mkdir(exist_ok=True)
+    claim = folder / f"{os.getpid()}.claim"
+    deadline = time.monotonic() + RANK_WAIT_LIMIT
+    while True:
+        with FileLock(folder / "count.lock"):
+            held = sum(int(other.read_text()) for other in folder.glob("*.claim") if _running(int(other.stem)))
+            if held == 0 or held + ranks <= RANK_CAPACITY or time.monotonic() > deadline:
+                claim.write_text(str(ranks))
+                return claim
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (an ended child not yet waited for is a zombie: 'Z')."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc <args>` from the repository, one thread per rank; asserts that
     it succeeded."""
-    done = subprocess.run(
-        [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **warm_interpreter()},
-        cwd=REPO,
-    )
+    with rank_slots(nproc):
+        done = subprocess.run(
+            [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **warm_interpreter()},
+            cwd=REPO,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -209,21 +261,22 @@ def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 
     """The run, or (past `timeout`, before pytest's own limit) a failure showing where each process waited: a
     hang is aborted with SIGABRT, on which Python's fault handler prints every thread's stack."""
     args, env, run_dir = train_command(workdir, cache_dir, *overrides, **options)
-    process = subprocess.Popen(
-        args,
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, "PYTHONFAULTHANDLER": "1"},
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in [*descendants(process.pid), process.pid]:  # torchrun's workers run in sessions of their own
-            os.kill(pid, signal.SIGABRT)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"no result after {timeout:.0f}s from {' '.join(args)}\n{stderr[-30_000:]}")
+    with rank_slots(options.get("nproc", 0)):
+        process = subprocess.Popen(
+            args,
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "PYTHONFAULTHANDLER": "1"},
+        )
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(process.pid), process.pid]:  # torchrun's workers run in sessions of their own
+                os.kill(pid, signal.SIGABRT)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"no result after {timeout:.0f}s from {' '.join(args)}\n{stderr[-30_000:]}")
     return Run(process.returncode, stdout, stderr, run_dir)
 
 
@@ -249,6 +302,10 @@ PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=
 
 
 LAYOUT_WORKER = Path(__file__).with_name("layout_worker.py")
+# What a build or a checkpoint touches besides tensors (DTensor / FSDP / DCP bookkeeping, library code paged in on
+# first use, the allocator's slack), measured at 6-12 MiB on this machine; the memory tests' bounds leave this room
+# without admitting a whole model.
+MEMORY_MARGIN = 24 * 2**20
 
 
 def layout_group(tmp_path_factory, nproc: int, common: str, layouts: list[str]) -> dict:
@@ -376,8 +433,11 @@ def run_stderr(run_dir: Path) -> str:
 def start_run(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):
     """The run in the background, its output in files beside its run directory (a pipe could fill and block)."""
     args, full_env, run_dir = train_command(tmp_path, cache_dir, *overrides, nproc=nproc, env=env, name=name)
+    claim = claim_ranks(nproc)
     with open(tmp_path / f"{name}.stdout", "w") as out, open(tmp_path / f"{name}.stderr", "w") as err:
         process = subprocess.Popen(args, cwd=tmp_path, env=full_env, stdout=out, stderr=err)
+    if claim is not None:  # held until the run ends
+        claim.rename(claim.with_name(f"{process.pid}.claim"))
     return process, run_dir
 
 

@@ -88,7 +88,10 @@ def _worker(rank: int, store_path: str, results) -> None:
 @pytest.mark.slow
 def test_four_gloo_ranks_count_the_bytes_of_each_op(tmp_path):
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")
+    from conftest import rank_slots  # here: the spawned ranks import this module, and only what it needs
+
+    with rank_slots(RANKS):
+        mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")
     by_rank = dict(results.get(timeout=120) for _ in range(RANKS))
 
     params = list(_model().parameters())

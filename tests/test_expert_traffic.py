@@ -49,7 +49,10 @@ def _worker(rank: int, store_path: str, results) -> None:
 @pytest.mark.slow  # two spawned ranks import torch: ~10 s
 def test_tensor_parallel_experts_all_reduce_tokens_not_routed_slots(tmp_path):
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")
+    from conftest import rank_slots  # here: the spawned ranks import this module, and only what it needs
+
+    with rank_slots(RANKS):
+        mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")
     for _ in range(RANKS):
         _, moved, top_k, d_model = results.get(timeout=120)
         per_token = TOKENS * d_model * 4  # fp32: the output's partial sums forward, the input's gradient backward

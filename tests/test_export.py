@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, free_port, join_as_rank, python
+from conftest import REPO, free_port, join_as_rank, python, rank_slots
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError
@@ -157,9 +157,10 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
 def test_a_hugging_face_gpt2_loads_straight_into_shards_and_stages(tmp_path):
     _hf_gpt2(tmp_path)
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(
-        _sharded_init_from_worker, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="spawn"
-    )
+    with rank_slots(2):
+        mp.start_processes(
+            _sharded_init_from_worker, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="spawn"
+        )
     found = dict(results.get(timeout=300) for _ in range(2))
     assert set(found[0]) == {"fsdp", "fsdp model.pt", "pp model.pt"} and set(found[1]) == {"fsdp"}
     assert max(found[0].values()) <= LOGIT_ATOL and found[1]["fsdp"] <= LOGIT_ATOL, found

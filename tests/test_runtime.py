@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, rank_slots
 
 from llmtrain.errors import ConfigError
 from llmtrain.runtime import (
@@ -35,7 +35,8 @@ def _worker(rank: int, env: dict[str, str], results) -> None:
 def _spawn(env: dict[str, str], nprocs: int = 2) -> list[tuple]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    mp.start_processes(_worker, args=(env, results), nprocs=nprocs, start_method="spawn")
+    with rank_slots(nprocs):
+        mp.start_processes(_worker, args=(env, results), nprocs=nprocs, start_method="spawn")
     return sorted(results.get(timeout=60) for _ in range(nprocs))
 
 
@@ -97,7 +98,8 @@ def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     context = mp.get_context("spawn")
     results = context.Queue()
-    mp.start_processes(_stamp_worker, args=(results,), nprocs=2, start_method="spawn")
+    with rank_slots(2):
+        mp.start_processes(_stamp_worker, args=(results,), nprocs=2, start_method="spawn")
     (_, stamp0, subdir0), (_, stamp1, subdir1) = sorted(results.get(timeout=60) for _ in range(2))
     assert stamp0 == stamp1 and "/" in stamp0
     assert (subdir0, subdir1) == (".hydra", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_plan, torchrun
+from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_plan, rank_slots, torchrun
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss
@@ -70,7 +70,8 @@ def _logits_worker(rank: int, port: int, results) -> None:
 
 def test_loss_parallel_never_materialises_full_vocabulary_logits():
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(_logits_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
+    with rank_slots(2):
+        mp.start_processes(_logits_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
     (_, shape0, kind, loss0), (_, shape1, _, loss1) = sorted(results.get(timeout=120) for _ in range(2))
     padded_vocab = 320  # 257 byte tokens padded to a multiple of 64
     assert shape0 == shape1 == (2, 16, padded_vocab // 2)

@@ -40,7 +40,9 @@ class ZeroOne(ParallelModel):
     optimizer: ZeroOneAdamW
 
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
-        return ZeroOneAdamW(self.module, optim, self.mesh.dp_group)
+        if self.mesh.dp_mesh is None:
+            raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
+        return ZeroOneAdamW(self.module, optim, self.mesh.dp_mesh)
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         loss = super().forward_backward(micro_batches)

@@ -15,12 +15,15 @@ model parameter and its gradient a view into it, so the collectives need no pack
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llmtrain.optim import adamw_param_groups
 
@@ -62,18 +65,19 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
 class ZeroOneAdamW(torch.optim.AdamW):
     """AdamW over this rank's slices only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
 
-    def __init__(self, model: nn.Module, optim_cfg, group: dist.ProcessGroup):
-        self.group = group
-        self.world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
+    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh):
+        self.mesh = mesh  # the data-parallel ranks, one dimension
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
         self.buckets: list[FlatBucket] = []
         shard_groups = []
         for param_group in adamw_param_groups(model, optim_cfg.weight_decay):
             if not param_group["params"]:
                 continue
-            bucket = _flatten(param_group["params"], self.world, rank)
+            bucket = _flatten(param_group["params"], self.world, self.rank)
             # Every rank starts from rank 0's weights, as DDP guarantees by its initial broadcast.
-            dist.broadcast(bucket.flat_params, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(bucket.flat_params, src=dist.get_global_rank(self.group, 0), group=self.group)
             self.buckets.append(bucket)
             shard_groups.append({"params": [bucket.shard], "weight_decay": param_group["weight_decay"]})
         super().__init__(shard_groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
@@ -115,33 +119,59 @@ class ZeroOneAdamW(torch.optim.AdamW):
             )
         return state
 
+    def _pieces(self, bucket: FlatBucket) -> Iterator[tuple[nn.Parameter, list[tuple[int, slice, slice]]]]:
+        """Each parameter of the bucket and where it lies: (rank, its span in the parameter's flat view, the same
+        span in that rank's slice) for every rank holding part of it."""
+        shard_numel, offset = bucket.shard.numel(), 0
+        for param in bucket.params:
+            spans = []
+            for rank in range(self.world):
+                start, stop = max(offset, rank * shard_numel), min(offset + param.numel(), (rank + 1) * shard_numel)
+                if start < stop:
+                    in_slice = slice(start - rank * shard_numel, stop - rank * shard_numel)
+                    spans.append((rank, slice(start - offset, stop - offset), in_slice))
+            yield param, spans
+            offset += param.numel()
+
     @torch.no_grad()
     def flat_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, Any]:
-        """Collective: "state.<name>.<exp_avg|exp_avg_sq|step>" and "param_groups.<name>.<option>", with each
-        moment all-gathered from the slices into every parameter's full tensor."""
+        """Collective: "state.<name>.<exp_avg|exp_avg_sq|step>" and "param_groups.<name>.<option>", each moment a
+        DTensor of the parameter split by rows over the ranks, as FSDP's: any layout loads it, and DCP writes each
+        rank's rows. Built one parameter at a time (its moment assembled from the slices that hold it, this
+        rank's rows kept), so a save holds this rank's share of the moments and one parameter's whole moment, not
+        2Ψ: a memory spike exactly where ZeRO-1 was chosen to fit."""
         flat: dict[str, Any] = {}
         for bucket, group in zip(self.buckets, self.param_groups):
             state = self._shard_state(bucket)
-            moments = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full = torch.empty_like(bucket.flat_params)
-                all_gather(full, state[key].contiguous(), group=self.group)
-                moments[key] = full
-            offset = 0
-            for param in bucket.params:
-                name, n = names[param], param.numel()
-                for key, full in moments.items():
-                    flat[f"state.{name}.{key}"] = full[offset : offset + n].view_as(param)
+            for param, spans in self._pieces(bucket):
+                name = names[param]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    whole = torch.empty_like(param)
+                    for rank, in_param, in_slice in spans:
+                        piece = whole.view(-1)[in_param]
+                        if rank == self.rank:
+                            piece.copy_(state[key][in_slice])
+                        dist.broadcast(piece, src=dist.get_global_rank(self.group, rank), group=self.group)
+                    flat[f"state.{name}.{key}"] = self._by_rows(whole)
                 flat[f"state.{name}.step"] = state["step"].clone()
                 for option, value in group.items():
                     if option != "params":
                         flat[f"param_groups.{name}.{option}"] = value
-                offset += n
         return flat
+
+    def _by_rows(self, whole: torch.Tensor) -> DTensor:
+        if whole.ndim == 0:
+            return DTensor.from_local(whole, self.mesh, [Replicate()], run_check=False)
+        rows = -(-whole.shape[0] // self.world)
+        mine = whole[self.rank * rows : (self.rank + 1) * rows].clone()  # a copy: the whole moment is freed
+        return DTensor.from_local(
+            mine, self.mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+        )
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any], names: dict[nn.Parameter, str]) -> None:
-        """The inverse of flat_state_dict: this rank keeps its slice of each moment."""
+        """Collective, the inverse of flat_state_dict: each parameter's moment assembled from the rows (one at a
+        time), this rank's slice kept."""
         for bucket, group in zip(self.buckets, self.param_groups):
             state = self._shard_state(bucket)
             first = names[bucket.params[0]]
@@ -149,10 +179,9 @@ class ZeroOneAdamW(torch.optim.AdamW):
             for option in group:
                 if option != "params":
                     group[option] = flat[f"param_groups.{first}.{option}"]
-            for key in ("exp_avg", "exp_avg_sq"):
-                full = torch.zeros_like(bucket.flat_params)
-                offset = 0
-                for param in bucket.params:
-                    full[offset : offset + param.numel()].copy_(flat[f"state.{names[param]}.{key}"].flatten())
-                    offset += param.numel()
-                state[key].copy_(full[bucket.shard_range])
+            for param, spans in self._pieces(bucket):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    whole = flat[f"state.{names[param]}.{key}"].full_tensor().view(-1)
+                    for rank, in_param, in_slice in spans:
+                        if rank == self.rank:
+                            state[key][in_slice].copy_(whole[in_param])
