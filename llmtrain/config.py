@@ -449,8 +449,8 @@ class TrainConfig:
     activation_checkpointing: str = key(
         "none",
         OneOf(("none", "full", "selective")),
-        "`full`: recompute each block in backward (keeps only block inputs); `selective`: keep matmul and attention "
-        "outputs, recompute the cheap ops between them",
+        "`full`: recompute each block in backward (keeps only block inputs); `selective`: keep matmul, attention "
+        "and communication outputs, recompute the cheap ops between them",
     )
     compile: bool = key(
         False,

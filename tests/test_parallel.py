@@ -33,7 +33,7 @@ LAYOUTS = {
     ],
     4: [
         "parallel=hsdp parallel.dp_shard=2",
-        "parallel=pp_fsdp",
+        "parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",  # torch's schedules with FSDP: test_llama.py
         "parallel=pp_tp train.micro_batch_size=4",
         "parallel=fsdp_tp train.activation_checkpointing=full train.micro_batch_size=4",
     ],

@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import PARITY, REPO, assert_parity, free_port, join_as_rank, json_lines, layout_plan, rank_slots, torchrun
 
+from llmtrain.bench.tp_comms import SETTINGS
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss
 from llmtrain.tools import compose_config
@@ -85,15 +86,18 @@ def test_loss_parallel_never_materialises_full_vocabulary_logits():
 
 
 @pytest.fixture(scope="module")
-def tp_comms() -> dict[bool, dict]:
-    """llmtrain.bench.tp_comms over 2 ranks: each setting of sequence parallelism's collectives per block."""
+def tp_comms() -> dict[tuple[bool, str], dict]:
+    """llmtrain.bench.tp_comms over 2 ranks: the collectives per block of each setting of sequence parallelism
+    and recomputation."""
     rows = json_lines(torchrun(2, "-m", "llmtrain.bench.tp_comms").stdout)
-    return {row["sequence_parallel"]: row for row in rows}
+    return {(row["sequence_parallel"], row["recompute"]): row for row in rows}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_collectives_per_layer_match_the_design(sequence_parallel, tp_comms):
-    counts = tp_comms[sequence_parallel]
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"sp={s[0]}-{s[1]}")
+def test_collectives_per_layer_match_the_design(setting, tp_comms):
+    """Megatron's collectives per block; recomputed selectively, backward replays no reduction (the policy keeps
+    their outputs), where a full recomputation replays one."""
+    counts = tp_comms[setting]
     measured = {op: n for op, n in counts["per_block"].items() if n}
     assert measured == counts["expected_per_block"]
 

@@ -31,6 +31,7 @@ SAVED_BY_SELECTIVE = frozenset(
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::_scaled_dot_product_cudnn_attention",
         "aten::topk",
+        "_c10d_functional::all_reduce",
         "_c10d_functional::reduce_scatter_tensor",
         "_c10d_functional::all_to_all_single",
         "llmtrain::ring_attention",

@@ -18,11 +18,13 @@ On GPU with bf16 precision, parameters are gathered and computed in bf16 while g
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import Experts
@@ -53,6 +55,7 @@ def apply_fsdp(
                         reshard_after_forward=reshard_after_forward,
                         mp_policy=mixed,
                         offload_policy=offload,
+                        shard_placement_fn=experts_placement(module, expert_mesh),
                     )
                     unit.set_gradient_divide_factor(data_parallel_size)
                     if expert_mesh.size(-1) > 1:
@@ -63,7 +66,12 @@ def apply_fsdp(
                     # A rank whose experts received no token this step still joins the reduction.
                     unit.set_reduce_scatter_unused_params(True)
         fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mixed,
+            offload_policy=offload,
+            shard_placement_fn=experts_placement(block, mesh),
         )
     embedding, head = edge_units(model)
     if embedding:  # gathered for the first layer only, freed for the rest of the step
@@ -77,6 +85,25 @@ def apply_fsdp(
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+def experts_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None] | None:
+    """Where FSDP splits the expert weights under `module` (E x d x f each): by expert (dim 0, FSDP's default)
+    while every shard gets one, by their second dimension once the shards outnumber the experts, as torchtitan's
+    (split by expert, the ranks past the last expert would hold padding only, and the others whole experts).
+    Tensor-parallel experts (DTensors already split along their width) stay split by expert. None (dim 0 for
+    everything) where nothing changes."""
+    shards = mesh.size(-1)
+    by_columns = {
+        id(param)
+        for expert_module in module.modules()
+        if isinstance(expert_module, Experts)
+        for param in expert_module.parameters(recurse=False)
+        if param.shape[0] < shards and not isinstance(param, DTensor)
+    }
+    if not by_columns:
+        return None
+    return lambda param: Shard(1) if id(param) in by_columns else None
 
 
 def edge_units(model: LayeredModel) -> tuple[list[nn.Module], list[nn.Module]]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.timeline import Timeline
@@ -79,6 +79,8 @@ class Reference1F1B:
             exchange(receive_gradient)
             backward_sends = self._backward(i, gradient)
         exchange(backward_sends)
+        if isinstance(self.module, FSDPModule):
+            reduce_fsdp_gradients(self.module)
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.div_(self.m)
@@ -118,16 +120,31 @@ class Reference1F1B:
         received, output = self.saved.pop(i)
         with self.timeline.record("B", self.stage, i):
             if isinstance(self.module, FSDPModule):
-                # As torch's PipelineStage: until the last micro-batch's backward, keep the parameters gathered
-                # (not all-gathered again for every micro-batch) and accumulate unsharded gradients; reduce-scatter
-                # them once, on the last.
-                last = i == self.m - 1
-                self.module.set_is_last_backward(last)
-                self.module.set_reshard_after_backward(last)
-                self.module.set_requires_gradient_sync(last)
+                # As torch's PipelineStage: every micro-batch's backward keeps the parameters gathered (not
+                # all-gathered again for the next) and accumulates unsharded gradients; reduce_fsdp_gradients
+                # reshards and reduce-scatters them once, after the last.
+                self.module.set_is_last_backward(False)
+                self.module.set_reshard_after_backward(False)
+                self.module.set_requires_gradient_sync(False)
             torch.autograd.backward(output, gradient)
         self.timeline.activations_freed(self.stage, i)
         if received is None:  # the first stage sends no gradient
             return []
         assert received.grad is not None, "the stage's input requires grad"
         return [dist.P2POp(dist.isend, received.grad, self.prev, self.group)]
+
+
+def reduce_fsdp_gradients(module: FSDPModule) -> None:
+    """After a step's last backward: every FSDP unit of `module` reduce-scatters its accumulated gradients and
+    reshards, once (torch's PipelineStage.perform_reduce_grad, through the same private state). Setting the flags
+    back on before the last micro-batch's backward instead regathers the [norm, head] unit in that backward:
+    FSDP's backward prefetch follows the forward order of all the step's micro-batches and fetches the head of
+    the one before (the layout accounting test counts the all-gathers)."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
