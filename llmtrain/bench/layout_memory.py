@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc_per_node=4 -m llmtrain.bench.layout_memory parallel=fsdp [model=gpt2 ...]
     torchrun ... -m llmtrain.bench.layout_memory --build-only parallel=fsdp model=gpt3-2.7b   # the build alone
-    torchrun --standalone --nproc_per_node=8 -m llmtrain.bench.layout_memory --no-comm parallel=fsdp model=gpt2-medium \
-        train.micro_batch_size=1 train.seq_len=32 train.batch_size=8                          # the step's phases
+    torchrun --standalone --nproc_per_node=8 -m llmtrain.bench.layout_memory --no-comm --bare parallel=fsdp \
+        model=gpt2-medium train.micro_batch_size=1 train.seq_len=32 train.batch_size=8        # the step's phases,
+                                                                                             # and bare FSDP2's
     torchrun ... -m llmtrain.bench.layout_memory "--layouts=ddp;zero1;tp parallel.sequence_parallel=true;pp"
 
 Builds the model under the layout (measuring the build's peak: llmtrain/train/memory.py) and runs two training
@@ -137,6 +138,46 @@ def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int, count_comm: 
     }
 
 
+def bare_fsdp_peaks(cfg, runtime: Runtime, vocab_size: int) -> dict:
+    """Collective: the same two steps' phase peaks under FSDP2 alone, none of llmtrain's layout code: the model from
+    the meta device, `fully_shard` on each block and on the root (torch's defaults), normal-initialised shards,
+    torch's AdamW and loss. What a layout's peaks hold beyond these is llmtrain's; what both hold, FSDP's, the
+    backend's (gloo reduce-scatters through a whole-buffer all-reduce) or the allocator's."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = meta_model(cfg.model, vocab_size)
+    for block in model.blocks.values():
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device=runtime.device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    generator = torch.Generator().manual_seed(runtime.rank)
+    size = cfg.train.micro_batch_size
+    count = cfg.train.batch_size // (size * runtime.world_size)
+    phases = PhasePeaks(runtime.device, model)
+    peaks = []
+    for _ in range(2):
+        tokens = torch.randint(0, vocab_size, (size * count, cfg.train.seq_len + 1), generator=generator)
+        phases.begin()
+        for chunk in tokens.split(size):
+            logits = model(chunk[:, :-1].to(runtime.device))
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), chunk[:, 1:].flatten().to(runtime.device)
+            ).backward()
+        phases.end("backward")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        phases.end("clipping")
+        optimizer.step()
+        phases.end("optimizer")
+        optimizer.zero_grad(set_to_none=True)
+        peaks.append(phases.take())
+    phases.close()
+    return {"rank": runtime.rank, "step_peaks": peaks}
+
+
 class PhasePeaks:
     """The high-water mark of each phase of a step (CUDA: allocated bytes; CPU: resident set), the mark reset at
     every boundary: forward (the module's own forward, marked by hooks; a pipeline part's is not split out),
@@ -192,13 +233,19 @@ def _table(rows: list[dict]) -> str:
         ]
         lines.append(f"{r['rank']:>4}{'':45}" + "  ".join(f"{c:>24}" for c in cells))
     lines.append("(n.nnnx) = measured / planned (llmtrain/planner/)")
+    lines += _phase_lines(rows)
+    return "\n".join(lines)
+
+
+def _phase_lines(rows: list[dict]) -> list[str]:
+    mib = 2**20
     phases = list(rows[0]["step_peaks"][1])
-    lines.append(f"peak per phase of step 1 | step 2, MiB: {'  '.join(f'{p:>20}' for p in phases)}")
+    lines = [f"peak per phase of step 1 | step 2, MiB: {'  '.join(f'{p:>20}' for p in phases)}"]
     for r in rows:
         first, second = r["step_peaks"]
         cells = [f"{first.get(p, 0) / mib:,.0f} | {second.get(p, 0) / mib:,.0f}" for p in phases]
         lines.append(f"{r['rank']:>4}{'':34}" + "  ".join(f"{c:>20}" for c in cells))
-    return "\n".join(lines)
+    return lines
 
 
 def _ratio(measured: float, planned: float) -> str:
@@ -224,7 +271,7 @@ def main(argv: list[str]) -> None:
     named in each row's "parallel" field: the bytes held and sent are exact for each, the build peak only for the
     first, since later builds reuse memory the earlier ones freed); the rest are Hydra overrides for every
     layout."""
-    build_only, count_comm = "--build-only" in argv, "--no-comm" not in argv
+    build_only, count_comm, bare = "--build-only" in argv, "--no-comm" not in argv, "--bare" in argv
     layouts = next((arg.split("=", 1)[1].split(";") for arg in argv if arg.startswith("--layouts=")), [None])
     overrides = [arg for arg in argv if not arg.startswith("--")]
     runtime = None
@@ -237,6 +284,16 @@ def main(argv: list[str]) -> None:
             for row in rows:
                 print(json.dumps({"parallel": layout, **row}))
             print(_build_table(rows) if build_only else _table(rows), file=sys.stderr)
+    if bare and runtime is not None:
+        cfg = compose_config(overrides)
+        row = bare_fsdp_peaks(cfg, runtime, cfg.model.vocab_size or 257)
+        gathered: list[Any] = [None] * runtime.world_size
+        dist.all_gather_object(gathered, row)
+        if runtime.is_main:
+            for bare_row in gathered:
+                print(json.dumps({"parallel": "bare fsdp2", **bare_row}))
+            print("bare FSDP2 (fully_shard per block and root, torch's AdamW):", file=sys.stderr)
+            print("\n".join(_phase_lines(gathered)), file=sys.stderr)
     if runtime is not None:
         runtime.shutdown(synchronize=True)
 
