@@ -459,6 +459,13 @@ class TrainConfig:
         "`summary.json` (`compiled_graphs`) count the graphs compiled",
     )
     max_bad_steps: int = key(3, at_least(1), "consecutive non-finite steps before the run stops")
+    hang_timeout: Optional[float] = key(
+        None,
+        Number(low=0),
+        "seconds a rank may make no progress before every rank writes its stacks and collectives to "
+        "`<run dir>/hang/` and the job exits 76 (requeued by launch/slurm.sbatch); validation and checkpoints get "
+        "10x; 0 = off; null = on GPUs 20x the median of the first steps (at least 300 s), off on CPUs",
+    )
 
 
 @dataclass

@@ -51,6 +51,9 @@ class CheckpointWriteError(RunError, RuntimeError):
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry" — a checkpoint was saved.
 PREEMPTED_EXIT = 75
+# A rank made no progress for train.hang_timeout (llmtrain/train/watchdog.py): requeued a limited number of times,
+# resuming from the last complete checkpoint.
+HUNG_EXIT = 76
 
 
 class Preempted(RunError):

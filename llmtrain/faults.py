@@ -5,6 +5,10 @@ read once per process:
     LLMTRAIN_FAULTS="hang_at_step=9"                LLMTRAIN_FAULTS="inf_at_steps=4,5,6 step_seconds=0.5"
 
   hang_at_step=k            step k never finishes (a test then kills the run: a crash mid-run)
+  hang_on_rank=r            with hang_at_step: only rank r hangs, the others then wait for it in the step's first
+                            collective (what the hang watchdog is for)
+  hang_marker=PATH          with hang_at_step: hang only while PATH does not exist, and create it when hanging (a
+                            job requeued after the hang then runs through)
   step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
   inf_grad_at_steps=3       those steps' gradients become non-finite, their loss stays finite
@@ -32,6 +36,8 @@ from typing import Any, NoReturn
 ENVIRONMENT = "LLMTRAIN_FAULTS"
 POINTS = (
     "hang_at_step",
+    "hang_on_rank",
+    "hang_marker",
     "step_seconds",
     "inf_at_steps",
     "inf_grad_at_steps",
@@ -64,6 +70,19 @@ def _steps(name: str) -> set[int]:
     return {int(step) for step in armed().get(name, "").split(",") if step}
 
 
+def _hangs_here() -> bool:
+    rank = os.environ.get("RANK", "0")
+    if armed().get("hang_on_rank", rank) != rank:
+        return False
+    marker = armed().get("hang_marker")
+    if marker is None:
+        return True
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
+
+
 def _hang() -> NoReturn:
     while True:
         time.sleep(1)
@@ -71,7 +90,7 @@ def _hang() -> NoReturn:
 
 def step_begins(step: int) -> None:
     """At the start of training step `step`: hang_at_step, oom_at_step."""
-    if step in _steps("hang_at_step"):
+    if step in _steps("hang_at_step") and _hangs_here():
         _hang()
     if step in _steps("oom_at_step"):
         import torch

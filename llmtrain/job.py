@@ -52,6 +52,7 @@ from llmtrain.train.memory import (
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
+from llmtrain.train.watchdog import StepWatchdog
 
 log = logging.getLogger("llmtrain")
 
@@ -333,7 +334,8 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         name, group = _wandb_identity(config.logging.wandb, run_dir)
         loggers = RunLoggers(config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
     profiler = StepProfiler(config.profile, runtime, run_dir)
-    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption, profiler)
+    watchdog = StepWatchdog.for_run(t.hang_timeout, runtime, run_dir)
+    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption, profiler, watchdog)
     try:
         state = trainer.run()
         training.checkpoints.finish()
@@ -345,6 +347,8 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
             runtime.rank, f"in step {trainer.state.step + 1}", runtime.device, t.micro_batch_size, _plan(runtime)
         ) from None
     finally:
+        if watchdog is not None:
+            watchdog.close()
         training.data.close()
         if loggers:
             loggers.close_console()

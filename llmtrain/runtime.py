@@ -150,6 +150,10 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     notes = _decide_peer_to_peer(world_size) if device.type == "cuda" else ()
     runtime = Runtime(rank, world_size, local_rank, device, launcher, notes)
     if world_size > 1 and not dist.is_initialized():
+        # The flight recorders the hang watchdog dumps (train/watchdog.py), read when the group is made: the last
+        # collectives of each group, kept in a ring buffer at the cost of a record per collective.
+        for variable in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"):
+            os.environ.setdefault(variable, "2000")
         dist.init_process_group(
             backend=process_group_backend(device),
             rank=rank,

@@ -107,6 +107,7 @@ class Job:
 
 HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
 SWEEP_JOB_NAME = "llmtrain-test-sweep"
+HANG_TIMEOUT = 10
 
 
 def _submitit_sweep(workdir: Path, cache_dir: Path) -> subprocess.Popen:
@@ -137,34 +138,36 @@ def _submitit_sweep(workdir: Path, cache_dir: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def slurm_jobs(tmp_path_factory, cache_dir):
-    """A `launch/slurm.sbatch` job preempted mid-run (SIGUSR1 to its batch shell after step 3) and, where the plugin
-    is installed, a submitit sweep, submitted together; Slurm polled every second (`sbatch --wait` re-polls with a
-    growing sleep)."""
+    """A `launch/slurm.sbatch` job preempted mid-run (SIGUSR1 to its batch shell after step 3), one whose rank 1
+    hangs once in step 5 (the watchdog ends it) and, where the plugin is installed, a submitit sweep, submitted
+    together; Slurm polled every second (`sbatch --wait` re-polls with a growing sleep)."""
     workdir = tmp_path_factory.mktemp("slurm")
     job = Job(workdir / "sbatch", cache_dir, "logging.wandb.mode=offline", env=arm(step_seconds="0.5"))
+    hang = arm(hang_at_step="5", hang_on_rank="1", hang_marker=str(workdir / "hung-once"))
+    hung = Job(workdir / "hung", cache_dir, "checkpoint.every=2", f"train.hang_timeout={HANG_TIMEOUT}", env=hang)
     sweep = _submitit_sweep(workdir / "submitit", cache_dir) if HAS_SUBMITIT else None
     signalled = False
     deadline = time.monotonic() + 600
     try:
-        while job.state not in FINISHED or (sweep and sweep.poll() is None):
-            assert time.monotonic() < deadline, f"still running:\n{job.output[-3000:]}"
+        while job.state not in FINISHED or hung.state not in FINISHED or (sweep and sweep.poll() is None):
+            assert time.monotonic() < deadline, f"still running:\n{job.output[-3000:]}\n{hung.output[-3000:]}"
             if not signalled and job.steps_logged() >= 3:
                 subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True, timeout=60)
                 signalled = True
             time.sleep(1)
     finally:
-        subprocess.run(["scancel", job.id], capture_output=True, timeout=60)
+        subprocess.run(["scancel", job.id, hung.id], capture_output=True, timeout=60)
         if sweep and sweep.poll() is None:
             sweep.kill()
             subprocess.run(["scancel", f"--name={SWEEP_JOB_NAME}"], capture_output=True, timeout=60)
     assert signalled, job.output[-3000:]
-    return job, workdir / "submitit"
+    return job, workdir / "submitit", hung
 
 
 def test_a_two_node_job_trains_bit_identically_to_one_node(slurm_jobs, layout_run):
     """2 nodes x 2 ranks of fsdp under slurm.sbatch (interrupted and resumed once, see below) against the same
     layout uninterrupted under torchrun on one node: the same losses, gradient norms and weights, to the bit."""
-    job, _ = slurm_jobs
+    job = slurm_jobs[0]
     assert job.state == "COMPLETED", job.output[-3000:]
     assert "dp_shard 4" in job.output and "2 nodes" in job.output
     assert sorted(os.listdir(job.workdir / "outputs")) == [f"slurm-{job.id}"]  # every node, every run: one directory
@@ -177,7 +180,7 @@ def test_a_two_node_job_trains_bit_identically_to_one_node(slurm_jobs, layout_ru
 
 
 def test_a_preempted_job_checkpoints_requeues_and_resumes(slurm_jobs):
-    job, _ = slurm_jobs
+    job = slurm_jobs[0]
     log = job.output
     stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+); checkpoint saved", log).group(1))
     assert 3 <= stopped < 10
@@ -211,3 +214,18 @@ def test_a_submitit_sweep_runs_one_multi_node_job_per_point(slurm_jobs):
         assert len(offline) == 1 and b"sweep" in offline[0].read_bytes()  # one W&B group for the sweep
     first_lrs = sorted(Run(0, "", "", p).metrics[0]["lr"] for p in points)  # each point got its own optim.lr
     assert first_lrs[1] / first_lrs[0] == pytest.approx(0.001 / 0.0003)
+
+
+def test_a_hung_job_writes_every_ranks_stack_is_requeued_once_and_resumes_to_the_same_run(slurm_jobs, layout_run):
+    """Rank 1 of 2 nodes x 2 stops before step 5 once: every rank writes its stack, the job exits 76, slurm.sbatch
+    requeues it, and the second run resumes from step 4 and ends bit-identical to one node's uninterrupted run."""
+    hung = slurm_jobs[2]
+    log = hung.output
+    assert "hang: no progress" in log and "behind: rank 1 in step 5 (starting the step)" in log, log[-3000:]
+    assert "a rank hung" in log and "(hang 1 of at most 3)" in log, log[-3000:]
+    assert f"resumed   from {hung.run.run_dir}/checkpoints/step-00000004" in log
+    assert _job_field(hung.id, "Restarts") == "1" and hung.state == "COMPLETED", log[-3000:]
+    assert sorted(p.name for p in (hung.run.run_dir / "hang").iterdir()) == [f"rank-{r}.txt" for r in range(4)]
+    one_node = layout_run("parallel=fsdp", nproc=4)
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [m.get(key) for m in hung.run.metrics] == [m.get(key) for m in one_node.metrics], key

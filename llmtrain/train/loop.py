@@ -27,6 +27,7 @@ from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
+from llmtrain.train.watchdog import StepWatchdog
 
 log = logging.getLogger("llmtrain")
 
@@ -70,7 +71,8 @@ class Components:
 
 class Trainer:
     """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
-    cleanly at a step boundary when `preemption` saw a stop signal, and recording the steps `profiler` asks for."""
+    cleanly at a step boundary when `preemption` saw a stop signal, recording the steps `profiler` asks for, and
+    telling `watchdog` where it is."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class Trainer:
         on_record: Callable[[dict[str, Any]], None],
         preemption: PreemptionWatch | None,
         profiler: StepProfiler | None = None,
+        watchdog: StepWatchdog | None = None,
     ):
         self.train = parts.config.train
         self.grad_clip = parts.config.optim.grad_clip
@@ -95,6 +98,7 @@ class Trainer:
         self.checkpoints = parts.checkpoints
         self.preemption = preemption
         self.profiler = profiler
+        self.watchdog = watchdog
         self.state = parts.state
         self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
 
@@ -113,8 +117,13 @@ class Trainer:
         self.model.module.train()
         return self.model.reduce_mean(loss).item()
 
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(self.state.step + 1 if step is None else step, phase)
+
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
+        self._mark("starting the step")
         faults.step_begins(self.state.step + 1)
         with faults.counting_host_reads(self.optimizer):
             record = self._step(started)
@@ -124,8 +133,10 @@ class Trainer:
     def _step(self, started: float) -> dict[str, Any]:
         begin_step_memory(self.runtime.device)
         micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
+        self._mark("forward/backward")
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
         loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
+        self._mark("clipping")
         grad_norm = self.model.clip_grad_norm(self.grad_clip)
         device = self.runtime.device
         stop = (
@@ -137,6 +148,7 @@ class Trainer:
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
         # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
         load = self.model.expert_load()
+        self._mark("reading the step's results")
         scalars = [full_tensor(loss), grad_norm, stop, *([] if load is None else [load])]
         loss_value, norm_value, stop_value, *load_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
@@ -152,6 +164,7 @@ class Trainer:
             record["expert_load"] = [round(value) for value in load_values]
             record["expert_imbalance"] = max(load_values) * len(load_values) / max(sum(load_values), 1)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
+        self._mark("optimizer")
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
             self.optimizer.step()
             self.state.bad_steps = 0
@@ -163,6 +176,8 @@ class Trainer:
         # while its optimizer kernels are still queued, and their time would land in the next step's.
         self.runtime.synchronize()
         seconds = time.perf_counter() - started
+        if self.watchdog is not None:
+            self.watchdog.observe_step(seconds)
         tokens = self.train.batch_size * self.train.seq_len
         record["tokens_per_s"] = tokens / seconds
         record["mfu"] = mfu(tokens / seconds / self.runtime.world_size, self.flops_per_token, self.peak)
@@ -197,16 +212,19 @@ class Trainer:
         record = self.train_step()
         if self.profiler is not None:
             self.profiler.after_step(record["step"])
-        self.state.step = record["step"]
-        if self._is_eval_step(self.state.step):
+        self.state.step = step = record["step"]
+        if self._is_eval_step(step):
+            self._mark("validation", step)
             record["val_loss"] = self.validation_loss()
+        self._mark("logging", step)
         record.update(step_memory(self.runtime.device))
         self.checkpoints.poll()
         self.state.records.append(record)
         self.on_record(record)
         stop = self.stop_requested
-        if stop or self._is_checkpoint_step(self.state.step):
-            self.checkpoints.save(self.state.step)
+        if stop or self._is_checkpoint_step(step):
+            self._mark("checkpoint", step)
+            self.checkpoints.save(step)
         if stop:
             self.checkpoints.finish()
             signal_name = self.preemption.signal_name if self.preemption is not None else None

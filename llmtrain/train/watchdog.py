@@ -1,0 +1,263 @@
+"""The step watchdog (train.hang_timeout): a hung rank costs minutes, not the job's allocation.
+
+On a cluster the costly failure is a hang, not a crash: one rank stuck (a bad GPU, a dropped link, a deadlock)
+and every other rank waiting in a collective until the time limit, with no word of who or where. The training
+loop marks its progress here (`mark(step, phase)`: an attribute write, no I/O, no device sync). When a phase has
+run longer than its allowance, a thread of this process, on every rank on its own clock:
+  1. writes <run dir>/hang/rank-<r>.txt: the step and phase, every Python thread's stack (faulthandler) and the
+     collectives the process group still has in flight (torch's flight recorder: NCCL's, TORCH_NCCL_TRACE_BUFFER_SIZE,
+     or the other backends', TORCH_FR_BUFFER_SIZE; init_runtime sets both unless the user did);
+  2. posts where it is to the job's store and waits a few seconds for the other ranks' posts;
+  3. logs one line naming the ranks that are behind (an earlier step or phase, or silent: gone, or stuck holding
+     the interpreter) and where the others wait;
+  4. ends the process with HUNG_EXIT, which launch/slurm.sbatch requeues (at most LLMTRAIN_MAX_REQUEUES times):
+     the job resumes from its last complete checkpoint.
+It works from its own thread because the training thread is the one that is stuck, in a collective that never
+returns; a rank that hangs does not keep the others from writing their dumps."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.errors import HUNG_EXIT
+from llmtrain.runtime import Runtime
+
+log = logging.getLogger("llmtrain")
+
+# The loop's phases, in the order a step runs them: a rank in an earlier one is behind the others.
+PHASES = (
+    "starting the step",
+    "forward/backward",
+    "clipping",
+    "reading the step's results",
+    "optimizer",
+    "validation",
+    "logging",
+    "checkpoint",
+)
+# Validation, logging (W&B over the network) and checkpoints may run longer than a step: this many timeouts.
+SLOW_PHASES, SLOW_PHASE_ALLOWANCE = ("validation", "logging", "checkpoint"), 10
+# With train.hang_timeout unset, a GPU run arms itself after this many steps with this many times their median
+# (at least AUTO_FLOOR seconds): long enough for a slow step, short against an allocation.
+AUTO_AFTER_STEPS, AUTO_FACTOR, AUTO_FLOOR = 5, 20, 300.0
+# How long a rank that timed out waits for the others' posts before naming who is missing.
+GATHER_SECONDS = 15.0
+STORE_PREFIX = "llmtrain/hang"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank is: its step, its phase, the innermost frame of its training thread and the newest collective
+    its process group posted."""
+
+    rank: int
+    step: int
+    phase: str
+    frame: str
+    collective: str = ""
+
+    def order(self) -> tuple[int, int]:
+        return self.step, PHASES.index(self.phase)
+
+    def encode(self) -> str:
+        return json.dumps([self.rank, self.step, self.phase, self.frame, self.collective])
+
+    @classmethod
+    def decode(cls, text: bytes) -> Position:
+        return cls(*json.loads(text))
+
+
+class StepWatchdog:
+    """Watches the training thread of this rank; `close` ends the watch. `timeout` None: not armed until
+    `observe_step` has seen AUTO_AFTER_STEPS steps (then AUTO_FACTOR x their median)."""
+
+    def __init__(self, timeout: float | None, runtime: Runtime, run_dir: str):
+        self.timeout = timeout
+        self.runtime = runtime
+        self.directory = os.path.join(run_dir, "hang")
+        self.step_seconds: list[float] = []
+        self._training_thread = threading.get_ident()
+        self._position = Position(runtime.rank, 0, PHASES[0], "")
+        self._deadline: float | None = None
+        self._allowance = 1.0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="llmtrain-watchdog", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_run(cls, timeout: float | None, runtime: Runtime, run_dir: str) -> StepWatchdog | None:
+        """The watchdog train.hang_timeout asks for: seconds; 0 off; unset (None): derived from the first steps
+        on a GPU, off on a CPU (where tests and small runs pause and resume freely)."""
+        if timeout == 0 or (timeout is None and runtime.device.type != "cuda"):
+            return None
+        return cls(timeout, runtime, run_dir)
+
+    def mark(self, step: int, phase: str) -> None:
+        """The training thread entered `phase` of `step`: the clock starts again, with the phase's allowance (from
+        the end of the first step: the first compiles, warms up and opens the data)."""
+        self._position = Position(self.runtime.rank, step, phase, "")
+        self._allowance = SLOW_PHASE_ALLOWANCE if phase in SLOW_PHASES else 1.0
+        if self.timeout is None or not self.step_seconds:
+            self._deadline = None
+        else:
+            self._deadline = time.monotonic() + self.timeout * self._allowance
+
+    def observe_step(self, seconds: float) -> None:
+        """A step took `seconds`: with no timeout set, the first steps decide it."""
+        self.step_seconds.append(seconds)
+        if self.timeout is None and len(self.step_seconds) == AUTO_AFTER_STEPS:
+            median = statistics.median(self.step_seconds[1:])  # the first step compiles and warms up
+            self.timeout = max(AUTO_FLOOR, AUTO_FACTOR * median)
+            log.info(f"watchdog  a rank that makes no progress for {self.timeout:.0f} s ends the job (requeued)")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+    # -- the watching thread ----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closed.wait(1.0 if self.timeout is None else min(1.0, self.timeout / 10)):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self._fire()
+
+    def _fire(self) -> None:
+        stalled = self.timeout * self._allowance if self.timeout is not None else 0.0
+        entries, reason = flight_entries()
+        newest = _collective(entries[-1]) if entries else ""
+        here = Position(**{**self._position.__dict__, "frame": self._innermost_frame(), "collective": newest})
+        path = self._write_dump(here, stalled, flight_record(entries, reason))
+        positions = self._gather(here)
+        if min(positions) == self.runtime.rank:  # one line for the job, from the lowest rank that got this far
+            log.error(describe_hang(positions, self.runtime.world_size, stalled, self.directory))
+        else:
+            log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s; where it was: {path}")
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(HUNG_EXIT)
+
+    def _innermost_frame(self) -> str:
+        frame = sys._current_frames().get(self._training_thread)
+        if frame is None:
+            return "(the training thread has ended)"
+        return f"{frame.f_code.co_name} ({_short_path(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+    def _write_dump(self, here: Position, stalled: float, collectives: str) -> str:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"rank-{self.runtime.rank}.txt")
+        with open(path, "w") as dump:
+            dump.write(
+                f"rank {self.runtime.rank} of {self.runtime.world_size} (host {os.uname().nodename}, pid {os.getpid()})"
+                f": no progress for {stalled:.0f} s in step {here.step}, {here.phase}, at {here.frame}\n\n"
+                "Python threads (the training thread is the one in the step):\n"
+            )
+            dump.flush()
+            faulthandler.dump_traceback(dump, all_threads=True)
+            dump.write("\nCollectives the process groups posted (torch's flight recorder, newest last):\n")
+            dump.write(collectives + "\n")
+        return path
+
+    def _gather(self, here: Position) -> dict[int, Position]:
+        """Post this rank's position and read the others' (those that post within GATHER_SECONDS)."""
+        positions = {here.rank: here}
+        if not self.runtime.distributed:
+            return positions
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=GATHER_SECONDS))
+            store.set(f"{STORE_PREFIX}/{here.rank}", here.encode())
+            deadline = time.monotonic() + GATHER_SECONDS
+            keys = [f"{STORE_PREFIX}/{rank}" for rank in range(self.runtime.world_size)]
+            while time.monotonic() < deadline and not store.check(keys):
+                time.sleep(0.2)
+            for rank, key in enumerate(keys):
+                if rank not in positions and store.check([key]):
+                    positions[rank] = Position.decode(store.get(key))
+        except (RuntimeError, dist.DistStoreError) as error:  # the store's host is gone: say what this rank knows
+            log.warning(f"rank {here.rank}: the job's store did not answer ({error}); naming only this rank")
+        return positions
+
+
+def describe_hang(positions: dict[int, Position], world_size: int, stalled: float, directory: str) -> str:
+    """One line: which ranks are behind (or silent), and where the others wait."""
+    silent = [rank for rank in range(world_size) if rank not in positions]
+    earliest = min(position.order() for position in positions.values())
+    behind = [p for p in positions.values() if p.order() == earliest]
+    ahead = [p for p in positions.values() if p.order() != earliest]
+    parts = [f"hang: no progress for {stalled:.0f} s (train.hang_timeout)"]
+    if silent:
+        parts.append(f"silent (gone, or stuck holding the interpreter): ranks {_ranks(silent)}")
+    if ahead or silent:
+        parts.append(f"behind: {_group(behind)}")
+        if ahead:
+            parts.append(f"waiting for them: {_group(ahead)}")
+    else:
+        parts.append(f"every rank in the same place: {_group(behind)}")
+    parts.append(f"stacks and collectives in {directory}; exiting {HUNG_EXIT} to be requeued from the last checkpoint")
+    return "; ".join(parts)
+
+
+def _group(positions: list[Position]) -> str:
+    by_place: dict[tuple[int, str, str, str], list[int]] = {}
+    for p in positions:
+        by_place.setdefault((p.step, p.phase, p.frame, p.collective), []).append(p.rank)
+    return ", ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} in step {step} ({phase}) at {frame}"
+        + (f", newest collective {collective}" if collective else "")
+        for (step, phase, frame, collective), ranks in sorted(by_place.items())
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in sorted(ranks))
+
+
+def _short_path(filename: str) -> str:
+    for root in ("llmtrain", "torch"):
+        marker = f"{os.sep}{root}{os.sep}"
+        if marker in filename:
+            return root + os.sep + filename.rsplit(marker, 1)[1]
+    return os.path.basename(filename)
+
+
+def flight_entries() -> tuple[list[dict], str]:
+    """The flight recorder's collectives of this process, oldest first, or why there are none."""
+    dumps = torch._C._distributed_c10d
+    dump = getattr(dumps, "_dump_nccl_trace_json", None) if torch.cuda.is_available() else None
+    dump = dump or getattr(dumps, "_dump_fr_trace_json", None)
+    if dump is None:
+        return [], "(this torch build has no flight recorder)"
+    try:
+        entries = json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])
+    except Exception as error:  # the recorder is a diagnostic: its failure must not stop the dump
+        return [], f"(the flight recorder could not be read: {error})"
+    if not entries:
+        return [], "(none recorded: set TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_FR_BUFFER_SIZE > 0 before the start)"
+    return entries, ""
+
+
+def _collective(entry: dict) -> str:
+    return f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')}"
+
+
+def flight_record(entries: list[dict], reason: str) -> str:
+    """The newest entries, one per line: the collective and its sequence number in its group, the group, its
+    state. A rank waiting in a collective its peers never posted shows a higher number than theirs."""
+    if not entries:
+        return reason
+    return "\n".join(
+        f"  {_collective(entry)} group {entry.get('process_group', ['?'])[0]} {entry.get('state', '?')}"
+        for entry in entries[-20:]
+    )

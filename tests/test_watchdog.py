@@ -1,0 +1,49 @@
+"""The step watchdog (llmtrain/train/watchdog.py) on real processes: one rank stuck before a collective, the other
+waiting inside it; both write where they are, the job ends with the hang code, and a rerun resumes exactly."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import PARITY, Run, assert_resumed_exactly, start_run
+
+from llmtrain.errors import HUNG_EXIT
+from llmtrain.faults import arm
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 5
+
+
+def test_a_rank_stuck_before_a_collective_ends_the_job_with_every_ranks_stack(tmp_path, cache_dir, layout_run):
+    """Rank 1 stops before step 4 (a fault point), rank 0 waits for it in the step's first collective. Within the
+    timeout and a few seconds both have written their stacks (rank 1's in the fault, rank 0's in the collective),
+    one line names rank 1 as behind, the launcher exits HUNG_EXIT, and the rerun resumes from step 2's checkpoint
+    to the uninterrupted run's records and weights."""
+    run = (*PARITY, "parallel=ddp", "parallel.nproc=2", "checkpoint.every=2", f"train.hang_timeout={TIMEOUT}")
+    process, run_dir = start_run(
+        tmp_path, cache_dir, *run, nproc=0, env=arm(hang_at_step="4", hang_on_rank="1"), name="hung"
+    )
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "hung.stderr").read_text()[-3000:]
+        time.sleep(0.1)
+    step_3_logged = time.monotonic()
+    assert process.wait(timeout=120) == HUNG_EXIT
+    ended_after = time.monotonic() - step_3_logged
+    output = (tmp_path / "hung.stdout").read_text() + (tmp_path / "hung.stderr").read_text()
+    stuck, waiting = ((run_dir / "hang" / f"rank-{rank}.txt").read_text() for rank in (1, 0))
+    assert "in step 4, starting the step, at _hang (llmtrain/faults.py" in stuck and "in _hang" in stuck
+    assert "in step 4, forward/backward" in waiting and "gloo:all_reduce" in waiting  # the flight recorder's
+    line = next(line for line in output.splitlines() if "hang: no progress" in line)
+    behind = re.search(r"behind: rank 1 in step 4 \(starting the step\) at _hang .*?collective gloo:\w+ #(\d+)", line)
+    ahead = re.search(r"waiting for them: rank 0 in step 4 \(forward/backward\) .*?collective gloo:\w+ #(\d+)", line)
+    assert behind and ahead, line
+    assert int(ahead.group(1)) > int(behind.group(1)), line  # rank 0 posted collectives rank 1 never joined
+    assert ended_after < TIMEOUT + 20, ended_after
+    resumed = start_run(tmp_path, cache_dir, *run, nproc=0, env={}, name="hung")[0]  # the same run directory
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "hung.stderr").read_text()[-3000:]
+    rerun = Run(0, (tmp_path / "hung.stdout").read_text(), (tmp_path / "hung.stderr").read_text(), run_dir)
+    assert_resumed_exactly(rerun, layout_run("parallel=ddp", nproc=2))
