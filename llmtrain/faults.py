@@ -70,9 +70,8 @@ def _steps(name: str) -> set[int]:
     return {int(step) for step in armed().get(name, "").split(",") if step}
 
 
-def _hangs_here() -> bool:
-    rank = os.environ.get("RANK", "0")
-    if armed().get("hang_on_rank", rank) != rank:
+def _hangs_here(rank: int) -> bool:
+    if int(armed().get("hang_on_rank", rank)) != rank:
         return False
     marker = armed().get("hang_marker")
     if marker is None:
@@ -88,9 +87,9 @@ def _hang() -> NoReturn:
         time.sleep(1)
 
 
-def step_begins(step: int) -> None:
-    """At the start of training step `step`: hang_at_step, oom_at_step."""
-    if step in _steps("hang_at_step") and _hangs_here():
+def step_begins(step: int, rank: int) -> None:
+    """At the start of training step `step` on `rank`: hang_at_step (hang_on_rank, hang_marker), oom_at_step."""
+    if step in _steps("hang_at_step") and _hangs_here(rank):
         _hang()
     if step in _steps("oom_at_step"):
         import torch

@@ -124,7 +124,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         self._mark("starting the step")
-        faults.step_begins(self.state.step + 1)
+        faults.step_begins(self.state.step + 1, self.runtime.rank)
         with faults.counting_host_reads(self.optimizer):
             record = self._step(started)
         faults.step_ends(started)
