@@ -160,6 +160,7 @@ class ZeroOneAdamW(torch.optim.AdamW):
         return flat
 
     def _by_rows(self, whole: torch.Tensor) -> DTensor:
+        """This rank's rows of `whole` as a DTensor split by rows (torch.chunk's split, as FSDP's Shard(0))."""
         if whole.ndim == 0:
             return DTensor.from_local(whole, self.mesh, [Replicate()], run_check=False)
         rows = -(-whole.shape[0] // self.world)
