@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from llmtrain.model.base import LayeredModel
@@ -44,19 +45,24 @@ def apply_fsdp(
     over that mesh, dividing their gradients by the whole data-parallel size (expert.py says why)."""
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+
+    def shard(modules: nn.Module | list[nn.Module], on: DeviceMesh, reshard: bool) -> None:
+        fully_shard(
+            modules,
+            mesh=on,
+            reshard_after_forward=reshard,
+            mp_policy=mixed,
+            offload_policy=offload,
+            shard_placement_fn=experts_placement(modules, on),
+        )
+
     for block in model.blocks.values():
         if experts is not None:
             for module in block.modules():
                 if isinstance(module, Experts):
                     expert_mesh, data_parallel_size = experts
-                    unit = fully_shard(
-                        module,
-                        mesh=expert_mesh,
-                        reshard_after_forward=reshard_after_forward,
-                        mp_policy=mixed,
-                        offload_policy=offload,
-                        shard_placement_fn=experts_placement(module, expert_mesh),
-                    )
+                    shard(module, expert_mesh, reshard_after_forward)
+                    unit = cast(FSDPModule, module)  # fully_shard made it one
                     unit.set_gradient_divide_factor(data_parallel_size)
                     if expert_mesh.size(-1) > 1:
                         # SUM then divide: the reduction every backend has (gloo has no pre-multiplied sum). Not
@@ -65,30 +71,23 @@ def apply_fsdp(
                         unit.set_force_sum_reduction_for_comms(True)
                     # A rank whose experts received no token this step still joins the reduction.
                     unit.set_reduce_scatter_unused_params(True)
-        fully_shard(
-            block,
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mixed,
-            offload_policy=offload,
-            shard_placement_fn=experts_placement(block, mesh),
-        )
+        shard(block, mesh, reshard_after_forward)
     embedding, head = edge_units(model)
     if embedding:  # gathered for the first layer only, freed for the rest of the step
-        fully_shard(
-            embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
-        )
+        shard(embedding, mesh, reshard_after_forward)
     if head:  # needed again at the start of backward: kept from the end of forward
-        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+        shard(head, mesh, False)
     # The root holds what is left: the tied embedding and head, whose one weight serves both ends of the step.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    shard(model, mesh, False)
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
 
 
-def experts_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None] | None:
-    """Where FSDP splits the expert weights under `module` (E x d x f each): by expert (dim 0, FSDP's default)
+def experts_placement(
+    modules: nn.Module | list[nn.Module], mesh: DeviceMesh
+) -> Callable[[nn.Parameter], Shard | None] | None:
+    """Where FSDP splits the expert weights under `modules` (E x d x f each): by expert (dim 0, FSDP's default)
     while every shard gets one, by their second dimension once the shards outnumber the experts, as torchtitan's
     (split by expert, the ranks past the last expert would hold padding only, and the others whole experts).
     Tensor-parallel experts (DTensors already split along their width) stay split by expert. None (dim 0 for
@@ -96,7 +95,8 @@ def experts_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Param
     shards = mesh.size(-1)
     by_columns = {
         id(param)
-        for expert_module in module.modules()
+        for part in (modules if isinstance(modules, list) else [modules])
+        for expert_module in part.modules()
         if isinstance(expert_module, Experts)
         for param in expert_module.parameters(recurse=False)
         if param.shape[0] < shards and not isinstance(param, DTensor)
