@@ -411,6 +411,13 @@ class LoggingConfig:
         OneOf(("auto", "bar", "lines")),
         "`auto`: a progress bar on a terminal, log lines otherwise; `bar`; `lines`",
     )
+    straggler_threshold: float = key(
+        0.2,
+        Number(low=0),
+        "on logging steps (every `log_every`) the ranks compare their compute time: `slowest_rank` and "
+        "`straggler_lag` in the metrics, and a warning for a rank that lags its peers by more than this fraction "
+        "3 times in a row; 0 = no check",
+    )
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

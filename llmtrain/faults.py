@@ -10,6 +10,7 @@ read once per process:
   hang_marker=PATH          with hang_at_step: hang only while PATH does not exist, and create it when hanging (a
                             job requeued after the hang then runs through)
   step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
+  slow_rank=r               with slow_seconds=s: rank r computes s seconds more in every step (a throttled device)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
   inf_grad_at_steps=3       those steps' gradients become non-finite, their loss stays finite
   oom_at_step=k             step k raises torch.OutOfMemoryError, as the CUDA allocator does
@@ -39,6 +40,8 @@ POINTS = (
     "hang_on_rank",
     "hang_marker",
     "step_seconds",
+    "slow_rank",
+    "slow_seconds",
     "inf_at_steps",
     "inf_grad_at_steps",
     "oom_at_step",
@@ -88,9 +91,14 @@ def _hang() -> NoReturn:
 
 
 def step_begins(step: int, rank: int) -> None:
-    """At the start of training step `step` on `rank`: hang_at_step (hang_on_rank, hang_marker), oom_at_step."""
+    """At the start of training step `step` on `rank`: hang_at_step (hang_on_rank, hang_marker), slow_rank,
+    oom_at_step."""
     if step in _steps("hang_at_step") and _hangs_here(rank):
         _hang()
+    if int(armed().get("slow_rank", -1)) == rank:
+        busy_until = time.thread_time() + float(armed()["slow_seconds"])
+        while time.thread_time() < busy_until:  # compute, not a sleep: the thread's CPU time grows
+            pass
     if step in _steps("oom_at_step"):
         import torch
 

@@ -52,6 +52,7 @@ from llmtrain.train.memory import (
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
+from llmtrain.train.stragglers import StragglerWatch, stages_of_ranks
 from llmtrain.train.watchdog import StepWatchdog
 
 log = logging.getLogger("llmtrain")
@@ -335,7 +336,14 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         loggers = RunLoggers(config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
     profiler = StepProfiler(config.profile, runtime, run_dir)
     watchdog = StepWatchdog.for_run(t.hang_timeout, runtime, run_dir)
-    trainer = Trainer(training, loggers.record if loggers else lambda record: None, preemption, profiler, watchdog)
+    every, threshold = config.logging.log_every, config.logging.straggler_threshold
+    stragglers = (
+        StragglerWatch(runtime, every, threshold, stages_of_ranks(model.mesh.mesh, runtime.world_size))
+        if runtime.world_size > 1 and threshold > 0
+        else None
+    )
+    record = loggers.record if loggers else lambda record: None
+    trainer = Trainer(training, record, preemption, profiler, watchdog, stragglers)
     try:
         state = trainer.run()
         training.checkpoints.finish()

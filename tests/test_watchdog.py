@@ -1,5 +1,6 @@
-"""The step watchdog (llmtrain/train/watchdog.py) on real processes: one rank stuck before a collective, the other
-waiting inside it; both write where they are, the job ends with the hang code, and a rerun resumes exactly."""
+"""A hung or slow rank on real processes: the step watchdog (llmtrain/train/watchdog.py), one rank stuck before a
+collective, the other waiting inside it, both write where they are, the job ends with the hang code and a rerun
+resumes exactly; the straggler report (llmtrain/train/stragglers.py) names a rank slowed on purpose."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 import time
 
 import pytest
-from conftest import PARITY, Run, assert_resumed_exactly, start_run
+from conftest import PARITY, Run, assert_resumed_exactly, run_train, start_run
 
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.faults import arm
@@ -47,3 +48,25 @@ def test_a_rank_stuck_before_a_collective_ends_the_job_with_every_ranks_stack(tm
     assert resumed.wait(timeout=300) == 0, (tmp_path / "hung.stderr").read_text()[-3000:]
     rerun = Run(0, (tmp_path / "hung.stdout").read_text(), (tmp_path / "hung.stderr").read_text(), run_dir)
     assert_resumed_exactly(rerun, layout_run("parallel=ddp", nproc=2))
+
+
+def test_the_straggler_report_names_the_rank_that_computes_longer(tmp_path, cache_dir, layout_run):
+    """Rank 1 computes 0.5 s more in every step (a fault point, busy, not asleep): every logging step (every 2nd)
+    records it as the slowest rank, far behind its peer, one warning says so after three such steps, and the
+    gathering changes nothing that is learned (the losses are the uninterrupted ddp run's, to the bit)."""
+    run = run_train(
+        tmp_path,
+        cache_dir,
+        *PARITY,
+        "parallel=ddp",
+        "logging.log_every=2",
+        nproc=2,
+        env=arm(slow_rank="1", slow_seconds="0.5"),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    checked = [record for record in run.metrics if "slowest_rank" in record]
+    assert [record["step"] for record in checked] == [2, 4, 6, 8, 10]
+    assert all(record["slowest_rank"] == 1 and record["straggler_lag"] > 0.5 for record in checked), checked
+    warnings = [line for line in (run.stdout + run.stderr).splitlines() if "slower than its peers' median" in line]
+    assert len(warnings) == 1 and "step 6: rank 1" in warnings[0], warnings
+    assert [m["loss"] for m in run.metrics] == [m["loss"] for m in layout_run("parallel=ddp", nproc=2).metrics]

@@ -27,6 +27,7 @@ from llmtrain.runtime import Runtime
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
+from llmtrain.train.stragglers import StragglerWatch
 from llmtrain.train.watchdog import StepWatchdog
 
 log = logging.getLogger("llmtrain")
@@ -72,7 +73,7 @@ class Components:
 class Trainer:
     """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
     cleanly at a step boundary when `preemption` saw a stop signal, recording the steps `profiler` asks for, and
-    telling `watchdog` where it is."""
+    telling `watchdog` where it is and `stragglers` how long its compute took."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class Trainer:
         preemption: PreemptionWatch | None,
         profiler: StepProfiler | None = None,
         watchdog: StepWatchdog | None = None,
+        stragglers: StragglerWatch | None = None,
     ):
         self.train = parts.config.train
         self.grad_clip = parts.config.optim.grad_clip
@@ -99,6 +101,7 @@ class Trainer:
         self.preemption = preemption
         self.profiler = profiler
         self.watchdog = watchdog
+        self.stragglers = stragglers
         self.state = parts.state
         self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
 
@@ -124,6 +127,8 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         self._mark("starting the step")
+        if self.stragglers is not None:
+            self.stragglers.begin()
         faults.step_begins(self.state.step + 1, self.runtime.rank)
         with faults.counting_host_reads(self.optimizer):
             record = self._step(started)
@@ -148,11 +153,18 @@ class Trainer:
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
         # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
         load = self.model.expert_load()
+        if self.stragglers is not None:
+            self.stragglers.end_of_compute()
+        ranks_seconds = self.stragglers.gathered(self.state.step + 1) if self.stragglers is not None else None
         self._mark("reading the step's results")
-        scalars = [full_tensor(loss), grad_norm, stop, *([] if load is None else [load])]
-        loss_value, norm_value, stop_value, *load_values = torch.cat(
+        extra = [value for value in (load, ranks_seconds) if value is not None]
+        scalars = [full_tensor(loss), grad_norm, stop, *extra]
+        loss_value, norm_value, stop_value, *extra_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
+        if self.stragglers is not None:
+            self.stragglers.after_host_read()
+        load_values = extra_values[: 0 if load is None else load.numel()]
         self.stop_requested = stop_value > 0
         record: dict[str, Any] = {
             "step": self.state.step + 1,
@@ -163,6 +175,8 @@ class Trainer:
         if load_values:  # routed slots per expert, all mixture blocks together: the load balance
             record["expert_load"] = [round(value) for value in load_values]
             record["expert_imbalance"] = max(load_values) * len(load_values) / max(sum(load_values), 1)
+        if ranks_seconds is not None and self.stragglers is not None:
+            self.stragglers.report(record["step"], extra_values[len(load_values) :], record)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         self._mark("optimizer")
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
