@@ -115,7 +115,9 @@ class StepWatchdog:
             self._deadline = time.monotonic() + self.timeout * self._allowance
 
     def observe_step(self, seconds: float) -> None:
-        """A step took `seconds`: with no timeout set, the first steps decide it."""
+        """A step took `seconds` (the first steps kept): with no timeout set, they decide it."""
+        if len(self.step_seconds) == AUTO_AFTER_STEPS:
+            return
         self.step_seconds.append(seconds)
         if self.timeout is None and len(self.step_seconds) == AUTO_AFTER_STEPS:
             median = statistics.median(self.step_seconds[1:])  # the first step compiles and warms up
