@@ -8,7 +8,7 @@ import re
 import time
 
 import pytest
-from conftest import PARITY, Run, assert_resumed_exactly, run_train, start_run
+from conftest import PARITY, Run, assert_resumed_exactly, run_train, start_run, wait_for_steps
 
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.faults import arm
@@ -27,10 +27,7 @@ def test_a_rank_stuck_before_a_collective_ends_the_job_with_every_ranks_stack(tm
     process, run_dir = start_run(
         tmp_path, cache_dir, *run, nproc=0, env=arm(hang_at_step="4", hang_on_rank="1"), name="hung"
     )
-    deadline = time.monotonic() + 300
-    while not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "hung.stderr").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for_steps(run_dir, 3, process)
     step_3_logged = time.monotonic()
     assert process.wait(timeout=120) == HUNG_EXIT
     ended_after = time.monotonic() - step_3_logged
