@@ -1,9 +1,12 @@
-"""What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel.strategy) and
-the pipeline schedules (parallel.pp_schedule). The config's choices and --help, and the code that builds each one,
-read these tables; no other file lists the names."""
+"""What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel.strategy), the
+pipeline schedules (parallel.pp_schedule), the optimizers (optim.name) and the learning-rate schedules
+(optim.schedule, optim.decay_shape). The config's choices and --help, and the code that builds each one, read these
+tables; no other file lists the names."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmtrain.errors import ConfigError
@@ -70,3 +73,18 @@ def schedule_spec(name: str) -> ScheduleSpec:
             f"parallel.pp_schedule={name!r} is not a pipeline schedule: use one of {', '.join(SCHEDULES)}"
         )
     return SCHEDULES[name]
+
+
+# optim.name -> what it updates, and how (llmtrain/optim/ builds each; conf/optim/<name>.yaml sets its defaults).
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "AdamW on every parameter",
+    "muon": "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases",
+}
+# optim.schedule (llmtrain/optim/schedule.py describes each).
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+# optim.decay_shape: progress p through a WSD decay, 0 to 1 -> the share of (peak - floor) still left.
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "linear": lambda p: 1 - p,
+    "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+    "1-sqrt": lambda p: 1 - math.sqrt(p),
+}

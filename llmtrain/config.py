@@ -374,15 +374,63 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = key("adamw", OneOf(("adamw",)), "the optimizer")
-    lr: float = key(1e-3, positive(), "peak learning rate")
-    min_lr_ratio: float = key(0.1, fraction(high_open=False), "cosine decays to lr × min_lr_ratio at the last step")
-    weight_decay: float = key(0.1, Number(low=0), "on Linear weights and embeddings; never on biases and LayerNorms")
+    name: str = key(
+        "adamw",
+        OneOf(tuple(catalog.OPTIMIZERS)),
+        "the `optim` option: `adamw` (every parameter) or `muon` (Muon on the blocks' weight matrices, each expert's "
+        "separately; AdamW on embeddings, head, norms and biases)",
+    )
+    lr: float = key(1e-3, positive(), "peak learning rate (under `muon`, of the AdamW parameters)")
+    schedule: str = key(
+        "cosine",
+        OneOf(catalog.LR_SCHEDULES),
+        "after the linear warmup: `cosine` (decay to lr × min_lr_ratio at the last step), `wsd` (the peak held, then "
+        "a decay over the last `decay_fraction` of the steps: a run resumed from a stable-phase checkpoint with a "
+        "larger `train.steps` continues as if planned that long) or `constant`",
+    )
+    min_lr_ratio: float = key(0.1, fraction(high_open=False), "`cosine` and `wsd` decay to lr × min_lr_ratio")
+    decay_fraction: float = key(
+        0.2,
+        Number(low=0, high=1, low_open=True),
+        "`wsd`: the share of `train.steps` the decay takes, at the end",
+    )
+    decay_shape: str = key(
+        "1-sqrt",
+        OneOf(tuple(catalog.DECAY_SHAPES)),
+        "`wsd`: `linear`, `cosine` or `1-sqrt` (1 - sqrt(progress): Hägele et al. 2024's best)",
+    )
+    weight_decay: float = key(
+        0.1,
+        Number(low=0),
+        "decoupled, on Linear weights and embeddings (and Muon's matrices); never on biases and norms",
+    )
     beta1: float = key(0.9, fraction(), "AdamW")
     beta2: float = key(0.95, fraction(), "AdamW")
     eps: float = key(1e-8, positive(), "AdamW")
     warmup_steps: int = key(20, at_least(0), "linear warmup steps")
     grad_clip: float = key(1.0, Number(low=0), "clip the global gradient norm; 0 disables")
+    muon_lr: Optional[float] = key(
+        None,
+        positive(),
+        "`muon`: peak learning rate of the matrices; null = `lr` (their updates are scaled to AdamW's RMS, so "
+        "AdamW's rate carries over)",
+    )
+    momentum: float = key(0.95, fraction(), "`muon`: momentum of the matrices' gradients")
+    nesterov: bool = key(True, Flag(), "`muon`: orthogonalise the Nesterov look-ahead rather than the momentum")
+    ns_steps: int = key(5, at_least(1), "`muon`: Newton-Schulz iterations (in bf16 where the run computes in bf16)")
+    update_rms: float = key(
+        0.2,
+        positive(),
+        "`muon`: the RMS of each matrix's update per unit of learning rate (lr × update_rms × sqrt(max(rows, "
+        "cols)) times the orthogonalised matrix); 0.2 matches AdamW's, Moonlight's rule",
+    )
+    whole_matrices: str = key(
+        "spread",
+        OneOf(("spread", "gather")),
+        "`muon` under sharding: `spread` sends each split matrix whole to one of the ranks sharing it (all-to-all), "
+        "orthogonalises it there and sends the pieces back; `gather` has every rank gather and orthogonalise every "
+        "matrix it holds a piece of. A matrix split two ways (FSDP × tensor parallel) is always gathered",
+    )
 
 
 @dataclass

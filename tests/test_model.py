@@ -13,7 +13,7 @@ from conftest import python
 from omegaconf import OmegaConf
 
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, num_parameters
-from llmtrain.optim import build_adamw
+from llmtrain.optim import build_optimizer
 
 TINY = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
 
@@ -67,7 +67,8 @@ def test_initialisation_is_seeded_and_scales_residual_projections():
 
 def test_tied_weights_stay_tied_after_an_optimizer_step():
     model = _model()
-    optimizer = build_adamw(model, OmegaConf.create(dict(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)))
+    optim = OmegaConf.create(dict(name="adamw", lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8))
+    optimizer = build_optimizer(model, optim)
     tokens = torch.randint(0, TINY.vocab_size, (2, 9))
     before = model.tok_emb.weight.detach().clone()
     cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()

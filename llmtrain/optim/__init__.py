@@ -1,44 +1,35 @@
-"""AdamW with decay / no-decay groups, and the warmup + cosine learning-rate schedule."""
+"""The optimizers (optim.name, named in llmtrain/catalog.py) over the parameter groups of groups.py, and the
+learning-rate schedules (schedule.py)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-
-def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (Linear weights, embeddings); none on biases and LayerNorm parameters, whose
-    decay would only pull scales and offsets towards zero."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+from llmtrain.optim.groups import is_hidden_matrix, param_groups
+from llmtrain.optim.muon import Muon, newton_schulz
+from llmtrain.optim.schedule import build_schedule, lr_factor
 
 
-def build_adamw(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        adamw_param_groups(model, optim_cfg.weight_decay),
-        lr=optim_cfg.lr,
-        betas=(optim_cfg.beta1, optim_cfg.beta2),
-        eps=optim_cfg.eps,
-    )
+def adamw_options(optim_cfg) -> dict:
+    return dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup reaching 1 at step
-    warmup_steps - 1, then cosine decay reaching min_ratio at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - 1 - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def build_optimizer(model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """`optim.name`'s optimizer over `model`'s parameters (`ns_dtype`: Muon's Newton-Schulz precision)."""
+    groups = param_groups(model, optim_cfg)
+    if optim_cfg.name == "muon":
+        return Muon(groups, optim_cfg, ns_dtype)
+    return torch.optim.AdamW(groups, **adamw_options(optim_cfg))
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int, optim_cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, optim_cfg.warmup_steps, optim_cfg.min_lr_ratio)
-    )
+__all__ = [
+    "Muon",
+    "adamw_options",
+    "build_optimizer",
+    "build_schedule",
+    "is_hidden_matrix",
+    "lr_factor",
+    "newton_schulz",
+    "param_groups",
+]

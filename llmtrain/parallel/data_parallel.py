@@ -25,7 +25,7 @@ from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.parallel_model import MicroBatches, ParallelModel, clip_gradients
-from llmtrain.parallel.zero import ZeroOneAdamW
+from llmtrain.parallel.zero import ZeroOneAdamW, ZeroOneMuon
 
 
 class DDP(ParallelModel):
@@ -37,11 +37,13 @@ class DDP(ParallelModel):
 
 
 class ZeroOne(ParallelModel):
-    optimizer: ZeroOneAdamW
+    optimizer: ZeroOneAdamW | ZeroOneMuon
 
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
+        if optim.name == "muon":
+            return ZeroOneMuon(self.module, optim, self.mesh.dp_mesh, self._ns_dtype)
         return ZeroOneAdamW(self.module, optim, self.mesh.dp_mesh)
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:

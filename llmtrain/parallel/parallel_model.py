@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from llmtrain.config import OptimConfig
 from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
-from llmtrain.optim import build_adamw
+from llmtrain.optim import build_optimizer
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
 from llmtrain.parallel.layout import Layout, apply_layout
@@ -112,7 +112,12 @@ class ParallelModel:
         return model
 
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
-        return build_adamw(self.module, optim)
+        return build_optimizer(self.module, optim, self._ns_dtype)
+
+    @property
+    def _ns_dtype(self) -> torch.dtype:
+        """Muon's Newton-Schulz precision: the run's compute precision."""
+        return torch.bfloat16 if uses_bf16(self.train.precision, self.runtime.device) else torch.float32
 
     # -- one step -------------------------------------------------------------------------------------------
     def _context_shard(self, tokens: torch.Tensor) -> torch.Tensor:

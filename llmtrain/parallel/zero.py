@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from llmtrain.optim import adamw_param_groups
+from llmtrain.optim import Muon, adamw_options, param_groups
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -62,25 +62,28 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
     return FlatBucket(params, flat_params, flat_grads, shard, mine)
 
 
-class ZeroOneAdamW(torch.optim.AdamW):
-    """AdamW over this rank's slices only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
+class ZeroOneShards:
+    """The ZeRO-1 half of ZeroOneAdamW and ZeroOneMuon: the optimizer they extend (torch's AdamW, Muon) updates
+    this rank's slices only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
 
-    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh):
+    param_groups: list[dict]
+    state: Any
+
+    def _shard_groups(self, model: nn.Module, optim_cfg, mesh: DeviceMesh) -> list[dict]:
+        """The optimizer's groups: one slice per group of the model's parameters (llmtrain/optim/groups.py)."""
         self.mesh = mesh  # the data-parallel ranks, one dimension
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         self.buckets: list[FlatBucket] = []
         shard_groups = []
-        for param_group in adamw_param_groups(model, optim_cfg.weight_decay):
-            if not param_group["params"]:
-                continue
+        for param_group in param_groups(model, optim_cfg):
             bucket = _flatten(param_group["params"], self.world, self.rank)
             # Every rank starts from rank 0's weights, as DDP guarantees by its initial broadcast.
             dist.broadcast(bucket.flat_params, src=dist.get_global_rank(self.group, 0), group=self.group)
             self.buckets.append(bucket)
-            shard_groups.append({"params": [bucket.shard], "weight_decay": param_group["weight_decay"]})
-        super().__init__(shard_groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+            shard_groups.append({**param_group, "params": [bucket.shard]})
+        return shard_groups
 
     @torch.no_grad()
     def reduce_scatter_gradients(self) -> None:
@@ -99,7 +102,7 @@ class ZeroOneAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        super().step(closure)
+        super().step(closure)  # type: ignore[misc]
         for bucket in self.buckets:
             all_gather(bucket.flat_params, bucket.shard.detach().clone(), group=self.group)
 
@@ -108,20 +111,23 @@ class ZeroOneAdamW(torch.optim.AdamW):
         for bucket in self.buckets:
             bucket.flat_grads.zero_()
 
-    # -- checkpoints: per-parameter state under the model's names, as a plain AdamW's would be -------------------
-    def _shard_state(self, bucket: FlatBucket) -> dict[str, torch.Tensor]:
+    # -- checkpoints: per-parameter state under the model's names, as the unsplit optimizer's would be ----------
+    def _shard_state(self, bucket: FlatBucket, group: dict) -> dict[str, torch.Tensor]:
         state = self.state[bucket.shard]
-        if not state:  # before the first step: what AdamW would start from
-            state.update(
-                step=torch.tensor(0.0),
-                exp_avg=torch.zeros_like(bucket.shard),
-                exp_avg_sq=torch.zeros_like(bucket.shard),
-            )
+        if not state:  # before the first step: what the optimizer would start from
+            if group.get("muon"):
+                state.update(momentum_buffer=torch.zeros_like(bucket.shard))
+            else:
+                state.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(bucket.shard),
+                    exp_avg_sq=torch.zeros_like(bucket.shard),
+                )
         return state
 
-    def _pieces(self, bucket: FlatBucket) -> Iterator[tuple[nn.Parameter, list[tuple[int, slice, slice]]]]:
-        """Each parameter of the bucket and where it lies: (rank, its span in the parameter's flat view, the same
-        span in that rank's slice) for every rank holding part of it."""
+    def _pieces(self, bucket: FlatBucket) -> Iterator[tuple[nn.Parameter, int, list[tuple[int, slice, slice]]]]:
+        """Each parameter of the bucket, its offset in the flat buffers, and where it lies: (rank, its span in the
+        parameter's flat view, the same span in that rank's slice) for every rank holding part of it."""
         shard_numel, offset = bucket.shard.numel(), 0
         for param in bucket.params:
             spans = []
@@ -130,30 +136,32 @@ class ZeroOneAdamW(torch.optim.AdamW):
                 if start < stop:
                     in_slice = slice(start - rank * shard_numel, stop - rank * shard_numel)
                     spans.append((rank, slice(start - offset, stop - offset), in_slice))
-            yield param, spans
+            yield param, offset, spans
             offset += param.numel()
 
     @torch.no_grad()
     def flat_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, Any]:
-        """Collective: "state.<name>.<exp_avg|exp_avg_sq|step>" and "param_groups.<name>.<option>", each moment a
-        DTensor of the parameter split by rows over the ranks, as FSDP's: any layout loads it, and DCP writes each
-        rank's rows. Built one parameter at a time (its moment assembled from the slices that hold it, this
-        rank's rows kept), so a save holds this rank's share of the moments and one parameter's whole moment, not
-        2Ψ: a memory spike exactly where ZeRO-1 was chosen to fit."""
+        """Collective: "state.<name>.<key>" (AdamW's exp_avg, exp_avg_sq, step; Muon's momentum_buffer) and
+        "param_groups.<name>.<option>", each moment a DTensor of the parameter split by rows over the ranks, as
+        FSDP's: any layout loads it, and DCP writes each rank's rows. Built one parameter at a time (its moment
+        assembled from the slices that hold it, this rank's rows kept), so a save holds this rank's share of the
+        moments and one parameter's whole moment, not 2Ψ: a memory spike exactly where ZeRO-1 was chosen to fit."""
         flat: dict[str, Any] = {}
         for bucket, group in zip(self.buckets, self.param_groups):
-            state = self._shard_state(bucket)
-            for param, spans in self._pieces(bucket):
+            state = self._shard_state(bucket, group)
+            for param, _, spans in self._pieces(bucket):
                 name = names[param]
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key, value in state.items():
+                    if key == "step":
+                        flat[f"state.{name}.step"] = value.clone()
+                        continue
                     whole = torch.empty_like(param)
                     for rank, in_param, in_slice in spans:
                         piece = whole.view(-1)[in_param]
                         if rank == self.rank:
-                            piece.copy_(state[key][in_slice])
+                            piece.copy_(value[in_slice])
                         dist.broadcast(piece, src=dist.get_global_rank(self.group, rank), group=self.group)
                     flat[f"state.{name}.{key}"] = self._by_rows(whole)
-                flat[f"state.{name}.step"] = state["step"].clone()
                 for option, value in group.items():
                     if option != "params":
                         flat[f"param_groups.{name}.{option}"] = value
@@ -174,15 +182,46 @@ class ZeroOneAdamW(torch.optim.AdamW):
         """Collective, the inverse of flat_state_dict: each parameter's moment assembled from the rows (one at a
         time), this rank's slice kept."""
         for bucket, group in zip(self.buckets, self.param_groups):
-            state = self._shard_state(bucket)
+            state = self._shard_state(bucket, group)
             first = names[bucket.params[0]]
-            state["step"].copy_(flat[f"state.{first}.step"])
             for option in group:
                 if option != "params":
                     group[option] = flat[f"param_groups.{first}.{option}"]
-            for param, spans in self._pieces(bucket):
-                for key in ("exp_avg", "exp_avg_sq"):
+            for key, value in state.items():
+                if key == "step":
+                    value.copy_(flat[f"state.{first}.step"])
+                    continue
+                for param, _, spans in self._pieces(bucket):
                     whole = flat[f"state.{names[param]}.{key}"].full_tensor().view(-1)
                     for rank, in_param, in_slice in spans:
                         if rank == self.rank:
-                            state[key][in_slice].copy_(whole[in_param])
+                            value[in_slice].copy_(whole[in_param])
+
+
+class ZeroOneAdamW(ZeroOneShards, torch.optim.AdamW):
+    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh):
+        torch.optim.AdamW.__init__(self, self._shard_groups(model, optim_cfg, mesh), **adamw_options(optim_cfg))
+
+
+class ZeroOneMuon(ZeroOneShards, Muon):
+    """Muon over flat slices, which cut across matrices: each step all-gathers the matrices' updates (as the
+    parameters after it) and orthogonalises only the matrices that overlap this rank's slice."""
+
+    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh, ns_dtype: torch.dtype):
+        Muon.__init__(self, self._shard_groups(model, optim_cfg, mesh), optim_cfg, ns_dtype)
+
+    def _orthogonalized(self, params: list[torch.Tensor], updates: list[torch.Tensor], finish) -> list[torch.Tensor]:
+        buckets = {id(bucket.shard): bucket for bucket in self.buckets}
+        results = []
+        for shard, update in zip(params, updates):
+            bucket = buckets[id(shard)]
+            everyone = torch.empty_like(bucket.flat_params)
+            all_gather(everyone, update.contiguous(), group=self.group)
+            mine = torch.zeros_like(update)
+            for param, offset, spans in self._pieces(bucket):
+                for rank, in_param, in_slice in spans:
+                    if rank == self.rank:
+                        whole = everyone[offset : offset + param.numel()].view_as(param)
+                        mine[in_slice] = finish(whole).reshape(-1)[in_param]
+            results.append(mine)
+        return results

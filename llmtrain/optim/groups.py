@@ -1,0 +1,39 @@
+"""Which parameter each optimizer updates how: the parameter groups every layout builds its optimizer from."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """A weight matrix inside the transformer blocks (attention and MLP projections, the router, each expert's
+    matrices): what Muon orthogonalises. Embeddings and the head (the model's edges, where a row is a token rather
+    than a direction) and every vector (norms, biases) are left to AdamW, as in modded-nanogpt and Moonlight."""
+    return param.ndim >= 2 and "blocks" in name.split(".")
+
+
+def param_groups(model: nn.Module, optim_cfg) -> list[dict]:
+    """The non-empty groups of `model`'s trainable parameters. AdamW alone: weight decay on matrices (Linear
+    weights, embeddings), none on biases and norms, whose decay would only pull scales and offsets towards zero.
+    Muon: its hidden matrices first (`muon: True`, learning rate `optim.muon_lr`), then those two AdamW groups
+    for the rest (`muon: False`)."""
+    muon = optim_cfg.name == "muon"
+    matrices: list[nn.Parameter] = []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if muon and is_hidden_matrix(name, param):
+            matrices.append(param)
+        else:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": optim_cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if muon:
+        groups = [{**group, "muon": False} for group in groups]
+        muon_lr = optim_cfg.lr if optim_cfg.muon_lr is None else optim_cfg.muon_lr
+        groups.insert(0, {"params": matrices, "weight_decay": optim_cfg.weight_decay, "muon": True, "lr": muon_lr})
+    return [group for group in groups if group["params"]]
