@@ -75,11 +75,21 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
+@dataclass(frozen=True)
+class OptimizerSpec:
+    description: str
+    matrix_moments: int  # fp32 buffers it keeps per element of the blocks' weight matrices (AdamW: 2 elsewhere)
+
+
 # optim.name -> what it updates, and how (llmtrain/optim/ builds each; conf/optim/<name>.yaml sets its defaults).
-OPTIMIZERS: dict[str, str] = {
-    "adamw": "AdamW on every parameter",
-    "muon": "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases",
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec("AdamW on every parameter", 2),
+    "muon": OptimizerSpec(
+        "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases", 1
+    ),
 }
+ADAMW_MOMENTS = 2
+MOMENT_BYTES = 4  # every optimizer moment is fp32, whatever the compute precision
 # optim.schedule (llmtrain/optim/schedule.py describes each).
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 # optim.decay_shape: progress p through a WSD decay, 0 to 1 -> the share of (peak - floor) still left.

@@ -22,6 +22,7 @@ from llmtrain.checkpoint.training import (
     RunCheckpoints,
     RunIdentity,
     check_model_matches,
+    check_optimizer_matches,
     read_data_position,
     resume_path,
     wandb_run_id,
@@ -231,6 +232,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     resume = _agreed(runtime, resume_path(config.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
         check_model_matches(resume, gpt_cfg)
+        check_optimizer_matches(resume, config.optim.name)
     data = build_data(
         config.data,
         tokenizer,
@@ -253,6 +255,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             schedule,
             data,
             gpt_cfg,
+            config.optim.name,
             RunIdentity(os.path.abspath(run_dir), wandb_id),
         )
         point = checkpoints.restore(resume) if resume else None

@@ -5,8 +5,9 @@ once, however many layouts.
 
     torchrun --nproc_per_node=N tests/layout_worker.py OUT_DIR "<overrides for all>" "<layout 1>" "<layout 2>" ...
 
-Each layout is a space-separated list of overrides ("parallel=tp parallel.sequence_parallel=true"); one that
-starts with a `model=` override is compared with the unsplit run of that model (`single model=...`). Rank 0 writes
+Each layout is a space-separated list of overrides ("parallel=tp parallel.sequence_parallel=true"); the overrides
+before its first `parallel` one choose what it trains (`model=moe-tiny optim=muon parallel=fsdp`) and it is
+compared with the unsplit run of those (`single model=moe-tiny optim=muon`). Rank 0 writes
 OUT_DIR/results.json: per layout its per-step losses and gradient norms, its validation loss, and its largest
 weight difference to the unsplit model after the last step.
 """
@@ -59,16 +60,20 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     return curves, parts.model.full_state_dict()
 
 
+def _chosen(layout: list[str]) -> list[str]:
+    """The overrides before the layout's first `parallel` one: what it trains rather than how it splits it."""
+    parallel = [i for i, override in enumerate(layout) if override.startswith("parallel")]
+    return layout[: parallel[0] if parallel else len(layout)]
+
+
 def reference_name(layout: str) -> str:
-    first = layout.split()[0]
-    return f"single {first}" if first.startswith("model=") else "single"
+    return " ".join(["single", *_chosen(layout.split())])
 
 
 def combined(common: list[str], layout: list[str]) -> list[str]:
-    """The overrides of a run: the common ones, then the layout's (whose own `model=` replaces the common one)."""
-    if layout and layout[0].startswith("model="):
-        common = [override for override in common if not override.startswith("model=")]
-    return [*common, *layout]
+    """The overrides of a run: the common ones, then the layout's (whose own choices replace the common ones)."""
+    chosen = {override.split("=")[0] for override in _chosen(layout)}
+    return [*[override for override in common if override.split("=")[0] not in chosen], *layout]
 
 
 def main(out_dir: str, common: str, layouts: list[str]) -> None:
@@ -78,9 +83,9 @@ def main(out_dir: str, common: str, layouts: list[str]) -> None:
     if os.environ["RANK"] == "0":  # the unsplit models first, alone: the other ranks wait to form the group
         alone = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
         for name in dict.fromkeys(reference_name(layout) for layout in layouts):
-            model = name.split()[1:]
+            chosen = name.split()[1:]  # what the layouts compared with it train
             run_dir = os.path.join(out_dir, f"reference-{len(references)}")
-            results[name], references[name] = train(combined(overrides, [*model, "parallel=single"]), alone, run_dir)
+            results[name], references[name] = train(combined(overrides, [*chosen, "parallel=single"]), alone, run_dir)
     runtime = init_runtime("cpu")
     for index, layout in enumerate(layouts):
         curves, weights = train(combined(overrides, layout.split()), runtime, os.path.join(out_dir, f"layout-{index}"))

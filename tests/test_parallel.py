@@ -24,18 +24,34 @@ def test_layout_matches_single(layout, nproc, reference, layout_run):
 # The other data-parallel, the tensor-parallel and the combined pipeline layouts of GPT-2's family, driving the same
 # trainer in two process groups: 2 ranks for one degree of 2, 4 for two (the Llama family's in test_llama.py). Where
 # tensor parallelism leaves the batch whole on every rank, micro-batches of 4 or 8: 4 or 2 per step, not 8.
+# Muon under every layout, against Muon in one process (its Newton-Schulz in fp32, as the runs compute): whole
+# matrices where they are (ddp, pp, experts split by expert), from ZeRO-1's flat slices, spread over the ranks that
+# split them (zero2, fsdp, hsdp, cp) or gathered (fsdp with `gather`, tp, fsdp_tp's 2-D split, 3d).
 LAYOUTS = {
     2: [
         "parallel=zero1",
         "parallel=zero2",
         "parallel=tp train.micro_batch_size=8",
         "parallel=tp parallel.sequence_parallel=true train.activation_checkpointing=selective train.micro_batch_size=4",
+        "optim=muon parallel=ddp",
+        "optim=muon parallel=zero1",
+        "optim=muon parallel=zero2",
+        "optim=muon parallel=fsdp optim.whole_matrices=gather",
+        "optim=muon parallel=tp train.micro_batch_size=8",
+        "optim=muon parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
     ],
     4: [
         "parallel=hsdp parallel.dp_shard=2",
         "parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",  # torch's schedules with FSDP: test_llama.py
         "parallel=pp_tp train.micro_batch_size=4",
         "parallel=fsdp_tp train.activation_checkpointing=full train.micro_batch_size=4",
+        "optim=muon parallel=fsdp",
+        "optim=muon parallel=hsdp parallel.dp_shard=2",
+        "optim=muon parallel=fsdp_tp train.micro_batch_size=4",
+        "optim=muon parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",
+        "optim=muon parallel=3d",
+        "optim=muon parallel=fsdp parallel.cp=2",
+        "model=moe-tiny optim=muon parallel=fsdp parallel.ep=2",
     ],
 }
 

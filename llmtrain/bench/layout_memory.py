@@ -50,7 +50,7 @@ def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> d
     bf16 = uses_bf16(cfg.train.precision, runtime.device)
     candidate = describe_layout(cfg.parallel, runtime.world_size)
     machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
-    plan = plan_layout(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16)), machine)
+    plan = plan_layout(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16)), machine)
     pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.degrees.pp > 1 else 0
     memory = plan.ranks[pp_rank]
     return {

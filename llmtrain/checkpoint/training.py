@@ -93,6 +93,17 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
         )
 
 
+def check_optimizer_matches(path: str, optimizer: str) -> None:
+    """A one-line ConfigError when the checkpoint's optimizer state is another optimizer's (its moments would not
+    fit this one's)."""
+    saved = read_meta(path).get("optimizer", "adamw")  # checkpoints before optim.name had a choice: AdamW's
+    if saved != optimizer:
+        raise ConfigError(
+            f"checkpoint {path} holds optim={saved} state, this run has optim={optimizer}: resume with "
+            f"optim={saved}, or set checkpoint.resume=none"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """The run that writes the checkpoints, as its checkpoints record it: where its metrics.jsonl is (a resumed run
@@ -142,12 +153,14 @@ class RunCheckpoints:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
+        optimizer: str,
         run: RunIdentity,
     ):
         self.manager = manager
         self.model, self.schedule = model, schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
+        self.optimizer = optimizer
         self.runtime = manager.runtime
         self.run = run
 
@@ -155,6 +168,7 @@ class RunCheckpoints:
         meta = {
             "step": step,
             "model": dataclasses.asdict(self.gpt_cfg),
+            "optimizer": self.optimizer,
             "layout": self.model.plan.describe(),
             "world_size": self.runtime.world_size,
             "schedule": self.schedule.state_dict(),
@@ -193,4 +207,11 @@ class RunCheckpoints:
         return ResumePoint(step=meta["step"], records=records)
 
 
-__all__ = ["RunCheckpoints", "check_model_matches", "read_data_position", "resume_path", "wandb_run_id"]
+__all__ = [
+    "RunCheckpoints",
+    "check_model_matches",
+    "check_optimizer_matches",
+    "read_data_position",
+    "resume_path",
+    "wandb_run_id",
+]

@@ -26,7 +26,7 @@ class AutoLayout:
 
 def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool, pp_schedule: str) -> Decision:
     """The planner's choice among every layout for this world, with the sizes llmtrain holds."""
-    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16))
+    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", pp_schedule)
     if not candidates:
@@ -63,7 +63,7 @@ def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16:
     """What the planner predicts for the run's own layout, for the end summary to set beside what happened: a
     machine that is not what its hardware config says (a PCIe card without peer-to-peer, a slow link) shows as a
     step much slower than predicted."""
-    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(bf16))
+    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     plan = plan_layout(describe_layout(cfg.parallel, world_size), work, machine)
     return {

@@ -25,6 +25,11 @@ micro-batch's residual stream:
   mixture block and micro-batch two all-to-alls carry the routed slots (top_k·b·(s/cp)·h, every tp rank its own
   copy) to their experts and back in forward, two carry their gradients in backward, and one the per-expert
   counts (E integers) before each.
+- muon (optim=muon): the whole matrices Newton-Schulz needs, as fp32 updates of Ψm, the blocks' weight matrices:
+  zero1 all-gathers Ψm (its slices cut across matrices); FSDP over N = dp_shard x cp ranks sends each rank's
+  shard of them in two all-to-alls (optim.whole_matrices=spread: each matrix whole on one rank and back; N
+  matrices per exchange), or all-gathers Ψm (gather, and always with tp > 1); tensor parallelism all-gathers
+  the whole matrices, Ψm·tp, over tp. Experts split by expert parallelism are whole where they are.
 Scalars (losses, gradient norms) are left out.
 """
 
@@ -34,7 +39,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from llmtrain.catalog import schedule_spec
+from llmtrain.catalog import MOMENT_BYTES, schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
@@ -91,6 +96,23 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         if d.dp_replicate > 1:
             traffic.add("all_reduce", grads / d.dp_shard_cp * sizes.grad * times, units * times)
     return traffic
+
+
+def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matrices: str) -> tuple[Traffic, Traffic]:
+    """(data-parallel, tensor-parallel) traffic of Muon's whole matrices, per step."""
+    d, data, tensor = candidate.degrees, Traffic(), Traffic()
+    count = held.blocks * (4 + (3 if cfg.mlp == "swiglu" else 2))  # matrices held (a mixture's are fewer, bigger)
+    split = (held.matrices - (held.experts if d.ep > 1 else 0)) * MOMENT_BYTES
+    if candidate.strategy == "zero1" and d.dp > 1:
+        data.add("all_gather", held.matrices * MOMENT_BYTES, 1)
+    elif candidate.sharding != "none" and d.dp_shard_cp > 1:
+        if whole_matrices == "spread" and d.tp == 1:
+            data.add("all_to_all", 2 * split / d.dp_shard_cp, 2 * math.ceil(count / d.dp_shard_cp))
+        else:
+            data.add("all_gather", split, count)
+    if d.tp > 1:
+        tensor.add("all_gather", held.matrices * d.tp * MOMENT_BYTES, count)
+    return data, tensor
 
 
 def tensor_parallel_traffic(

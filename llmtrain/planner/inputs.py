@@ -3,6 +3,9 @@ and the bytes per parameter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OPTIMIZERS
 from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config
 from llmtrain.planner.links import Links
@@ -10,15 +13,22 @@ from llmtrain.planner.memory import StateBytes
 from llmtrain.planner.plan import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
 
 
-def llmtrain_state_bytes(bf16: bool) -> StateBytes:
-    """What llmtrain itself holds: fp32 weights and gradients, AdamW's two fp32 moments, activations (and FSDP's
-    gathered copies) in the compute dtype."""
-    return StateBytes(param=4, grad=4, optimizer=8, compute=2 if bf16 else 4)
+def llmtrain_state_bytes(cfg, bf16: bool) -> StateBytes:
+    """What llmtrain itself holds: fp32 weights and gradients, AdamW's two fp32 moments (Muon's matrices: one),
+    activations (and FSDP's gathered copies) in the compute dtype."""
+    return _with_optimizer(StateBytes(param=4, grad=4, optimizer=8, compute=2 if bf16 else 4), cfg.optim.name)
 
 
 def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
     p = cfg.plan
-    return StateBytes(param=p.param_bytes, grad=p.grad_bytes, optimizer=p.optimizer_bytes, compute=2 if bf16 else 4)
+    sizes = StateBytes(param=p.param_bytes, grad=p.grad_bytes, optimizer=p.optimizer_bytes, compute=2 if bf16 else 4)
+    return _with_optimizer(sizes, cfg.optim.name)
+
+
+def _with_optimizer(sizes: StateBytes, optimizer: str) -> StateBytes:
+    """`sizes` (AdamW's optimizer bytes) with the blocks' matrices holding `optimizer`'s moments."""
+    fewer = ADAMW_MOMENTS - OPTIMIZERS[optimizer].matrix_moments
+    return replace(sizes, matrix_optimizer=sizes.optimizer - fewer * MOMENT_BYTES)
 
 
 def plans_bf16(cfg) -> bool:
@@ -67,4 +77,6 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         recompute=t.activation_checkpointing,
         sizes=sizes,
         parameters=int(cfg.plan.parameters) if cfg.plan.parameters else None,
+        optimizer=cfg.optim.name,
+        whole_matrices=cfg.optim.whole_matrices,
     )

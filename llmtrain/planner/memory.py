@@ -1,7 +1,8 @@
 """Per-rank memory of a layout: model states by the ZeRO paper's accounting, activations by Korthikanti et al.
 
 Model states (Rajbhandari et al., 2020), with Ψ the parameters a rank's part holds (after tensor and pipeline
-parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter:
+parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter (under Muon, the
+blocks' weight matrices have one fp32 moment fewer: K - 4 on their share of Ψ):
     replicas (single, ddp, tp, pp)   Ψ·param + Ψ·grad + Ψ·K
     ZeRO-1 (zero1)                   Ψ·param + Ψ·grad + Ψ·K/N
     ZeRO-2 (zero2, FSDP in stages)   Ψ·param/N + Ψ·grad/N + Ψ·K/N, plus Ψ gathered (compute dtype) for the step
@@ -44,6 +45,10 @@ class StateBytes:
     grad: float = 2
     optimizer: float = 12
     compute: float = 2
+    matrix_optimizer: float = 12  # of the blocks' weight matrices (Muon's: one fp32 moment fewer than AdamW's)
+
+    def optimizer_bytes(self, trainable: float, matrices: float) -> float:
+        return (trainable - matrices) * self.optimizer + matrices * self.matrix_optimizer
 
 
 @dataclass(frozen=True)
@@ -77,12 +82,13 @@ def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tupl
     """(parameters, gradients, optimizer, gathered) bytes of one rank holding `held`."""
     n = candidate.degrees.dp_shard_cp if candidate.sharding != "optimizer" else candidate.degrees.dp
     params, trainable = held.total * sizes.param, held.trainable
+    optimizer = sizes.optimizer_bytes(trainable, held.matrices)
     sharding = candidate.sharding
     if sharding == "none":
-        return params, trainable * sizes.grad, trainable * sizes.optimizer, 0.0
+        return params, trainable * sizes.grad, optimizer, 0.0
     if sharding == "optimizer":
-        return params, trainable * sizes.grad, trainable * sizes.optimizer / n, 0.0
-    states = (params / n, trainable * sizes.grad / n, trainable * sizes.optimizer / n)
+        return params, trainable * sizes.grad, optimizer / n, 0.0
+    states = (params / n, trainable * sizes.grad / n, optimizer / n)
     if sharding == "gradients":  # everything gathered for the step; under expert parallelism 1/ep of the experts
         return (*states, (held.total - held.experts + held.experts // candidate.degrees.ep) * sizes.compute)
     return (*states, 2 * held.largest_unit * sizes.compute)

@@ -26,6 +26,7 @@ from llmtrain.planner.comm import (
     context_parallel_traffic,
     data_parallel_traffic,
     expert_parallel_traffic,
+    muon_traffic,
     pipeline_traffic,
     tensor_parallel_traffic,
 )
@@ -68,6 +69,8 @@ class Workload:
     recompute: str  # train.activation_checkpointing
     sizes: StateBytes
     parameters: int | None = None  # "what if" override of the model's parameter count (model states only)
+    optimizer: str = "adamw"  # optim.name
+    whole_matrices: str = "spread"  # optim.whole_matrices: how Muon assembles split matrices
 
 
 @dataclass
@@ -130,6 +133,7 @@ def _scaled(held: Holding, factor: float) -> Holding:
         frozen=round(held.frozen * factor),
         root=round(held.root * factor),
         largest_unit=round(held.largest_unit * factor),
+        matrices=round(held.matrices * factor),
     )
 
 
@@ -173,16 +177,26 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         ranks.append(RankMemory(*states, acts))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
+        muon_dp, muon_tp = Traffic(), Traffic()
+        if work.optimizer == "muon":  # in the optimizer step: nothing to hide it behind
+            muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
         ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
         experts = expert_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
-        traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts))
+        traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts).merge(muon_dp).merge(muon_tp))
         rank_dp = sum(
             _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
             for op in dp.bytes
         )
         rank_exposed = sum(
             _seconds(machine, tp, op, d.tp, _spans_nodes(c, "tp", machine.ranks_per_node)) for op in tp.bytes
+        )
+        rank_exposed += sum(
+            _seconds(machine, muon_tp, op, d.tp, _spans_nodes(c, "tp", machine.ranks_per_node)) for op in muon_tp.bytes
+        )
+        rank_exposed += sum(
+            _seconds(machine, muon_dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
+            for op in muon_dp.bytes
         )
         rank_exposed += sum(
             _seconds(machine, pp, op, d.pp if op == "all_reduce" else 2, _spans_nodes(c, "pp", machine.ranks_per_node))
@@ -205,7 +219,9 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     exposed = exposed_s + (max(0.0, dp_s - compute) if hidden else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)
-    per_param = bytes_per_parameter(c, work.sizes)
+    whole = holding(gpt)
+    matrix_share = whole.matrices / whole.trainable
+    per_param = bytes_per_parameter(c, replace(work.sizes, optimizer=work.sizes.optimizer_bytes(1, matrix_share)))
     return LayoutPlan(
         candidate=c,
         ranks=ranks,

@@ -34,6 +34,7 @@ class Holding:
     last: bool  # holds the last stage (final norm, head, loss)
     experts: int = 0  # of trainable: the routed experts' elements (all E experts; a rank gathers experts / ep)
     mixtures: int = 0  # mixture-of-experts blocks held
+    matrices: int = 0  # of trainable: the blocks' weight matrices (what Muon updates; the rest is AdamW's)
 
     @property
     def total(self) -> int:
@@ -64,6 +65,19 @@ def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
         split += up * h * f + bias * up * f + f * h  # column-parallel fc_in (, gate); row-parallel fc_out
         replicated += bias * h
     return split // tp + replicated
+
+
+def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s weight-matrix elements on one of `tp` tensor-parallel ranks: block_parameters without the
+    biases and norms."""
+    h, bias, m = cfg.d_model, int(cfg.bias), cfg.moe
+    kv = cfg.kv_heads * (h // cfg.n_head)
+    vectors = bias * (h + 2 * kv) // tp + bias * h + 2 * _norm_parameters(cfg)
+    f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
+    if f:
+        up = 2 if cfg.mlp == "swiglu" else 1
+        vectors += bias * up * f // tp + bias * h
+    return block_parameters(cfg, tp, index) - vectors
 
 
 def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
@@ -124,4 +138,5 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
         last=last,
         experts=sum(experts),
         mixtures=sum(1 for i in indices if cfg.moe.is_moe_block(i)),
+        matrices=sum(block_matrices(cfg, tp, i) for i in indices),
     )

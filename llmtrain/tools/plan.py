@@ -143,7 +143,8 @@ def main(argv: list[str]) -> None:
         print(f"pick: {decision.reason}\n  run: {command}")
     else:
         print(f"pick: none: {decision.reason}")
-    print(f"parallel=auto (llmtrain's sizes: fp32 weights, gradients and AdamW moments; every layout): {auto.reason}")
+    sizes = f"fp32 weights, gradients and optim={cfg.optim.name}'s moments"
+    print(f"parallel=auto (llmtrain's sizes: {sizes}; every layout): {auto.reason}")
     result = {
         **facts,
         "layouts": [p.as_dict() for p in plans],
