@@ -19,9 +19,10 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
+from llmtrain.optim import is_hidden_matrix
 from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
-from llmtrain.planner.inputs import machine_for, workload_for
+from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes, in_flight_microbatches, layer_activations
 from llmtrain.planner.plan import GIB, choose, plan_layout
@@ -321,3 +322,20 @@ def test_the_planner_runs_from_a_wheel_installed_outside_the_checkout(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads((elsewhere / "plan.json").read_text())
     assert plan["pick"] in {row["layout"] for row in plan["layouts"]}
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny", "moe-tiny", "llama3.2-1b"])
+def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
+    """The planner's count of Muon's matrices is the parameters llmtrain's Muon takes; under fsdp x 4 their state
+    is one fp32 moment lighter and the step adds two all-to-alls of each rank's quarter of them."""
+    meta = meta_model(_composed(f"model={model}").model, 50257)
+    matrices = sum(p.numel() for name, p in meta.named_parameters() if is_hidden_matrix(name, p))
+    assert holding(meta.cfg).matrices == matrices
+    fsdp = LAYOUTS["fsdp"]
+    adamw, work, _ = _plan(fsdp, sizes=configured_state_bytes(_composed(*UNPADDED), True))
+    muon, _, _ = _plan(fsdp, "optim=muon", sizes=configured_state_bytes(_composed(*UNPADDED, "optim=muon"), True))
+    held = holding(work.gpt)
+    saved = held.matrices * 4 / fsdp.degrees.dp_shard_cp  # 4 bytes fewer per matrix element, sharded over 4
+    assert adamw.ranks[0].optimizer - muon.ranks[0].optimizer == pytest.approx(saved)
+    assert muon.traffic[0].bytes["all_to_all"] == pytest.approx(2 * held.matrices * 4 / 4, abs=1)
+    assert "all_to_all" not in adamw.traffic[0].bytes and muon.max_parameters > adamw.max_parameters

@@ -20,10 +20,11 @@ Rows (tolerances are on the per-step training loss, max relative difference over
   async save / resume    checkpoint.async_save every 5 steps, then a new run resumed from step 5: steps 6-10
                          within 1e-3 of the first run's (GPU kernels are not bit-deterministic)
   moe eager|compiled     8 experts in every second block, one grouped GEMM each: trains, no skipped steps
+  muon                   optim=muon, Newton-Schulz in bf16: trains, no skipped steps
   profile                profile.steps=[5,6] and profile.memory=true: within 1% of bf16 (profiling changes no
                          number), a trace and a memory snapshot written
   2+ GPUs                ddp, fsdp, tp, fsdp with cp 2 (ring attention on the flash kernels) and pp with every
-                         schedule on 2 GPUs, each within 3% of one GPU
+                         schedule on 2 GPUs, each within 3% of one GPU; fsdp muon within 3% of muon
 Speed columns: tokens/s and MFU (steps after the first), peak allocated / reserved GiB over the run.
 
 `--device cpu --model tiny --seq-len 64` runs the same checks on CPU (what the test suite does for two of them): the
@@ -96,6 +97,9 @@ def single_gpu_checks() -> list[Check]:
     # tokens/s against bf16's is what routing costs on this GPU.
     experts = ["model.moe.num_experts=8", "model.moe.every=2"]
     checks += [Check("moe eager", experts), Check("moe compiled", [*experts, "train.compile=true"])]
+    # Muon with its Newton-Schulz iterations in bf16 (the reference of the multi-GPU muon row): trains, no skipped
+    # step; tokens/s against bf16's is what its update costs on this GPU.
+    checks.append(Check("muon", ["optim=muon"]))
     checks.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
     resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
     return [*checks, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
@@ -110,10 +114,12 @@ def multi_gpu_checks() -> list[Check]:
             f"parallel.pp_stages_per_rank={SCHEDULES[schedule].fewest_stages_per_rank}",
         ]
         layouts.append((f"pp {schedule}", [*pipeline, "parallel.microbatches=4"]))
-    return [
+    checks = [
         Check(name, [f"parallel={name.split()[0]}", *extra], reference="bf16", tolerance=0.03, nproc=2)
         for name, extra in layouts
     ]
+    # Muon's matrices spread over the ranks by NCCL all-to-alls, bf16 Newton-Schulz: within 3% of one GPU's Muon.
+    return [*checks, Check("fsdp muon", ["parallel=fsdp", "optim=muon"], reference="muon", tolerance=0.03, nproc=2)]
 
 
 def run_check(check: Check, base: list[str], workdir: Path, timeout: float) -> Row:
