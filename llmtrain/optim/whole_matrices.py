@@ -8,11 +8,10 @@ rows, tensor parallelism's columns or rows) needs the rest of the matrix, two wa
           orthogonalises it and keeps its own piece: N ranks each receive (N-1)/N of every matrix and each
           orthogonalise all of them.
   spread  the matrices split the same way over one mesh dimension of N ranks are taken N at a time: one all-to-all
-          sends each whole matrix to one of the ranks (the stack's split moves from the rows to the stack), each
-          rank orthogonalises its one matrix, and one all-to-all sends the pieces back (DistMuon / Dion). Each
-          rank moves 2 (N-1)/N^2 of the matrices each way and orthogonalises 1/N of them: N/2 times less traffic
-          and N times less compute than gather. A matrix split over two dimensions (FSDP x tensor parallel) is
-          gathered.
+          sends matrix j's pieces to rank j, each rank orthogonalises its one matrix whole, and one all-to-all
+          sends the pieces back (DistMuon / Dion). Each rank sends 2 (N-1)/N^2 of the matrices and orthogonalises
+          1/N of them: N/2 times less traffic and N times less compute than gather. A matrix split over two mesh
+          dimensions (FSDP x tensor parallel) is gathered.
 """
 
 from __future__ import annotations
@@ -117,7 +116,6 @@ def _spread(updates: list[DTensor], finish: Finish) -> list[DTensor]:
         outgoing = received
     back = torch.empty(sum(send_sizes), dtype=first.dtype, device=received.device)
     dist.all_to_all_single(back, outgoing, send_sizes, receive_sizes, group=group)
-    local_shape = first.to_local().shape
     return [
         _like(piece.view(local_shape), update, update.placements)
         for piece, update in zip(back.split(send_sizes), updates)
