@@ -31,6 +31,7 @@ from llmtrain.domains import (
     Domain,
     ExistingPath,
     Flag,
+    ListOf,
     MeshDegree,
     Number,
     OneOf,
@@ -524,6 +525,21 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks scored in the training loop (llmtrain/data/tasks.py, llmtrain/train/downstream.py)."""
+
+    tasks: Optional[list[str]] = key(
+        None,
+        ListOf(ExistingPath("file")),
+        "multiple-choice task files (jsonl: context, choices, label; HellaSwag's ctx, endings, label too), each scored "
+        "every `eval.every` steps and at the end: `eval/<task>/acc` (the choice of least summed loss) and "
+        "`eval/<task>/acc_norm` (least mean loss per token), the examples split over the data-parallel ranks",
+    )
+    every: Optional[int] = key(None, at_least(1), "steps between task evaluations; null = `train.eval_every`")
+    limit: Optional[int] = key(None, at_least(1), "examples scored per task (the file's first); null = all")
+
+
+@dataclass
 class ProfileConfig:
     steps: Optional[list[int]] = key(
         None,
@@ -653,6 +669,7 @@ class RootConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = key(
         1337,
         Number(low=0, high=2**32 - 1, whole=True),

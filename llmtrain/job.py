@@ -29,6 +29,7 @@ from llmtrain.checkpoint.training import (
 )
 from llmtrain.config import RootConfig, WandbConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.optim import build_schedule
@@ -273,6 +274,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             n_params=n_params,
             model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len),
             wandb_id=wandb_id,
+            tasks=[read_task(path, data.tokenizer, t.seq_len, config.eval.limit) for path in config.eval.tasks or []],
         )
         resumed = f"{resume} (step {parts.state.step})" if resume else None
         summary = start_summary(

@@ -77,6 +77,26 @@ def _byte_characters() -> list[str]:
     return characters
 
 
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """Bytes of UTF-8 text each token id stands for (0 for end-of-text and ids the tokenizer does not define): what
+    bits per byte divides by. A byte-level BPE token's characters are one byte each (GPT-2's alphabet, above);
+    another tokenizer's token is measured by decoding it alone."""
+    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths[:256] = 1
+        return lengths
+    assert isinstance(tokenizer, FastTokenizer)
+    backend = tokenizer.backend
+    alphabet = set(_byte_characters())
+    to_token = backend.id_to_token if isinstance(backend, HFCoreTokenizer) else backend.convert_ids_to_tokens
+    for token_id in range(tokenizer.vocab_size):
+        piece = to_token(token_id)
+        if piece is None or token_id == tokenizer.eos_id:
+            continue
+        lengths[token_id] = len(piece) if set(piece) <= alphabet else len(tokenizer.decode([token_id]).encode())
+    return lengths
+
+
 def byte_tokenizer_backend() -> HFCoreTokenizer:
     """ByteTokenizer as a `tokenizers` tokenizer with the same ids (byte b is token b, end-of-text 256): a
     byte-level BPE without merges."""

@@ -9,7 +9,16 @@ from typing import Any
 import torch
 
 from llmtrain.model.base import LayeredModel
-from llmtrain.model.gpt import GPT, GPTConfig, cross_entropy_loss, flops_per_token, num_parameters, seeded_init
+from llmtrain.model.gpt import (
+    GPT,
+    UNSCORED,
+    GPTConfig,
+    cross_entropy_loss,
+    flops_per_token,
+    num_parameters,
+    seeded_init,
+    summed_losses,
+)
 from llmtrain.model.materialize import ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
 from llmtrain.model.rope import RopeScaling
@@ -70,6 +79,8 @@ __all__ = [
     "auxiliary_loss_scale",
     "build_model",
     "cross_entropy_loss",
+    "summed_losses",
+    "UNSCORED",
     "flops_per_token",
     "gpt_config",
     "initial_weights",

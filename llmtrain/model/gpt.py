@@ -361,6 +361,18 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+UNSCORED = -100  # a target position left out of summed_losses (F.cross_entropy's ignore_index)
+
+
+def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(rows, 2): per row, the next-token cross-entropy summed over its scored positions (targets not UNSCORED),
+    in fp32, and how many there are. Sums, so that parts of a row (context-parallel shards) add up."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
+    losses = losses.full_tensor() if hasattr(losses, "full_tensor") else losses  # computed on vocabulary shards
+    scored = targets != UNSCORED
+    return torch.stack([losses.view_as(targets).sum(1), scored.sum(1).to(losses.dtype)], dim=1)
+
+
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT

@@ -35,15 +35,23 @@ def build_expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
+def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The sum of a per-rank tensor over the ranks of a 1-D `mesh` (parts of each sequence over context-parallel
+    ranks); the value itself without one."""
+    if mesh is None or mesh.size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return value
+
+
 def mean_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """The mean of a per-rank scalar over the ranks of a 1-D `mesh` (each holding an equal share: of the batch over
     data-parallel ranks, of each sequence over context-parallel ones); the value itself without one. Gloo has no
     AVG reduction, hence SUM then divide."""
     if mesh is None or mesh.size() == 1:
         return value
-    value = value.clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
-    return value / mesh.size()
+    return sum_over(value, mesh) / mesh.size()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ overrides only what it changes. How a layout is applied to the modules is layout
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import cast
 
@@ -22,18 +22,26 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate
 
 from llmtrain.config import OptimConfig
-from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
+from llmtrain.model import (
+    LayeredModel,
+    ParameterInit,
+    auxiliary_loss_scale,
+    cross_entropy_loss,
+    materialize,
+    summed_losses,
+)
 from llmtrain.optim import build_optimizer
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
 from llmtrain.parallel.layout import Layout, apply_layout
-from llmtrain.parallel.mesh import RankMesh, mean_over
+from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.tp import loss_context
 from llmtrain.plan import ParallelPlan
 from llmtrain.runtime import Runtime
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+Statistic = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> a micro-batch's number(s)
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -149,13 +157,25 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean loss over this rank's micro-batches, without gradients."""
-        device = self.runtime.device
-        total = torch.zeros((), device=device)
+        means = self._forward_only(micro_batches, cross_entropy_loss)
+        return mean_over(torch.stack(means).mean(), self.mesh.cp_mesh)
+
+    @torch.no_grad()
+    def sequence_losses(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """(rows, 2) over this rank's micro-batches, row by row: the loss summed over the row's scored targets
+        (those not UNSCORED) and their count (llmtrain/model/gpt.py: summed_losses), whole rows whatever the layout
+        splits them into."""
+        sums = torch.cat(self._forward_only(micro_batches, summed_losses))
+        return sum_over(sums, self.mesh.cp_mesh)
+
+    def _forward_only(self, micro_batches: MicroBatches, statistic: Statistic) -> list[torch.Tensor]:
+        """`statistic(logits, targets)` of each micro-batch (this rank's part of each sequence)."""
+        device, results = self.runtime.device, []
         for inputs, targets in micro_batches:
             inputs, targets = self._context_shard(inputs), self._context_shard(targets)
             with self.precision(), self.loss_context():
-                total += full_tensor(cross_entropy_loss(self.module(inputs.to(device)), targets.to(device)))
-        return mean_over(total / len(micro_batches), self.mesh.cp_mesh)
+                results.append(full_tensor(statistic(self.module(inputs.to(device)), targets.to(device))))
+        return results
 
     def expert_load(self) -> torch.Tensor | None:
         """Collective: slots routed to each expert this step over the whole global batch and every mixture block

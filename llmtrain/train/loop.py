@@ -19,11 +19,14 @@ import torch
 from llmtrain import faults
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
+from llmtrain.data.tasks import Task
+from llmtrain.data.tokenizers import token_byte_lengths
 from llmtrain.errors import Preempted, TrainingDiverged
 from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel, full_tensor
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.runtime import Runtime
+from llmtrain.train.downstream import evaluate_tasks
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
@@ -68,6 +71,7 @@ class Components:
     n_params: int
     model_flops: float  # per token
     wandb_id: str | None  # the W&B run this job continues (rank 0)
+    tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
 
 
 class Trainer:
@@ -103,6 +107,9 @@ class Trainer:
         self.watchdog = watchdog
         self.stragglers = stragglers
         self.state = parts.state
+        self.tasks = parts.tasks
+        self.task_every = parts.config.eval.every or self.train.eval_every
+        self.val_bytes_per_token = self._val_bytes_per_token()
         self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
 
     def _is_checkpoint_step(self, step: int) -> bool:
@@ -112,6 +119,20 @@ class Trainer:
     def _is_eval_step(self, step: int) -> bool:
         every = self.train.eval_every
         return every > 0 and (step % every == 0 or step == self.train.steps)
+
+    def _is_task_step(self, step: int) -> bool:
+        every = self.task_every
+        return bool(self.tasks) and every > 0 and (step % every == 0 or step == self.train.steps)
+
+    def _val_bytes_per_token(self) -> float | None:
+        """Collective: UTF-8 bytes per scored token of the whole validation set (every rank holds as many rows)."""
+        rows = self.data.val_rows
+        if rows is None:
+            return None
+        targets = rows[:, 1:]
+        lengths = token_byte_lengths(self.data.tokenizer)
+        mine = torch.tensor(float(lengths[targets].sum()) / max(targets.size, 1), device=self.runtime.device)
+        return self.model.reduce_mean(mine).item()
 
     def validation_loss(self) -> float:
         self.model.module.eval()
@@ -230,6 +251,11 @@ class Trainer:
         if self._is_eval_step(step):
             self._mark("validation", step)
             record["val_loss"] = self.validation_loss()
+            if self.val_bytes_per_token:  # nats per token -> bits per byte: comparable across tokenizers
+                record["val_bpb"] = record["val_loss"] / (math.log(2) * self.val_bytes_per_token)
+        if self._is_task_step(step):
+            self._mark("downstream tasks", step)
+            record.update(evaluate_tasks(self.model, self.tasks, self.train.micro_batch_size))
         self._mark("logging", step)
         record.update(step_memory(self.runtime.device))
         self.checkpoints.poll()

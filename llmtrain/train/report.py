@@ -49,11 +49,16 @@ def end_summary(
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": val[-1]["val_loss"] if val else None,
+        "final_val_bpb": val[-1].get("val_bpb") if val else None,
         "tokens": records[-1]["step"] * tokens_per_step,
         "tokens_per_s": len(steady) * tokens_per_step / steady_seconds,
         "train_seconds": train_seconds,
         "wall_seconds": wall_seconds,
     }
+    scored = [r for r in records if "eval/seconds" in r]
+    if scored:  # eval.tasks: the last scores, and what all the evaluations took
+        summary["tasks"] = {key[5:]: value for key, value in scored[-1].items() if key.count("/") == 2}
+        summary["task_seconds"] = sum(r["eval/seconds"] for r in scored)
     if any(r.get("mfu") is not None for r in steady):
         summary["mfu"] = sum(r["mfu"] for r in steady) / len(steady)
     if "peak_memory_gib" in records[-1]:
@@ -68,10 +73,14 @@ def format_end_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"done      {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s",
         f"loss      {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
-        + (f" (val {val:.4f})" if val is not None else ""),
+        + (f" (val {val:.4f})" if val is not None else "")
+        + (f", {summary['final_val_bpb']:.4f} bits per byte" if summary.get("final_val_bpb") else ""),
         f"speed     {summary['tokens_per_s']:,.0f} tokens/s"
         + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a"),
     ]
+    if "tasks" in summary:
+        scores = ", ".join(f"{name} {value:.4f}" for name, value in summary["tasks"].items())
+        lines.append(f"tasks     {scores} ({summary['task_seconds']:.1f} s evaluating)")
     if "peak_memory_gib" in summary:
         lines.append(
             f"memory    {summary['peak_memory_gib']:.2f} GiB peak allocated, {summary['peak_reserved_gib']:.2f} GiB "
@@ -131,6 +140,17 @@ def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    scored = [r for r in records if "eval/seconds" in r]
+    if scored:  # the companion picture: each task's accuracies over the run, beside loss.png
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        for key in [key for key in scored[-1] if key.count("/") == 2]:
+            ax.plot([r["step"] for r in scored], [r[key] for r in scored], "o-", label=key[5:], markersize=4)
+        ax.set(xlabel="optimizer step", ylabel="accuracy", title=title, ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(os.path.dirname(path), "tasks.png"))
+        plt.close(fig)
 
 
 def compiled_graphs() -> int:

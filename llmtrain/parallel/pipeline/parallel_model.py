@@ -25,13 +25,14 @@ from torch.distributed.tensor import DTensor
 from llmtrain.catalog import schedule_spec
 from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize, summed_losses
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.layout import Layout, apply_layout
-from llmtrain.parallel.mesh import RankMesh, mean_over
+from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.parallel_model import (
     MicroBatches,
     ParallelModel,
+    Statistic,
     full_tensor,
     grads_by_layout,
     local_tensor,
@@ -172,7 +173,19 @@ class PipelineParallel(ParallelModel):
 
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
-        """Forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages
+        return self._mean_from_last_stage(self._forward_only(micro_batches, cross_entropy_loss))
+
+    @torch.no_grad()
+    def sequence_losses(self, micro_batches: MicroBatches) -> torch.Tensor:
+        rows = sum(len(inputs) for inputs, _ in micro_batches)
+        sums = self._forward_only(micro_batches, summed_losses)
+        total = torch.cat(sums) if sums else torch.zeros(rows, 2, device=self.runtime.device)
+        dist.all_reduce(total, group=self.pp_group)  # from the last stage's rank to the whole pipeline
+        return sum_over(total, self.mesh.cp_mesh)
+
+    def _forward_only(self, micro_batches: MicroBatches, statistic: Statistic) -> list[torch.Tensor]:
+        """`statistic` of each micro-batch on the last stage's rank ([] elsewhere), by forward-only pipelining,
+        micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages
         in increasing order, receiving each input from the previous stage's rank and sending each output on. Every
         rank goes through (micro-batch, stage) in the same order, so the k-th message between two ranks is the
         k-th on both sides and each waits only on work that comes earlier in that order: no cycle, even where a
@@ -181,7 +194,7 @@ class PipelineParallel(ParallelModel):
         The first output of each stage travels with a header (its trailing shape and dtype, a host read on the
         receiver); the others' shapes follow from the micro-batch sizes every pipeline rank already holds."""
         device, last = self.runtime.device, self.n_stages - 1
-        losses: list[torch.Tensor] = []
+        results: list[torch.Tensor] = []
         stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         with self.precision(), self.loss_context():
@@ -202,7 +215,7 @@ class PipelineParallel(ParallelModel):
                         exchange([dist.P2POp(dist.irecv, x, previous, self.pp_group)])
                     output, carried = module(x), None
                     if stage == last:
-                        losses.append(cross_entropy_loss(output, targets.to(device)))
+                        results.append(full_tensor(statistic(output, targets.to(device))))
                     elif stage + 1 in self.stage_indices:
                         carried = output
                     else:
@@ -210,7 +223,7 @@ class PipelineParallel(ParallelModel):
                         if i == 0:
                             send_header(output, following, self.pp_group)
                         exchange([dist.P2POp(dist.isend, output.contiguous(), following, self.pp_group)])
-        return self._mean_from_last_stage(losses)
+        return results
 
     def _global_rank(self, stage: int) -> int:
         return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))

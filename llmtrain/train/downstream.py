@@ -1,0 +1,72 @@
+"""Downstream multiple-choice tasks scored on the live model, whatever its layout (`eval.tasks`).
+
+Every row (an example's context and one of its choices, llmtrain/data/tasks.py) goes through the layout's own
+forward-only path, which returns whole rows' summed choice losses and token counts (ParallelModel.sequence_losses:
+tensor-parallel vocabulary shards, context-parallel sequence shards and pipeline stages are combined there).
+The rows are dealt to the data-parallel ranks in turn, padded to a whole number of micro-batches per rank so that
+every rank runs the same forwards (FSDP gathers in each), and all-gathered back in order.
+
+An example counts for `acc` when its label's choice has the least summed loss, for `acc_norm` when it has the
+least mean loss per choice token (build-nanogpt's completion-style protocol).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llmtrain.data.tasks import Task
+from llmtrain.parallel.parallel_model import ParallelModel
+
+
+def score_rows(model: ParallelModel, inputs: np.ndarray, targets: np.ndarray, micro_batch_size: int) -> torch.Tensor:
+    """(rows, 2): each row's summed scored loss and scored-token count, on every rank."""
+    device, rows = model.runtime.device, len(inputs)
+    dp_mesh = model.mesh.dp_mesh
+    dp, rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
+    per_rank = -(-rows // (dp * micro_batch_size)) * micro_batch_size
+    order = np.arange(per_rank * dp) % max(rows, 1)  # the padding repeats rows; their results are dropped
+    mine = order[rank::dp]
+    micro_batches = [
+        (torch.from_numpy(inputs[chunk]), torch.from_numpy(targets[chunk]))
+        for chunk in np.split(mine, len(mine) // micro_batch_size)
+    ]
+    sums = model.sequence_losses(micro_batches).to(device, torch.float32)
+    if dp > 1:
+        gathered = torch.empty(dp * len(sums), 2, dtype=sums.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, sums, group=model.mesh.dp_group)
+        sums = gathered.view(dp, -1, 2).transpose(0, 1).reshape(-1, 2)  # back to the order the rows were dealt in
+    return sums[:rows]
+
+
+def task_accuracy(task: Task, sums: torch.Tensor) -> dict[str, float]:
+    """acc and acc_norm of `task` from its rows' (summed loss, tokens)."""
+    sums = sums.double().cpu()
+    correct = correct_norm = 0
+    start = 0
+    for count, label in zip(task.choices.tolist(), task.labels.tolist()):
+        losses, tokens = sums[start : start + count, 0], sums[start : start + count, 1].clamp(min=1)
+        correct += int(losses.argmin().item() == label)
+        correct_norm += int((losses / tokens).argmin().item() == label)
+        start += count
+    examples = max(len(task.labels), 1)
+    return {"acc": correct / examples, "acc_norm": correct_norm / examples}
+
+
+def evaluate_tasks(model: ParallelModel, tasks: list[Task], micro_batch_size: int) -> dict[str, float]:
+    """`eval/<task>/acc`, `eval/<task>/acc_norm` for every task, and `eval/seconds`: what the evaluation took."""
+    started = time.perf_counter()
+    metrics: dict[str, float] = {}
+    model.module.eval()
+    try:
+        for task in tasks:
+            sums = score_rows(model, task.inputs, task.targets, micro_batch_size)
+            for name, value in task_accuracy(task, sums).items():
+                metrics[f"eval/{task.name}/{name}"] = value
+    finally:
+        model.module.train()
+    metrics["eval/seconds"] = time.perf_counter() - started
+    return metrics
