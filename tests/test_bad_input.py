@@ -54,7 +54,14 @@ def _leaf_types(schema: type, prefix: str = "") -> dict[str, tuple[type, bool]]:
     return found
 
 
-WRONG_TYPE = {int: ["many", "1.5"], float: ["fast"], bool: ["maybe"], str: ["[1,2]"], list[int]: ["3", "[one,two]"], list[str]: ["3"]}
+WRONG_TYPE = {
+    int: ["many", "1.5"],
+    float: ["fast"],
+    bool: ["maybe"],
+    str: ["[1,2]"],
+    list[int]: ["3", "[one,two]"],
+    list[str]: ["3"],
+}
 
 
 def _literal(value) -> str:

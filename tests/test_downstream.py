@@ -50,12 +50,13 @@ def test_a_task_file_becomes_rows_that_score_only_each_choice(tmp_path):
     task = read_task(str(path), ByteTokenizer(), seq_len=8, limit=None)
     assert task.name == "task" and task.choices.tolist() == [2, 1] and task.labels.tolist() == [1, 0]
     # "ab" + " de": the targets are the choice's tokens, each predicted from the one before; the rest unscored
-    assert task.inputs[1].tolist()[:5] == list(b"ab de") and task.targets[1].tolist()[:4] == [UNSCORED, *b" de"]
-    assert (task.targets[1][4:] == UNSCORED).all()
+    assert task.inputs[1].tolist()[:5] == [*b"ab d", 0] and task.targets[1].tolist()[:4] == [UNSCORED, *b" de"]
+    assert (task.targets[1][4:] == UNSCORED).all() and task.inputs.shape == (3, 8)
     # too long for 9 tokens: the context's beginning is cut, the choice kept whole at the end
     assert bytes(task.inputs[2].tolist()) == b"xxxxxx y" and task.targets[2].tolist()[5:] == list(b" yz")
     assert (task.targets[2][:5] == UNSCORED).all()
     assert read_task(str(path), ByteTokenizer(), seq_len=8, limit=1).choices.tolist() == [2]
+    assert read_task(str(path), ByteTokenizer(), seq_len=1024, limit=None).inputs.shape == (3, 64)  # as long as needed
     path.write_text(json.dumps({"ctx": "a", "endings": ["b"], "label": 3}) + "\n")
     with pytest.raises(ConfigError, match="label 3 is not one of its 1 choices"):
         read_task(str(path), ByteTokenizer(), seq_len=8, limit=None)

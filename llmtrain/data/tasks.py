@@ -19,14 +19,17 @@ from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
 from llmtrain.model import UNSCORED
 
+# Rows are padded to a multiple of this: context and sequence parallelism split each row into 2 cp (or tp) parts.
+ROW_MULTIPLE = 64
+
 
 @dataclass(frozen=True)
 class Task:
-    """A task's rows, one per (example, choice), `seq_len` positions each, examples in file order."""
+    """A task's rows, one per (example, choice), examples in file order."""
 
     name: str  # the file's name without its extension
-    inputs: np.ndarray  # (rows, seq_len) token ids, padded with 0 after the choice
-    targets: np.ndarray  # (rows, seq_len) the next tokens where a choice token is predicted, UNSCORED elsewhere
+    inputs: np.ndarray  # (rows, width <= seq_len) token ids, padded with 0 after the choice
+    targets: np.ndarray  # (rows, width) the next tokens where a choice token is predicted, UNSCORED elsewhere
     choices: np.ndarray  # (examples,) choices per example
     labels: np.ndarray  # (examples,) the right choice's index
 
@@ -59,24 +62,27 @@ def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) 
                 break
     texts = [text for context, choices, _ in examples for text in (context, *(" " + c for c in choices))]
     encoded = iter(tokenizer.encode_batch(texts))
-    inputs, targets = [], []
+    rows, scored = [], []  # each row's tokens (at most seq_len + 1, its end kept), and its choice's length
     for _, choices, _ in examples:
         context_ids = next(encoded)
         for _choice in choices:
             choice_ids = next(encoded)
             row = np.concatenate([context_ids, choice_ids])[-(seq_len + 1) :]
-            scored = min(len(choice_ids), len(row) - 1)
-            padded = np.zeros(seq_len + 1, dtype=np.int64)
-            padded[: len(row)] = row
-            target = np.full(seq_len, UNSCORED, dtype=np.int64)
-            target[len(row) - 1 - scored : len(row) - 1] = padded[len(row) - scored : len(row)]
-            inputs.append(padded[:-1])
-            targets.append(target)
+            rows.append(row)
+            scored.append(min(len(choice_ids), len(row) - 1))
+    # Rows as long as the longest (rounded up to a multiple of ROW_MULTIPLE, which the layouts' sequence splits
+    # divide), not train.seq_len: a task of short rows costs what its tokens cost.
+    width = min(seq_len, -(-max((len(row) - 1 for row in rows), default=1) // ROW_MULTIPLE) * ROW_MULTIPLE)
+    inputs = np.zeros((len(rows), width), dtype=np.int64)
+    targets = np.full((len(rows), width), UNSCORED, dtype=np.int64)
+    for i, (row, choice_length) in enumerate(zip(rows, scored)):
+        inputs[i, : len(row) - 1] = row[:-1]
+        targets[i, len(row) - 1 - choice_length : len(row) - 1] = row[len(row) - choice_length :]
     name = os.path.splitext(os.path.basename(path))[0]
     return Task(
         name,
-        np.stack(inputs),
-        np.stack(targets),
+        inputs,
+        targets,
         np.array([len(choices) for _, choices, _ in examples]),
         np.array([label for _, _, label in examples]),
     )
