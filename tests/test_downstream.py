@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import layout_group
+from layout_worker import reference_name
 
 from llmtrain.data.tasks import Task, read_task
 from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer, token_byte_lengths, train_bpe
@@ -87,12 +88,13 @@ def test_token_byte_lengths_count_the_text_each_token_stands_for():
 
 # Every layout scores the task's rows through its own forward-only path; the rows are dealt to the data-parallel
 # ranks (53 examples x 4 choices: 212 rows, padded to whole micro-batches per rank). The same accuracies as one
-# process, and the same bits per byte.
+# process, and the same bits per byte (the experts' layout against moe-tiny in one process).
 LAYOUTS = [
     "parallel=fsdp",
     "parallel=tp train.micro_batch_size=8",
     "parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
     "parallel=fsdp parallel.cp=2",
+    "model=moe-tiny parallel=fsdp parallel.ep=2",
 ]
 
 
@@ -107,6 +109,7 @@ def test_task_scores_are_the_same_under_every_layout(tmp_path_factory):
     single = results["single"]
     assert set(single["tasks"]) == {"eval/words/acc", "eval/words/acc_norm"}
     for layout in LAYOUTS:
-        assert results[layout]["tasks"] == single["tasks"], layout
-        assert results[layout]["val_bpb"] == pytest.approx(single["val_bpb"], rel=1e-5), layout
+        reference = results[reference_name(layout)]
+        assert results[layout]["tasks"] == reference["tasks"], layout
+        assert results[layout]["val_bpb"] == pytest.approx(reference["val_bpb"], rel=1e-5), layout
     assert single["val_bpb"] == pytest.approx(single["val_losses"][-1] / math.log(2), rel=0.02)  # byte tokens
