@@ -519,8 +519,8 @@ class TrainConfig:
         None,
         Number(low=0),
         "seconds a rank may make no progress before every rank writes its stacks and collectives to "
-        "`<run dir>/hang/` and the job exits 76 (requeued by launch/slurm.sbatch); validation and checkpoints get "
-        "10x; 0 = off; null = on GPUs 20x the median of the first steps (at least 300 s), off on CPUs",
+        "`<run dir>/hang/` and the job exits 76 (requeued by launch/slurm.sbatch); validation, `eval.tasks` and "
+        "checkpoints get 10x; 0 = off; null = on GPUs 20x the median of the first steps (at least 300 s), off on CPUs",
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
@@ -368,7 +369,8 @@ def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(rows, 2): per row, the next-token cross-entropy summed over its scored positions (targets not UNSCORED),
     in fp32, and how many there are. Sums, so that parts of a row (context-parallel shards) add up."""
     losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
-    losses = losses.full_tensor() if hasattr(losses, "full_tensor") else losses  # computed on vocabulary shards
+    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
+        losses = losses.full_tensor()
     scored = targets != UNSCORED
     return torch.stack([losses.view_as(targets).sum(1), scored.sum(1).to(losses.dtype)], dim=1)
 

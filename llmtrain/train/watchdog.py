@@ -44,11 +44,13 @@ PHASES = (
     "reading the step's results",
     "optimizer",
     "validation",
+    "downstream tasks",
     "logging",
     "checkpoint",
 )
-# Validation, logging (W&B over the network) and checkpoints may run longer than a step: this many timeouts.
-SLOW_PHASES, SLOW_PHASE_ALLOWANCE = ("validation", "logging", "checkpoint"), 10
+# Validation, the eval.tasks, logging (W&B over the network) and checkpoints may run longer than a step: this many
+# timeouts.
+SLOW_PHASES, SLOW_PHASE_ALLOWANCE = ("validation", "downstream tasks", "logging", "checkpoint"), 10
 # With train.hang_timeout unset, a GPU run arms itself after this many steps with this many times their median
 # (at least AUTO_FLOOR seconds): long enough for a slow step, short against an allocation.
 AUTO_AFTER_STEPS, AUTO_FACTOR, AUTO_FLOOR = 5, 20, 300.0
