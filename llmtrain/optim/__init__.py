@@ -6,13 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmtrain.optim.groups import is_hidden_matrix, param_groups
+from llmtrain.optim.groups import adamw_options, is_hidden_matrix, param_groups
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.schedule import build_schedule, lr_factor
-
-
-def adamw_options(optim_cfg) -> dict:
-    return dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 
 
 def build_optimizer(model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:

@@ -12,6 +12,11 @@ def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
     return param.ndim >= 2 and "blocks" in name.split(".")
 
 
+def adamw_options(optim_cfg) -> dict:
+    """AdamW's options of `optim` (its groups' defaults, under Muon too)."""
+    return dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+
+
 def param_groups(model: nn.Module, optim_cfg) -> list[dict]:
     """The non-empty groups of `model`'s trainable parameters. AdamW alone: weight decay on matrices (Linear
     weights, embeddings), none on biases and norms, whose decay would only pull scales and offsets towards zero.

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from llmtrain.optim.groups import adamw_options
 from llmtrain.optim.whole_matrices import orthogonalize
 
 # The quintic's coefficients (Keller Jordan's, as torch.optim.Muon's): the steepest slope at zero that still maps
@@ -59,10 +60,8 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], optim_cfg, ns_dtype: torch.dtype):
         defaults = dict(
-            lr=optim_cfg.lr,
+            **adamw_options(optim_cfg),
             weight_decay=optim_cfg.weight_decay,
-            betas=(optim_cfg.beta1, optim_cfg.beta2),
-            eps=optim_cfg.eps,
             momentum=optim_cfg.momentum,
             nesterov=optim_cfg.nesterov,
             ns_steps=optim_cfg.ns_steps,
