@@ -16,7 +16,7 @@ import glob
 import os
 import textwrap
 import typing
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
@@ -702,8 +702,28 @@ class PrepareRootConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
 
+@dataclass
+class EvaluateRootConfig(RootConfig):
+    """`python -m llmtrain.evaluate`: training's keys (the layout, precision, hardware; the model comes from the
+    checkpoint) and lm-evaluation-harness's."""
+
+    tasks: Optional[list[str]] = key(
+        None,
+        ListOf(Text()),
+        "required: lm-eval tasks, by name (`hellaswag`, from the hub) or as a task yaml file (local and offline: its "
+        "`task:` is the name, its directory is searched for the tasks it names)",
+    )
+    limit: Optional[int] = key(None, at_least(1), "documents evaluated per task (the first); null = all")
+    num_fewshot: Optional[int] = key(None, at_least(0), "examples shown before each question; null = the task's own")
+    bootstrap_iters: int = key(100000, at_least(0), "resamples for the metrics' standard errors (0: none)")
+    output: Optional[str] = key(
+        None, Text(), "write lm-eval's results (every metric, the task configs) as JSON to this file; null = print only"
+    )
+
+
 def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
+    ConfigStore.instance().store(name="evaluate_schema", node=EvaluateRootConfig)
     ConfigStore.instance().store(name="prepare_schema", node=PrepareRootConfig)
     register_resolvers()
     if not OmegaConf.has_resolver("llmtrain_keys"):  # `--help`: ${llmtrain_keys:train} in conf/hydra/help/
@@ -715,12 +735,14 @@ def _keys_help(which: str, _root_: DictConfig) -> str:
     return keys_help(_root_, schema)
 
 
-def keys_help(cfg: DictConfig, schema: type) -> str:
-    """Per key its composed value and what it accepts, then what it does on a line below."""
+def keys_help(cfg: DictConfig, schema: type, only: Collection[str] | None = None) -> str:
+    """Per key (of `only` where given) its composed value and what it accepts, then what it does on a line below."""
     rows = []
     sections = {f.name: _plain(cfg[f.name]) if isinstance(cfg[f.name], DictConfig) else cfg[f.name]
                 for f in dataclasses.fields(schema)}  # fmt: skip
     for dotted, item, nullable in schema_fields(schema):
+        if only is not None and dotted not in only:
+            continue
         missing, value = _lookup(sections, dotted)
         shown = "???" if missing else OmegaConf.to_yaml({"v": value})[3:].strip()  # null, true, 0.001 as typed
         accepts = item.metadata["domain"].accepts() + (", or null" if nullable else "")

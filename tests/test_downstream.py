@@ -17,7 +17,7 @@ from layout_worker import reference_name
 from llmtrain.data.tasks import Task, read_task
 from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer, token_byte_lengths, train_bpe
 from llmtrain.errors import ConfigError
-from llmtrain.model import UNSCORED
+from llmtrain.model.scoring import UNSCORED
 from llmtrain.train.downstream import task_accuracy
 
 WORDS = "the cat dog sat on a mat ran to his house blue red big small then it was quick slow".split()

@@ -40,6 +40,17 @@ def load_checkpoint_state(model: ParallelModel, state: CheckpointState) -> None:
     model.load_model_and_optimizer_state(model_state, optimizer_state)
 
 
+def model_weights_state(model: ParallelModel) -> CheckpointState:
+    """The model's part of checkpoint_state alone, for evaluation."""
+    values, stored_as = _store_tied_once(model.model_state(), model.tied_parameters)
+    return CheckpointState({"model": values}, {"model": stored_as})
+
+
+def load_model_weights_state(model: ParallelModel, state: CheckpointState) -> None:
+    """Put a `model_weights_state` whose values DCP has filled back into the model."""
+    model.load_model_state(_restore_tied(state.values["model"], state.stored_as["model"]))
+
+
 def _store_tied_once(values: dict, tied: dict[str, str]) -> tuple[dict, dict[str, list[str]]]:
     """`values` with every key of a tied parameter folded into its source's twin (one kept when a rank holds
     both), and which original keys each stored key stands for."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
-from llmtrain.model import UNSCORED
+from llmtrain.model.scoring import UNSCORED
 
 # Rows are padded to a multiple of this: context and sequence parallelism split each row into 2 cp (or tp) parts.
 ROW_MULTIPLE = 64
@@ -70,14 +70,7 @@ def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) 
             row = np.concatenate([context_ids, choice_ids])[-(seq_len + 1) :]
             rows.append(row)
             scored.append(min(len(choice_ids), len(row) - 1))
-    # Rows as long as the longest (rounded up to a multiple of ROW_MULTIPLE, which the layouts' sequence splits
-    # divide), not train.seq_len: a task of short rows costs what its tokens cost.
-    width = min(seq_len, -(-max((len(row) - 1 for row in rows), default=1) // ROW_MULTIPLE) * ROW_MULTIPLE)
-    inputs = np.zeros((len(rows), width), dtype=np.int64)
-    targets = np.full((len(rows), width), UNSCORED, dtype=np.int64)
-    for i, (row, choice_length) in enumerate(zip(rows, scored)):
-        inputs[i, : len(row) - 1] = row[:-1]
-        targets[i, len(row) - 1 - choice_length : len(row) - 1] = row[len(row) - choice_length :]
+    inputs, targets = scoring_rows(rows, scored, seq_len)
     name = os.path.splitext(os.path.basename(path))[0]
     return Task(
         name,
@@ -86,3 +79,17 @@ def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) 
         np.array([len(choices) for _, choices, _ in examples]),
         np.array([label for _, _, label in examples]),
     )
+
+
+def scoring_rows(rows: list[np.ndarray], scored: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of token rows of at most seq_len + 1 tokens whose last `scored[i]` tokens are scored:
+    inputs a row's tokens but its last, padded with 0; targets the next token where a scored token is predicted,
+    UNSCORED elsewhere. As wide as the longest row (rounded up to a multiple of ROW_MULTIPLE, which the layouts'
+    sequence splits divide), not seq_len: rows of few tokens cost what their tokens cost."""
+    width = min(seq_len, -(-max((len(row) - 1 for row in rows), default=1) // ROW_MULTIPLE) * ROW_MULTIPLE)
+    inputs = np.zeros((len(rows), width), dtype=np.int64)
+    targets = np.full((len(rows), width), UNSCORED, dtype=np.int64)
+    for i, (row, length) in enumerate(zip(rows, scored)):
+        inputs[i, : len(row) - 1] = row[:-1]
+        targets[i, len(row) - 1 - length : len(row) - 1] = row[len(row) - length :]
+    return inputs, targets

@@ -11,13 +11,11 @@ import torch
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import (
     GPT,
-    UNSCORED,
     GPTConfig,
     cross_entropy_loss,
     flops_per_token,
     num_parameters,
     seeded_init,
-    summed_losses,
 )
 from llmtrain.model.materialize import ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
@@ -35,6 +33,20 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
     return GPTConfig(
         **{f.name: resolved.get(f.name, getattr(model_cfg, f.name)) for f in dataclasses.fields(GPTConfig)}
     )
+
+
+def model_group_of(gpt_cfg: GPTConfig, model_cfg):
+    """The inverse of gpt_config: the model config group `model_cfg` with the shape of `gpt_cfg`, for a model whose
+    shape and weights come from a checkpoint (so no init_from)."""
+    scaling = gpt_cfg.rope_scaling
+    shape = {f.name: getattr(gpt_cfg, f.name) for f in dataclasses.fields(GPTConfig)}
+    shape["moe"] = dataclasses.replace(model_cfg.moe, **dataclasses.asdict(gpt_cfg.moe))
+    shape["rope_scaling"] = (
+        dataclasses.replace(model_cfg.rope_scaling, type="none")
+        if scaling is None
+        else dataclasses.replace(model_cfg.rope_scaling, type="llama3", **dataclasses.asdict(scaling))
+    )
+    return dataclasses.replace(model_cfg, name="checkpoint", init_from=None, **shape)
 
 
 def rope_scaling(scaling_cfg) -> RopeScaling | None:
@@ -79,12 +91,11 @@ __all__ = [
     "auxiliary_loss_scale",
     "build_model",
     "cross_entropy_loss",
-    "summed_losses",
-    "UNSCORED",
     "flops_per_token",
     "gpt_config",
     "initial_weights",
     "materialize",
     "meta_model",
+    "model_group_of",
     "num_parameters",
 ]

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
@@ -360,19 +359,6 @@ def num_parameters(model: nn.Module) -> int:
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position, computed in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-UNSCORED = -100  # a target position left out of summed_losses (F.cross_entropy's ignore_index)
-
-
-def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(rows, 2): per row, the next-token cross-entropy summed over its scored positions (targets not UNSCORED),
-    in fp32, and how many there are. Sums, so that parts of a row (context-parallel shards) add up."""
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
-    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
-        losses = losses.full_tensor()
-    scored = targets != UNSCORED
-    return torch.stack([losses.view_as(targets).sum(1), scored.sum(1).to(losses.dtype)], dim=1)
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:

@@ -28,8 +28,8 @@ from llmtrain.model import (
     auxiliary_loss_scale,
     cross_entropy_loss,
     materialize,
-    summed_losses,
 )
+from llmtrain.model.scoring import RowStatistic
 from llmtrain.optim import build_optimizer
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
@@ -161,11 +161,11 @@ class ParallelModel:
         return mean_over(torch.stack(means).mean(), self.mesh.cp_mesh)
 
     @torch.no_grad()
-    def sequence_losses(self, micro_batches: MicroBatches) -> torch.Tensor:
-        """(rows, 2) over this rank's micro-batches, row by row: the loss summed over the row's scored targets
-        (those not UNSCORED) and their count (llmtrain/model/gpt.py: summed_losses), whole rows whatever the layout
-        splits them into."""
-        sums = torch.cat(self._forward_only(micro_batches, summed_losses))
+    def row_sums(self, micro_batches: MicroBatches, statistic: RowStatistic) -> torch.Tensor:
+        """(rows, statistic.columns) over this rank's micro-batches, row by row: `statistic` summed over each row's
+        scored targets (those not UNSCORED; llmtrain/model/scoring.py), whole rows whatever the layout splits them
+        into."""
+        sums = torch.cat(self._forward_only(micro_batches, statistic.compute))
         return sum_over(sums, self.mesh.cp_mesh)
 
     def _forward_only(self, micro_batches: MicroBatches, statistic: Statistic) -> list[torch.Tensor]:
@@ -229,6 +229,14 @@ class ParallelModel:
         """The inverse of model_and_optimizer_state, once a checkpoint's values have been loaded into it."""
         set_model_state_dict(self.module, model_state)
         set_optimizer_state_dict(self.module, self.optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
+
+    def model_state(self) -> dict:
+        """The model's part of model_and_optimizer_state (evaluation loads the weights alone)."""
+        return get_model_state_dict(self.module)
+
+    def load_model_state(self, model_state: dict) -> None:
+        """The inverse of model_state: the weights set, the optimizer left as built."""
+        set_model_state_dict(self.module, model_state)
 
     def report(self, run_dir: str) -> dict:
         """Collective, after training: what this layout measured, for the end summary (rank 0 may also write

@@ -1,7 +1,7 @@
 """Downstream multiple-choice tasks scored on the live model, whatever its layout (`eval.tasks`).
 
 Every row (an example's context and one of its choices, llmtrain/data/tasks.py) goes through the layout's own
-forward-only path, which returns whole rows' summed choice losses and token counts (ParallelModel.sequence_losses:
+forward-only path, which returns whole rows' summed choice losses and token counts (ParallelModel.row_sums:
 tensor-parallel vocabulary shards, context-parallel sequence shards and pipeline stages are combined there).
 The rows are dealt to the data-parallel ranks in turn, padded to a whole number of micro-batches per rank so that
 every rank runs the same forwards (FSDP gathers in each), and all-gathered back in order.
@@ -19,11 +19,19 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.data.tasks import Task
+from llmtrain.model.scoring import SUMMED_LOSSES, RowStatistic
 from llmtrain.parallel.parallel_model import ParallelModel
 
 
-def score_rows(model: ParallelModel, inputs: np.ndarray, targets: np.ndarray, micro_batch_size: int) -> torch.Tensor:
-    """(rows, 2): each row's summed scored loss and scored-token count, on every rank."""
+def score_rows(
+    model: ParallelModel,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    micro_batch_size: int,
+    statistic: RowStatistic = SUMMED_LOSSES,
+) -> torch.Tensor:
+    """Collective: (rows, statistic.columns), each row's `statistic` (its summed scored loss, scored-token count and
+    greedy matches by default), on every rank."""
     device, rows = model.runtime.device, len(inputs)
     dp_mesh = model.mesh.dp_mesh
     dp, rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
@@ -34,11 +42,13 @@ def score_rows(model: ParallelModel, inputs: np.ndarray, targets: np.ndarray, mi
         (torch.from_numpy(inputs[chunk]), torch.from_numpy(targets[chunk]))
         for chunk in np.split(mine, len(mine) // micro_batch_size)
     ]
-    sums = model.sequence_losses(micro_batches).to(device, torch.float32)
+    sums = model.row_sums(micro_batches, statistic).to(device, torch.float32)
     if dp > 1:
-        gathered = torch.empty(dp * len(sums), 2, dtype=sums.dtype, device=device)
+        columns = statistic.columns
+        gathered = torch.empty(dp * len(sums), columns, dtype=sums.dtype, device=device)
         dist.all_gather_into_tensor(gathered, sums, group=model.mesh.dp_group)
-        sums = gathered.view(dp, -1, 2).transpose(0, 1).reshape(-1, 2)  # back to the order the rows were dealt in
+        # back to the order the rows were dealt in
+        sums = gathered.view(dp, -1, columns).transpose(0, 1).reshape(-1, columns)
     return sums[:rows]
 
 

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from llmtrain.catalog import schedule_spec
 from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize, summed_losses
+from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model.scoring import RowStatistic
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.layout import Layout, apply_layout
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
@@ -176,10 +177,10 @@ class PipelineParallel(ParallelModel):
         return self._mean_from_last_stage(self._forward_only(micro_batches, cross_entropy_loss))
 
     @torch.no_grad()
-    def sequence_losses(self, micro_batches: MicroBatches) -> torch.Tensor:
+    def row_sums(self, micro_batches: MicroBatches, statistic: RowStatistic) -> torch.Tensor:
         rows = sum(len(inputs) for inputs, _ in micro_batches)
-        sums = self._forward_only(micro_batches, summed_losses)
-        total = torch.cat(sums) if sums else torch.zeros(rows, 2, device=self.runtime.device)
+        sums = self._forward_only(micro_batches, statistic.compute)
+        total = torch.cat(sums) if sums else torch.zeros(rows, statistic.columns, device=self.runtime.device)
         dist.all_reduce(total, group=self.pp_group)  # from the last stage's rank to the whole pipeline
         return sum_over(total, self.mesh.cp_mesh)
 

@@ -1,0 +1,216 @@
+"""Evaluate a trained model with EleutherAI's lm-evaluation-harness, on the live model laid out as training lays it
+out: no export step, and a model that only fits sharded is evaluated sharded.
+
+    python -m llmtrain.evaluate outputs/<run> tasks=[hellaswag] limit=500
+    python -m llmtrain.evaluate outputs/<run>/checkpoints/step-00001000 tasks=[my_tasks/quiz.yaml] output=quiz.json
+    torchrun --nproc_per_node=4 -m llmtrain.evaluate outputs/<run> tasks=[lambada_openai] parallel=fsdp
+
+The first argument is a checkpoint (step-*), a checkpoint directory or a run directory (its latest complete
+checkpoint); the model's shape and weights and its tokenizer are the checkpoint's. Then keys, as for train.py:
+tasks, limit, num_fewshot, bootstrap_iters, output, and training's layout keys (parallel=..., train.micro_batch_size
+= rows per forward, train.precision, train.device, hardware). A task is an lm-eval task name (its data from the
+Hugging Face hub) or a task yaml file (local: a jsonl beside it works offline). Needs the `eval` extra:
+pip install -e ".[eval]".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, cast
+
+from omegaconf import OmegaConf
+
+from llmtrain.config import EvaluateRootConfig, RootConfig, check_domains, keys_help, register_schemas
+from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, first_line
+
+if TYPE_CHECKING:
+    from llmtrain.runtime import Runtime
+
+
+def _composed(overrides: list[str]):
+    """The evaluation config of these overrides; a composition error is one line and exit 2, like train.py's."""
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.config import CONF_DIR
+    from llmtrain.entry import composition_error_line
+
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose("evaluate", overrides=overrides)
+    except Exception as error:
+        raise ConfigError(composition_error_line(error, EvaluateRootConfig)) from None
+
+
+def _checked(cfg) -> EvaluateRootConfig:
+    check_domains(cfg, EvaluateRootConfig)
+    if not cfg.tasks:
+        raise ConfigError("tasks is not set: name lm-eval tasks or task yaml files, e.g. tasks=[hellaswag]")
+    return cast(EvaluateRootConfig, OmegaConf.to_object(cfg))
+
+
+def _task_yaml_loader():
+    import yaml
+
+    class TaskYamlLoader(yaml.SafeLoader):
+        """Reads a task yaml's plain keys; its tags (`!function utils.process_docs`) are lm-eval's to resolve."""
+
+    TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    return TaskYamlLoader
+
+
+def task_names(tasks: list[str]) -> tuple[list[str], list[str]]:
+    """(names, directories to search): a task yaml file is named by its `task:` and searched for in its directory
+    (with the tasks beside it), any other entry is a name lm-eval knows."""
+    import yaml
+
+    names, directories = [], []
+    for task in tasks:
+        path = os.path.expanduser(task)
+        if not task.endswith((".yaml", ".yml")):
+            names.append(task)
+            continue
+        if not os.path.isfile(path):
+            raise ConfigError(f"tasks: {task} is not a file: give a task yaml file that exists, or a task name")
+        with open(path, encoding="utf-8") as f:
+            config = yaml.load(f, Loader=_task_yaml_loader())
+        if not isinstance(config, dict) or not config.get("task"):
+            raise ConfigError(f"tasks: {task} has no `task:` name: an lm-eval task yaml names its task")
+        names.append(str(config["task"]))
+        directories.append(os.path.dirname(os.path.abspath(path)))
+    return names, sorted(set(directories))
+
+
+def run_harness(lm, config: EvaluateRootConfig) -> dict:
+    """lm-eval's results of `lm` on config.tasks (every rank runs it alike, `lm` dealing the rows out; {} but on
+    the first local rank)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    names, directories = task_names(config.tasks or [])
+    manager = TaskManager(include_path=directories or None)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(
+            f"tasks: {', '.join(unknown)} is not a task lm-eval knows: check the name (python -m lm_eval ls tasks) "
+            f"or give the task's yaml file"
+        )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            task_manager=manager,
+            limit=config.limit,
+            num_fewshot=config.num_fewshot,
+            bootstrap_iters=config.bootstrap_iters,
+            log_samples=False,
+        )
+    except OSError as error:  # the task's data is on the hub, which cannot be reached (ConnectionError, offline)
+        raise ConfigError(
+            f"tasks: the data of {', '.join(names)} cannot be fetched from the Hugging Face hub ({first_line(error)}): "
+            f"run where the hub is reachable (then it is cached), or give a task yaml file whose data is local "
+            f"(dataset_path: json)"
+        ) from None
+    return results or {}  # lm-eval answers on the first local rank only
+
+
+def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
+    """Collective: the checkpoint's model laid out by `config` on this rank, its weights loaded, as an lm-eval model
+    (llmtrain/harness.py: LiveModel)."""
+    from transformers import AutoTokenizer
+
+    from llmtrain.checkpoint.manager import load_checkpoint, read_meta
+    from llmtrain.checkpoint.state import load_model_weights_state, model_weights_state
+    from llmtrain.checkpoint.training import check_model_matches
+    from llmtrain.data.tokenizers import FastTokenizer
+    from llmtrain.harness import LiveModel
+    from llmtrain.job import build_layout
+    from llmtrain.model import GPTConfig, model_group_of
+
+    gpt_cfg = GPTConfig.from_dict(read_meta(checkpoint)["model"])
+    t = config.train
+    # The plan's checks read train.seq_len (a row is at most the model's length) and a batch every layout divides.
+    train = dataclasses.replace(t, seq_len=gpt_cfg.max_seq_len, batch_size=t.micro_batch_size * runtime.world_size)
+    model = build_layout(
+        dataclasses.replace(config, model=model_group_of(gpt_cfg, config.model), train=train),
+        runtime,
+        gpt_cfg.vocab_size,
+    )
+    check_model_matches(checkpoint, gpt_cfg)  # the shape went through the model group and back unchanged
+    state = model_weights_state(model)
+    load_checkpoint(checkpoint, state.values, runtime.distributed)
+    load_model_weights_state(model, state)
+    model.module.eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
+    tokenizer = FastTokenizer(hf_tokenizer, eos_id=hf_tokenizer.eos_token_id, vocab_size=len(hf_tokenizer))
+    return LiveModel(model, tokenizer, gpt_cfg.max_seq_len, t.micro_batch_size, show_progress=runtime.is_main)
+
+
+def evaluate(checkpoint: str, config: EvaluateRootConfig) -> dict:
+    """Collective: lm-eval's results of the checkpoint's model laid out by `config` over this process group (on
+    rank 0; {} on the others)."""
+    from llmtrain.runtime import init_runtime
+
+    runtime = init_runtime(config.train.device)
+    try:
+        if not runtime.is_main:
+            logging.getLogger().setLevel(logging.WARNING)
+            os.environ["TQDM_DISABLE"] = "1"
+        results = run_harness(live_model(checkpoint, config, runtime), config)
+    except BaseException:
+        runtime.shutdown()
+        raise
+    runtime.shutdown(synchronize=True)
+    return results if runtime.is_main else {}
+
+
+def _write(results: dict, path: str) -> None:
+    """lm-eval's results as JSON at `path`, whole or not at all."""
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, default=str)
+    os.replace(partial, path)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        own = {f.name for f in dataclasses.fields(EvaluateRootConfig)} - {
+            f.name for f in dataclasses.fields(RootConfig)
+        }
+        print("Keys (key=default and what it accepts; below it, what it does):")
+        print(keys_help(_composed([]), EvaluateRootConfig, only=own))
+        print("Training's keys: python train.py --help")
+        return
+    from llmtrain.checkpoint.offline import find_checkpoint
+
+    path, overrides = argv[0], argv[1:]
+    started = time.perf_counter()
+    try:
+        config = _checked(_composed(overrides))
+        checkpoint = find_checkpoint(path)
+        results = evaluate(checkpoint, config)
+    except RunError as error:
+        if os.environ.get("RANK", "0") == "0" or not error.main_rank_speaks:
+            print(f"{error.prefix}{error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    if not results:  # not rank 0
+        return
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    print(f"evaluated {checkpoint} on {', '.join(results['results'])} in {time.perf_counter() - started:.1f} s")
+    if config.output:
+        _write(results, config.output)
+        print(f"results: {config.output}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""What evaluation reads from a forward pass, row by row: sums over each row's scored positions (targets that are
+not UNSCORED), so that the parts of a row which context parallelism splits add up, computed on vocabulary shards
+where tensor parallelism's loss_parallel leaves the logits split (without gathering them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+UNSCORED = -100  # a target position no statistic reads (F.cross_entropy's ignore_index)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(rows, positions): the most likely next token at every position, the lowest id among equals (argmax's
+    rule). On vocabulary shards each rank's best of its own shard and its score are gathered, not the logits."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(-1)
+    last = logits.ndim - 1
+    if tuple(logits.placements) != (Shard(last),):
+        return logits.full_tensor().argmax(-1)
+    mesh, local = logits.device_mesh, logits.to_local()
+    shards, group = mesh.size(), mesh.get_group()
+    index = local.argmax(-1)
+    best = local.gather(-1, index.unsqueeze(-1)).squeeze(-1).contiguous()
+    index = index + -(-logits.shape[last] // shards) * mesh.get_local_rank()  # Shard cuts as torch.chunk does
+    bests, indices = [torch.empty_like(best) for _ in range(shards)], [torch.empty_like(index) for _ in range(shards)]
+    dist.all_gather(bests, best, group=group)
+    dist.all_gather(indices, index, group=group)
+    winner = torch.stack(bests).argmax(0, keepdim=True)  # the first shard holding the maximum: the lowest id
+    return torch.stack(indices).gather(0, winner).squeeze(0)
+
+
+def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(rows, 3): per row, the next-token cross-entropy summed over its scored positions (in fp32), how many they
+    are, and at how many of them the target is the most likely token (all of them: the greedy continuation)."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
+    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
+        losses = losses.full_tensor()
+    scored = targets != UNSCORED
+    greedy = (greedy_tokens(logits) == targets) & scored
+    return torch.stack(
+        [losses.view_as(targets).sum(1), scored.sum(1).to(losses.dtype), greedy.sum(1).to(losses.dtype)], dim=1
+    )
+
+
+def next_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(rows, 1): the most likely token after each row's one scored position (greedy decoding's next token)."""
+    scored = targets != UNSCORED
+    return (greedy_tokens(logits) * scored).sum(1, keepdim=True).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class RowStatistic:
+    """A per-row statistic and its width, which the pipeline's ranks without the last stage allocate."""
+
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    columns: int
+
+
+SUMMED_LOSSES = RowStatistic(summed_losses, 3)
+NEXT_TOKENS = RowStatistic(next_tokens, 1)
