@@ -9,7 +9,8 @@ Each layout is a space-separated list of overrides ("parallel=tp parallel.sequen
 before its first `parallel` one choose what it trains (`model=moe-tiny optim=muon parallel=fsdp`) and it is
 compared with the unsplit run of those (`single model=moe-tiny optim=muon`). Rank 0 writes
 OUT_DIR/results.json: per layout its per-step losses and gradient norms, its validation loss, and its largest
-weight difference to the unsplit model after the last step.
+weight difference to the unsplit model after the last step; with eval.tasks, its task scores and the lm-eval
+adapter's answers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
             trainer.advance()
     finally:
         parts.data.close()
+        adapter = adapter_answers(parts) if parts.config.eval.tasks else None
     curves = {
+        "adapter": adapter,
         "losses": [r["loss"] for r in records],
         "norms": [r["grad_norm"] for r in records],
         "val_losses": [r["val_loss"] for r in records if "val_loss" in r],
@@ -60,6 +63,36 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         "val_bpb": records[-1].get("val_bpb"),
     }
     return curves, parts.model.full_state_dict()
+
+
+def adapter_answers(parts) -> dict:
+    """The lm-eval adapter's answers (llmtrain/harness.py) on the first eval.tasks file's first examples: greedy
+    completions, then the log-likelihoods and greedy flags of each choice and each completion, and the rolling
+    log-likelihood of a document several model lengths long."""
+    from lm_eval.api.instance import Instance
+
+    from llmtrain.harness import LiveModel
+
+    train = parts.config.train
+    lm = LiveModel(parts.model, parts.data.tokenizer, parts.model_config.max_seq_len, train.micro_batch_size, False)
+    with open(parts.config.eval.tasks[0]) as f:
+        records = [json.loads(line) for line in f][:6]
+    contexts = [record.get("context", record.get("ctx")) for record in records]
+    generation = {"until": ["."], "max_gen_toks": 6, "do_sample": False}
+    parts.model.module.eval()
+    generated = lm.generate_until(
+        [Instance("generate_until", {}, (context, dict(generation)), i) for i, context in enumerate(contexts)]
+    )
+    pairs = [(c, " " + choice) for c, r in zip(contexts, records) for choice in r.get("choices", r.get("endings"))]
+    pairs += [(context, text) for context, text in zip(contexts, generated) if text]
+    answers = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    document = " ".join(contexts * 8)
+    return {
+        "generated": generated,
+        "loglikelihoods": [logprob for logprob, _ in answers],
+        "greedy": [greedy for _, greedy in answers],
+        "rolling": lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (document,), 0)]),
+    }
 
 
 def _chosen(layout: list[str]) -> list[str]:

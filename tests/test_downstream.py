@@ -1,5 +1,6 @@
 """Downstream evaluation: multiple-choice task files read into scoring rows, accuracies from summed choice losses,
-bits per byte against a hand count, and the same task scores under every layout as in one process."""
+bits per byte against a hand count, and the same task scores and lm-eval adapter answers under every layout as in
+one process."""
 
 from __future__ import annotations
 
@@ -112,4 +113,10 @@ def test_task_scores_are_the_same_under_every_layout(tmp_path_factory):
         reference = results[reference_name(layout)]
         assert results[layout]["tasks"] == reference["tasks"], layout
         assert results[layout]["val_bpb"] == pytest.approx(reference["val_bpb"], rel=1e-5), layout
+        # lm-eval's requests through the adapter (llmtrain/harness.py): the same answers as one process
+        adapter, alone = results[layout]["adapter"], reference["adapter"]
+        assert adapter["generated"] == alone["generated"] and adapter["greedy"] == alone["greedy"], layout
+        for kind in ("loglikelihoods", "rolling"):
+            assert adapter[kind] == pytest.approx(alone[kind], rel=1e-6), (layout, kind)
+    assert any(single["adapter"]["generated"]) and any(single["adapter"]["greedy"])
     assert single["val_bpb"] == pytest.approx(single["val_losses"][-1] / math.log(2), rel=0.02)  # byte tokens

@@ -36,27 +36,28 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(rows, 3): per row, the next-token cross-entropy summed over its scored positions (in fp32), how many they
+    """(rows, 3): per row, the next-token cross-entropy (fp32) summed over its scored positions, how many they
     are, and at how many of them the target is the most likely token (all of them: the greedy continuation)."""
     losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
     if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
         losses = losses.full_tensor()
     scored = targets != UNSCORED
     greedy = (greedy_tokens(logits) == targets) & scored
-    return torch.stack(
-        [losses.view_as(targets).sum(1), scored.sum(1).to(losses.dtype), greedy.sum(1).to(losses.dtype)], dim=1
-    )
+    # Summed in fp64: a long document's thousands of token losses keep the precision of each.
+    columns = (losses.view_as(targets).double().sum(1), scored.sum(1), greedy.sum(1))
+    return torch.stack([column.to(torch.float64) for column in columns], dim=1)
 
 
 def next_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(rows, 1): the most likely token after each row's one scored position (greedy decoding's next token)."""
     scored = targets != UNSCORED
-    return (greedy_tokens(logits) * scored).sum(1, keepdim=True).to(torch.float32)
+    return (greedy_tokens(logits) * scored).sum(1, keepdim=True).to(torch.float64)
 
 
 @dataclass(frozen=True)
 class RowStatistic:
-    """A per-row statistic and its width, which the pipeline's ranks without the last stage allocate."""
+    """A per-row statistic (fp64 columns) and its width, which the pipeline's ranks without the last stage
+    allocate."""
 
     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     columns: int

@@ -42,7 +42,7 @@ def score_rows(
         (torch.from_numpy(inputs[chunk]), torch.from_numpy(targets[chunk]))
         for chunk in np.split(mine, len(mine) // micro_batch_size)
     ]
-    sums = model.row_sums(micro_batches, statistic).to(device, torch.float32)
+    sums = model.row_sums(micro_batches, statistic).to(device)
     if dp > 1:
         columns = statistic.columns
         gathered = torch.empty(dp * len(sums), columns, dtype=sums.dtype, device=device)

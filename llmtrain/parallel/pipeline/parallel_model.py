@@ -180,7 +180,11 @@ class PipelineParallel(ParallelModel):
     def row_sums(self, micro_batches: MicroBatches, statistic: RowStatistic) -> torch.Tensor:
         rows = sum(len(inputs) for inputs, _ in micro_batches)
         sums = self._forward_only(micro_batches, statistic.compute)
-        total = torch.cat(sums) if sums else torch.zeros(rows, statistic.columns, device=self.runtime.device)
+        total = (
+            torch.cat(sums)
+            if sums
+            else torch.zeros(rows, statistic.columns, dtype=torch.float64, device=self.runtime.device)
+        )
         dist.all_reduce(total, group=self.pp_group)  # from the last stage's rank to the whole pipeline
         return sum_over(total, self.mesh.cp_mesh)
 
