@@ -721,6 +721,11 @@ class EvaluateRootConfig(RootConfig):
     )
 
 
+def evaluation_keys() -> set[str]:
+    """The keys `python -m llmtrain.evaluate` adds to training's."""
+    return {f.name for f in dataclasses.fields(EvaluateRootConfig)} - {f.name for f in dataclasses.fields(RootConfig)}
+
+
 def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
     ConfigStore.instance().store(name="evaluate_schema", node=EvaluateRootConfig)

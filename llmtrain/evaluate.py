@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, cast
 
 from omegaconf import OmegaConf
 
-from llmtrain.config import EvaluateRootConfig, RootConfig, check_domains, keys_help, register_schemas
+from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help, register_schemas
 from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, first_line
+from llmtrain.resolvers import launch_rank
 
 if TYPE_CHECKING:
     from llmtrain.runtime import Runtime
@@ -180,11 +181,8 @@ def _write(results: dict, path: str) -> None:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        own = {f.name for f in dataclasses.fields(EvaluateRootConfig)} - {
-            f.name for f in dataclasses.fields(RootConfig)
-        }
         print("Keys (key=default and what it accepts; below it, what it does):")
-        print(keys_help(_composed([]), EvaluateRootConfig, only=own))
+        print(keys_help(_composed([]), EvaluateRootConfig, only=evaluation_keys()))
         print("Training's keys: python train.py --help")
         return
     from llmtrain.checkpoint.offline import find_checkpoint
@@ -196,7 +194,7 @@ def main(argv: list[str]) -> None:
         checkpoint = find_checkpoint(path)
         results = evaluate(checkpoint, config)
     except RunError as error:
-        if os.environ.get("RANK", "0") == "0" or not error.main_rank_speaks:
+        if launch_rank() == 0 or not error.main_rank_speaks:
             print(f"{error.prefix}{error}", file=sys.stderr)
         sys.exit(error.exit_code)
     if not results:  # not rank 0

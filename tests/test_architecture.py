@@ -17,7 +17,7 @@ LAYERS = [
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"job", "spawn"},
+    {"job", "spawn", "harness"},
     {"entry", "tools", "bench", "export", "generate"},
 ]
 

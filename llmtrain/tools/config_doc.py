@@ -9,11 +9,20 @@ import dataclasses
 import os
 import re
 import typing
+from collections.abc import Callable
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from llmtrain.config import CONF_DIR, PrepareRootConfig, RootConfig, register_schemas, schema_fields
+from llmtrain.config import (
+    CONF_DIR,
+    EvaluateRootConfig,
+    PrepareRootConfig,
+    RootConfig,
+    evaluation_keys,
+    register_schemas,
+    schema_fields,
+)
 from llmtrain.errors import closed_pipe_is_quiet
 
 PAGE = os.path.join(os.path.dirname(CONF_DIR), "docs", "config.md")
@@ -61,10 +70,10 @@ def _shown(value: object) -> str:
     return "`???`" if value == "???" else f"`{OmegaConf.to_yaml({'v': value})[3:].strip()}`"
 
 
-def _keys_table(schema: type, composed: dict, prefix: str = "") -> list[str]:
+def _keys_table(schema: type, composed: dict, wanted: Callable[[str], bool]) -> list[str]:
     rows = ["| key | default | accepts | what it does |", "|---|---|---|---|"]
     for dotted, item, nullable in schema_fields(schema):
-        if not dotted.startswith(prefix):
+        if not wanted(dotted):
             continue
         value: typing.Any = composed
         for part in dotted.split("."):
@@ -75,12 +84,17 @@ def _keys_table(schema: type, composed: dict, prefix: str = "") -> list[str]:
     return rows
 
 
+def _starts(prefix: str) -> Callable[[str], bool]:
+    return lambda dotted: dotted.startswith(prefix)
+
+
 def render() -> str:
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         train = OmegaConf.to_container(compose("train"), resolve=False)
         prepare = OmegaConf.to_container(compose("prepare"), resolve=False)
-    assert isinstance(train, dict) and isinstance(prepare, dict)
+        evaluate = OmegaConf.to_container(compose("evaluate"), resolve=False)
+    assert isinstance(train, dict) and isinstance(prepare, dict) and isinstance(evaluate, dict)
     defaults = {"model": train["model"]["name"], "data": train["data"]["source"], "parallel": "single"}
     defaults.update(optim="adamw", logging="default", hardware=train["hardware"]["name"])
     lines = [INTRO, "", "## Groups", "", "`python train.py group=option`:", "", *_groups_table(defaults), ""]
@@ -88,9 +102,15 @@ def render() -> str:
     lines += ["a preset of another group may set a key otherwise.", ""]
     for section in dataclasses.fields(RootConfig):
         prefix = section.name if section.name == "seed" else f"{section.name}."
-        lines += [f"### `{section.name}`", "", *_keys_table(RootConfig, train, prefix), ""]
+        lines += [f"### `{section.name}`", "", *_keys_table(RootConfig, train, _starts(prefix)), ""]
     lines += ["## `python -m llmtrain.data.prepare`", "", "Its `data.*` keys are training's; its own:", ""]
-    lines += [*_keys_table(PrepareRootConfig, prepare, "prepare."), ""]
+    lines += [*_keys_table(PrepareRootConfig, prepare, _starts("prepare.")), ""]
+    lines += [
+        "## `python -m llmtrain.evaluate`",
+        "",
+        "Training's keys lay the model out (the model is the checkpoint's);",
+    ]
+    lines += ["its own:", "", *_keys_table(EvaluateRootConfig, evaluate, evaluation_keys().__contains__), ""]
     return "\n".join(lines)
 
 
