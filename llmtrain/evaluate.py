@@ -65,6 +65,10 @@ def _task_yaml_loader():
     return TaskYamlLoader
 
 
+def is_task_file(task: str) -> bool:
+    return task.endswith((".yaml", ".yml"))
+
+
 def task_names(tasks: list[str]) -> tuple[list[str], list[str]]:
     """(names, directories to search): a task yaml file is named by its `task:` and searched for in its directory
     (with the tasks beside it), any other entry is a name lm-eval knows."""
@@ -73,7 +77,7 @@ def task_names(tasks: list[str]) -> tuple[list[str], list[str]]:
     names, directories = [], []
     for task in tasks:
         path = os.path.expanduser(task)
-        if not task.endswith((".yaml", ".yml")):
+        if not is_task_file(task):
             names.append(task)
             continue
         if not os.path.isfile(path):
@@ -93,8 +97,11 @@ def run_harness(lm, config: EvaluateRootConfig) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    names, directories = task_names(config.tasks or [])
-    manager = TaskManager(include_path=directories or None)
+    tasks = config.tasks or []
+    names, directories = task_names(tasks)
+    # lm-eval's own ~15,000 task configs are indexed (seconds) only when a task is named rather than given as a file
+    by_name = not all(map(is_task_file, tasks))
+    manager = TaskManager(include_path=directories or None, include_defaults=by_name)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
         raise ConfigError(
