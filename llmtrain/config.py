@@ -33,6 +33,7 @@ from llmtrain.domains import (
     Flag,
     ListOf,
     MeshDegree,
+    MixtureSources,
     Number,
     OneOf,
     StepSpan,
@@ -221,8 +222,8 @@ class TokenizerConfig:
 class DataConfig:
     source: str = key(
         MISSING,
-        OneOf(("stdlib", "local", "hf", "prepared")),
-        "`stdlib`, `local`, `hf` or `prepared`: set by the `data` option",
+        OneOf(("stdlib", "local", "hf", "prepared", "mix")),
+        "`stdlib`, `local`, `hf`, `prepared` or `mix`: set by the `data` option",
     )
     path: Optional[str] = key(
         None,
@@ -260,6 +261,19 @@ class DataConfig:
         4096,
         at_least(0),
         "packed windows shuffled in a seeded buffer; 256 for `local`, 1024 for `hf`",
+    )
+    sources: Optional[list[Any]] = key(
+        None,
+        MixtureSources(),
+        "`mix`: the prepared stores mixed, e.g. `[{name: web, path: data/web, weight: 3}, {name: code, path: "
+        "data/code, weight: 1, max_epochs: 2}]`: each sample of the global order from the source furthest behind its "
+        "share (weights are normalised), each source's windows in a seeded order per epoch; max_epochs caps repeats",
+    )
+    on_exhausted: str = key(
+        "redistribute",
+        OneOf(("redistribute", "stop")),
+        "`mix`: when a source reaches its max_epochs, `redistribute` its share among the others in proportion to "
+        "their weights (logged with the step), or `stop` the run there",
     )
     cache_dir: str = key("~/.cache/llmtrain", WritableDirectory(), "where trained BPE tokenizers are cached")
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -905,10 +919,17 @@ def validate_data(d) -> None:
             f"data.val_path is for data=local (data={d.source}): use data.val_split for data=hf, "
             f"or unset data.val_path to hold out data.val_fraction"
         )
+    if d.source == "mix" and not d.sources:
+        raise ConfigError(
+            "data.sources is not set: data=mix needs data.sources=[{name: ..., path: <prepared store>, weight: ...}, "
+            "...]"
+        )
+    if d.source != "mix" and d.sources:
+        raise ConfigError(f"data.sources is for data=mix (data={d.source}): choose data=mix or unset data.sources")
     if d.source == "hf" and not d.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
-    if d.source == "prepared":
-        return  # the store's manifest fixes the tokenizer and the split: llmtrain/data/prepared.py checks them
+    if d.source in ("prepared", "mix"):
+        return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
     if d.tokenizer.kind is None:
         raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(TOKENIZER_KINDS)}")
     if d.tokenizer.kind == "hf" and not d.tokenizer.name:

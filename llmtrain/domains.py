@@ -275,6 +275,49 @@ class CheckpointSource(Domain):
         return ["", "/nonexistent/step-5"]
 
 
+@dataclass(frozen=True)
+class MixtureSources(Domain):
+    """`data=mix`'s sources: a non-empty list of {name, path, weight, max_epochs}, each path a prepared store, each
+    weight a number > 0, max_epochs a number > 0 or absent, the names distinct."""
+
+    def complaint(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)) or not value:
+            return "is not a non-empty list"
+        names: list[str] = []
+        for i, entry in enumerate(value):
+            if not isinstance(entry, dict):
+                return f"holds {_shown(entry)} (item {i}), not a source {{name, path, weight}}"
+            problem = _source_problem(entry, names)
+            if problem is not None:
+                return f"(source {entry.get('name') or i}): {problem}"
+            names.append(entry["name"])
+        return None
+
+    def accepts(self) -> str:
+        return "a non-empty list of {name, path (a prepared store), weight > 0, max_epochs > 0 (optional)}"
+
+    def outside(self) -> list[Any]:
+        return [[], [{"name": "web", "path": "/nonexistent/llmtrain-store", "weight": 1}]]
+
+
+def _source_problem(entry: dict, names: list[str]) -> str | None:
+    unknown = sorted(set(entry) - {"name", "path", "weight", "max_epochs"})
+    if unknown:
+        return f"{', '.join(unknown)} is not a key of a source (name, path, weight, max_epochs)"
+    name, path, weight, epochs = (entry.get(k) for k in ("name", "path", "weight", "max_epochs"))
+    if not isinstance(name, str) or not name.strip():
+        return "name is not set: give each source a name (it names the source's metrics)"
+    if name in names:
+        return f"name {name!r} is given twice: give each source its own name"
+    if not isinstance(path, str) or not os.path.isfile(os.path.join(os.path.expanduser(path), "manifest.json")):
+        return f"path={_shown(path)} is not a prepared store: write one with python -m llmtrain.data.prepare"
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        return f"weight={_shown(weight)} is not a number > 0"
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0):
+        return f"max_epochs={_shown(epochs)} is not a number > 0"
+    return None
+
+
 def key(default: Any, domain: Domain, doc: str) -> Any:
     """A config key, declared once: its default, its domain and a one-line doc (read back by config.schema_keys;
     --help and docs/config.md are generated from them)."""

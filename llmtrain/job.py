@@ -242,6 +242,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         train_slice,
         val_slice if t.eval_every > 0 else None,
         read_data_position(resume) if resume else None,
+        steps=t.steps,
     )
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters

@@ -61,6 +61,7 @@ WRONG_TYPE = {
     str: ["[1,2]"],
     list[int]: ["3", "[one,two]"],
     list[str]: ["3"],
+    list[typing.Any]: ["3"],
 }
 
 
@@ -70,6 +71,10 @@ def _literal(value) -> str:
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{_literal(item)}" for key, item in value.items()) + "}"
     return repr(value)
 
 

@@ -33,6 +33,7 @@ REQUIRED = {
     "data=local": ["data.path={tmp}/corpus.txt"],
     "data=hf": ["data.name=roneneldan/TinyStories"],
     "data=prepared": ["data.path={tmp}"],
+    "data=mix": ["data.sources=[{{name:web,path:{tmp},weight:1}}]"],
 }
 
 register_schemas()
@@ -46,6 +47,7 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("override", [f"{g}={o}" for g, options in GROUPS.items() for o in options])
 def test_every_option_composes_and_validates(override, tmp_path):
     (tmp_path / "corpus.txt").write_text("some text")
+    (tmp_path / "manifest.json").write_text("{}")  # what marks a prepared store before it is read
     extra = [o.format(tmp=tmp_path) for o in REQUIRED.get(override, [])]
     if override.startswith("model=") and override != "model=tiny":
         extra = ["train.seq_len=128"]

@@ -289,7 +289,7 @@ def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
         build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice)
     assert "\n" not in str(error.value)
     cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
-    assert build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice).val_rows.shape == (128, 64)
+    assert build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice).validation[0].rows.shape == (128, 64)
 
 
 def test_a_streamed_source_on_many_data_parallel_ranks_points_at_prepare(corpus):

@@ -37,11 +37,12 @@ def test_data_benchmark_reports_each_path_and_the_work_per_rank(tmp_path, capsys
     assert prepared_store["train_tokens"] > 0 and prepared_store["tokens_per_s"] > 0
 
     throughput = {(r["path"], r["dp"]): r for r in rows if r["kind"] == "throughput"}
-    assert set(throughput) == {(path, dp) for path in ("streaming", "prepared") for dp in DPS}
+    assert set(throughput) == {(path, dp) for path in ("streaming", "prepared", "mixture") for dp in DPS}
     assert all(r["tokens_per_s_per_rank"] > 0 for r in throughput.values())
     for dp in DPS:
         # A prepared rank reads exactly its batch/dp rows per step; a streamed one tokenises the whole batch.
         assert throughput[("prepared", dp)]["tokens_read_per_rank_per_step"] == BATCH // dp * (SEQ_LEN + 1)
+        assert throughput[("mixture", dp)]["tokens_read_per_rank_per_step"] == BATCH // dp * (SEQ_LEN + 1)
         assert throughput[("streaming", dp)]["tokens_tokenised_per_rank_per_step"] == BATCH * (SEQ_LEN + 1)
     read = [throughput[("prepared", dp)]["tokens_read_per_rank_per_step"] for dp in DPS]
     tokenised = [throughput[("streaming", dp)]["tokens_tokenised_per_rank_per_step"] for dp in DPS]

@@ -1,6 +1,9 @@
 """Muon's checkpoints: saved under fsdp over 4 ranks, resumed bit-identically, resharded to tp 2 x dp 2 and then
 to one process, every step following the unsplit run; a checkpoint of one optimizer refuses the other with one
-line. Muon's parity under every layout: tests/test_parallel.py's layout groups."""
+line. Muon's parity under every layout: tests/test_parallel.py's layout groups.
+
+The chain trains on a three-source data mixture (`data=mix`), so it is also the mixture's resume test: its position
+saved by 4 data-parallel ranks continues on 2 (tp 2 x dp 2), then on 1, with the uninterrupted run's batches."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LOSS_RTOL, torchrun
+from test_mixture import WEIGHTS, mixture_override, mixture_stores
 
 from llmtrain.checkpoint.training import check_optimizer_matches
 from llmtrain.errors import ConfigError
@@ -19,7 +23,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("muon-chain")
-    common = "model=tiny optim=muon train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+    mixture = mixture_override(mixture_stores(tmp_path_factory.mktemp("mixture")), WEIGHTS)
+    common = (
+        f"model=tiny optim=muon train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
+        f"data=mix {mixture}"
+    )
     torchrun(4, str(Path(__file__).with_name("resume_worker.py")), str(out), common, timeout=600)
     return json.loads((out / "results.json").read_text())
 

@@ -32,10 +32,11 @@ from llmtrain.data.tokenizers import ByteTokenizer
 from llmtrain.errors import ConfigError
 
 
-def write_corpus(directory: Path, chars: int, files: int = 1) -> Path:
-    """`chars` characters of real text (the standard library's source) split over `files` .txt files."""
+def write_corpus(directory: Path, chars: int, files: int = 1, skip: int = 0) -> Path:
+    """`chars` characters of real text (the standard library's source, from its `skip`-th file on) split over
+    `files` .txt files."""
     directory.mkdir(parents=True, exist_ok=True)
-    text, paths = "", iter(stdlib_files())
+    text, paths = "", iter(stdlib_files()[skip:])
     while len(text) < chars:
         with open(next(paths), encoding="utf-8", errors="replace") as f:
             text += f.read()

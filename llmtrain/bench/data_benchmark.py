@@ -17,6 +17,9 @@ time compares with the streamed rate (a step that takes longer than the stream d
 Each dp is timed over at least --min-seconds as well as --steps batches per path: streamed tokenisation comes in
 lumps of 64 documents, which a short window may miss, and a prepared batch takes well under a millisecond.
 
+Mixture (data=mix): the same store read as three weighted sources (5 : 3 : 2), each with its own permutation per
+epoch, drawn sample by sample by weight; "mixture/prepared" is what the mixing costs a rank.
+
 Resume latency: seconds from "the process holds the checkpoint's data position" to "the first batch after it is in
 hand", at each --resume-steps step. Streamed: a new TrainingWindows, load_state_dict, StreamedBatches.next() (the
 position holds both shuffle buffers, so nothing is re-tokenised, but the source may have to skip to its place in
@@ -45,6 +48,8 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import DataConfig, PrepareConfig, validate_data
 from llmtrain.data import build_tokenizer, training_windows
+from llmtrain.data.mixture import MixtureBatches, MixtureSource
+from llmtrain.data.prefetch import Batches
 from llmtrain.data.prepare import prepare
 from llmtrain.data.prepared import PreparedBatches
 from llmtrain.data.sources import TRAIN
@@ -55,6 +60,8 @@ from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.tools import compose_config
 
 PROGRESS_EVERY_S = 10.0
+# The mixture measured against one store: three sources of these weights (each the store itself).
+MIXTURE_WEIGHTS = (5.0, 3.0, 2.0)
 
 
 def data_config(source: str, path: str | None, tokenizer: str, overrides: list[str]) -> tuple[DataConfig, int]:
@@ -108,10 +115,37 @@ def prepared_throughput(
 ) -> dict[str, Any]:
     """Every rank of dp reading at least `steps` batches (and min_seconds / dp) from the store, one rank after
     another: mean trained tokens/s per rank, and the tokens each read per step (counted from what next() returned)."""
+    return _reading_throughput(
+        "prepared", lambda rows: PreparedBatches(store, seq_len, seed, rows, None), seq_len, batch_size, dp, steps,
+        min_seconds,
+    )  # fmt: skip
+
+
+def mixture_throughput(
+    store: str, seq_len: int, batch_size: int, seed: int, dp: int, steps: int, min_seconds: float
+) -> dict[str, Any]:
+    """prepared_throughput for data=mix: MIXTURE_WEIGHTS' sources, each the store (its windows read as three
+    sources' are: by source, a permutation per source and epoch), drawn sample by sample by weight."""
+    sources = [MixtureSource(f"source{i}", store, weight, None) for i, weight in enumerate(MIXTURE_WEIGHTS)]
+    return _reading_throughput(
+        "mixture", lambda rows: MixtureBatches(sources, seq_len, seed, rows, False, None), seq_len, batch_size, dp,
+        steps, min_seconds,
+    )  # fmt: skip
+
+
+def _reading_throughput(
+    path: str,
+    batches_of: Callable[[RankSlice], Batches],
+    seq_len: int,
+    batch_size: int,
+    dp: int,
+    steps: int,
+    min_seconds: float,
+) -> dict[str, Any]:
     per_rank = batch_size // dp
     rates, read, taken = [], 0, 0
     for rank in range(dp):
-        batches = PreparedBatches(store, seq_len, seed, RankSlice(batch_size, per_rank, rank, dp), None)
+        batches = batches_of(RankSlice(batch_size, per_rank, rank, dp))
         batches.next()  # warm-up: the epoch's permutation of the store's windows
         # A batch takes well under a millisecond: fewer than a few hundred of them time mostly the clock's noise.
         rank_taken, started = 0, time.perf_counter()
@@ -122,7 +156,7 @@ def prepared_throughput(
         taken += rank_taken
     return {
         "kind": "throughput",
-        "path": "prepared",
+        "path": path,
         "dp": dp,
         "tokens_per_s_per_rank": float(np.mean(rates)),
         "tokens_per_s_per_rank_min": min(rates),
@@ -235,13 +269,13 @@ def _throughput_table(rows: list[dict[str, Any]], dps: list[int]) -> str:
     by = {(r["path"], r["dp"]): r for r in rows}
     lines = [
         f"{'dp':>3}  {'streaming tok/s/rank':>20}  {'prepared tok/s/rank':>19}  {'prepared/streaming':>18}  "
-        f"{'tokenised/rank/step':>19}  {'read/rank/step':>14}"
+        f"{'mixture tok/s/rank':>18}  {'mixture/prepared':>16}  {'tokenised/rank/step':>19}  {'read/rank/step':>14}"
     ]
     for dp in dps:
-        streamed, prepared = by[("streaming", dp)], by[("prepared", dp)]
-        s, p = streamed["tokens_per_s_per_rank"], prepared["tokens_per_s_per_rank"]
+        streamed, prepared, mixture = by[("streaming", dp)], by[("prepared", dp)], by[("mixture", dp)]
+        s, p, m = (row["tokens_per_s_per_rank"] for row in (streamed, prepared, mixture))
         lines.append(
-            f"{dp:>3}  {s:>20,.0f}  {p:>19,.0f}  {p / s:>17.1f}x  "
+            f"{dp:>3}  {s:>20,.0f}  {p:>19,.0f}  {p / s:>17.1f}x  {m:>18,.0f}  {m / p:>15.2f}x  "
             f"{streamed['tokens_tokenised_per_rank_per_step']:>19,}  {prepared['tokens_read_per_rank_per_step']:>14,}"
         )
     return "\n".join(lines)
@@ -297,9 +331,10 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             )
             print(json.dumps(row), flush=True)
             results["throughput"].append(row)
-            row = prepared_throughput(store, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds)
-            print(json.dumps(row), flush=True)
-            results["throughput"].append(row)
+            for measure in (prepared_throughput, mixture_throughput):
+                row = measure(store, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds)
+                print(json.dumps(row), flush=True)
+                results["throughput"].append(row)
 
         if resume_steps:
             results["resume"] += streaming_resume(

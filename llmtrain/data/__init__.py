@@ -23,15 +23,30 @@ from llmtrain.errors import ConfigError
 TOKENIZER_TRAINING_SEED = 0
 
 
+@dataclass(frozen=True)
+class ValidationSet:
+    """This rank's rows of a fixed validation set: the run's one (name None), or a mixture source's (`val_loss` is
+    then the weighted mean over the sources, each also logged as `val_loss/<name>`)."""
+
+    name: str | None
+    weight: float
+    rows: np.ndarray
+
+
 @dataclass
 class Data:
     tokenizer: Tokenizer
     train: Prefetched
-    val_rows: np.ndarray | None  # this rank's rows of the fixed validation set; None when eval is disabled
+    validation: list[ValidationSet]  # empty when eval is disabled
     description: str  # for the start summary
 
     def close(self) -> None:
         self.train.close()
+
+    def source_tokens(self, seq_len: int) -> dict[str, int]:
+        """`tokens/<source>`: the tokens trained on from each source of a mixture so far ({} for one source)."""
+        sources = self.train.state_dict().get("sources", {})
+        return {f"tokens/{name}": entry["taken"] * seq_len for name, entry in sources.items()}
 
 
 # Above this many data-parallel ranks the streamed path's repeated tokenisation is worth a warning (README, "Data").
@@ -56,6 +71,10 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
         from llmtrain.data.prepared import store_tokenizer
 
         return store_tokenizer(data_cfg)
+    if data_cfg.source == "mix":
+        from llmtrain.data.mixture import mixture_tokenizer
+
+        return mixture_tokenizer(data_cfg)
     bpe_path = None
     if data_cfg.tokenizer.kind == "bpe":
         if is_main:
@@ -75,25 +94,31 @@ def build_data(
     train_slice: RankSlice,
     val_slice: RankSlice | None,
     position: dict | None = None,
+    steps: int = 0,
 ) -> Data:
     """This rank's training batches (global batches of train_slice.batch_size windows of seq_len + 1 tokens in
-    the order `seed` gives, at `position` when resuming) and its rows of the validation set."""
+    the order `seed` gives, at `position` when resuming) and its rows of the validation set(s); `steps`, the run's
+    length, goes into a mixture's description (the epochs it implies)."""
+    if data_cfg.source == "mix":
+        return _mixture(data_cfg, tokenizer, seq_len, seed, train_slice, val_slice, position, steps)
     if data_cfg.source == "prepared":
         from llmtrain.data.prepared import PreparedBatches, prepared_validation_rows
 
         assert data_cfg.path is not None, "config.validate requires data.path for data=prepared"
-        val_rows = prepared_validation_rows(data_cfg.path, seq_len, val_slice) if val_slice else None
+        validation = (
+            [ValidationSet(None, 1.0, prepared_validation_rows(data_cfg.path, seq_len, val_slice))] if val_slice else []
+        )
         batches = PreparedBatches(data_cfg.path, seq_len, seed, train_slice, position)
         description = (
             f"prepared {data_cfg.path} ({batches.windows.count:,} windows, each rank reads its rows), "
             f"tokenizer {batches.tokenizer_kind}"
         )
-        return Data(tokenizer, Prefetched(batches), val_rows, description)
+        return Data(tokenizer, Prefetched(batches), validation, description)
 
     windows = training_windows(data_cfg, tokenizer, seq_len, seed)
     if position is not None:
         windows.load_state_dict(position)
-    val_rows = None
+    validation = []
     if val_slice is not None:
         val = _validation_windows(data_cfg, tokenizer, seq_len, val_slice.batch_size)
         if len(val) < val_slice.batch_size:
@@ -102,11 +127,39 @@ def build_data(
                 f"the validation set holds only {len(val)} windows of {seq_len + 1} tokens, {val_slice.batch_size} "
                 f"needed (train.eval_batches x train.batch_size): {fix}"
             )
-        val_rows = val_slice.rows(val)
+        validation = [ValidationSet(None, 1.0, val_slice.rows(val))]
     description = (
         f"{data_cfg.source} streamed (every rank tokenises the whole stream), tokenizer {data_cfg.tokenizer.kind}"
     )
-    return Data(tokenizer, Prefetched(StreamedBatches(windows, train_slice)), val_rows, description)
+    return Data(tokenizer, Prefetched(StreamedBatches(windows, train_slice)), validation, description)
+
+
+def _mixture(
+    data_cfg: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    train_slice: RankSlice,
+    val_slice: RankSlice | None,
+    position: dict | None,
+    steps: int,
+) -> Data:
+    """build_data for data=mix: the sources' batches by weight, and each source's validation set."""
+    from llmtrain.data.mixture import MixtureBatches, describe_mixture, mixture_sources, mixture_validation_rows
+
+    sources = mixture_sources(list(data_cfg.sources or []))
+    batches = MixtureBatches(sources, seq_len, seed, train_slice, data_cfg.on_exhausted == "stop", position)
+    validation = []
+    if val_slice is not None:
+        rows = mixture_validation_rows(sources, seq_len, val_slice)
+        if not rows:
+            raise ConfigError(
+                f"no source of the mixture holds {val_slice.batch_size} validation windows of {seq_len + 1} tokens "
+                f"(train.eval_batches x train.batch_size): lower train.eval_batches, or prepare the sources with a "
+                f"larger data.val_fraction"
+            )
+        validation = [ValidationSet(s.name, s.weight, rows[s.name]) for s in sources if s.name in rows]
+    return Data(tokenizer, Prefetched(batches), validation, describe_mixture(sources, batches, steps))
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:
@@ -165,6 +218,7 @@ __all__ = [
     "Batches",
     "Data",
     "RankSlice",
+    "ValidationSet",
     "build_data",
     "build_tokenizer",
     "streaming_scale_warning",

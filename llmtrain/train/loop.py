@@ -124,22 +124,35 @@ class Trainer:
         every = self.task_every
         return bool(self.tasks) and every > 0 and (step % every == 0 or step == self.train.steps)
 
-    def _val_bytes_per_token(self) -> float | None:
-        """Collective: UTF-8 bytes per scored token of the whole validation set (every rank holds as many rows)."""
-        rows = self.data.val_rows
-        if rows is None:
-            return None
-        targets = rows[:, 1:]
+    def _val_bytes_per_token(self) -> list[float]:
+        """Collective: per validation set, the UTF-8 bytes per scored token (every rank holds as many rows)."""
+        if not self.data.validation:
+            return []
         lengths = token_byte_lengths(self.data.tokenizer)
-        mine = torch.tensor(float(lengths[targets].sum()) / max(targets.size, 1), device=self.runtime.device)
-        return self.model.reduce_mean(mine).item()
+        mine = [float(lengths[v.rows[:, 1:]].sum()) / max(v.rows[:, 1:].size, 1) for v in self.data.validation]
+        return self.model.reduce_mean(torch.tensor(mine, device=self.runtime.device)).tolist()
 
-    def validation_loss(self) -> float:
+    def validate(self) -> dict[str, float]:
+        """`val_loss` and `val_bpb`: over the validation sets (one, or a mixture's sources), their mean weighted by
+        the sources' weights, and each named set's own `val_loss/<source>`."""
         self.model.module.eval()
-        assert self.data.val_rows is not None, "validation rows are read when train.eval_every > 0"
-        loss = self.model.evaluate(self.val_slice.micro_batches(self.data.val_rows, self.runtime.device))
+        losses = [
+            self.model.reduce_mean(
+                self.model.evaluate(self.val_slice.micro_batches(v.rows, self.runtime.device))
+            ).item()
+            for v in self.data.validation
+        ]
         self.model.module.train()
-        return self.model.reduce_mean(loss).item()
+        weights = [v.weight for v in self.data.validation]
+        total = sum(weights)
+        record = {"val_loss": sum(w * loss for w, loss in zip(weights, losses)) / total}
+        if all(self.val_bytes_per_token):  # nats per token -> bits per byte: comparable across tokenizers
+            bits = [loss / (math.log(2) * per_token) for loss, per_token in zip(losses, self.val_bytes_per_token)]
+            record["val_bpb"] = sum(w * b for w, b in zip(weights, bits)) / total
+        for v, loss in zip(self.data.validation, losses):
+            if v.name is not None:
+                record[f"val_loss/{v.name}"] = loss
+        return record
 
     def _mark(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
@@ -250,13 +263,12 @@ class Trainer:
         self.state.step = step = record["step"]
         if self._is_eval_step(step):
             self._mark("validation", step)
-            record["val_loss"] = self.validation_loss()
-            if self.val_bytes_per_token:  # nats per token -> bits per byte: comparable across tokenizers
-                record["val_bpb"] = record["val_loss"] / (math.log(2) * self.val_bytes_per_token)
+            record.update(self.validate())
         if self._is_task_step(step):
             self._mark("downstream tasks", step)
             record.update(evaluate_tasks(self.model, self.tasks, self.train.micro_batch_size))
         self._mark("logging", step)
+        record.update(self.data.source_tokens(self.train.seq_len))
         record.update(step_memory(self.runtime.device))
         self.checkpoints.poll()
         self.state.records.append(record)

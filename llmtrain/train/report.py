@@ -134,6 +134,8 @@ def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:
     val = [r for r in records if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation", markersize=4)
+        for key in [key for key in val[-1] if key.startswith("val_loss/")]:  # a mixture's sources, each its own
+            ax.plot([r["step"] for r in val], [r[key] for r in val], ".--", label=key[4:], markersize=3, linewidth=1)
     ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
