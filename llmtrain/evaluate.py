@@ -16,6 +16,7 @@ pip install -e ".[eval]".
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -49,6 +50,10 @@ def _composed(overrides: list[str]):
 
 
 def _checked(cfg) -> EvaluateRootConfig:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "llmtrain.evaluate runs lm-evaluation-harness, which is not installed: pip install -e '.[eval]'"
+        )
     check_domains(cfg, EvaluateRootConfig)
     if not cfg.tasks:
         raise ConfigError("tasks is not set: name lm-eval tasks or task yaml files, e.g. tasks=[hellaswag]")
