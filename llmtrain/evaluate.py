@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -182,14 +181,6 @@ def evaluate(checkpoint: str, config: EvaluateRootConfig) -> dict:
     return results if runtime.is_main else {}
 
 
-def _write(results: dict, path: str) -> None:
-    """lm-eval's results as JSON at `path`, whole or not at all."""
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2, default=str)
-    os.replace(partial, path)
-
-
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -216,7 +207,9 @@ def main(argv: list[str]) -> None:
     print(make_table(results))
     print(f"evaluated {checkpoint} on {', '.join(results['results'])} in {time.perf_counter() - started:.1f} s")
     if config.output:
-        _write(results, config.output)
+        from llmtrain.train.report import write_json_atomic
+
+        write_json_atomic(config.output, results, default=str)  # lm-eval's task configs hold functions
         print(f"results: {config.output}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -116,10 +117,11 @@ def format_end_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
+def write_json_atomic(path: str, payload: dict[str, Any], default: Callable[[Any], Any] | None = None) -> None:
+    """`payload` as JSON at `path`, whole or not at all (`default`: json.dump's, for values JSON has no type for)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, indent=2, default=default)
     os.replace(tmp, path)
 
 
