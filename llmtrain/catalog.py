@@ -89,7 +89,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     ),
 }
 ADAMW_MOMENTS = 2
-MOMENT_BYTES = 4  # every optimizer moment is fp32, whatever the compute precision
+# optim.state_bits -> bytes per element of each AdamW moment: fp32, or torchao's 8-bit codes with one fp32 scale per
+# block of 256 (llmtrain/optim/__init__.py).
+MOMENT_BYTES: dict[int, float] = {32: 4.0, 8: 1.0 + 4 / 256}
+# train.float8 (llmtrain/parallel/float8.py describes each recipe).
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # optim.schedule (llmtrain/optim/schedule.py describes each).
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 # optim.decay_shape: progress p through a WSD decay, 0 to 1 -> the share of (peak - floor) still left.

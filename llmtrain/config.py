@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import glob
+import importlib.util
 import os
 import textwrap
 import typing
@@ -424,6 +425,13 @@ class OptimConfig:
     eps: float = key(1e-8, positive(), "AdamW")
     warmup_steps: int = key(20, at_least(0), "linear warmup steps")
     grad_clip: float = key(1.0, Number(low=0), "clip the global gradient norm; 0 disables")
+    state_bits: int = key(
+        32,
+        OneOf((32, 8)),
+        "bits per element of AdamW's two moments: `32`, or `8` (torchao's 8-bit AdamW, the `fp8` extra: 2 bytes a "
+        "parameter instead of 8; checkpoints keep them in fp32, so either setting resumes the other). Not with "
+        "`optim=muon`",
+    )
     muon_lr: Optional[float] = key(
         None,
         positive(),
@@ -527,6 +535,13 @@ class TrainConfig:
         Flag(),
         "`torch.compile` each transformer block (on GPU; compiling on CPU is slow to start); the end summary and "
         "`summary.json` (`compiled_graphs`) count the graphs compiled",
+    )
+    float8: str = key(
+        "none",
+        OneOf(catalog.FLOAT8_RECIPES),
+        "`tensorwise` or `rowwise`: the blocks' Linear layers compute in float8 (torchao, the `fp8` extra; FP8 "
+        "tensor cores: sm_89+, emulated on CPU). `tensorwise` also all-gathers FSDP weights and tensor-parallel "
+        "activations in float8 (`parallel/float8.py`); `none`: the compute dtype",
     )
     max_bad_steps: int = key(3, at_least(1), "consecutive non-finite steps before the run stops")
     hang_timeout: Optional[float] = key(
@@ -896,12 +911,31 @@ def validate(cfg) -> None:
         validate_rope_scaling(m.rope_scaling)
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
+    validate_optim(cfg.optim)
+    if t.float8 != "none":
+        require_extra("torchao", f"train.float8={t.float8}", "fp8")
     if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
         raise ConfigError(
             f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
             f"within 1..{t.steps}"
         )
     validate_data(cfg.data)
+
+
+def validate_optim(optim) -> None:
+    if optim.state_bits != 32:
+        if optim.name != "adamw":
+            raise ConfigError(
+                f"optim.state_bits={optim.state_bits} quantises AdamW's moments, but optim={optim.name} keeps its "
+                f"own: set optim.state_bits=32 or optim=adamw"
+            )
+        require_extra("torchao", f"optim.state_bits={optim.state_bits}", "fp8")
+
+
+def require_extra(module: str, setting: str, extra: str) -> None:
+    """A one-line error naming the extra to install when `setting` needs `module` and it is absent."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{setting} needs {module}, which is not installed: pip install -e '.[{extra}]'")
 
 
 def validate_data(d) -> None:

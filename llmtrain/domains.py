@@ -102,15 +102,17 @@ class MeshDegree(Domain):
 
 @dataclass(frozen=True)
 class OneOf(Domain):
-    choices: tuple[str, ...]
+    choices: tuple[Any, ...]
 
     def complaint(self, value: Any) -> str | None:
         return None if value in self.choices else "is not one of the choices"
 
     def accepts(self) -> str:
-        return "one of " + ", ".join(self.choices)
+        return "one of " + ", ".join(map(str, self.choices))
 
     def outside(self) -> list[Any]:
+        if all(isinstance(choice, int) for choice in self.choices):
+            return [max(self.choices) + 1]
         return ["", "not-a-choice"]
 
 

@@ -16,11 +16,23 @@ def build_optimizer(model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.f
     groups = param_groups(model, optim_cfg)
     if optim_cfg.name == "muon":
         return Muon(groups, optim_cfg, ns_dtype)
-    return torch.optim.AdamW(groups, **adamw_options(optim_cfg))
+    return adamw(groups, optim_cfg)
+
+
+def adamw(groups: list[dict], optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over `groups` with its moments in `optim.state_bits`: torch's fp32 AdamW, or torchao's 8-bit AdamW
+    (blockwise dynamic quantisation, 256 values per fp32 scale; tensors under 4096 values stay fp32, as in
+    bitsandbytes). Its update computes in fp32 from the dequantised moments."""
+    if optim_cfg.state_bits == 32:
+        return torch.optim.AdamW(groups, **adamw_options(optim_cfg))
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(groups, **adamw_options(optim_cfg))
 
 
 __all__ = [
     "Muon",
+    "adamw",
     "adamw_options",
     "build_optimizer",
     "build_schedule",

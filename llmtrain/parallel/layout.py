@@ -3,7 +3,8 @@ module (tp.py, fsdp.py, ddp.py; activation checkpointing and compilation are one
 
 The ordering rule, stated once: context parallelism first (it only tells the model which positions it holds and
 hands its attention the ring), expert parallelism next (it shards the experts and hands each mixture its
-all-to-all), then tensor parallelism (every later step sees the sharded layers), then
+all-to-all), then float8 (it swaps Linear layers for torchao's Float8Linear, which torchao's float8 tensor-parallel
+styles expect to find), then tensor parallelism (every later step sees the sharded layers), then
 activation checkpointing and compilation of each block (so they capture the sharded computation), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
@@ -22,6 +23,7 @@ from llmtrain.model.moe import MoE
 from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
+from llmtrain.parallel.float8 import Float8, apply_float8
 from llmtrain.parallel.fsdp import apply_fsdp
 from llmtrain.parallel.tp import apply_tensor_parallel
 
@@ -32,6 +34,7 @@ class Layout:
 
     cp_mesh: DeviceMesh | None = None  # None: no context parallelism
     ep_mesh: DeviceMesh | None = None  # the experts' (ep) or (ep, tp) mesh; None: every rank holds all experts
+    float8: Float8 | None = None  # None: the blocks' matmuls in the compute dtype
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -67,8 +70,11 @@ def apply_layout(model: LayeredModel, layout: Layout) -> None:
         apply_context_parallel(model, layout.cp_mesh)
     if layout.ep_mesh is not None:
         apply_expert_parallel(model, layout.ep_mesh)
+    if layout.float8 is not None:
+        apply_float8(model, layout.float8)
     if layout.tp_mesh is not None:
-        apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel)
+        float8_styles = layout.float8 is not None and layout.float8.tensor_parallel_styles
+        apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel, float8_styles)
     apply_activation_checkpointing(model, layout.activation_checkpointing)
     if layout.compile:
         apply_compile(model)

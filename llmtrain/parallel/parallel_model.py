@@ -32,6 +32,7 @@ from llmtrain.model import (
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.optim import build_optimizer
 from llmtrain.parallel.context import shard_tokens
+from llmtrain.parallel.float8 import float8_on, float8_summary, precompute_scales_after_step
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
 from llmtrain.parallel.layout import Layout, apply_layout
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
@@ -67,10 +68,14 @@ class ParallelModel:
         self.layout = self._layout()
         self.module = self._laid_out(model, init)
         self.optimizer = self._optimizer(optim)
+        if self.layout.float8 is not None and self.layout.float8.fsdp_all_gather:
+            precompute_scales_after_step(self.optimizer, self.module)
         fsdp_mixed_precision = self.layout.fsdp_mesh is not None and self.layout.param_dtype is not None
         self.precision, self.precision_description = precision_policy(
             runtime.device, uses_bf16(self.train.precision, runtime.device), fsdp_mixed_precision
         )
+        if self.layout.float8 is not None:
+            self.precision_description += "; " + float8_summary(self.layout.float8, self.module)
 
     @property
     def name(self) -> str:
@@ -94,6 +99,12 @@ class ParallelModel:
         bf16 = uses_bf16(self.train.precision, self.runtime.device)
         return Layout(
             cp_mesh=self.mesh.cp_mesh,
+            float8=float8_on(
+                self.train.float8,
+                self.runtime.device,
+                sharded="fsdp_mesh" in fsdp,
+                sequence_parallel=tp and self.parallel.sequence_parallel,
+            ),
             tp_mesh=self.mesh.tp_mesh,
             sequence_parallel=tp and self.parallel.sequence_parallel,
             loss_parallel=tp and self.parallel.loss_parallel,

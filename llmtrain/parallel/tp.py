@@ -14,13 +14,20 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.materialize import retie, tied_groups
+from llmtrain.parallel.float8 import float8_tensor_parallel_plan
 
 
 def apply_tensor_parallel(
-    model: LayeredModel, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel_on: bool
+    model: LayeredModel,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    loss_parallel_on: bool,
+    float8_styles: bool = False,
 ) -> None:
+    """`float8_styles`: the model's float8 layers get torchao's float8 styles (float8.py)."""
     tied = tied_groups(model)
-    parallelize_module(model, tp_mesh, model.tensor_parallel_plan(sequence_parallel, loss_parallel_on))
+    plan = model.tensor_parallel_plan(sequence_parallel, loss_parallel_on)
+    parallelize_module(model, tp_mesh, float8_tensor_parallel_plan(model, plan) if float8_styles else plan)
     # parallelize_module gives each module its own DTensor parameter; tied ones share one placement (the
     # embedding and the head are both split by vocabulary rows), so the tie is restored as it was.
     retie(model, tied)

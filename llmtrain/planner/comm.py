@@ -102,16 +102,16 @@ def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matr
     """(data-parallel, tensor-parallel) traffic of Muon's whole matrices, per step."""
     d, data, tensor = candidate.degrees, Traffic(), Traffic()
     count = held.blocks * (4 + (3 if cfg.mlp == "swiglu" else 2))  # matrices held (a mixture's are fewer, bigger)
-    split = (held.matrices - (held.experts if d.ep > 1 else 0)) * MOMENT_BYTES
+    split = (held.matrices - (held.experts if d.ep > 1 else 0)) * MOMENT_BYTES[32]
     if candidate.strategy == "zero1" and d.dp > 1:
-        data.add("all_gather", held.matrices * MOMENT_BYTES, 1)
+        data.add("all_gather", held.matrices * MOMENT_BYTES[32], 1)
     elif candidate.sharding != "none" and d.dp_shard_cp > 1:
         if whole_matrices == "spread" and d.tp == 1:
             data.add("all_to_all", 2 * split / d.dp_shard_cp, 2 * math.ceil(count / d.dp_shard_cp))
         else:
             data.add("all_gather", split, count)
     if d.tp > 1:
-        tensor.add("all_gather", held.matrices * d.tp * MOMENT_BYTES, count)
+        tensor.add("all_gather", held.matrices * d.tp * MOMENT_BYTES[32], count)
     return data, tensor
 
 

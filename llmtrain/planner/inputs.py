@@ -28,7 +28,7 @@ def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
 def _with_optimizer(sizes: StateBytes, optimizer: str) -> StateBytes:
     """`sizes` (AdamW's optimizer bytes) with the blocks' matrices holding `optimizer`'s moments."""
     fewer = ADAMW_MOMENTS - OPTIMIZERS[optimizer].matrix_moments
-    return replace(sizes, matrix_optimizer=sizes.optimizer - fewer * MOMENT_BYTES)
+    return replace(sizes, matrix_optimizer=sizes.optimizer - fewer * MOMENT_BYTES[32])
 
 
 def plans_bf16(cfg) -> bool:

@@ -1,0 +1,170 @@
+"""The float8 step of apply_layout (`train.float8`): torchao's float8 training on the blocks' Linear layers.
+
+Each converted Linear casts its input, weight and output gradient to float8 (e4m3) with dynamic scales and runs its
+three matmuls on the FP8 tensor cores (sm_89: Ada, e.g. RTX 4080 and L40; sm_90: Hopper), accumulating in higher
+precision; weights, gradients and optimizer state stay as they were. Two recipes, torchao's:
+  tensorwise  one scale per tensor: the fastest; under FSDP the weights are all-gathered in float8 (half of bf16's
+              bytes on the wire) with every weight's scale computed in one pass after the optimizer step; under
+              tensor parallelism torchao's float8 styles cast each block's input once, before the sequence-parallel
+              all-gather, which then moves float8
+  rowwise     one scale per row: closer to bf16 on outliers, slower; communication stays in the compute dtype
+What is converted (torchtitan's rule): Linear layers inside the blocks whose two dimensions are multiples of 16
+(what the FP8 matmul needs), except the MoE router, whose logits decide the routing; the LM head and the
+embeddings stay in the compute dtype, as do the experts' stacked weights (no Linear).
+
+On a CPU the casts run in torchao's emulation mode (float8 rounding, fp32 matmuls): it proves the wiring and the
+numerics of the casts, not the speed of the FP8 kernels. On a GPU below sm_89 float8 is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from llmtrain.errors import ConfigError
+
+FP8_CAPABILITY = (8, 9)
+MATMUL_MULTIPLE = 16
+_UNCONVERTED_NAMES = ("router", "lm_head")
+
+
+@dataclass(frozen=True)
+class Float8:
+    """How this rank runs `train.float8`: the recipe, emulated (CPU) or on FP8 tensor cores, and whether FSDP
+    all-gathers the weights in float8."""
+
+    recipe: str  # tensorwise | rowwise
+    emulate: bool
+    fsdp_all_gather: bool
+    tensor_parallel_styles: bool  # torchao's float8 styles for tensor parallelism
+
+    @property
+    def description(self) -> str:
+        how = ["emulated on CPU: numerics only, no FP8 kernels" if self.emulate else "FP8 tensor cores"]
+        if self.fsdp_all_gather:
+            how.append("FSDP all-gathers in float8")
+        if self.tensor_parallel_styles:
+            how.append("float8 tensor-parallel styles")
+        return f"float8 {self.recipe} ({', '.join(how)})"
+
+
+def float8_on(recipe: str, device: torch.device, sharded: bool, sequence_parallel: bool) -> Float8 | None:
+    """`train.float8=recipe` on `device` (None for `none`); ConfigError on a GPU without FP8 tensor cores.
+    `sharded`: FSDP shards the weights (tensorwise then gathers them in float8). Tensorwise tensor parallelism
+    takes torchao's float8 styles, except under sequence parallelism on a CPU: their float8 all-gather needs NCCL
+    (gloo has no float8 collectives), so there each Float8Linear casts after torch's own all-gather."""
+    if recipe == "none":
+        return None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            raise ConfigError(
+                f"train.float8={recipe} needs FP8 tensor cores (sm_89 or newer: RTX 40xx, L40, H100), but {name} is "
+                f"sm_{capability[0]}{capability[1]}: set train.float8=none"
+            )
+    emulate = device.type != "cuda"
+    tensorwise = recipe == "tensorwise"
+    return Float8(
+        recipe,
+        emulate=emulate,
+        fsdp_all_gather=sharded and tensorwise,
+        tensor_parallel_styles=tensorwise and not (emulate and sequence_parallel),
+    )
+
+
+def convertible(module: nn.Module, name: str) -> bool:
+    """Whether the Linear `name` runs in float8: inside the blocks, not the router, both dimensions multiples of 16."""
+    return (
+        isinstance(module, nn.Linear)
+        and name.split(".")[-1] not in _UNCONVERTED_NAMES
+        and "blocks" in name.split(".")
+        and module.in_features % MATMUL_MULTIPLE == 0
+        and module.out_features % MATMUL_MULTIPLE == 0
+    )
+
+
+def apply_float8(model: nn.Module, float8: Float8) -> None:
+    """Swap the convertible Linear layers for torchao's Float8Linear (on the meta device: no memory yet)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(float8.recipe)
+    config = Float8LinearConfig(
+        **{
+            **{field: getattr(config, field) for field in config.__dataclass_fields__},
+            "emulate": float8.emulate,
+            "enable_fsdp_float8_all_gather": float8.fsdp_all_gather,
+        }
+    )
+    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+
+
+def float8_summary(float8: Float8, model: nn.Module) -> str:
+    """What float8 does to `model` (this rank's part of it), for the start summary: the recipe, how it runs, and
+    which Linear layers it converted and which it left (named by their last two parts, once each)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted, left = 0, []
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            converted += 1
+        elif isinstance(module, nn.Linear):
+            left.append(".".join(name.split(".")[-2:]) if "blocks" in name.split(".") else name)
+    kept = f", kept: {', '.join(dict.fromkeys(left))}" if left else ""
+    return f"{float8.description} on {converted} Linear layers{kept}"
+
+
+def float8_tensor_parallel_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan` with torchao's float8 styles where they apply (tensorwise): a column- or row-parallel Float8Linear
+    gets its float8 style (the input all-gathered in float8), and a module whose input goes only to Float8Linear
+    layers casts it once before the all-gather. Other entries stay as they are."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def converted(name: str) -> bool:
+        return isinstance(model.get_submodule(name), Float8Linear)
+
+    result: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        if type(style) is ColwiseParallel and converted(name):
+            style = Float8ColwiseParallel(**_layouts(style))
+        elif type(style) is RowwiseParallel and converted(name):
+            style = Float8RowwiseParallel(**_layouts(style))
+        elif type(style) is PrepareModuleInput and _feeds_only_float8(model.get_submodule(name), Float8Linear):
+            style = PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                use_local_output=style.use_local_output,
+            )
+        result[name] = style
+    return result
+
+
+def _layouts(style: Any) -> dict[str, Any]:
+    """A plain column- or row-parallel style's constructor arguments."""
+    layouts = dict(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0])
+    return {**layouts, "use_local_output": style.use_local_output}
+
+
+def _feeds_only_float8(module: nn.Module, float8_linear: type) -> bool:
+    """Whether every Linear directly inside `module` (attention's q, k, v; the MLP's up, gate) is a Float8Linear:
+    then its input can be cast once, before the all-gather."""
+    linears = [child for child in module.children() if isinstance(child, nn.Linear)]
+    return bool(linears) and all(isinstance(child, float8_linear) for child in linears)
+
+
+def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """With float8 all-gathers: after each optimizer step, every sharded weight's float8 scale in one pass (one
+    all-reduce of the amaxes) instead of one per weight inside each all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
