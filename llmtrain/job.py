@@ -233,7 +233,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     resume = _agreed(runtime, resume_path(config.checkpoint, checkpoint_dir, runtime.is_main))
     if resume:
         check_model_matches(resume, gpt_cfg)
-        check_optimizer_matches(resume, config.optim.name)
+        check_optimizer_matches(resume, config.optim)
     data = build_data(
         config.data,
         tokenizer,
@@ -248,7 +248,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with MemoryPeak(runtime.device) as build:
             model = _laid_out(config, plan, mesh, runtime, meta)
-        memory = _memory_summary(runtime, held_bytes(model.module, model.optimizer), build.bytes)
+        held = held_bytes(model.module, model.optimizer, config.optim.state_bits)
+        memory = _memory_summary(runtime, held, build.bytes)
         schedule = build_schedule(model.optimizer, t.steps, config.optim)
         wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
         checkpoints = RunCheckpoints(
@@ -257,7 +258,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             schedule,
             data,
             gpt_cfg,
-            config.optim.name,
+            config.optim,
             RunIdentity(os.path.abspath(run_dir), wandb_id),
         )
         point = checkpoints.restore(resume) if resume else None

@@ -160,16 +160,18 @@ def _running(pid: int) -> bool:
         return False
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc <args>` from the repository, one thread per rank; asserts that
-    it succeeded."""
+def torchrun(
+    nproc: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc <args>` from the repository, one thread per rank, with `env`
+    added to the environment; asserts that it succeeded."""
     with rank_slots(nproc):
         done = subprocess.run(
             [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**os.environ, **warm_interpreter()},
+            env={**os.environ, **warm_interpreter(), **(env or {})},
             cwd=REPO,
         )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -308,10 +310,12 @@ LAYOUT_WORKER = Path(__file__).with_name("layout_worker.py")
 MEMORY_MARGIN = 24 * 2**20
 
 
-def layout_group(tmp_path_factory, nproc: int, common: str, layouts: list[str]) -> dict:
+def layout_group(
+    tmp_path_factory, nproc: int, common: str, layouts: list[str], env: dict[str, str] | None = None
+) -> dict:
     """tests/layout_worker.py's results for `layouts` on `nproc` ranks of one process group."""
     out = tmp_path_factory.mktemp("layouts")
-    torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=900)
+    torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=900, env=env)
     return json.loads((out / "results.json").read_text())
 
 

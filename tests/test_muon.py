@@ -15,6 +15,7 @@ from conftest import LOSS_RTOL, torchrun
 from test_mixture import WEIGHTS, mixture_override, mixture_stores
 
 from llmtrain.checkpoint.training import check_optimizer_matches
+from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -42,8 +43,8 @@ def test_muon_state_resumes_exactly_and_reshards_from_fsdp_to_tp_dp_to_one_proce
 
 
 def test_a_checkpoint_of_one_optimizer_refuses_the_other_with_one_line(chain):
-    check_optimizer_matches(chain["checkpoint"], "muon")
+    check_optimizer_matches(chain["checkpoint"], OptimConfig(name="muon"))
     with pytest.raises(ConfigError) as refused:
-        check_optimizer_matches(chain["checkpoint"], "adamw")
+        check_optimizer_matches(chain["checkpoint"], OptimConfig(name="adamw"))
     message = str(refused.value)
     assert "\n" not in message and "optim=muon" in message and "optim=adamw" in message

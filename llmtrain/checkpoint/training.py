@@ -23,6 +23,7 @@ from llmtrain.checkpoint.manager import (
     restore_rng_states,
 )
 from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
+from llmtrain.config import OptimConfig
 from llmtrain.data import Data
 from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
@@ -93,14 +94,22 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
         )
 
 
-def check_optimizer_matches(path: str, optimizer: str) -> None:
+def check_optimizer_matches(path: str, optim: OptimConfig) -> None:
     """A one-line ConfigError when the checkpoint's optimizer state is another optimizer's (its moments would not
-    fit this one's)."""
-    saved = read_meta(path).get("optimizer", "adamw")  # checkpoints before optim.name had a choice: AdamW's
-    if saved != optimizer:
+    fit this one's), or another `optim.state_bits`'s (the moments are stored in fp32 either way, but the two
+    optimizers' options differ)."""
+    meta = read_meta(path)
+    saved = meta.get("optimizer", "adamw")  # checkpoints before optim.name had a choice: AdamW's
+    if saved != optim.name:
         raise ConfigError(
-            f"checkpoint {path} holds optim={saved} state, this run has optim={optimizer}: resume with "
+            f"checkpoint {path} holds optim={saved} state, this run has optim={optim.name}: resume with "
             f"optim={saved}, or set checkpoint.resume=none"
+        )
+    bits = meta.get("state_bits", 32)
+    if bits != optim.state_bits:
+        raise ConfigError(
+            f"checkpoint {path} was written with optim.state_bits={bits}, this run has optim.state_bits="
+            f"{optim.state_bits}: resume with optim.state_bits={bits}, or set checkpoint.resume=none"
         )
 
 
@@ -153,14 +162,14 @@ class RunCheckpoints:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
-        optimizer: str,
+        optim: OptimConfig,
         run: RunIdentity,
     ):
         self.manager = manager
         self.model, self.schedule = model, schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
-        self.optimizer = optimizer
+        self.optim = optim
         self.runtime = manager.runtime
         self.run = run
 
@@ -168,10 +177,11 @@ class RunCheckpoints:
         meta = {
             "step": step,
             "model": dataclasses.asdict(self.gpt_cfg),
-            "optimizer": self.optimizer,
+            "optimizer": self.optim.name,
+            "state_bits": self.optim.state_bits,
             "layout": self.model.plan.describe(),
             "world_size": self.runtime.world_size,
-            "schedule": self.schedule.state_dict(),
+            "schedule": json_numbers(self.schedule.state_dict()),
             "run_dir": self.run.run_dir,
             "wandb_run_id": self.run.wandb_id,
         }
@@ -215,3 +225,14 @@ __all__ = [
     "resume_path",
     "wandb_run_id",
 ]
+
+
+def json_numbers(value: Any) -> Any:
+    """`value` with every tensor a Python number (torchao's 8-bit AdamW keeps learning rates as 0-d tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: json_numbers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_numbers(item) for item in value]
+    return value

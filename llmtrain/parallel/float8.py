@@ -61,13 +61,7 @@ def float8_on(recipe: str, device: torch.device, sharded: bool, sequence_paralle
     if recipe == "none":
         return None
     if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_CAPABILITY:
-            name = torch.cuda.get_device_name(device)
-            raise ConfigError(
-                f"train.float8={recipe} needs FP8 tensor cores (sm_89 or newer: RTX 40xx, L40, H100), but {name} is "
-                f"sm_{capability[0]}{capability[1]}: set train.float8=none"
-            )
+        check_fp8_tensor_cores(recipe, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
     emulate = device.type != "cuda"
     tensorwise = recipe == "tensorwise"
     return Float8(
@@ -76,6 +70,15 @@ def float8_on(recipe: str, device: torch.device, sharded: bool, sequence_paralle
         fsdp_all_gather=sharded and tensorwise,
         tensor_parallel_styles=tensorwise and not (emulate and sequence_parallel),
     )
+
+
+def check_fp8_tensor_cores(recipe: str, device_name: str, capability: tuple[int, int]) -> None:
+    """ConfigError (one line) when a GPU of this compute capability has no FP8 tensor cores."""
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(
+            f"train.float8={recipe} needs FP8 tensor cores (sm_89 or newer: RTX 40xx, L40, H100), but {device_name} "
+            f"is sm_{capability[0]}{capability[1]}: set train.float8=none"
+        )
 
 
 def convertible(module: nn.Module, name: str) -> bool:

@@ -31,6 +31,7 @@ from llmtrain.model import (
 )
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.optim import build_optimizer
+from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.float8 import float8_on, float8_summary, precompute_scales_after_step
 from llmtrain.parallel.fsdp import expert_fsdp_mesh
@@ -233,13 +234,14 @@ class ParallelModel:
         under one layout loads under any other (llmtrain/checkpoint/state.py)."""
         return (
             get_model_state_dict(self.module),
-            get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT_OPTIMIZER),
+            portable_state(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT_OPTIMIZER)),
         )
 
     def load_model_and_optimizer_state(self, model_state: dict, optimizer_state: dict) -> None:
         """The inverse of model_and_optimizer_state, once a checkpoint's values have been loaded into it."""
         set_model_state_dict(self.module, model_state)
         set_optimizer_state_dict(self.module, self.optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
+        restore_low_bits(self.optimizer)
 
     def model_state(self) -> dict:
         """The model's part of model_and_optimizer_state (evaluation loads the weights alone)."""

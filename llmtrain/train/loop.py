@@ -204,7 +204,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": self.state.step + 1,
             "loss": loss_value,
-            "lr": self.schedule.get_last_lr()[0],
+            "lr": float(self.schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
             "grad_norm": norm_value,
         }
         if load_values:  # routed slots per expert, all mixture blocks together: the load balance

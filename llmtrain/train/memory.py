@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmtrain.errors import OutOfMemory
+from llmtrain.optim.state_bits import moment_bytes
 from llmtrain.parallel.parallel_model import local_tensor
 
 MIB = 2**20
@@ -56,16 +57,16 @@ class HeldBytes:
         )
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, state_bits: int = 32) -> HeldBytes:
     """What this rank holds once training runs: its parameters, a gradient per trainable parameter it holds, and
-    AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1)."""
+    AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1), in `state_bits`."""
     params = list(model.parameters())
     trainable = [local_tensor(p) for p in params if p.requires_grad]
     updated = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
     return HeldBytes(
         params=tensor_bytes(params),
         grads=sum(t.numel() * t.element_size() for t in trainable),
-        optimizer=2 * sum(t.numel() * t.element_size() for t in updated),
+        optimizer=int(2 * sum(moment_bytes(t, state_bits) for t in updated)),
     )
 
 
