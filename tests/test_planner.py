@@ -339,3 +339,20 @@ def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
     assert adamw.ranks[0].optimizer - muon.ranks[0].optimizer == pytest.approx(saved)
     assert muon.traffic[0].bytes["all_to_all"] == pytest.approx(2 * held.matrices * 4 / 4, abs=1)
     assert "all_to_all" not in adamw.traffic[0].bytes and muon.max_parameters > adamw.max_parameters
+
+
+def test_8bit_moments_and_float8_gathers_shrink_the_state_and_the_wire():
+    """optim.state_bits=8: each AdamW moment 1 byte plus a 4-byte scale per 256 values (plan.optimizer_bytes' 12 =
+    fp32 master + two fp32 moments becomes 4 + 2 x 1.016); train.float8=tensorwise: FSDP gathers the blocks'
+    Linear weights in 1 byte instead of bf16's 2, and nothing else changes."""
+    plain = configured_state_bytes(_composed(*UNPADDED), True)
+    eight = configured_state_bytes(_composed(*UNPADDED, "optim.state_bits=8"), True)
+    assert eight.optimizer == pytest.approx(plain.optimizer - 2 * (4 - (1 + 4 / 256)))
+    float8 = configured_state_bytes(_composed(*UNPADDED, "train.float8=tensorwise"), True)
+    fsdp, work, _ = _plan(LAYOUTS["fsdp"], sizes=plain)
+    fsdp8, _, _ = _plan(LAYOUTS["fsdp"], sizes=float8)
+    held = holding(work.gpt)
+    share = held.matrices / held.total  # the tiny GPT has no experts: every block matrix is a Linear weight
+    gathered, gathered8 = fsdp.traffic[0].bytes["all_gather"], fsdp8.traffic[0].bytes["all_gather"]
+    assert gathered8 == pytest.approx(gathered * (share * 1 + (1 - share) * 2) / 2)
+    assert fsdp8.traffic[0].bytes["reduce_scatter"] == fsdp.traffic[0].bytes["reduce_scatter"]

@@ -91,7 +91,7 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         not_here = held.experts - held.experts // d.ep
         gathers = 2 if candidate.strategy != "pp" and candidate.reshard_after_forward else 1
         gathered = (params - not_here) * gathers - (held.root if gathers == 2 else 0)
-        traffic.add("all_gather", gathered * sizes.compute * times, (units * gathers - (gathers - 1)) * times)
+        traffic.add("all_gather", gathered * sizes.gathered(held) * times, (units * gathers - (gathers - 1)) * times)
         traffic.add("reduce_scatter", (grads - not_here) * sizes.grad * times, units * times)
         if d.dp_replicate > 1:
             traffic.add("all_reduce", grads / d.dp_shard_cp * sizes.grad * times, units * times)

@@ -14,14 +14,24 @@ from llmtrain.planner.plan import GIB, Machine, Workload, host_matmul_flops, tot
 
 
 def llmtrain_state_bytes(cfg, bf16: bool) -> StateBytes:
-    """What llmtrain itself holds: fp32 weights and gradients, AdamW's two fp32 moments (Muon's matrices: one),
-    activations (and FSDP's gathered copies) in the compute dtype."""
-    return _with_optimizer(StateBytes(param=4, grad=4, optimizer=8, compute=2 if bf16 else 4), cfg.optim.name)
+    """What llmtrain itself holds: fp32 weights and gradients, AdamW's two moments (fp32, or 8-bit codes and their
+    scales; Muon's matrices: one fp32 moment), activations (and FSDP's gathered copies) in the compute dtype (the
+    blocks' Linear weights gathered in float8 under train.float8=tensorwise)."""
+    sizes = StateBytes(param=4, grad=4, optimizer=ADAMW_MOMENTS * MOMENT_BYTES[32], compute=2 if bf16 else 4)
+    return _with_precisions(sizes, cfg)
 
 
 def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
     p = cfg.plan
     sizes = StateBytes(param=p.param_bytes, grad=p.grad_bytes, optimizer=p.optimizer_bytes, compute=2 if bf16 else 4)
+    return _with_precisions(sizes, cfg)
+
+
+def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
+    """`sizes` with optim.state_bits's moments (plan.optimizer_bytes counts two fp32 ones) and train.float8's
+    gathers, then the optimizer's own matrix moments."""
+    fewer = ADAMW_MOMENTS * (MOMENT_BYTES[32] - MOMENT_BYTES[cfg.optim.state_bits])
+    sizes = replace(sizes, optimizer=sizes.optimizer - fewer, float8_gather=cfg.train.float8 == "tensorwise")
     return _with_optimizer(sizes, cfg.optim.name)
 
 

@@ -36,6 +36,8 @@ from llmtrain.model.gpt import GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
 
+FLOAT8_BYTES = 1
+
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -46,9 +48,18 @@ class StateBytes:
     optimizer: float = 12
     compute: float = 2
     matrix_optimizer: float = 12  # of the blocks' weight matrices (Muon's: one fp32 moment fewer than AdamW's)
+    float8_gather: bool = False  # train.float8=tensorwise: FSDP gathers the blocks' Linear weights in float8
 
     def optimizer_bytes(self, trainable: float, matrices: float) -> float:
         return (trainable - matrices) * self.optimizer + matrices * self.matrix_optimizer
+
+    def gathered(self, held: Holding) -> float:
+        """Bytes per parameter FSDP gathers of `held`: the compute dtype, or 1 for the blocks' Linear weights
+        under float8 all-gathers (the experts' stacked weights and everything outside the blocks stay)."""
+        if not self.float8_gather or not held.total:
+            return self.compute
+        share = (held.matrices - held.experts) / held.total
+        return share * FLOAT8_BYTES + (1 - share) * self.compute
 
 
 @dataclass(frozen=True)
@@ -89,9 +100,10 @@ def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tupl
     if sharding == "optimizer":
         return params, trainable * sizes.grad, optimizer / n, 0.0
     states = (params / n, trainable * sizes.grad / n, optimizer / n)
+    gathered = sizes.gathered(held)
     if sharding == "gradients":  # everything gathered for the step; under expert parallelism 1/ep of the experts
-        return (*states, (held.total - held.experts + held.experts // candidate.degrees.ep) * sizes.compute)
-    return (*states, 2 * held.largest_unit * sizes.compute)
+        return (*states, (held.total - held.experts + held.experts // candidate.degrees.ep) * gathered)
+    return (*states, 2 * held.largest_unit * gathered)
 
 
 def bytes_per_parameter(candidate: Candidate, sizes: StateBytes) -> float:

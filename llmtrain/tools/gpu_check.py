@@ -21,10 +21,14 @@ Rows (tolerances are on the per-step training loss, max relative difference over
                          within 1e-3 of the first run's (GPU kernels are not bit-deterministic)
   moe eager|compiled     8 experts in every second block, one grouped GEMM each: trains, no skipped steps
   muon                   optim=muon, Newton-Schulz in bf16: trains, no skipped steps
+  float8 tensorwise|rowwise|compiled, adamw 8-bit, llama bf16|float8
+                         train.float8 (FP8 tensor cores, sm_89+) and optim.state_bits=8, each within 3% of its bf16
+                         run (compiled float8 of compiled none); llama3.2-1b's blocks (2 layers) the same way
   profile                profile.steps=[5,6] and profile.memory=true: within 1% of bf16 (profiling changes no
                          number), a trace and a memory snapshot written
   2+ GPUs                ddp, fsdp, tp, fsdp with cp 2 (ring attention on the flash kernels) and pp with every
-                         schedule on 2 GPUs, each within 3% of one GPU; fsdp muon within 3% of muon
+                         schedule on 2 GPUs, each within 3% of one GPU; fsdp muon within 3% of muon; fsdp
+                         float8 8-bit (float8 all-gathers) within 3% of float8 tensorwise
 Speed columns: tokens/s and MFU (steps after the first), peak allocated / reserved GiB over the run.
 
 `--device cpu --model tiny --seq-len 64` runs the same checks on CPU (what the test suite does for two of them): the
@@ -47,6 +51,7 @@ from typing import Any
 
 from llmtrain.catalog import SCHEDULES
 from llmtrain.errors import closed_pipe_is_quiet
+from llmtrain.parallel.float8 import FP8_CAPABILITY
 from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,8 +106,28 @@ def single_gpu_checks() -> list[Check]:
     # step; tokens/s against bf16's is what its update costs on this GPU.
     checks.append(Check("muon", ["optim=muon"]))
     checks.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
+    checks += low_precision_checks()
     resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
     return [*checks, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
+
+
+def low_precision_checks() -> list[Check]:
+    """Float8 on the FP8 tensor cores (sm_89+: skipped below) and 8-bit AdamW, each against its bf16 run within 3%
+    (a stated bound: float8 rounds inputs, weights and output gradients to 3 mantissa bits, the 8-bit moments to
+    256 levels per block); tokens/s against bf16's is what they buy. Compiled too: torchao's float8 speed-up comes
+    with torch.compile fusing the casts. Then llama3.2-1b's blocks (two of them, GQA and SwiGLU's widths)."""
+    checks = [
+        Check(f"float8 {recipe}", [f"train.float8={recipe}"], reference="bf16", tolerance=0.03)
+        for recipe in ("tensorwise", "rowwise")
+    ]
+    checks.append(
+        Check("float8 compiled", ["train.float8=tensorwise", "train.compile=true"], "compiled none", tolerance=0.03)
+    )
+    checks.append(Check("adamw 8-bit", ["optim.state_bits=8"], reference="bf16", tolerance=0.03))
+    llama = ["model=llama3.2-1b", "model.n_layer=2", "model.vocab_size=50304"]
+    checks.append(Check("llama bf16", llama))
+    checks.append(Check("llama float8", [*llama, "train.float8=tensorwise"], reference="llama bf16", tolerance=0.03))
+    return checks
 
 
 def multi_gpu_checks() -> list[Check]:
@@ -119,7 +144,10 @@ def multi_gpu_checks() -> list[Check]:
         for name, extra in layouts
     ]
     # Muon's matrices spread over the ranks by NCCL all-to-alls, bf16 Newton-Schulz: within 3% of one GPU's Muon.
-    return [*checks, Check("fsdp muon", ["parallel=fsdp", "optim=muon"], reference="muon", tolerance=0.03, nproc=2)]
+    checks.append(Check("fsdp muon", ["parallel=fsdp", "optim=muon"], reference="muon", tolerance=0.03, nproc=2))
+    # FSDP's float8 all-gathers over NCCL with the per-step scale precompute, 8-bit moments on DTensor shards.
+    float8 = ["parallel=fsdp", "train.float8=tensorwise", "optim.state_bits=8"]
+    return [*checks, Check("fsdp float8 8-bit", float8, reference="float8 tensorwise", tolerance=0.03, nproc=2)]
 
 
 def run_check(check: Check, base: list[str], workdir: Path, timeout: float) -> Row:
@@ -231,6 +259,8 @@ def main() -> None:
     if args.device == "cuda" and gpus == 0:
         sys.exit("gpu_check: no CUDA GPU is visible; nothing was checked (--device cpu proves the harness on CPU)")
     checks = single_gpu_checks() + (multi_gpu_checks() if gpus >= 2 else [])
+    if args.device == "cuda" and torch.cuda.get_device_capability(0) < FP8_CAPABILITY:  # refused there: skip
+        checks = [c for c in checks if not any(o.startswith("train.float8=") for o in c.overrides)]
     if args.only:
         wanted = set(args.only.split(","))
         checks = [c for c in checks if c.name in wanted]
