@@ -432,6 +432,13 @@ class OptimConfig:
         "parameter instead of 8; checkpoints keep them in fp32, so either setting resumes the other). Not with "
         "`optim=muon`",
     )
+    offload: bool = key(
+        False,
+        Flag(),
+        "AdamW's moments, an fp32 copy of the weights and the update in host memory (`optim/offload.py`): 8 bytes a "
+        "parameter less on the device, 12 more on the host, gradients down and weights up the host link each step. "
+        "Not with `optim=muon`, `optim.state_bits=8` or `parallel.cpu_offload` (which offloads the state already)",
+    )
     muon_lr: Optional[float] = key(
         None,
         positive(),
@@ -912,6 +919,11 @@ def validate(cfg) -> None:
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
     validate_optim(cfg.optim)
+    if cfg.optim.offload and cfg.parallel.cpu_offload:
+        raise ConfigError(
+            "optim.offload=true and parallel.cpu_offload=true: FSDP's CPU offload keeps the optimizer state on the "
+            "host already; set optim.offload=false"
+        )
     if t.float8 != "none":
         require_extra("torchao", f"train.float8={t.float8}", "fp8")
     if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
@@ -923,6 +935,9 @@ def validate(cfg) -> None:
 
 
 def validate_optim(optim) -> None:
+    if optim.offload and (optim.name != "adamw" or optim.state_bits != 32):
+        other = f"optim={optim.name}" if optim.name != "adamw" else f"optim.state_bits={optim.state_bits}"
+        raise ConfigError(f"optim.offload=true runs AdamW's fp32 update on the host, not {other}: set one of them off")
     if optim.state_bits != 32:
         if optim.name != "adamw":
             raise ConfigError(

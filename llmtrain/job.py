@@ -166,7 +166,7 @@ def _memory_summary(runtime: Runtime, held: HeldBytes, build_peak: int | None) -
     for row in rows:
         params, grads, optimizer, peak = row.tolist()
         built = f"; build peak {peak / MIB:,.1f} MiB" if peak >= 0 else ""
-        described.append(HeldBytes(params, grads, optimizer).describe() + built)
+        described.append(HeldBytes(params, grads, optimizer, held.optimizer_on_host).describe() + built)
     if len(described) == 1:
         return described[0]
     if len(set(described)) == 1:
@@ -248,7 +248,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with MemoryPeak(runtime.device) as build:
             model = _laid_out(config, plan, mesh, runtime, meta)
-        held = held_bytes(model.module, model.optimizer, config.optim.state_bits)
+        held = held_bytes(model.module, model.optimizer, config.optim)
         memory = _memory_summary(runtime, held, build.bytes)
         schedule = build_schedule(model.optimizer, t.steps, config.optim)
         wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta

@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import json_lines, layout_group
+from conftest import LOSS_RTOL, json_lines, layout_group
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,7 +31,7 @@ from llmtrain.checkpoint.training import check_optimizer_matches
 from llmtrain.config import OptimConfig, require_extra, validate
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss, meta_model
-from llmtrain.optim import adamw
+from llmtrain.optim import HostAdamW, adamw
 from llmtrain.optim.state_bits import moment_bytes, portable_state, restore_low_bits
 from llmtrain.parallel.float8 import Float8, apply_float8, check_fp8_tensor_cores, convertible, float8_summary
 from llmtrain.tools import compose_config
@@ -96,8 +96,15 @@ def test_float8_is_refused_below_sm_89_and_a_missing_extra_is_named():
     assert "\n" not in message and "sm_80" in message and "train.float8=none" in message
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[fp8\]'"):
         require_extra("torchao_is_not_this", "train.float8=tensorwise", "fp8")
-    with pytest.raises(ConfigError, match="optim.state_bits=8 .* optim=muon"):
-        validate(compose_config(["optim=muon", "optim.state_bits=8"]))
+    for overrides, message in (
+        (["optim=muon", "optim.state_bits=8"], "optim.state_bits=8 .* optim=muon"),
+        (["optim=muon", "optim.offload=true"], "optim.offload=true .* optim=muon"),
+        (["optim.state_bits=8", "optim.offload=true"], "optim.offload=true .* optim.state_bits=8"),
+        (["parallel=fsdp", "parallel.cpu_offload=true", "optim.offload=true"], "set optim.offload=false"),
+    ):
+        with pytest.raises(ConfigError, match=message) as refused:
+            validate(compose_config(overrides))
+        assert "\n" not in str(refused.value)
 
 
 def test_8bit_adamw_follows_32bit_and_its_state_survives_a_checkpoint(monkeypatch):
@@ -157,6 +164,7 @@ LAYOUTS = [
     "train.float8=tensorwise optim.state_bits=8 parallel=fsdp",  # float8 all-gathers, scale precompute, 8-bit
     "train.float8=tensorwise optim.state_bits=8 parallel=tp",  # torchao's float8 tensor-parallel styles
     "train.float8=rowwise parallel=tp parallel.sequence_parallel=true",  # torch's styles around Float8Linear
+    "optim.offload=true parallel=fsdp",  # AdamW on the host over DTensor shards
 ]
 
 
@@ -169,8 +177,9 @@ def group(tmp_path_factory):
 def test_float8_and_8bit_layouts_follow_their_unsplit_model(group):
     for layout in LAYOUTS:
         reference = group[" ".join(["single", *layout.split(" parallel=")[0].split()])]
+        rtol = FLOAT8_RTOL if "float8" in layout else LOSS_RTOL
         for key in ("losses", "norms", "val_losses"):
-            assert group[layout][key] == pytest.approx(reference[key], rel=FLOAT8_RTOL), (layout, key)
+            assert group[layout][key] == pytest.approx(reference[key], rel=rtol), (layout, key)
         assert group[layout]["same_names"]
 
 
@@ -195,3 +204,36 @@ def test_a_float8_8bit_fsdp_checkpoint_resumes_in_one_process_and_refuses_32bit(
     zero1 = train("train.steps=1", "optim.state_bits=8", "parallel=zero1", nproc=2, name="zero1")
     errors = [line for line in zero1.stderr.splitlines() if line.startswith("error: ")]
     assert zero1.returncode != 0 and len(errors) == 1 and "parallel=zero2 or fsdp" in errors[0]
+
+
+def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
+    """optim.offload on a CPU: the host copy, torch's functional AdamW and the copy back give exactly torch's AdamW;
+    its state, written as torch's format, loads into the existing host tensors and continues to the bit."""
+    torch.manual_seed(0)
+    cfg = compose_config(["optim.offload=true", "optim.lr=0.01"]).optim
+    start = nn.Linear(64, 32)
+    models = [nn.Linear(64, 32) for _ in range(3)]
+    for model in models:
+        model.load_state_dict(start.state_dict())
+    plain = torch.optim.AdamW(models[0].parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    offloaded = adamw([{"params": list(models[1].parameters()), "weight_decay": 0.1}], cfg)
+    plain.param_groups[0]["weight_decay"] = 0.1
+    assert isinstance(offloaded, HostAdamW)
+
+    def step(pairs, gradient):
+        for model, optimizer in pairs:
+            model.weight.grad, model.bias.grad = gradient.clone(), gradient[:, 0].clone()
+            optimizer.step()
+
+    for _ in range(5):
+        step([(models[0], plain), (models[1], offloaded)], torch.randn(32, 64))
+    assert torch.equal(models[1].weight, models[0].weight) and torch.equal(models[1].bias, models[0].bias)
+    models[2].load_state_dict(models[1].state_dict())
+    resumed = adamw([{"params": list(models[2].parameters()), "weight_decay": 0.1}], cfg)
+    saved = get_optimizer_state_dict(models[1], offloaded, options=FLAT)
+    resumed._state_of(models[2].weight)  # the state exists before the load: the load copies into it
+    kept = resumed.state[models[2].weight]["exp_avg"]
+    set_optimizer_state_dict(models[2], resumed, saved, options=FLAT)
+    assert resumed.state[models[2].weight]["exp_avg"] is kept
+    step([(models[1], offloaded), (models[2], resumed)], torch.randn(32, 64))
+    assert torch.equal(models[2].weight, models[1].weight)

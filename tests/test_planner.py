@@ -341,10 +341,11 @@ def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
     assert "all_to_all" not in adamw.traffic[0].bytes and muon.max_parameters > adamw.max_parameters
 
 
-def test_8bit_moments_and_float8_gathers_shrink_the_state_and_the_wire():
+def test_8bit_moments_float8_gathers_and_offload_shrink_the_state_and_the_wire():
     """optim.state_bits=8: each AdamW moment 1 byte plus a 4-byte scale per 256 values (plan.optimizer_bytes' 12 =
     fp32 master + two fp32 moments becomes 4 + 2 x 1.016); train.float8=tensorwise: FSDP gathers the blocks'
-    Linear weights in 1 byte instead of bf16's 2, and nothing else changes."""
+    Linear weights in 1 byte instead of bf16's 2, and nothing else changes; optim.offload: no optimizer bytes on
+    the device, the rank's fp32 gradients and weights over the host link each step, exposed."""
     plain = configured_state_bytes(_composed(*UNPADDED), True)
     eight = configured_state_bytes(_composed(*UNPADDED, "optim.state_bits=8"), True)
     assert eight.optimizer == pytest.approx(plain.optimizer - 2 * (4 - (1 + 4 / 256)))
@@ -356,3 +357,9 @@ def test_8bit_moments_and_float8_gathers_shrink_the_state_and_the_wire():
     gathered, gathered8 = fsdp.traffic[0].bytes["all_gather"], fsdp8.traffic[0].bytes["all_gather"]
     assert gathered8 == pytest.approx(gathered * (share * 1 + (1 - share) * 2) / 2)
     assert fsdp8.traffic[0].bytes["reduce_scatter"] == fsdp.traffic[0].bytes["reduce_scatter"]
+    offload = configured_state_bytes(_composed(*UNPADDED, "optim.offload=true"), True)
+    offloaded, _, machine = _plan(LAYOUTS["fsdp"], sizes=offload)
+    assert offloaded.heaviest.optimizer == 0 and fsdp.heaviest.optimizer > 0
+    host_link = 2 * 4 * held.trainable / 4 / (machine.links.intra * 1e9)  # fp32 gradients down, weights up; 1/N
+    assert offloaded.exposed_comm_s == pytest.approx(fsdp.exposed_comm_s + host_link)
+    assert offloaded.max_parameters > fsdp.max_parameters

@@ -8,21 +8,30 @@ from torch import nn
 
 from llmtrain.optim.groups import adamw_options, is_hidden_matrix, param_groups
 from llmtrain.optim.muon import Muon, newton_schulz
+from llmtrain.optim.offload import HostAdamW
 from llmtrain.optim.schedule import build_schedule, lr_factor
 
+HOST = torch.device("cpu")
 
-def build_optimizer(model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
-    """`optim.name`'s optimizer over `model`'s parameters (`ns_dtype`: Muon's Newton-Schulz precision)."""
+
+def build_optimizer(
+    model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.float32, device: torch.device = HOST
+) -> torch.optim.Optimizer:
+    """`optim.name`'s optimizer over `model`'s parameters (`ns_dtype`: Muon's Newton-Schulz precision; `device`:
+    where the parameters compute, which `optim.offload` moves the state off)."""
     groups = param_groups(model, optim_cfg)
     if optim_cfg.name == "muon":
         return Muon(groups, optim_cfg, ns_dtype)
-    return adamw(groups, optim_cfg)
+    return adamw(groups, optim_cfg, device)
 
 
-def adamw(groups: list[dict], optim_cfg) -> torch.optim.Optimizer:
+def adamw(groups: list[dict], optim_cfg, device: torch.device = HOST) -> torch.optim.Optimizer:
     """AdamW over `groups` with its moments in `optim.state_bits`: torch's fp32 AdamW, or torchao's 8-bit AdamW
     (blockwise dynamic quantisation, 256 values per fp32 scale; tensors under 4096 values stay fp32, as in
-    bitsandbytes). Its update computes in fp32 from the dequantised moments."""
+    bitsandbytes), whose update computes in fp32 from the dequantised moments; with `optim.offload`, torch's AdamW
+    on the host (offload.py)."""
+    if optim_cfg.offload:
+        return HostAdamW(groups, optim_cfg, device)
     if optim_cfg.state_bits == 32:
         return torch.optim.AdamW(groups, **adamw_options(optim_cfg))
     from torchao.optim import AdamW8bit
@@ -31,6 +40,7 @@ def adamw(groups: list[dict], optim_cfg) -> torch.optim.Optimizer:
 
 
 __all__ = [
+    "HostAdamW",
     "Muon",
     "adamw",
     "adamw_options",

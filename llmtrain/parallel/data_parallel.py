@@ -43,11 +43,11 @@ class ZeroOne(ParallelModel):
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
-        if optim.state_bits != 32:
+        if optim.state_bits != 32 or optim.offload:
+            setting = "optim.offload=true" if optim.offload else f"optim.state_bits={optim.state_bits}"
             raise ConfigError(
-                f"optim.state_bits={optim.state_bits} is not available with parallel=zero1, whose optimizer updates "
-                f"flat fp32 slices: use parallel=zero2 or fsdp (8-bit moments sharded per parameter) or "
-                f"optim.state_bits=32"
+                f"{setting} is not available with parallel=zero1, whose optimizer updates flat fp32 slices of its "
+                f"own: use parallel=zero2 or fsdp (sharded per parameter)"
             )
         if optim.name == "muon":
             return ZeroOneMuon(self.module, optim, self.mesh.dp_mesh, self._ns_dtype)

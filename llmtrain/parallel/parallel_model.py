@@ -132,7 +132,7 @@ class ParallelModel:
         return model
 
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
-        return build_optimizer(self.module, optim, self._ns_dtype)
+        return build_optimizer(self.module, optim, self._ns_dtype, self.runtime.device)
 
     @property
     def _ns_dtype(self) -> torch.dtype:

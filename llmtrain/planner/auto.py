@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates, with_knobs
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.plan import GIB, Decision, choose, plan_layout
 
@@ -29,6 +29,7 @@ def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", pp_schedule)
+    candidates = for_optimizer(candidates, cfg.optim)
     if not candidates:
         raise ConfigError(
             f"parallel=auto found no layout for {world_size} ranks with train.batch_size={cfg.train.batch_size} and "

@@ -207,3 +207,11 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def for_optimizer(candidates: list[Candidate], optim_cfg) -> list[Candidate]:
+    """The candidates that can run `optim`: ZeRO-1's flat fp32 slices hold neither 8-bit moments nor host-side
+    state, so it is left out under optim.state_bits=8 and optim.offload."""
+    if optim_cfg.offload or optim_cfg.state_bits != 32:
+        return [c for c in candidates if c.strategy != "zero1"]
+    return candidates

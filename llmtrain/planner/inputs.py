@@ -28,10 +28,15 @@ def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
 
 
 def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
-    """`sizes` with optim.state_bits's moments (plan.optimizer_bytes counts two fp32 ones) and train.float8's
-    gathers, then the optimizer's own matrix moments."""
+    """`sizes` with optim.state_bits's moments (plan.optimizer_bytes counts two fp32 ones), train.float8's
+    gathers and optim.offload's host-side state, then the optimizer's own matrix moments."""
     fewer = ADAMW_MOMENTS * (MOMENT_BYTES[32] - MOMENT_BYTES[cfg.optim.state_bits])
-    sizes = replace(sizes, optimizer=sizes.optimizer - fewer, float8_gather=cfg.train.float8 == "tensorwise")
+    sizes = replace(
+        sizes,
+        optimizer=sizes.optimizer - fewer,
+        float8_gather=cfg.train.float8 == "tensorwise",
+        optimizer_on_host=cfg.optim.offload,
+    )
     return _with_optimizer(sizes, cfg.optim.name)
 
 

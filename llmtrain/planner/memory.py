@@ -30,7 +30,7 @@ kernel's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.planner.candidates import Candidate
@@ -49,6 +49,7 @@ class StateBytes:
     compute: float = 2
     matrix_optimizer: float = 12  # of the blocks' weight matrices (Muon's: one fp32 moment fewer than AdamW's)
     float8_gather: bool = False  # train.float8=tensorwise: FSDP gathers the blocks' Linear weights in float8
+    optimizer_on_host: bool = False  # optim.offload: the optimizer's bytes are in host memory, not the device's
 
     def optimizer_bytes(self, trainable: float, matrices: float) -> float:
         return (trainable - matrices) * self.optimizer + matrices * self.matrix_optimizer
@@ -89,11 +90,19 @@ class RankMemory:
         }
 
 
+def updated_parameters(candidate: Candidate, held: Holding) -> float:
+    """The parameters whose update this rank computes: all it holds, or its 1/N under ZeRO and FSDP."""
+    if candidate.sharding == "none":
+        return held.trainable
+    d = candidate.degrees
+    return held.trainable / (d.dp if candidate.sharding == "optimizer" else d.dp_shard_cp)
+
+
 def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tuple[float, float, float, float]:
     """(parameters, gradients, optimizer, gathered) bytes of one rank holding `held`."""
     n = candidate.degrees.dp_shard_cp if candidate.sharding != "optimizer" else candidate.degrees.dp
     params, trainable = held.total * sizes.param, held.trainable
-    optimizer = sizes.optimizer_bytes(trainable, held.matrices)
+    optimizer = 0.0 if sizes.optimizer_on_host else sizes.optimizer_bytes(trainable, held.matrices)
     sharding = candidate.sharding
     if sharding == "none":
         return params, trainable * sizes.grad, optimizer, 0.0
@@ -112,6 +121,8 @@ def bytes_per_parameter(candidate: Candidate, sizes: StateBytes) -> float:
     d = candidate.degrees
     split = d.tp * d.pp
     sharding = candidate.sharding
+    if sizes.optimizer_on_host:
+        sizes = replace(sizes, optimizer=0.0)
     if sharding == "none":
         per = sizes.param + sizes.grad + sizes.optimizer
     elif sharding == "optimizer":

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtrain.catalog import schedule_spec
+from llmtrain.catalog import MOMENT_BYTES, schedule_spec
 from llmtrain.model.gpt import GPTConfig, flops_per_token
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
@@ -31,7 +31,14 @@ from llmtrain.planner.comm import (
     tensor_parallel_traffic,
 )
 from llmtrain.planner.links import Links
-from llmtrain.planner.memory import RankMemory, StateBytes, activations, bytes_per_parameter, model_states
+from llmtrain.planner.memory import (
+    RankMemory,
+    StateBytes,
+    activations,
+    bytes_per_parameter,
+    model_states,
+    updated_parameters,
+)
 from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
 
 GIB = 2**30
@@ -202,6 +209,9 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
             _seconds(machine, pp, op, d.pp if op == "all_reduce" else 2, _spans_nodes(c, "pp", machine.ranks_per_node))
             for op in pp.bytes
         )
+        if work.sizes.optimizer_on_host:  # gradients down and weights up the host link, fp32, nothing hides it
+            host_bytes = 2 * MOMENT_BYTES[32] * updated_parameters(c, _scaled(held, factor))
+            rank_exposed += host_bytes / (machine.links.intra * 1e9)
         rank_ring = sum(
             _seconds(machine, ring, op, 2, _spans_nodes(c, "cp", machine.ranks_per_node)) for op in ring.bytes
         )

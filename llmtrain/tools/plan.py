@@ -28,7 +28,7 @@ from llmtrain.config import RootConfig, validate
 from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates, with_knobs
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
 from llmtrain.planner.plan import GIB, Decision, LayoutPlan, choose, plan_layout
 from llmtrain.tools import compose_config
@@ -58,6 +58,7 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
     candidates = enumerate_candidates(
         world, ranks_per_node, cfg.model, cfg.train, cfg.plan.layouts, cfg.parallel.pp_schedule
     )
+    candidates = for_optimizer(candidates, cfg.optim)
     if cfg.parallel.strategy not in ("single", "auto") or world == 1:
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,24 +50,31 @@ class HeldBytes:
     params: int
     grads: int
     optimizer: int
+    optimizer_on_host: bool = False  # optim.offload: the state (and an fp32 copy of the weights) in host memory
 
     def describe(self) -> str:
+        where = " in host memory" if self.optimizer_on_host else ""
         return (
             f"parameters {self.params / MIB:,.1f} MiB, gradients {self.grads / MIB:,.1f} MiB, "
-            f"optimizer state {self.optimizer / MIB:,.1f} MiB"
+            f"optimizer state {self.optimizer / MIB:,.1f} MiB{where}"
         )
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, state_bits: int = 32) -> HeldBytes:
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, optim_cfg: Any = None) -> HeldBytes:
     """What this rank holds once training runs: its parameters, a gradient per trainable parameter it holds, and
-    AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1), in `state_bits`."""
+    AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1) in `optim.state_bits`;
+    with `optim.offload` those moments and a copy of the weights, in host memory."""
+    state_bits, offload = (32, False) if optim_cfg is None else (optim_cfg.state_bits, optim_cfg.offload)
     params = list(model.parameters())
     trainable = [local_tensor(p) for p in params if p.requires_grad]
     updated = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
+    moments = 2 * sum(moment_bytes(t, state_bits) for t in updated)
+    host_weights = sum(t.numel() * 4 for t in updated) if offload else 0
     return HeldBytes(
         params=tensor_bytes(params),
         grads=sum(t.numel() * t.element_size() for t in trainable),
-        optimizer=int(2 * sum(moment_bytes(t, state_bits) for t in updated)),
+        optimizer=int(moments + host_weights),
+        optimizer_on_host=offload,
     )
 
 
