@@ -26,6 +26,7 @@ SAVED_BY_SELECTIVE = frozenset(
         "aten::bmm",
         "aten::baddbmm",
         "aten::_grouped_mm",
+        "aten::_scaled_mm",  # train.float8's matmuls on FP8 tensor cores
         "aten::_scaled_dot_product_flash_attention",
         "aten::_scaled_dot_product_efficient_attention",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
