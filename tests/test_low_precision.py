@@ -208,7 +208,8 @@ def test_a_float8_8bit_fsdp_checkpoint_resumes_in_one_process_and_refuses_32bit(
 
 def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
     """optim.offload on a CPU: the host copy, torch's functional AdamW and the copy back give exactly torch's AdamW;
-    its state, written as torch's format, loads into the existing host tensors and continues to the bit."""
+    its state, written in torch's format, loads into the existing host tensors, and into torch's AdamW, and both
+    continue to the bit."""
     torch.manual_seed(0)
     cfg = compose_config(["optim.offload=true", "optim.lr=0.01"]).optim
     start = nn.Linear(64, 32)
@@ -235,5 +236,8 @@ def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
     kept = resumed.state[models[2].weight]["exp_avg"]
     set_optimizer_state_dict(models[2], resumed, saved, options=FLAT)
     assert resumed.state[models[2].weight]["exp_avg"] is kept
-    step([(models[1], offloaded), (models[2], resumed)], torch.randn(32, 64))
-    assert torch.equal(models[2].weight, models[1].weight)
+    # AdamW's own format: either loads the other's (copies, as a checkpoint's: torch's load keeps the tensors given)
+    copies = {key: value.clone() if torch.is_tensor(value) else value for key, value in saved.items()}
+    set_optimizer_state_dict(models[0], plain, copies, options=FLAT)
+    step([(models[1], offloaded), (models[2], resumed), (models[0], plain)], torch.randn(32, 64))
+    assert torch.equal(models[2].weight, models[1].weight) and torch.equal(models[0].weight, models[1].weight)

@@ -11,8 +11,9 @@ gradients down and its weights up the host link (8 bytes a parameter in fp32). T
 bit: on a CPU the offloaded run equals the plain one (tests/test_low_precision.py).
 
 The moments are plain host tensors, or DTensors over host tensors where the weight is a DTensor (FSDP shards,
-tensor-parallel weights), so `get_optimizer_state_dict` names and reshards them as it does AdamW's; loading copies
-into them on the host, never through the device (torch's own load would place them beside the weights).
+tensor-parallel weights), so `get_optimizer_state_dict` names and reshards them as it does AdamW's, in AdamW's
+format (a run with or without offload resumes the other's checkpoint); loading copies into them on the host,
+never through the device (torch's own load would place them beside the weights).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class HostAdamW(torch.optim.Optimizer):
     """AdamW over `groups` (llmtrain/optim/groups.py) with its state and update on the host."""
 
     def __init__(self, groups: list[dict], optim_cfg, device: torch.device):
-        super().__init__(groups, {**adamw_options(optim_cfg), "weight_decay": 0.0})
+        # torch's AdamW's defaults, so that the two write the same state dict and resume from each other's
+        super().__init__(groups, torch.optim.AdamW([torch.zeros(1)], **adamw_options(optim_cfg)).defaults)
         self.device = device
         pin = device.type == "cuda"
         self._weights: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its host fp32 copy
