@@ -919,6 +919,12 @@ def validate(cfg) -> None:
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
     validate_optim(cfg.optim)
+    if cfg.parallel.strategy == "zero1" and (cfg.optim.offload or cfg.optim.state_bits != 32):
+        setting = "optim.offload=true" if cfg.optim.offload else f"optim.state_bits={cfg.optim.state_bits}"
+        raise ConfigError(
+            f"{setting} is not available with parallel=zero1, whose optimizer updates flat fp32 slices of its own: "
+            f"use parallel=zero2 or fsdp (sharded per parameter)"
+        )
     if cfg.optim.offload and cfg.parallel.cpu_offload:
         raise ConfigError(
             "optim.offload=true and parallel.cpu_offload=true: FSDP's CPU offload keeps the optimizer state on the "

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.config import OptimConfig
-from llmtrain.errors import ConfigError
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.fsdp import fsdp_mesh
 from llmtrain.parallel.layout import Layout
@@ -43,12 +42,6 @@ class ZeroOne(ParallelModel):
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
-        if optim.state_bits != 32 or optim.offload:
-            setting = "optim.offload=true" if optim.offload else f"optim.state_bits={optim.state_bits}"
-            raise ConfigError(
-                f"{setting} is not available with parallel=zero1, whose optimizer updates flat fp32 slices of its "
-                f"own: use parallel=zero2 or fsdp (sharded per parameter)"
-            )
         if optim.name == "muon":
             return ZeroOneMuon(self.module, optim, self.mesh.dp_mesh, self._ns_dtype)
         return ZeroOneAdamW(self.module, optim, self.mesh.dp_mesh)
