@@ -67,7 +67,9 @@ def test_initialisation_is_seeded_and_scales_residual_projections():
 
 def test_tied_weights_stay_tied_after_an_optimizer_step():
     model = _model()
-    options = dict(name="adamw", lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, state_bits=32)
+    options = dict(
+        name="adamw", lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, state_bits=32, offload=False
+    )
     optim = OmegaConf.create(options)
     optimizer = build_optimizer(model, optim)
     tokens = torch.randint(0, TINY.vocab_size, (2, 9))
