@@ -18,7 +18,7 @@ numerics of the casts, not the speed of the FP8 kernels. On a GPU below sm_89 fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,8 +35,8 @@ _UNCONVERTED_NAMES = ("router", "lm_head")
 
 @dataclass(frozen=True)
 class Float8:
-    """How this rank runs `train.float8`: the recipe, emulated (CPU) or on FP8 tensor cores, and whether FSDP
-    all-gathers the weights in float8."""
+    """How this rank runs `train.float8`: the recipe, emulated (CPU) or on FP8 tensor cores, whether FSDP
+    all-gathers the weights in float8 and whether tensor parallelism takes torchao's float8 styles."""
 
     recipe: str  # tensorwise | rowwise
     emulate: bool
@@ -53,7 +53,9 @@ class Float8:
         return f"float8 {self.recipe} ({', '.join(how)})"
 
 
-def float8_on(recipe: str, device: torch.device, sharded: bool, sequence_parallel: bool) -> Float8 | None:
+def float8_on(
+    recipe: str, device: torch.device, sharded: bool, tensor_parallel: bool, sequence_parallel: bool
+) -> Float8 | None:
     """`train.float8=recipe` on `device` (None for `none`); ConfigError on a GPU without FP8 tensor cores.
     `sharded`: FSDP shards the weights (tensorwise then gathers them in float8). Tensorwise tensor parallelism
     takes torchao's float8 styles, except under sequence parallelism on a CPU: their float8 all-gather needs NCCL
@@ -68,7 +70,7 @@ def float8_on(recipe: str, device: torch.device, sharded: bool, sequence_paralle
         recipe,
         emulate=emulate,
         fsdp_all_gather=sharded and tensorwise,
-        tensor_parallel_styles=tensorwise and not (emulate and sequence_parallel),
+        tensor_parallel_styles=tensor_parallel and tensorwise and not (emulate and sequence_parallel),
     )
 
 
@@ -96,13 +98,10 @@ def apply_float8(model: nn.Module, float8: Float8) -> None:
     """Swap the convertible Linear layers for torchao's Float8Linear (on the meta device: no memory yet)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(float8.recipe)
-    config = Float8LinearConfig(
-        **{
-            **{field: getattr(config, field) for field in config.__dataclass_fields__},
-            "emulate": float8.emulate,
-            "enable_fsdp_float8_all_gather": float8.fsdp_all_gather,
-        }
+    config = replace(
+        Float8LinearConfig.from_recipe_name(float8.recipe),
+        emulate=float8.emulate,
+        enable_fsdp_float8_all_gather=float8.fsdp_all_gather,
     )
     convert_to_float8_training(model, config=config, module_filter_fn=convertible)
 

@@ -104,6 +104,7 @@ class ParallelModel:
                 self.train.float8,
                 self.runtime.device,
                 sharded="fsdp_mesh" in fsdp,
+                tensor_parallel=tp,
                 sequence_parallel=tp and self.parallel.sequence_parallel,
             ),
             tp_mesh=self.mesh.tp_mesh,

@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from llmtrain.config import OptimConfig
 from llmtrain.errors import OutOfMemory
 from llmtrain.optim.state_bits import moment_bytes
 from llmtrain.parallel.parallel_model import local_tensor
@@ -60,7 +60,7 @@ class HeldBytes:
         )
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, optim_cfg: Any = None) -> HeldBytes:
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig | None = None) -> HeldBytes:
     """What this rank holds once training runs: its parameters, a gradient per trainable parameter it holds, and
     AdamW's two moments per parameter the optimizer updates (its own slices, under ZeRO-1) in `optim.state_bits`;
     with `optim.offload` those moments and a copy of the weights, in host memory."""
