@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
+from torch.optim.adamw import adamw
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
@@ -15,6 +16,34 @@ def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
 def adamw_options(optim_cfg) -> dict:
     """AdamW's options of `optim` (its groups' defaults, under Muon too)."""
     return dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+
+
+def adamw_update(
+    group: dict,
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+) -> None:
+    """torch's AdamW update (its functional form) of `params` with `group`'s options, what torch.optim.AdamW runs:
+    Muon's AdamW groups and the offloaded AdamW (offload.py) call it on state they keep themselves."""
+    beta1, beta2 = group["betas"]
+    adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
 
 
 def param_groups(model: nn.Module, optim_cfg) -> list[dict]:

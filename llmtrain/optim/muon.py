@@ -22,9 +22,8 @@ from typing import cast
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw
 
-from llmtrain.optim.groups import adamw_options
+from llmtrain.optim.groups import adamw_options, adamw_update
 from llmtrain.optim.whole_matrices import orthogonalize
 
 # The quintic's coefficients (Keller Jordan's, as torch.optim.Muon's): the steepest slope at zero that still maps
@@ -87,21 +86,13 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         states = [self.state[param] for param in params]
-        beta1, beta2 = group["betas"]
-        adamw(
+        adamw_update(
+            group,
             params,
             [cast(Tensor, param.grad) for param in params],
             [state["exp_avg"] for state in states],
             [state["exp_avg_sq"] for state in states],
-            [],
             [state["step"] for state in states],
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
         )
 
     def _muon_step(self, group: dict, params: list[Tensor]) -> None:

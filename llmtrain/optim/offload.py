@@ -3,7 +3,7 @@
 The device keeps the weights and gradients it computes with; the host keeps an fp32 copy of each weight this rank
 updates, AdamW's two moments and the step count. Each optimizer step:
   1. every gradient is copied to pinned host memory (one wait for all of them);
-  2. the host runs torch's own AdamW update (`torch.optim.adam.adam`, decoupled weight decay) on its copies;
+  2. the host runs torch's own AdamW update (groups.py: adamw_update) on its copies;
   3. the updated weights are copied back without waiting: the device runs the copies, then the next forward,
      while the host goes on to the next batch.
 So the device holds 8 bytes a parameter less (the moments), the host 12 more, and each step moves the rank's
@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam
 
-from llmtrain.optim.groups import adamw_options
+from llmtrain.optim.groups import adamw_options, adamw_update
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,22 +69,13 @@ class HostAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             states = [self._state_of(p) for p in params]
-            beta1, beta2 = group["betas"]
-            adam(
+            adamw_update(
+                group,
                 [self._weights[p] for p in params],
                 [self._gradients[p] for p in params],
                 [_local(state["exp_avg"]) for state in states],
                 [_local(state["exp_avg_sq"]) for state in states],
-                [],
                 [state["step"] for state in states],
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-                decoupled_weight_decay=True,
             )
             for param in params:
                 _local(param).copy_(self._weights[param], non_blocking=True)
