@@ -429,8 +429,8 @@ class OptimConfig:
         32,
         OneOf((32, 8)),
         "bits per element of AdamW's two moments: `32`, or `8` (torchao's 8-bit AdamW, the `fp8` extra: 2 bytes a "
-        "parameter instead of 8; checkpoints keep them in fp32, so either setting resumes the other). Not with "
-        "`optim=muon`",
+        "parameter instead of 8; checkpoints keep them in fp32 and reshard across layouts; a checkpoint of one setting "
+        "refuses the other). Not with `optim=muon` or `parallel=zero1`",
     )
     offload: bool = key(
         False,
