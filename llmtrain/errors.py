@@ -81,6 +81,16 @@ def exit_for(error: RunError, is_main: bool, shutdown: Callable[[bool], None]) -
     sys.exit(error.exit_code)
 
 
+@contextmanager
+def exits_on_run_error() -> Iterator[None]:
+    """A one-process tool's RunError ends it as it ends a run: its one line on stderr and its exit code."""
+    try:
+        yield
+    except RunError as error:
+        print(f"{error.prefix}{error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+
+
 def first_line(error: BaseException | str, limit: int = 160) -> str:
     """The first non-empty line of an error's message (its type's name when it has none), for quoting a library's
     error inside a one-line ConfigError."""

@@ -15,7 +15,7 @@ import argparse
 import os
 
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
-from llmtrain.errors import ConfigError, closed_pipe_is_quiet
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
 from llmtrain.model.hf import family_of
 
 
@@ -41,10 +41,10 @@ def main() -> None:
     try:
         export(checkpoint, args.out_dir)
     except ConfigError as error:
-        raise SystemExit(f"error: {checkpoint} cannot be exported: {error}") from None
+        raise ConfigError(f"{checkpoint} cannot be exported: {error}") from None
     print(f"exported {checkpoint} -> {args.out_dir}")
 
 
 if __name__ == "__main__":
-    with closed_pipe_is_quiet():
+    with closed_pipe_is_quiet(), exits_on_run_error():
         main()

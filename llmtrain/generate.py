@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from llmtrain.errors import closed_pipe_is_quiet
+from llmtrain.errors import closed_pipe_is_quiet, exits_on_run_error
 from llmtrain.model import GPT, materialize
 
 
@@ -86,5 +86,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with closed_pipe_is_quiet():
+    with closed_pipe_is_quiet(), exits_on_run_error():
         main()

@@ -465,7 +465,8 @@ def rank_processes(launcher: int) -> list[int]:
 def kill_hard(process: subprocess.Popen) -> None:
     """SIGKILL to the launcher and every worker at once: a crash, not a polite stop."""
     for pid in [process.pid, *descendants(process.pid)]:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # one that exited with its parent, killed a moment before
+            os.kill(pid, signal.SIGKILL)
     process.wait()
 
 

@@ -51,7 +51,7 @@ from llmtrain.checkpoint.manager import (
     read_meta,
     write_data_position,
 )
-from llmtrain.checkpoint.offline import find_checkpoint
+from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.checkpoint.training import logged_records, resume_path
 from llmtrain.config import CheckpointConfig
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError
@@ -248,9 +248,9 @@ def test_one_lookup_finds_a_checkpoint_for_resume_export_and_sampling(tmp_path):
         latest_checkpoint(broken)
 
     assert find_checkpoint(str(run_dir)) == find_checkpoint(str(checkpoints)) == find_checkpoint(latest) == latest
-    with pytest.raises(SystemExit, match="is not a complete checkpoint: shard"):
+    with pytest.raises(ConfigError, match="is not a complete checkpoint: shard"):
         find_checkpoint(broken)
-    with pytest.raises(SystemExit, match="no complete checkpoint in"):
+    with pytest.raises(ConfigError, match="no complete checkpoint in"):
         find_checkpoint(str(tmp_path))
 
     def resume(value: str, directory: Path = tmp_path / "fresh"):
@@ -323,17 +323,78 @@ def test_dcp_metadata_that_would_run_code_is_refused_before_dcp_reads_it(tmp_pat
     assert not marker.exists()
 
 
-@pytest.mark.slow
-def test_a_resume_from_a_checkpoint_carrying_code_is_refused_and_runs_nothing(fsdp_checkpoints, train, tmp_path):
-    step_5 = tmp_path / "step-00000005"
-    shutil.copytree(fsdp_checkpoints / "step-00000005", step_5)
+@pytest.mark.parametrize("entry", ["optimizer", "model"])
+def test_dcp_entries_that_would_run_code_are_refused_and_never_run(entry, tmp_path):
+    """A checkpoint written by DCP itself whose non-tensor entry (an optimizer's learning rate) or model weight is
+    an object that runs code when unpickled: torch's own `dcp.load` runs it; llmtrain's one load refuses it in a
+    line naming the entry, without running it. Plain numbers and tensors load as before."""
+    weights = {"w": torch.randn(4, 4)}
+    plain = tmp_path / "plain"
+    dcp.save({"model": weights, "optimizer": {"lr": 3e-4, "betas": (0.9, 0.95)}}, checkpoint_id=plain, no_dist=True)
+    loaded = {"model": {"w": torch.zeros(4, 4)}, "optimizer": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    load_checkpoint(str(plain), loaded, distributed=False)
+    assert torch.equal(loaded["model"]["w"], weights["w"]) and loaded["optimizer"] == {"lr": 3e-4, "betas": (0.9, 0.95)}
+
     marker = tmp_path / "code-ran"
-    torch.save({"epoch": _RunsCode(marker)}, step_5 / "data.pt")
-    run = train(*PARITY, f"checkpoint.resume={step_5}")
-    assert run.returncode == 2 and not marker.exists()
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "data.pt holds more than data and was not loaded" in errors[0], run.stderr[-2000:]
-    assert not (run.run_dir / "metrics.jsonl").exists()
+    crafted = tmp_path / "crafted"
+    payload = {"model": dict(weights), "optimizer": {"lr": 3e-4, "betas": (0.9, 0.95)}}
+    payload[entry]["w" if entry == "model" else "lr"] = _RunsCode(marker)
+    dcp.save(payload, checkpoint_id=crafted, no_dist=True)
+    with pytest.raises(ConfigError, match=f"holds more than data .*entry {entry}.(w|lr) asks for getattr") as error:
+        load_checkpoint(str(crafted), loaded, distributed=False)
+    assert "\n" not in str(error.value) and not marker.exists()
+    dcp.load(loaded, checkpoint_id=crafted, no_dist=True)  # the payload is real: torch's default planner runs it
+    assert marker.exists()
+
+
+def _carrying_code(source: Path, destination: Path, marker: Path, part: str) -> Path:
+    """A copy of the checkpoint `source` whose `part` ("model": a weight; "optimizer": every learning rate) is
+    replaced by a payload that creates `marker` when unpickled, written by DCP itself beside the original files,
+    as an attacker would."""
+    shutil.copytree(source, destination)
+    whole = destination.parent / f"{destination.name}.pt"
+    dcp_to_torch_save(str(source), str(whole))
+    state = torch.load(whole, weights_only=True)
+    names = [name for name in state[part] if part == "model" or name.endswith(".lr")]
+    for name in names[:1] if part == "model" else names:
+        state[part][name] = _RunsCode(marker)
+    dcp.save(state, checkpoint_id=str(destination), no_dist=True)
+    return destination
+
+
+@pytest.mark.slow
+def test_a_checkpoint_carrying_code_is_refused_by_resume_export_and_evaluate_and_runs_nothing(
+    fsdp_checkpoints, train, tmp_path
+):
+    """An fsdp checkpoint whose data position, learning rates (DCP entries) or weights would run code: resuming
+    is refused in one line with exit 2, as are export and evaluate, and the payload never runs."""
+    from llmtrain.evaluate import main as evaluate
+
+    marker = tmp_path / "code-ran"
+    source = fsdp_checkpoints / "step-00000005"
+    position = tmp_path / "position" / source.name
+    shutil.copytree(source, position)
+    torch.save({"epoch": _RunsCode(marker)}, position / "data.pt")
+    rates = _carrying_code(source, tmp_path / "rates" / source.name, marker, "optimizer")
+    for crafted, message in (
+        (position, "data.pt holds more than data and was not loaded"),
+        (rates, "holds more than data in its model and optimizer shards and was not loaded (entry optimizer."),
+    ):
+        run = train(*PARITY, f"checkpoint.resume={crafted}", name=crafted.parent.name)
+        assert run.returncode == 2 and not marker.exists()
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], run.stderr[-2000:]
+        assert not (run.run_dir / "metrics.jsonl").exists()
+
+    weights = _carrying_code(source, tmp_path / "weights" / source.name, marker, "model")
+    with pytest.raises(ConfigError, match="holds more than data .*entry model.") as error:
+        load_checkpoint_model(str(weights))  # export's and sampling's reading
+    assert "\n" not in str(error.value)
+    task = tmp_path / "task.yaml"
+    task.write_text("task: words\n")
+    with pytest.raises(SystemExit) as exit_code:
+        evaluate([str(weights), f"tasks=[{task}]", "train.device=cpu"])
+    assert exit_code.value.code == 2 and not marker.exists()
 
 
 @pytest.mark.slow

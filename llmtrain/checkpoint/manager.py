@@ -331,8 +331,14 @@ class CheckpointManager:
 
 
 def load_checkpoint(path: str, state: dict[str, Any], distributed: bool) -> None:
-    """Load `path` into `state` in place (collective); each rank reads the parts its layout holds."""
+    """Load `path` into `state` in place (collective); each rank reads the parts its layout holds. Nothing it
+    holds is run: an entry that would run code is refused with a one-line ConfigError."""
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+        safe_load.load_dcp(state, path, distributed)
+    except UnsafeCheckpointFile as error:
+        raise ConfigError(
+            f"checkpoint {path} holds more than data in its model and optimizer shards and was not loaded "
+            f"({error}): use a checkpoint you wrote (its step-* directory) or start afresh (checkpoint.resume=none)"
+        ) from None
     except CheckpointException as error:  # raised on every rank: a shard that does not unpickle or is short
         raise damaged(path, "its model and optimizer shards", error) from None

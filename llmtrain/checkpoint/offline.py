@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, read_meta
+from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, read_meta
+from llmtrain.errors import ConfigError
 from llmtrain.model import GPT, GPTConfig
 from llmtrain.model.materialize import allocate
 
@@ -19,11 +19,11 @@ def find_checkpoint(path: str) -> str:
     try:
         found = latest_checkpoint(path) or latest_checkpoint(os.path.join(path, "checkpoints"))
     except IncompleteCheckpoint as reason:
-        raise SystemExit(f"error: {path} is not a complete checkpoint: {reason}") from None
+        raise ConfigError(f"{path} is not a complete checkpoint: {reason}") from None
     if found:
         return found
-    raise SystemExit(
-        f"error: no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or a run directory"
+    raise ConfigError(
+        f"no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or a run directory"
     )
 
 
@@ -34,5 +34,5 @@ def load_checkpoint_model(path: str) -> GPT:
     allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
     # In place, into the parameters; a tied one is stored as (and is) its source (llmtrain/checkpoint/state.py).
     weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
-    dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    load_checkpoint(path, {"model": weights}, distributed=False)
     return model.eval()
