@@ -216,8 +216,12 @@ class MoE(nn.Module):
             expert_tokens, slot_weights = _into_split(tokens, split), _into_split(slot_weights, split)
         rows = expert_tokens[token_of_slot]
         routed = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
-        routed = routed * slot_weights.to(routed.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed)
+        # Each token's top_k outputs are weighted and summed in fp32, the routing weights' dtype, then cast to the
+        # residual stream's: under autocast the experts answer in bf16 while the stream (and the shared experts'
+        # sum below) stays fp32; under FSDP's bf16 parameters both are bf16. (torchtitan sums in fp32 too.)
+        routed = routed.float() * slot_weights
+        out = torch.zeros(tokens.shape, dtype=routed.dtype, device=tokens.device)
+        out = out.index_add_(0, token_of_slot, routed).to(tokens.dtype)
         if split is not None:
             out = _out_of_split(out, split)
         if self.shared is not None:
