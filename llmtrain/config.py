@@ -121,13 +121,25 @@ class MoEGroupConfig:
     z_loss_coef: float = key(0.0, Number(low=0), "ST-MoE router z-loss, coef · mean(logsumexp(router logits)²)")
 
 
+def mlp_width(d_model: int, d_ff: int | None, mlp: str) -> int:
+    """The MLP's hidden width: `d_ff`, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU: the same
+    parameter count). The one rule the model, the plan's checks and the planner read."""
+    if d_ff:
+        return d_ff
+    return 4 * d_model if mlp == "gelu" else -(-8 * d_model // 3 // 64) * 64
+
+
 @dataclass
 class ModelConfig:
     name: str = key(MISSING, Text(), "the preset's name, shown in summaries")
     n_layer: int = key(MISSING, at_least(1), "transformer blocks; each preset sets its own")
     n_head: int = key(MISSING, at_least(1), "attention heads (`d_model` divisible by it); each preset sets its own")
     d_model: int = key(MISSING, at_least(1), "the residual stream's width; each preset sets its own")
-    d_ff: Optional[int] = key(None, at_least(1), "MLP hidden width; null = 4 × d_model")
+    d_ff: Optional[int] = key(
+        None,
+        at_least(1),
+        "MLP hidden width; null = 4 × d_model (`mlp=gelu`) or 8/3 × d_model rounded up to 64 (`mlp=swiglu`)",
+    )
     max_seq_len: int = key(
         1024,
         at_least(1),

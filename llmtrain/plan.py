@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from llmtrain.catalog import AUTO, MESH_DIMS, LayoutSpec, layout_spec, schedule_spec
-from llmtrain.config import ModelConfig, ParallelConfig, RootConfig, TrainConfig
+from llmtrain.config import ModelConfig, ParallelConfig, RootConfig, TrainConfig, mlp_width
 from llmtrain.errors import ConfigError
 
 # Overrides that change nothing the planner reads: left out of the command it suggests.
@@ -218,7 +218,8 @@ class ParallelPlan:
 def check_tensor_parallel(model: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:
     """A one-line ConfigError when the model's shapes do not split over `tp` ranks."""
     m = model
-    expert_hidden = m.moe.d_ff or m.d_ff or 4 * m.d_model
+    mlp_hidden = mlp_width(m.d_model, m.d_ff, m.mlp)
+    expert_hidden = m.moe.d_ff or mlp_hidden
     if m.moe.num_experts and expert_hidden % tp:
         raise ConfigError(
             f"the experts' width (model.moe.d_ff or the MLP's) {expert_hidden} is not divisible by parallel.tp={tp}: "
@@ -234,8 +235,11 @@ def check_tensor_parallel(model: ModelConfig, tp: int, seq_len: int, sequence_pa
             f"model.n_kv_head={m.n_kv_head} is not divisible by parallel.tp={tp}: tensor parallelism splits the "
             f"key/value heads across ranks with their query heads; choose a tp that divides {m.n_kv_head}"
         )
-    if m.d_model % tp or (m.d_ff or 4 * m.d_model) % tp:
-        raise ConfigError(f"model.d_model={m.d_model} (and the MLP width) must be divisible by parallel.tp={tp}")
+    if m.d_model % tp or mlp_hidden % tp:
+        raise ConfigError(
+            f"model.d_model={m.d_model} and the MLP width {mlp_hidden} (model.d_ff) must be divisible by "
+            f"parallel.tp={tp}: tensor parallelism splits both; choose a tp that divides them"
+        )
     if sequence_parallel and seq_len % tp:
         raise ConfigError(
             f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}, which sequence "

@@ -108,6 +108,8 @@ def test_collectives_per_layer_match_the_design(setting, tp_comms):
         (["parallel=tp", "model.n_head=6", "model.d_model=132"], 4, "model.n_head=6"),
         (["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=63"], 2, "train.seq_len=63"),
         (["parallel=tp", "parallel.tp=4"], 2, "parallel.tp=4"),
+        # SwiGLU's width is 8/3 x 96 rounded up to 256, which 3 does not divide (4 x 96 would be)
+        (["parallel=tp", "model.mlp=swiglu", "model.d_model=96", "model.n_head=3"], 3, "the MLP width 256"),
     ],
 )
 def test_bad_tensor_parallel_config_is_refused(overrides, world_size, message):

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from llmtrain.config import mlp_width
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import build_model, meta_model, num_parameters
 from llmtrain.model.gpt import inactive_expert_parameters
@@ -97,7 +98,7 @@ def granularity_sweep(mixture: list[str], factors: list[int], args: argparse.Nam
     """The preset with g times as many experts, 1/g as wide, g times the top-k, for each g: its shape and tokens/s."""
     cfg = compose_config(mixture).model
     moe = cfg.moe
-    width = moe.d_ff or cfg.d_ff or 4 * cfg.d_model
+    width = moe.d_ff or mlp_width(cfg.d_model, cfg.d_ff, cfg.mlp)
     shapes = {g: {"experts": moe.num_experts * g, "top_k": moe.top_k * g, "width": width // g} for g in factors}
     models = {
         str(g): [

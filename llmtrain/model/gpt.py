@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
@@ -67,11 +68,8 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        """The MLP's hidden width: d_ff, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU, the same
-        parameter count)."""
-        if self.d_ff:
-            return self.d_ff
-        return 4 * self.d_model if self.mlp == "gelu" else -(-8 * self.d_model // 3 // 64) * 64
+        """The MLP's hidden width (llmtrain.config.mlp_width)."""
+        return mlp_width(self.d_model, self.d_ff, self.mlp)
 
     @property
     def expert_shape(self) -> tuple[int, int, int, int, int] | None:
