@@ -148,8 +148,8 @@ class ModelConfig:
     vocab_size: Optional[int] = key(
         None,
         at_least(1),
-        "null = the tokenizer's vocabulary size; must be at least the tokenizer's. 50257 (GPT-2's) in the other "
-        "presets",
+        "null = the tokenizer's vocabulary size; must be at least the tokenizer's. The GPT-2 presets and `gpt3-2.7b` "
+        "set GPT-2's 50257, `smollm2-135m` 49152 and `llama3.2-1b` 128256 (their tokenizers'); the tiny ones null",
     )
     dropout: float = key(
         0.0,
@@ -244,8 +244,8 @@ class DataConfig:
         "`local`: a file, a folder (searched recursively) or a glob of `.txt`, `.jsonl`, `.parquet`; `prepared`: the "
         "directory `llmtrain.data.prepare` wrote",
     )
-    name: Optional[str] = key(None, Text(), "`hf`: dataset name and configuration on the hub")
-    subset: Optional[str] = key(None, Text(), "`hf`: dataset name and configuration on the hub")
+    name: Optional[str] = key(None, Text(), "`hf`: the dataset's name on the hub (e.g. `HuggingFaceFW/fineweb-edu`)")
+    subset: Optional[str] = key(None, Text(), "`hf`: the dataset's configuration on the hub (e.g. `sample-10BT`)")
     split: str = key("train", Text(), "`hf`: the split to train on")
     val_split: Optional[str] = key(
         None,
@@ -292,53 +292,51 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
+def _degree(what: str) -> str:
+    """A mesh degree's doc: what it splits, then the rule all five share."""
+    return (
+        f"{what}. A mesh degree (outer to inner: pp, dp_replicate, dp_shard, cp, tp): their product is the world "
+        f"size, -1 on one of them = the remaining ranks; each layout sets its own"
+    )
+
+
 @dataclass
 class ParallelConfig:
     strategy: str = key(
         "single",
         OneOf(STRATEGIES),
-        "the strategy the layout uses (named in `llmtrain/catalog.py`): `single`, `ddp`, `zero1`, `fsdp`, `tp` or `pp`",
+        f"the mechanism the layout uses (`parallel=<layout>` sets it; named in `llmtrain/catalog.py`): "
+        f"{', '.join(f'`{name}`' for name in catalog.STRATEGIES)}, or `{catalog.AUTO}` (the planner chooses a "
+        f"layout for the world it runs in, [planner.md](planner.md))",
     )
     # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks"; 0 is refused.
-    pp: int = key(
-        1,
-        MeshDegree(),
-        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
-        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
-        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
-        "pipeline ones take it",
-    )
+    pp: int = key(1, MeshDegree(), _degree("pipeline parallelism: the blocks cut into stages, one per rank group"))
     dp_replicate: int = key(
         1,
         MeshDegree(),
-        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
-        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
-        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
-        "pipeline ones take it",
+        _degree(
+            "data-parallel replicas, each holding the whole (or its dp_shard group's) state: DDP's and ZeRO-1's "
+            "ranks, HSDP's replica groups across nodes"
+        ),
     )
     dp_shard: int = key(
         1,
         MeshDegree(),
-        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
-        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
-        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
-        "pipeline ones take it",
+        _degree("data-parallel ranks that shard parameters, gradients and optimizer state (FSDP, ZeRO-2)"),
     )
     cp: int = key(
         1,
         MeshDegree(),
-        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
-        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
-        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
-        "pipeline ones take it",
+        _degree(
+            "context parallelism: every sequence split over this many ranks, attention around a ring "
+            "([moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
+            "pipeline ones take it"
+        ),
     )
     tp: int = key(
         1,
         MeshDegree(),
-        "mesh degrees, outer to inner; their product is the world size; -1 on one of them = the remaining ranks; each "
-        "layout sets its own. `cp` > 1 splits every sequence over that many ranks (context parallelism: ring "
-        "attention, [moe-cp.md](moe-cp.md)); the FSDP layouts (`fsdp`, `zero2`, `hsdp`, `fsdp_tp`, `ddp_tp`) and the "
-        "pipeline ones take it",
+        _degree("tensor parallelism: each block's matrices split over this many ranks (+ sequence parallelism)"),
     )
     ep: int = key(
         1,
@@ -432,9 +430,9 @@ class OptimConfig:
         Number(low=0),
         "decoupled, on Linear weights and embeddings (and Muon's matrices); never on biases and norms",
     )
-    beta1: float = key(0.9, fraction(), "AdamW")
-    beta2: float = key(0.95, fraction(), "AdamW")
-    eps: float = key(1e-8, positive(), "AdamW")
+    beta1: float = key(0.9, fraction(), "AdamW's decay of the gradient's running mean (Muon's AdamW groups too)")
+    beta2: float = key(0.95, fraction(), "AdamW's decay of the squared gradient's running mean")
+    eps: float = key(1e-8, positive(), "AdamW's epsilon, added to the root of the second moment")
     warmup_steps: int = key(20, at_least(0), "linear warmup steps")
     grad_clip: float = key(1.0, Number(low=0), "clip the global gradient norm; 0 disables")
     state_bits: int = key(

@@ -139,6 +139,16 @@ def test_the_config_page_is_the_one_the_schema_generates():
     assert Path(PAGE).read_text() == render(), "run: python -m llmtrain.tools.config_doc --write"
 
 
+def test_every_key_says_what_it_alone_does():
+    """No doc pasted onto several keys: each says what its own key does (five mesh degrees once shared one)."""
+    from collections import Counter
+
+    from llmtrain.config import schema_fields
+
+    docs = Counter(item.metadata["doc"] for _, item, _ in schema_fields(RootConfig))
+    assert [doc for doc, keys in docs.items() if keys > 1] == []
+
+
 def test_schema_defaults_are_the_default_options_values():
     """A key the schema gives a default means what conf/ says, so a yaml that leaves it out changes nothing. The
     model schema is generic (each preset sets its own shape), so its defaults are left out."""
