@@ -4,6 +4,7 @@ Hydra composes conf/train.yaml with the overrides, checks them against the schem
 run directory and hands the config to llmtrain.job.run; a config it cannot compose ends in one `error:` line (exit 2).
 """
 
+import logging
 import os
 from typing import cast
 
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from llmtrain.config import RootConfig, register_schemas, validate
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
+from llmtrain.faults import check_armed
 from llmtrain.plan import check_layout
 from llmtrain.resolvers import launch_coordinates, launch_rank
 from llmtrain.run_dir import exit_with_config_error
@@ -32,6 +34,7 @@ def main(cfg) -> None:
     with PreemptionWatch() as preemption:
         try:
             validate(cfg)  # before torch is imported: a bad key or layout answers in a second, on the main rank only
+            armed = check_armed()
             _, world_size, _, launcher = launch_coordinates()
             if launcher != "none" or cfg.parallel.nproc <= 1:  # else the workers it starts check their own world
                 check_layout(
@@ -39,6 +42,8 @@ def main(cfg) -> None:
                 )
         except ConfigError as error:
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
+        if armed and launch_rank() == 0:
+            logging.getLogger("llmtrain").warning(armed)
         from llmtrain.job import run
 
         run(cfg, preemption, ENTRY_POINT)

@@ -21,7 +21,9 @@ read once per process:
                             the host (item, tolist, float, int, bool): each one a device sync on a GPU. Reads
                             inside optimizer.step are left out (AdamW keeps its step counters on the host)
 
-Unarmed, a point costs a dictionary lookup. The code calls the points by these names; nothing is patched."""
+Unarmed, a point costs a dictionary lookup. The code calls the points by these names; nothing is patched. A run
+checks the variable at its start (`check_armed`): an unknown point or a value of the wrong kind is one line and
+exit 2, and what is armed is said once, so a run that was meant to be real cannot fail on purpose unnoticed."""
 
 from __future__ import annotations
 
@@ -34,43 +36,78 @@ from contextlib import contextmanager, nullcontext
 from functools import cache
 from typing import Any, NoReturn
 
+from llmtrain.errors import ConfigError
+
 ENVIRONMENT = "LLMTRAIN_FAULTS"
-POINTS = (
-    "hang_at_step",
-    "hang_on_rank",
-    "hang_marker",
-    "step_seconds",
-    "slow_rank",
-    "slow_seconds",
-    "inf_at_steps",
-    "inf_grad_at_steps",
-    "oom_at_step",
-    "hang_in_save_at_step",
-    "disk_full_at_step",
-    "host_reads",
-)
 
 
-def _known(points: dict) -> dict:
-    unknown = set(points) - set(POINTS)
-    if unknown:
-        raise ValueError(f"{ENVIRONMENT}: unknown fault points {sorted(unknown)}: the points are {POINTS}")
+def _step_list(value: str) -> list[int]:
+    return [int(step) for step in value.split(",") if step]
+
+
+# Each point and the check of its value (a ValueError for a value of another kind).
+POINTS: dict[str, Callable[[str], object]] = {
+    "hang_at_step": _step_list,
+    "hang_on_rank": int,
+    "hang_marker": str,
+    "step_seconds": float,
+    "slow_rank": int,
+    "slow_seconds": float,
+    "inf_at_steps": _step_list,
+    "inf_grad_at_steps": _step_list,
+    "oom_at_step": _step_list,
+    "hang_in_save_at_step": _step_list,
+    "disk_full_at_step": _step_list,
+    "host_reads": str,
+}
+
+
+class BadFaultPoint(ValueError):
+    """An entry of LLMTRAIN_FAULTS that arms nothing as written; the message says which and why."""
+
+
+def _checked(points: dict[str, str]) -> dict[str, str]:
+    for name, value in points.items():
+        if name not in POINTS:
+            raise BadFaultPoint(f"{name} is not a fault point: the points are {', '.join(POINTS)}")
+        try:
+            POINTS[name](value)
+        except ValueError:
+            raise BadFaultPoint(f"{name}={value} is not a value it takes (llmtrain/faults.py lists each)") from None
     return points
 
 
 @cache
 def armed() -> dict[str, str]:
-    """The points this process was started with (name -> value)."""
-    return _known(dict(item.split("=", 1) for item in os.environ.get(ENVIRONMENT, "").split()))
+    """The points this process was started with (name -> value). Raises BadFaultPoint."""
+    entries = os.environ.get(ENVIRONMENT, "").split()
+    malformed = [entry for entry in entries if "=" not in entry]
+    if malformed:
+        raise BadFaultPoint(f"{malformed[0]} is not point=value")
+    return _checked(dict(entry.split("=", 1) for entry in entries))
+
+
+def check_armed() -> str | None:
+    """At a run's start: what is armed, as one line to say once (None when nothing is). Raises ConfigError,
+    one line, for an entry that arms nothing as written."""
+    try:
+        points = armed()
+    except BadFaultPoint as error:
+        raise ConfigError(f"{ENVIRONMENT}: {error}: fix or unset it") from None
+    if not points:
+        return None
+    listed = " ".join(f"{name}={value}" for name, value in points.items())
+    return f"fault points armed ({ENVIRONMENT}={listed}): a test's run, made to fail or slow where they say"
 
 
 def arm(**points: object) -> dict[str, str]:
     """The environment entry that arms `points` in a run started with it (for tests)."""
-    return {ENVIRONMENT: " ".join(f"{name}={value}" for name, value in _known(points).items())}
+    entries = _checked({name: str(value) for name, value in points.items()})
+    return {ENVIRONMENT: " ".join(f"{name}={value}" for name, value in entries.items())}
 
 
 def _steps(name: str) -> set[int]:
-    return {int(step) for step in armed().get(name, "").split(",") if step}
+    return set(_step_list(armed().get(name, "")))
 
 
 def _hangs_here(rank: int) -> bool:

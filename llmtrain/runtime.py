@@ -18,6 +18,11 @@ import torch.distributed as dist
 from llmtrain.errors import ConfigError
 from llmtrain.resolvers import launch_coordinates
 
+# The flat collectives under their torch >= 2.10 names: the older ones warn on every call (once a rank); torch
+# 2.9, llmtrain's floor, has only those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -151,9 +156,9 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     runtime = Runtime(rank, world_size, local_rank, device, launcher, notes)
     if world_size > 1 and not dist.is_initialized():
         # The flight recorders the hang watchdog dumps (train/watchdog.py), read when the group is made: the last
-        # collectives of each group, kept in a ring buffer at the cost of a record per collective.
-        for variable in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"):
-            os.environ.setdefault(variable, "2000")
+        # collectives of each group, kept in a ring buffer at the cost of a record per collective. One name for
+        # every backend since torch 2.9, llmtrain's floor (NCCL's older TORCH_NCCL_TRACE_BUFFER_SIZE now warns).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         dist.init_process_group(
             backend=process_group_backend(device),
             rank=rank,

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 import shutil
 import signal
 import socket
@@ -432,6 +433,17 @@ def wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout
 
 def run_stderr(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.stderr").read_text()
+
+
+def assert_console_quiet(run: Run) -> None:
+    """A run's console holds no warning (torch's deprecations, an extra's load failures, llmtrain's own): only
+    torchrun's notice that it set OMP_NUM_THREADS, which is the launcher's."""
+    noisy = [
+        line
+        for line in (run.stdout + run.stderr).splitlines()
+        if re.search(r"warn|deprecat|failed to load", line, re.IGNORECASE) and "torch/distributed/run.py" not in line
+    ]
+    assert noisy == [], noisy[:5]
 
 
 def start_run(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):

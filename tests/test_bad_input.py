@@ -352,3 +352,31 @@ def test_help_into_a_pipe_closed_early_ends_quietly(command, tmp_path):
     done = subprocess.run([sys.executable, *command], stdout=write_end, stderr=subprocess.PIPE, cwd=tmp_path)
     os.close(write_end)
     assert done.returncode == CLOSED_PIPE_EXIT and done.stderr.decode() == ""
+
+
+@pytest.mark.parametrize(
+    "faults, message",
+    [
+        ("hang_at_stpe=3", "hang_at_stpe is not a fault point: the points are hang_at_step, "),
+        ("oom_at_step=three", "oom_at_step=three is not a value it takes"),
+        ("step_seconds", "step_seconds is not point=value"),
+    ],
+)
+def test_a_fault_point_that_arms_nothing_is_one_line_and_an_armed_one_is_said(faults, message, monkeypatch):
+    """A test's misspelt LLMTRAIN_FAULTS would otherwise let the run pass without the fault it was meant to meet."""
+    from llmtrain import faults as fault_points
+
+    monkeypatch.setenv(fault_points.ENVIRONMENT, faults)
+    fault_points.armed.cache_clear()
+    with pytest.raises(ConfigError, match=f"^LLMTRAIN_FAULTS: {message}") as error:
+        fault_points.check_armed()
+    assert "\n" not in str(error.value)
+    monkeypatch.setenv(fault_points.ENVIRONMENT, "hang_at_step=9 hang_on_rank=1")
+    fault_points.armed.cache_clear()
+    assert fault_points.check_armed() == (
+        "fault points armed (LLMTRAIN_FAULTS=hang_at_step=9 hang_on_rank=1): a test's run, made to fail or slow "
+        "where they say"
+    )
+    monkeypatch.delenv(fault_points.ENVIRONMENT)
+    fault_points.armed.cache_clear()
+    assert fault_points.check_armed() is None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,18 @@ FLOAT8_VS_FP32_RTOL = 5e-3
 RESUME_RTOL = 2e-4
 # Requantising an 8-bit moment from its fp32 checkpoint: measured up to 0.8% of the tensor's largest value.
 REQUANTIZED_SHARE = 0.02
+
+
+@pytest.mark.slow  # a fresh interpreter: torchao's load noise comes once a process
+def test_torchao_loads_without_a_word_on_the_console():
+    """Importing torchao where its GPU kernels cannot load logs a warning per library (and torch one about an
+    enum): llmtrain's import of it keeps them out of the user's console."""
+    script = (
+        "import logging; logging.basicConfig(); from llmtrain.optional import import_torchao; "
+        "import_torchao('torchao.float8'); import_torchao('torchao.optim')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout + done.stderr == "", done.stderr[-2000:]
 
 
 def _float8(recipe: str = "tensorwise") -> Float8:

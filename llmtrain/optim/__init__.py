@@ -10,6 +10,7 @@ from llmtrain.optim.groups import adamw_options, is_hidden_matrix, param_groups
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.offload import HostAdamW
 from llmtrain.optim.schedule import build_schedule, lr_factor
+from llmtrain.optional import import_torchao
 
 HOST = torch.device("cpu")
 
@@ -34,9 +35,7 @@ def adamw(groups: list[dict], optim_cfg, device: torch.device = HOST) -> torch.o
         return HostAdamW(groups, optim_cfg, device)
     if optim_cfg.state_bits == 32:
         return torch.optim.AdamW(groups, **adamw_options(optim_cfg))
-    from torchao.optim import AdamW8bit
-
-    return AdamW8bit(groups, **adamw_options(optim_cfg))
+    return import_torchao("torchao.optim").AdamW8bit(groups, **adamw_options(optim_cfg))
 
 
 __all__ = [

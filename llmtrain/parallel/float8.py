@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from llmtrain.errors import ConfigError
+from llmtrain.optional import import_torchao
 
 FP8_CAPABILITY = (8, 9)
 MATMUL_MULTIPLE = 16
@@ -96,14 +97,13 @@ def convertible(module: nn.Module, name: str) -> bool:
 
 def apply_float8(model: nn.Module, float8: Float8) -> None:
     """Swap the convertible Linear layers for torchao's Float8Linear (on the meta device: no memory yet)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+    torchao_float8 = import_torchao("torchao.float8")  # the run's first use of torchao
     config = replace(
-        Float8LinearConfig.from_recipe_name(float8.recipe),
+        torchao_float8.Float8LinearConfig.from_recipe_name(float8.recipe),
         emulate=float8.emulate,
         enable_fsdp_float8_all_gather=float8.fsdp_all_gather,
     )
-    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=convertible)
 
 
 def float8_summary(float8: Float8, model: nn.Module) -> str:

@@ -26,10 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llmtrain.optim import Muon, adamw_options, param_groups
+from llmtrain.runtime import all_gather_single, reduce_scatter_single
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
-reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass
@@ -90,7 +89,7 @@ class ZeroOneShards:
         """Slice r of every bucket's gradient becomes the mean over ranks; the other slices are left stale."""
         for bucket in self.buckets:
             reduced = torch.empty_like(bucket.shard)
-            reduce_scatter(reduced, bucket.flat_grads, op=dist.ReduceOp.SUM, group=self.group)
+            reduce_scatter_single(reduced, bucket.flat_grads, op=dist.ReduceOp.SUM, group=self.group)
             bucket.flat_grads[bucket.shard_range].copy_(reduced.div_(self.world))
 
     def shards(self) -> list[nn.Parameter]:
@@ -104,7 +103,7 @@ class ZeroOneShards:
     def step(self, closure=None):
         super().step(closure)  # type: ignore[misc]
         for bucket in self.buckets:
-            all_gather(bucket.flat_params, bucket.shard.detach().clone(), group=self.group)
+            all_gather_single(bucket.flat_params, bucket.shard.detach().clone(), group=self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place whatever `set_to_none` says: the gradients are views of the flat buffers."""
@@ -216,7 +215,7 @@ class ZeroOneMuon(ZeroOneShards, Muon):
         for shard, update in zip(params, updates):
             bucket = buckets[id(shard)]
             everyone = torch.empty_like(bucket.flat_params)
-            all_gather(everyone, update.contiguous(), group=self.group)
+            all_gather_single(everyone, update.contiguous(), group=self.group)
             mine = torch.zeros_like(update)
             for param, offset, spans in self._pieces(bucket):
                 for rank, in_param, in_slice in spans:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.planner.links import CSV_HEADER, bus_factor
-from llmtrain.runtime import Runtime
+from llmtrain.runtime import Runtime, all_gather_single, reduce_scatter_single
 
 # An op whose first call raised one of these is reported as unsupported: c10 errors (gloo's "not supported",
 # an unsupported dtype) reach Python as RuntimeError, NotImplementedError or ValueError.
@@ -25,8 +25,6 @@ OK, UNSUPPORTED, WRONG = 0, 1, 2
 
 # torch 2.13 renamed the single-tensor collectives; the old names remain as deprecated wrappers (a FutureWarning
 # from every rank), and are all older releases have. As llmtrain/parallel/zero.py does.
-reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def round_size(nbytes: int, ranks: int, element_size: int) -> int:
@@ -87,10 +85,10 @@ def make_op(
         return (lambda: dist.all_reduce(tensor)), lambda: holds(tensor, total)
     if op == "reduce_scatter":
         source, kept = filled(numel, rank + 1), filled(share, 0)
-        return (lambda: reduce_scatter(kept, source)), lambda: holds(kept, total)
+        return (lambda: reduce_scatter_single(kept, source)), lambda: holds(kept, total)
     if op == "all_gather":
         mine, gathered = filled(share, rank + 1), filled(numel, 0)
-        return (lambda: all_gather(gathered, mine)), lambda: holds(gathered, from_each_rank())
+        return (lambda: all_gather_single(gathered, mine)), lambda: holds(gathered, from_each_rank())
     if op == "broadcast":
         tensor = filled(numel, rank + 1)
         return (lambda: dist.broadcast(tensor, src=0)), lambda: holds(tensor, 1)

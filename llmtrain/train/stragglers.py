@@ -16,10 +16,9 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmtrain.runtime import Runtime
+from llmtrain.runtime import Runtime, all_gather_single
 
 log = logging.getLogger("llmtrain")
 
@@ -70,7 +69,7 @@ class StragglerWatch:
             return None
         mine = torch.full((1,), self.previous_seconds, dtype=torch.float64, device=self.runtime.device)
         every_rank = torch.empty(self.runtime.world_size, dtype=torch.float64, device=self.runtime.device)
-        dist.all_gather_into_tensor(every_rank, mine)
+        all_gather_single(every_rank, mine)
         return every_rank
 
     def report(self, step: int, seconds: list[float], record: dict) -> None:

@@ -5,8 +5,8 @@ and every other rank waiting in a collective until the time limit, with no word 
 loop marks its progress here (`mark(step, phase)`: an attribute write, no I/O, no device sync). When a phase has
 run longer than its allowance, a thread of this process, on every rank on its own clock:
   1. writes <run dir>/hang/rank-<r>.txt: the step and phase, every Python thread's stack (faulthandler) and the
-     collectives the process group still has in flight (torch's flight recorder: NCCL's, TORCH_NCCL_TRACE_BUFFER_SIZE,
-     or the other backends', TORCH_FR_BUFFER_SIZE; init_runtime sets both unless the user did);
+     collectives the process group still has in flight (torch's flight recorder, TORCH_FR_BUFFER_SIZE; init_runtime
+     sets it unless the user did);
   2. posts where it is to the job's store and waits a few seconds for the other ranks' posts;
   3. logs one line naming the ranks that are behind (an earlier step or phase, or silent: gone, or stuck holding
      the interpreter) and where the others wait;
@@ -248,7 +248,7 @@ def flight_entries() -> tuple[list[dict], str]:
     except Exception as error:  # the recorder is a diagnostic: its failure must not stop the dump
         return [], f"(the flight recorder could not be read: {error})"
     if not entries:
-        return [], "(none recorded: set TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_FR_BUFFER_SIZE > 0 before the start)"
+        return [], "(none recorded: set TORCH_FR_BUFFER_SIZE > 0 before the start)"
     return entries, ""
 
 
