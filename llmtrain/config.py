@@ -969,6 +969,12 @@ def require_extra(module: str, setting: str, extra: str) -> None:
         raise ConfigError(f"{setting} needs {module}, which is not installed: pip install -e '.[{extra}]'")
 
 
+def reads_prepared_stores(data_cfg) -> bool:
+    """data=prepared and data=mix: token stores llmtrain.data.prepare wrote, of which each rank reads its rows (the
+    other sources are streamed and tokenised while training)."""
+    return data_cfg.source in ("prepared", "mix")
+
+
 def validate_data(d) -> None:
     """The data keys' domains and the rules between them (also what llmtrain.data.prepare checks)."""
     check_domains(d, DataConfig, "data.")
@@ -993,7 +999,7 @@ def validate_data(d) -> None:
         raise ConfigError(f"data.sources is for data=mix (data={d.source}): choose data=mix or unset data.sources")
     if d.source == "hf" and not d.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
-    if d.source in ("prepared", "mix"):
+    if reads_prepared_stores(d):
         return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
     if d.tokenizer.kind is None:
         raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(TOKENIZER_KINDS)}")

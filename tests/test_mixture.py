@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -16,15 +17,20 @@ import pytest
 from omegaconf import OmegaConf
 from test_prepare import _data_cfg, _prepare, write_corpus
 
-from llmtrain.config import DataConfig, validate_data
-from llmtrain.data import RankSlice, build_data, build_tokenizer
+from llmtrain.config import CONF_DIR, DataConfig, validate_data
+from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.mixture import MixtureBatches, SourceExhausted, mixture_sources
-from llmtrain.data.store import MANIFEST
+from llmtrain.data.sources import TRAIN
+from llmtrain.data.store import MANIFEST, STORE_VERSION, VOCAB_HASH, SplitWriter, split_file
 from llmtrain.data.tokenizers import ByteTokenizer
 from llmtrain.errors import ConfigError
 
 SEQ_LEN = 31
-WEIGHTS = {"code": 5.0, "docs": 3.0, "tests": 2.0}  # normalised: 0.5, 0.3, 0.2
+WEIGHTS = {"code": 5.0, "docs": 3.0, "tests": 2.0}
+SHARES = np.array(list(WEIGHTS.values())) / sum(WEIGHTS.values())  # 0.5, 0.3, 0.2
+LABEL = 1000  # every token of window w of the s-th labelled store is LABEL * s + w
+LABELLED = {"code": 400, "docs": 300, "tests": 200}  # the labelled stores' windows
+CAP = 100  # "tests" capped at max_epochs=0.5 (_capped)
 
 
 def mixture_stores(directory: Path) -> dict[str, Path]:
@@ -46,9 +52,28 @@ def mixture_override(stores: dict[str, Path], weights: dict[str, float], **max_e
     return f"data.sources=[{','.join(entries)}]"
 
 
+def labelled_stores(directory: Path) -> dict[str, Path]:
+    """Stores whose every row names its source and window (LABEL), so shares are counted from what next() returns."""
+    stores = {}
+    for s, (name, windows) in enumerate(LABELLED.items()):
+        store = directory / name
+        store.mkdir()
+        writer = SplitWriter(split_file(str(store), TRAIN), np.dtype(np.uint16))
+        writer.append(np.repeat(LABEL * s + np.arange(windows), SEQ_LEN + 1), windows)
+        manifest = {"version": STORE_VERSION, "dtype": "uint16", "splits": {TRAIN: writer.close()}}
+        (store / MANIFEST).write_text(json.dumps(manifest))
+        stores[name] = store
+    return stores
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory) -> dict[str, Path]:
     return mixture_stores(tmp_path_factory.mktemp("mixture"))
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory) -> dict[str, Path]:
+    return labelled_stores(tmp_path_factory.mktemp("labelled"))
 
 
 def _config(stores: dict[str, Path], weights=WEIGHTS, **changes) -> DataConfig:
@@ -67,26 +92,65 @@ def _batches(cfg: DataConfig, dp: int, rank: int, batch: int = 16, position=None
     return MixtureBatches(mixture_sources(cfg.sources), SEQ_LEN, 7, RankSlice(batch, 2, rank, dp), stop, position)
 
 
-def _global_batches(cfg: DataConfig, dp: int, count: int, position=None) -> np.ndarray:
-    ranks = [_batches(cfg, dp, rank, position=position) for rank in range(dp)]
+def _read(ranks: list[MixtureBatches], count: int) -> np.ndarray:
+    """(count, 16, SEQ_LEN + 1): the next `count` global batches, each the ranks' rows in rank order."""
     return np.stack([np.concatenate([r.next() for r in ranks]) for _ in range(count)])
 
 
-def test_each_source_stays_within_one_sample_of_its_share(stores):
-    """After every sample (checked at every batch boundary, 100 batches of 16) each source's count is within one
-    of weight x samples, so over any N batches its share is its weight within 2 / (16 N)."""
-    batches = _batches(_config(stores), 1, 0)
-    shares = np.array(list(WEIGHTS.values())) / sum(WEIGHTS.values())
-    counts = [np.zeros(3)]
-    for _ in range(100):
-        batches.next()
-        counts.append(np.array([entry["taken"] for entry in batches.state_dict()["sources"].values()]))
-    counts = np.array(counts)
-    samples = 16 * np.arange(101)[:, None]
-    assert np.abs(counts - shares * samples).max() < 1
+def _global_batches(cfg: DataConfig, dp: int, count: int, position=None) -> np.ndarray:
+    return _read([_batches(cfg, dp, rank, position=position) for rank in range(dp)], count)
+
+
+def _counts(batches: np.ndarray) -> np.ndarray:
+    """(batches + 1, 3): each labelled source's rows in the first k global batches, read off the rows."""
+    assert (batches == batches[..., :1]).all(), "every row is one whole labelled window"
+    sources = batches[..., 0] // LABEL
+    per_batch = (sources[..., None] == np.arange(len(LABELLED))).sum(axis=1)
+    return np.concatenate([np.zeros((1, len(LABELLED)), dtype=np.int64), per_batch.cumsum(axis=0)])
+
+
+def _largest_gap(counts: np.ndarray, shares) -> float:
+    """How far, in samples, a source's count strays from its share of the samples since counts[0], at any batch
+    boundary."""
+    counts = counts - counts[0]
+    return float(np.abs(counts - counts.sum(axis=1, keepdims=True) * np.asarray(shares)).max())
+
+
+def _capped(stores: dict[str, Path], **changes) -> DataConfig:
+    """The labelled mixture with "tests" capped at half an epoch: CAP samples, its share's worth of about 32
+    batches of 16."""
+    sources = [{"name": n, "path": str(p), "weight": WEIGHTS[n]} for n, p in stores.items()]
+    sources[2]["max_epochs"] = 0.5
+    return _config(stores, sources=sources, **changes)
+
+
+def _assert_capped_shares(batches: np.ndarray) -> None:
+    """Counted from the rows: "tests" returns exactly its cap, no window twice; until the batch that reaches it
+    each source is within one sample of its share; after it "code" and "docs" share its place 5 : 3, each within
+    two samples (one at either end)."""
+    counts = _counts(batches)
+    tests = batches[..., 0][batches[..., 0] // LABEL == 2]
+    assert counts[-1, 2] == CAP and len(np.unique(tests)) == CAP
+    reached = int(np.argmax(counts[:, 2] == CAP))  # the boundary after the batch that reached it
+    assert 25 <= reached < len(batches) - 10, reached  # both sides of the cap are measured
+    assert _largest_gap(counts[:reached], SHARES) < 1
+    assert _largest_gap(counts[reached:], SHARES * [1, 1, 0] / SHARES[:2].sum()) < 2
+
+
+def test_each_source_keeps_its_share_of_the_rows_returned(labelled):
+    """Counted from the rows next() returns, 100 global batches of 16 read by 2 ranks: at every batch boundary each
+    source's count is within one sample of weight x samples, so over any N batches its share is its weight within
+    2 / (16 N); and a source's rows are its windows in turn, each once per epoch."""
+    batches = _global_batches(_config(labelled), 2, 100)
+    counts = _counts(batches)
+    assert _largest_gap(counts, SHARES) < 1
     for n in (1, 10, 100):
         windowed = (counts[n:] - counts[:-n]) / (16 * n)
-        assert np.abs(windowed - shares).max() <= 2 / (16 * n)
+        assert np.abs(windowed - SHARES).max() <= 2 / (16 * n)
+    labels = batches[..., 0]
+    for s, windows in enumerate(LABELLED.values()):
+        seen = np.bincount(labels[labels // LABEL == s] - LABEL * s, minlength=windows)
+        assert len(seen) == windows and seen.min() >= 1 and seen.max() - seen.min() <= 1
     print("shares over 100 batches:", dict(zip(WEIGHTS, (counts[-1] / counts[-1].sum()).round(4))))
 
 
@@ -105,29 +169,29 @@ def test_the_global_batches_are_the_same_for_any_number_of_ranks_and_across_a_re
     assert len({bytes(row[:8].astype(np.uint8)) for row in alone.reshape(-1, SEQ_LEN + 1)}) > 150
 
 
-def test_a_source_at_its_cap_hands_its_share_to_the_others_or_stops_the_run(stores, caplog):
-    sources = [{"name": n, "path": str(p), "weight": WEIGHTS[n]} for n, p in stores.items()]
-    sources[2]["max_epochs"] = 0.05  # "tests": a 20th of its windows, reached within the first batches
-    cfg = _config(stores, sources=sources)
-    batches = _batches(cfg, 1, 0)
-    cap = batches.caps[2]
+def test_a_source_at_its_cap_returns_no_more_rows_and_the_others_take_its_share(labelled, caplog):
     with caplog.at_level(logging.INFO, logger="llmtrain"):
-        for _ in range(40):
-            batches.next()
-    taken = {name: entry["taken"] for name, entry in batches.state_dict()["sources"].items()}
-    assert taken["tests"] == cap
+        batches = _global_batches(_capped(labelled), 1, 60)
+    _assert_capped_shares(batches)
     reached = [record.message for record in caplog.records if "max_epochs" in record.message]
-    assert len(reached) == 1 and "data.sources[tests] reached max_epochs=0.05" in reached[0], reached
-    # the others share what is left 5 : 3, each within one sample of that
-    after = 40 * 16 - cap
-    assert abs(taken["code"] - taken["docs"] * 5 / 3) < 3 and taken["code"] + taken["docs"] == after
-    # resumed after the cap, the source stays out
-    resumed = _batches(cfg, 2, 1, position=batches.state_dict())
-    assert resumed.state_dict()["sources"]["tests"]["active"] is False
-    stopping = _batches(_config(stores, sources=sources, on_exhausted="stop"), 1, 0)
-    with pytest.raises(SourceExhausted, match=r"data.sources\[tests\] reached max_epochs=0.05 .* in step \d+"):
-        for _ in range(40):
-            stopping.next()
+    assert len(reached) == 1 and "data.sources[tests] reached max_epochs=0.5 (100 samples)" in reached[0], reached
+    with pytest.raises(SourceExhausted, match=r"data.sources\[tests\] reached max_epochs=0.5 .* in step \d+"):
+        _global_batches(_capped(labelled, on_exhausted="stop"), 1, 60)
+
+
+def test_a_resume_returns_the_rows_the_uninterrupted_mixture_would_at_the_same_shares(labelled):
+    """Saved on 2 ranks after 20 batches (before "tests" reaches its cap) and after 40 (after it), through JSON as a
+    checkpoint holds it, resumed on 4: the rows from there on are the uninterrupted mixture's, and the shares
+    counted over the whole resumed run hold."""
+    cfg = _capped(labelled)
+    uninterrupted = _global_batches(cfg, 1, 60)
+    for saved_at in (20, 40):
+        ranks = [_batches(cfg, 2, rank) for rank in range(2)]
+        before = _read(ranks, saved_at)
+        position = json.loads(json.dumps(ranks[0].state_dict()))
+        after = _global_batches(cfg, 4, 60 - saved_at, position)
+        assert np.array_equal(after, uninterrupted[saved_at:]), f"resumed after {saved_at} batches"
+        _assert_capped_shares(np.concatenate([before, after]))
 
 
 def test_a_mixture_builds_with_its_metrics_and_a_validation_set_per_source(stores):
@@ -168,12 +232,82 @@ def test_sources_that_cannot_be_mixed_are_one_line_naming_the_source(stores, tmp
     missing = refused([code, {"name": "web", "path": str(tmp_path), "weight": 1}])
     assert "(source web): path=" in missing and "is not a prepared store" in missing
     assert "data.sources is not set" in refused(None)
-    # a store tokenised otherwise (its manifest says so) is named with both tokenizers
-    other = tmp_path / "other"
-    shutil.copytree(stores["docs"], other)
-    manifest = json.loads((other / MANIFEST).read_text())
-    manifest["tokenizer"] = {**manifest["tokenizer"], "kind": "bpe", "size": 4096}
-    (other / MANIFEST).write_text(json.dumps(manifest))
-    cfg = _config({"code": stores["code"], "docs": other}, weights={"code": 1, "docs": 1})
-    with pytest.raises(ConfigError, match=r"data.sources\[docs\].path=.* was tokenised with kind=bpe"):
+
+
+def _group_cfg(corpus: Path, group: str, cache_dir: Path, **tokenizer) -> DataConfig:
+    """data=local on `corpus` with the tokenizer keys data=<group> sets (conf/data/<group>.yaml), then `tokenizer`."""
+    cfg = OmegaConf.structured(DataConfig(source="local", path=str(corpus), cache_dir=str(cache_dir)))
+    cfg.tokenizer.merge_with(OmegaConf.load(Path(CONF_DIR) / "data" / f"{group}.yaml").tokenizer)
+    cfg.tokenizer.merge_with(tokenizer)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _without_hash(store: Path, out: Path) -> Path:
+    """A copy of `store` as it was prepared before manifests recorded the vocabulary's hash."""
+    shutil.copytree(store, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["tokenizer"][VOCAB_HASH]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_stores(tmp_path_factory) -> dict[str, Path]:
+    """Two byte stores prepared under data=local's and data=hf's tokenizer keys (whose BPE knobs differ) and two
+    BPEs of one size trained on different text, from small corpora."""
+    directory = tmp_path_factory.mktemp("groups")
+    corpora = [write_corpus(directory / f"text-{i}", 40_000, skip=100 + 50 * i) for i in range(2)]
+    configs = {
+        "local-byte": _group_cfg(corpora[0], "local", directory, kind="byte"),
+        "hf-byte": _group_cfg(corpora[1], "hf", directory, kind="byte"),
+        "bpe-0": _group_cfg(corpora[0], "local", directory, kind="bpe", vocab_size=512, train_chars=30_000),
+        "bpe-1": _group_cfg(corpora[1], "local", directory, kind="bpe", vocab_size=512, train_chars=30_000),
+    }
+    for name, cfg in configs.items():
+        _prepare(cfg, directory / name)
+    return {name: directory / name for name in configs}
+
+
+def _mixed(*paths: Path) -> str | None:
+    """The one-line error mixing `paths` gives, None when they mix (and the mixture's tokenizer loads)."""
+    cfg = _config({f"s{i}": path for i, path in enumerate(paths)}, weights={f"s{i}": 1 for i in range(len(paths))})
+    try:
         build_tokenizer(cfg, True, lambda: None)
+    except ConfigError as error:
+        assert "\n" not in str(error)
+        return str(error)
+    return None
+
+
+def test_stores_prepared_with_one_tokenizer_mix_whatever_their_data_group(group_stores, tmp_path):
+    """The stores' manifests record the BPE knobs of their groups (data=local: 8192 / 10M, data=hf: 16384 / 20M),
+    which the byte tokenizer ignores; an old store without the vocabulary's hash mixes with a new one."""
+    knobs = [json.loads((group_stores[n] / MANIFEST).read_text())["tokenizer"] for n in ("local-byte", "hf-byte")]
+    assert (knobs[0]["vocab_size"], knobs[1]["vocab_size"]) == (8192, 16384)
+    assert _mixed(group_stores["local-byte"], group_stores["hf-byte"]) is None
+    assert _mixed(group_stores["local-byte"], _without_hash(group_stores["hf-byte"], tmp_path / "old")) is None
+    assert _mixed(group_stores["bpe-0"], _without_hash(group_stores["bpe-0"], tmp_path / "old-bpe")) is None
+
+
+def test_stores_tokenised_otherwise_are_refused_in_one_line(group_stores, tmp_path):
+    """Two BPEs of one size (the same kind, size and end-of-text id) trained on different text differ in their
+    vocabularies, also when the older store's manifest lacks the hash; byte and BPE differ in kind."""
+    sizes = [json.loads((group_stores[f"bpe-{i}"] / MANIFEST).read_text())["tokenizer"]["size"] for i in range(2)]
+    assert sizes == [512, 512]
+    other_bpe = r"data.sources\[s1\].path=.* was tokenised with kind=bpe, size=512, eos_id=0, vocab_sha256=\w{12}, "
+    assert re.match(other_bpe, _mixed(group_stores["bpe-0"], group_stores["bpe-1"]) or "")
+    old = _without_hash(group_stores["bpe-1"], tmp_path / "old")
+    assert re.match(other_bpe, _mixed(group_stores["bpe-0"], old) or "")
+    refused = _mixed(group_stores["local-byte"], group_stores["bpe-0"]) or ""
+    assert re.match(r"data.sources\[s1\].path=.* was tokenised with kind=bpe, .* with kind=byte, size=257", refused)
+    assert refused.endswith(": prepare every source of a mixture with one tokenizer")
+
+
+def test_a_mixture_counts_as_prepared_data(stores, tmp_path):
+    """data=mix reads prepared stores: on many data-parallel ranks it is not warned about as streamed (a streamed
+    source is), and llmtrain.data.prepare refuses it in one line."""
+    cfg = _config(stores)
+    assert streaming_scale_warning(cfg, 64) is None
+    assert streaming_scale_warning(_data_cfg(stores["code"]), 64) is not None
+    with pytest.raises(ConfigError, match=r"^data=mix reads prepared stores: choose the source to prepare"):
+        _prepare(cfg, tmp_path / "out")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtrain.config import DataConfig
+from llmtrain.config import DataConfig, reads_prepared_stores
 from llmtrain.data.prefetch import Batches, Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
@@ -55,7 +55,7 @@ STREAMING_DP_LIMIT = 8
 
 def streaming_scale_warning(data_cfg: DataConfig, dp_size: int) -> str | None:
     """The start-up warning for a streamed source read by more than STREAMING_DP_LIMIT data-parallel ranks."""
-    if data_cfg.source == "prepared" or dp_size <= STREAMING_DP_LIMIT:
+    if reads_prepared_stores(data_cfg) or dp_size <= STREAMING_DP_LIMIT:
         return None
     return (
         f"warning: data={data_cfg.source} is streamed, so each of the {dp_size} data-parallel ranks tokenises the "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +25,9 @@ import numpy as np
 
 from llmtrain.data.prepared import store_tokenizer
 from llmtrain.data.sources import TRAIN, VALIDATION
-from llmtrain.data.store import TokenWindows, read_manifest
+from llmtrain.data.store import TOKENIZER_DIR, VOCAB_HASH, TokenWindows, read_manifest
 from llmtrain.data.stream import RankSlice
-from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, vocabulary_sha256
 from llmtrain.errors import ConfigError, RunError
 
 log = logging.getLogger("llmtrain")
@@ -65,22 +66,34 @@ def mixture_tokenizer(data_cfg) -> Tokenizer:
     return store_tokenizer(dataclasses.replace(data_cfg, path=sources[0].path))
 
 
-def check_one_tokenizer(sources: list[MixtureSource]) -> dict[str, Any]:
-    """The manifest's tokenizer entry every source shares; a one-line error naming the first that differs."""
+def check_one_tokenizer(sources: list[MixtureSource]) -> None:
+    """A one-line error naming the first source whose tokenizer is not the first source's."""
     first = sources[0]
-    expected = read_manifest(first.path)["tokenizer"]
+    expected = _tokenizer_identity(first)
     for source in sources[1:]:
-        theirs = read_manifest(source.path)["tokenizer"]
-        if theirs != expected:
+        if (theirs := _tokenizer_identity(source)) != expected:
             raise ConfigError(
-                f"{source.key}.path={source.path!r} was tokenised with {_tokenizer(theirs)}, {first.key} with "
-                f"{_tokenizer(expected)}: prepare every source of a mixture with one tokenizer"
+                f"{source.key}.path={source.path!r} was tokenised with {_described(theirs)}, {first.key} with "
+                f"{_described(expected)}: prepare every source of a mixture with one tokenizer"
             )
-    return expected
 
 
-def _tokenizer(entry: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={value}" for key, value in entry.items() if key in ("kind", "name", "size"))
+def _tokenizer_identity(source: MixtureSource) -> dict[str, Any]:
+    """What says whether an id means one thing in two stores: the tokenizer's kind, size, end-of-text id and
+    vocabulary. Not the BPE training keys the manifest also holds (vocab_size, train_chars): their defaults differ
+    per data group, also for the tokenizers that ignore them, and a trained BPE's vocabulary is in its hash. A store
+    prepared before the hash was recorded gets it from its tokenizer/ directory."""
+    entry = read_manifest(source.path)["tokenizer"]
+    if VOCAB_HASH not in entry:
+        directory = os.path.join(source.path, TOKENIZER_DIR)
+        tokenizer = load_saved_tokenizer(directory, entry["kind"], entry["eos_id"], entry["size"])
+        entry = {**entry, VOCAB_HASH: vocabulary_sha256(tokenizer)}
+    return {key: entry[key] for key in ("kind", "size", "eos_id", VOCAB_HASH)}
+
+
+def _described(identity: dict[str, Any]) -> str:
+    shown = {**identity, VOCAB_HASH: identity[VOCAB_HASH][:12]}  # enough to tell two apart, short for one line
+    return ", ".join(f"{key}={value}" for key, value in shown.items())
 
 
 class MixtureBatches:

@@ -31,6 +31,7 @@ from llmtrain.config import (
     PrepareRootConfig,
     check_domains,
     local_data_files,
+    reads_prepared_stores,
     register_schemas,
     validate_data,
 )
@@ -40,12 +41,13 @@ from llmtrain.data.store import (
     MANIFEST,
     STORE_VERSION,
     TOKENIZER_DIR,
+    VOCAB_HASH,
     SplitWriter,
     read_manifest,
     split_file,
     token_dtype,
 )
-from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers
+from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers, vocabulary_sha256
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 
@@ -132,8 +134,10 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
     out = os.path.abspath(os.path.expanduser(prepare_cfg.out))
     num_proc = prepare_cfg.num_proc
     validate_data(data_cfg)
-    if data_cfg.source == "prepared":
-        raise ConfigError("data=prepared is already prepared: choose the source to prepare (data=stdlib|local|hf)")
+    if reads_prepared_stores(data_cfg):
+        raise ConfigError(
+            f"data={data_cfg.source} reads prepared stores: choose the source to prepare (data=stdlib|local|hf)"
+        )
     fingerprint, described = _fingerprint(data_cfg)
     if os.path.isfile(os.path.join(out, MANIFEST)):
         manifest = read_manifest(out)
@@ -172,7 +176,12 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
         "version": STORE_VERSION,
         "fingerprint": fingerprint,
         "dtype": token_dtype(tokenizer.vocab_size).name,
-        "tokenizer": {**described["tokenizer"], "eos_id": tokenizer.eos_id, "size": tokenizer.vocab_size},
+        "tokenizer": {
+            **described["tokenizer"],
+            "eos_id": tokenizer.eos_id,
+            "size": tokenizer.vocab_size,
+            VOCAB_HASH: vocabulary_sha256(tokenizer),
+        },
         "splits": splits,
         "data": described,
         "seconds": round(seconds, 2),

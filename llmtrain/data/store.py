@@ -1,6 +1,7 @@
 """The prepared token store: what `llmtrain.data.prepare` writes and `data=prepared` reads.
 
-    <dir>/manifest.json      written last: the tokenizer, token and document counts per split, the data config
+    <dir>/manifest.json      written last: the tokenizer (with a hash of its vocabulary), token and document
+                             counts per split, the data config
     <dir>/tokenizer/         the tokenizer, in the format `transformers.AutoTokenizer` loads
     <dir>/train.bin          every training document's token ids, each followed by end-of-text, as one flat
     <dir>/validation.bin     array of uint16 (uint32 for vocabularies above 65,536), in document order
@@ -24,6 +25,8 @@ from llmtrain.errors import ConfigError
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 STORE_VERSION = 1
+# The manifest's tokenizer key holding tokenizers.vocabulary_sha256 (stores prepared before it was recorded lack it).
+VOCAB_HASH = "vocab_sha256"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -124,6 +124,14 @@ def save_for_transformers(tokenizer: Tokenizer, directory: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def vocabulary_sha256(tokenizer: Tokenizer) -> str:
+    """A hash of what each id stands for (the tokens in id order): the same for one tokenizer wherever it was
+    loaded from, unlike the bytes of its tokenizer.json, which change with the library version that wrote them."""
+    backend = tokenizer.backend if isinstance(tokenizer, FastTokenizer) else byte_tokenizer_backend()
+    tokens = sorted(backend.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFCoreTokenizer:
     """A GPT-2-style byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
     tok = HFCoreTokenizer(models.BPE())
