@@ -578,8 +578,9 @@ class EvalConfig:
         None,
         ListOf(ExistingPath("file")),
         "multiple-choice task files (jsonl: context, choices, label; HellaSwag's ctx, endings, label too), each scored "
-        "every `eval.every` steps and at the end: `eval/<task>/acc` (the choice of least summed loss) and "
-        "`eval/<task>/acc_norm` (least mean loss per token), the examples split over the data-parallel ranks",
+        "every `eval.every` steps and at the end: `eval/<task>/acc` (the choice of greatest log-likelihood) and "
+        "`eval/<task>/acc_norm` (greatest log-likelihood per character of the choice), as lm-eval defines them; the "
+        "examples split over the data-parallel ranks",
     )
     every: Optional[int] = key(None, at_least(1), "steps between task evaluations; null = `train.eval_every`")
     limit: Optional[int] = key(None, at_least(1), "examples scored per task (the file's first); null = all")

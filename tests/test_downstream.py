@@ -1,6 +1,6 @@
-"""Downstream evaluation: multiple-choice task files read into scoring rows, accuracies from summed choice losses,
-bits per byte against a hand count, and the same task scores and lm-eval adapter answers under every layout as in
-one process."""
+"""Downstream evaluation: multiple-choice task files read into scoring rows, lm-eval's accuracies from summed choice
+losses, bits per byte against a hand count, and the same task scores and lm-eval adapter answers under every layout
+as in one process."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def test_a_task_file_becomes_rows_that_score_only_each_choice(tmp_path):
     )
     task = read_task(str(path), ByteTokenizer(), seq_len=8, limit=None)
     assert task.name == "task" and task.choices.tolist() == [2, 1] and task.labels.tolist() == [1, 0]
+    assert task.lengths.tolist() == [1, 2, 2]  # the choices' characters: acc_norm's divisors
     # "ab" + " de": the targets are the choice's tokens, each predicted from the one before; the rest unscored
     assert task.inputs[1].tolist()[:5] == [*b"ab d", 0] and task.targets[1].tolist()[:4] == [UNSCORED, *b" de"]
     assert (task.targets[1][4:] == UNSCORED).all() and task.inputs.shape == (3, 8)
@@ -64,12 +65,13 @@ def test_a_task_file_becomes_rows_that_score_only_each_choice(tmp_path):
         read_task(str(path), ByteTokenizer(), seq_len=8, limit=None)
 
 
-def test_acc_takes_the_least_summed_loss_and_acc_norm_the_least_mean_loss():
-    """Example 0 (label 1): choice 0 sums 1.2 over 2 tokens (mean 0.6), choice 1 2.0 over 4 (mean 0.5). Example 1
-    (label 0): choice 0 sums 3.0 over 6 (mean 0.5), choice 1 2.5 over 1. The least sums pick the wrong choices, the
-    least means the right ones."""
-    task = Task("t", np.zeros((4, 1)), np.zeros((4, 1)), np.array([2, 2]), np.array([1, 0]))
-    sums = torch.tensor([[1.2, 2.0], [2.0, 4.0], [3.0, 6.0], [2.5, 1.0]])
+def test_acc_takes_the_greatest_log_likelihood_and_acc_norm_the_greatest_per_character():
+    """lm-eval's definitions. Example 0 (label 1): choice 0, 2 characters, sums a loss of 1.2 (0.6 a character);
+    choice 1, 4 characters, 2.0 (0.5). Example 1 (label 0): choice 0, 6 characters, 3.0 (0.5); choice 1, 1
+    character, 2.5. The least sums pick the wrong choices, the least per character the right ones; the token
+    counts (second column), per which the wrong ones would win, are not read."""
+    task = Task("t", np.zeros((4, 1)), np.zeros((4, 1)), np.array([2, 2]), np.array([1, 0]), np.array([2, 4, 6, 1]))
+    sums = torch.tensor([[1.2, 4.0], [2.0, 2.0], [3.0, 2.0], [2.5, 5.0]], dtype=torch.float64)
     assert task_accuracy(task, sums) == {"acc": 0.0, "acc_norm": 1.0}
 
 

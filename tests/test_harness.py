@@ -1,9 +1,9 @@
 """lm-evaluation-harness on the live model (llmtrain.evaluate, llmtrain/harness.py), held against lm-eval's own
 Hugging Face backend (HFLM) on the same checkpoint exported: the same per-request log-likelihoods, greedy flags,
-rolling log-likelihoods and greedy generations, the same metrics on local multiple-choice, perplexity and
-generation tasks, the in-loop scorer's accuracies equal to the harness's, and the same results from two
-tensor-parallel ranks through the command line. (The other layouts answer the adapter's requests as one process
-does in test_downstream's layout group.)"""
+rolling log-likelihoods and greedy generations, also where a context is longer than the model and is cut, the same
+metrics on local multiple-choice, perplexity and generation tasks, the in-loop scorer's log-likelihoods, acc and
+acc_norm equal to HFLM's, and the same results from two tensor-parallel ranks through the command line. (The other
+layouts answer the adapter's requests as one process does in test_downstream's layout group.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from conftest import torchrun
 
 from llmtrain.checkpoint.offline import find_checkpoint
-from llmtrain.data.tasks import read_task
-from llmtrain.data.tokenizers import ByteTokenizer
+from llmtrain.data.tasks import read_task, request_tokens
+from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer, train_bpe
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.runtime import Runtime
@@ -47,13 +47,6 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """
-# The in-loop scorer's acc_norm divides by the tokens of " " + choice; the harness divides by the characters of
-# each choice string. With byte tokens they agree once the choices carry their leading space themselves (and the
-# continuations, " " + choice either way, are those of MULTIPLE_CHOICE).
-SPACED_CHOICES = MULTIPLE_CHOICE + 'target_delimiter: ""\nprocess_docs: !function spaced.choices\n'
-SPACED_PY = (
-    'def choices(dataset):\n    return dataset.map(lambda doc: {"choices": [" " + c for c in doc["choices"]]})\n'
-)
 PERPLEXITY = """output_type: loglikelihood_rolling
 doc_to_text: "{{text}}"
 doc_to_target: "{{text}}"
@@ -71,10 +64,31 @@ metric_list:
 """
 
 
+def _lengths_examples(rng: random.Random) -> list[dict]:
+    """Examples on which acc_norm per character and per token disagree: each has a choice of one to three
+    characters beside three of 35-80, so the delimiter's token (scored with the choice, not counted in its
+    characters) weighs on the short choice's mean per character alone. Some choices carry a leading space of their
+    own (then scored after two), some contexts end in a space (which lm-eval moves to the continuation), and two
+    contexts are longer than the model (the row keeps its end)."""
+    examples = []
+    for i in range(16):
+        context = " ".join(rng.choice(WORDS) for _ in range(rng.randint(70, 90) if i in (5, 11) else rng.randint(3, 8)))
+        choices = [
+            rng.choice(["a", "it", "to", "on"]),
+            *(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 16))) for _ in range(3)),
+        ]
+        if i % 3 == 0:
+            choices = [" " + choice for choice in choices]
+        rng.shuffle(choices)
+        examples.append({"context": context + " " * (i % 4 == 1), "choices": choices, "label": rng.randrange(4)})
+    return examples
+
+
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
     """Local task files: 24 four-way examples, 5 documents of 40-900 bytes (the longer span several 256-token
-    windows), and their task yamls (multiple choice, the same with spaced choices, perplexity, completion)."""
+    windows), 16 examples whose choices' lengths differ tenfold (lengths.jsonl), and their task yamls (multiple
+    choice, perplexity, completion)."""
     folder = tmp_path_factory.mktemp("tasks")
     rng = random.Random(1)
     examples = []
@@ -85,10 +99,10 @@ def tasks(tmp_path_factory):
     (folder / "words.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 220))) + "." for _ in range(5)]
     (folder / "prose.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    (folder / "spaced.py").write_text(SPACED_PY)
+    (folder / "lengths.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _lengths_examples(rng)))
     for name, data, body in (
         ("words", "words.jsonl", MULTIPLE_CHOICE),
-        ("words_spaced", "words.jsonl", SPACED_CHOICES),
+        ("lengths", "lengths.jsonl", MULTIPLE_CHOICE),
         ("prose", "prose.jsonl", PERPLEXITY),
         ("complete", "words.jsonl", COMPLETION),
     ):
@@ -144,32 +158,82 @@ def test_the_adapter_answers_every_request_as_hugging_face_does(models, tasks):
 
 
 @pytest.mark.slow
-def test_the_harness_scores_the_adapter_as_its_own_backend_and_the_in_loop_scorer_agrees(models, tasks):
+def test_the_harness_scores_the_adapter_as_its_own_backend(models, tasks):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     _, ours, theirs = models
     folder = tasks[0]
-    config = _config(folder, "words_spaced", "prose")
+    config = _config(folder, "words", "prose")
     results = run_harness(ours, config)["results"]
     theirs_results = lm_eval.simple_evaluate(
         model=theirs,
-        tasks=["words_spaced", "prose"],
-        task_manager=TaskManager(include_path=str(folder)),
+        tasks=["words", "prose"],
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
         bootstrap_iters=0,
         log_samples=False,
     )["results"]
     for metric in ("acc,none", "acc_norm,none"):
-        assert results["words_spaced"][metric] == theirs_results["words_spaced"][metric], metric
+        assert results["words"][metric] == theirs_results["words"][metric], metric
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert results["prose"][metric] == pytest.approx(theirs_results["prose"][metric], rel=1e-6), metric
 
-    # The in-loop scorer (build-nanogpt's protocol) on the same file: acc as the harness's, and with byte tokens
-    # its per-token acc_norm as the harness's per-character one once the choices carry their space.
-    task = read_task(str(folder / "words.jsonl"), ByteTokenizer(), ours.max_length, None)
-    in_loop = task_accuracy(task, score_rows(ours.model, task.inputs, task.targets, ours.micro_batch_size))
-    assert in_loop["acc"] == results["words_spaced"]["acc,none"]
-    assert in_loop["acc_norm"] == results["words_spaced"]["acc_norm,none"]
+
+@pytest.mark.slow
+def test_the_in_loop_scorer_gives_hugging_face_s_log_likelihoods_acc_and_acc_norm(models, tasks):
+    """The in-loop scorer (llmtrain/data/tasks.py, llmtrain/train/downstream.py) on a task file, against lm-eval
+    with HFLM on the same file and the run's export: each choice's log-likelihood (choices with and without a
+    leading space, contexts ending in a space or longer than the model), and acc and acc_norm."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    _, ours, theirs = models
+    folder = tasks[0]
+    task = read_task(str(folder / "lengths.jsonl"), ByteTokenizer(), theirs.max_length, None)
+    sums = score_rows(ours.model, task.inputs, task.targets, ours.micro_batch_size)
+    in_loop = task_accuracy(task, sums)
+
+    examples = [json.loads(line) for line in (folder / "lengths.jsonl").read_text().splitlines()]
+    requests = [(e["context"], " " + choice) for e in examples for choice in e["choices"]]
+    answers = theirs.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)])
+    for (context, _), (loglikelihood, _), loss in zip(requests, answers, sums[:, 0].tolist()):
+        assert -loss == pytest.approx(loglikelihood, abs=LOGLIKELIHOOD_ATOL), context
+
+    results = lm_eval.simple_evaluate(
+        model=theirs,
+        tasks=["lengths"],
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+        bootstrap_iters=0,
+        log_samples=False,
+    )["results"]["lengths"]
+    assert in_loop == {"acc": results["acc,none"], "acc_norm": results["acc_norm,none"]}
+    # The file tells acc_norm's conventions apart: per token of " " + choice (build-nanogpt's) it would differ.
+    per_token = (sums[:, 0] / sums[:, 1]).view(-1, 4).argmin(1).numpy()
+    assert (per_token == task.labels).mean() != in_loop["acc_norm"]
+
+
+@pytest.mark.slow
+def test_contexts_longer_than_the_model_are_cut_as_hugging_face_cuts_them(models, tasks):
+    """lm-eval's requests whose context and continuation pass max_length tokens: HFLM keeps the last max_length + 1
+    of them (the last predicts nothing), and a generation's prompt its last max_length - max_gen_toks."""
+    _, ours, theirs = models
+    _, examples, texts = tasks
+    assert ours.max_length == theirs.max_length == 256
+    long_context = " ".join(texts)[:700]  # byte tokens: a token a character
+    # " the cat" is 8 tokens: rows of 256 (whole), 257 (whole: the last token predicts nothing), 258 and more (cut)
+    pairs = [(long_context[:n], " the cat") for n in (248, 249, 250, 400, 700)]
+    pairs.append((long_context[:300], " " + long_context[300:450]))  # a long continuation
+    pairs += [(e["context"] + " " + long_context, " it") for e in examples[:2]]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    our_answers, their_answers = ours.loglikelihood(requests), theirs.loglikelihood(requests)
+    assert [greedy for _, greedy in our_answers] == [greedy for _, greedy in their_answers]
+    for pair, (ours_ll, _), (theirs_ll, _) in zip(pairs, our_answers, their_answers):
+        assert ours_ll == pytest.approx(theirs_ll, abs=LOGLIKELIHOOD_ATOL), len(pair[0])
+
+    contexts = [long_context[:300], long_context]
+    prompts = [Instance("generate_until", {}, (context, dict(GENERATION)), i) for i, context in enumerate(contexts)]
+    generated = ours.generate_until(prompts)
+    assert generated == theirs.generate_until(prompts) and all(generated)
 
 
 def test_a_task_list_that_cannot_run_is_one_line_naming_it(tmp_path):
@@ -183,6 +247,59 @@ def test_a_task_list_that_cannot_run_is_one_line_naming_it(tmp_path):
         task_names([str(tmp_path / "absent.yaml")])
     (tmp_path / "quiz.yml").write_text("task: quiz\nprocess_docs: !function utils.process\n")
     assert task_names(["hellaswag", str(tmp_path / "quiz.yml")]) == (["hellaswag", "quiz"], [str(tmp_path)])
+
+
+def test_the_in_loop_requests_are_split_into_tokens_as_lm_eval_splits_them():
+    """With a byte-level BPE (where a context's trailing space and a merge across the boundary change tokens), the
+    in-loop reader's (context, continuation) tokens are those lm-eval's own request encoding hands its backends
+    (TemplateLM.loglikelihood, which HFLM uses)."""
+    from lm_eval.api.model import TemplateLM
+
+    backend = train_bpe([" ".join(WORDS) * 50, "the cat's hat (then) it was"], 320)
+    bpe = FastTokenizer(backend, eos_id=backend.token_to_id("<|endoftext|>"), vocab_size=backend.get_vocab_size())
+
+    class Recorded(TemplateLM):
+        """lm-eval's request encoding, its token pairs recorded instead of scored."""
+
+        eot_token_id = bpe.eos_id
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+            return bpe.encode_batch([string])[0].tolist()
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            self.pairs = [(context, continuation) for _, context, continuation in requests]
+            return [(0.0, False)] * len(requests)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    requests = [
+        (context, continuation)
+        for context in ("the cat sat", "the cat sat ", "the cat sat \n ", "a (", "then", "the ca", "")
+        for continuation in (" on a mat", "  on a mat", "'s hat", "n it was", "t sat")
+    ]
+    lm_eval_side = Recorded()
+    lm_eval_side.loglikelihood([Instance("loglikelihood", {}, request, i) for i, request in enumerate(requests)])
+    ours = request_tokens(bpe, requests)
+    assert ours == lm_eval_side.pairs
+    # the requests do tell a split apart: each side encoded alone gives other tokens for some of them
+    alone = [(bpe.encode_batch([c])[0].tolist(), bpe.encode_batch([k])[0].tolist()) for c, k in requests]
+    assert sum(pair != split for pair, split, (context, _) in zip(alone, ours, requests) if context) >= 4
+
+
+def test_a_directory_that_is_not_a_run_exits_2_with_one_line(tmp_path, capsys):
+    from llmtrain.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_code:
+        main([str(tmp_path), "tasks=[hellaswag]"])
+    assert exit_code.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: no complete checkpoint in {tmp_path}: pass a step-* directory, a checkpoint directory or a run "
+        f"directory"
+    ]
 
 
 @pytest.mark.slow

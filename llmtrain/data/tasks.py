@@ -2,9 +2,10 @@
 
     {"context": "A man sits on a roof. He", "choices": ["starts pulling up roofing.", "..."], "label": 0}
 
-or HellaSwag's own fields (`ctx`, `endings`, `label`, the label possibly a string). Each choice is scored as the
-continuation of its context (build-nanogpt's protocol): the row holds context + " " + choice, and only the choice's
-tokens are scored, so the model's loss on them ranks the choices.
+or HellaSwag's own fields (`ctx`, `endings`, `label`, the label possibly a string). Each choice is scored as
+lm-evaluation-harness scores a multiple-choice task (its default `target_delimiter`, " "): the request is
+(context, " " + choice), split into tokens as lm-eval's Hugging Face backend splits it (`request_tokens`), and only
+the continuation's tokens are scored. acc_norm divides by the choice's length in characters (`Task.lengths`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from llmtrain.model.scoring import UNSCORED
 
 # Rows are padded to a multiple of this: context and sequence parallelism split each row into 2 cp (or tp) parts.
 ROW_MULTIPLE = 64
+# What lm-eval puts between a context and each choice where a task names nothing else (its default target_delimiter).
+TARGET_DELIMITER = " "
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Task:
     targets: np.ndarray  # (rows, width) the next tokens where a choice token is predicted, UNSCORED elsewhere
     choices: np.ndarray  # (examples,) choices per example
     labels: np.ndarray  # (examples,) the right choice's index
+    lengths: np.ndarray  # (rows,) each choice string's length in characters (the delimiter not counted): acc_norm's
 
 
 def _example(record: dict, where: str) -> tuple[str, list[str], int]:
@@ -46,9 +50,32 @@ def _example(record: dict, where: str) -> tuple[str, list[str], int]:
     return context, [str(choice) for choice in choices], index
 
 
+def request_tokens(tokenizer: Tokenizer, requests: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """(context tokens, continuation tokens) of each (context, continuation), split as lm-eval's Hugging Face
+    backend splits a request (TemplateLM.loglikelihood), so that the same text scores the same tokens:
+
+    - the context's trailing whitespace moves to the continuation (it belongs to the next word's token);
+    - the continuation's tokens are those of context + continuation after the context's own tokens, so a token
+      that a tokenizer would merge across the boundary is encoded as in the whole text;
+    - an empty context is the end-of-text token (lm-eval's prefix token)."""
+    texts = []
+    for context, continuation in requests:
+        stripped = context.rstrip()
+        texts += [stripped, context + continuation]
+    encoded = iter(tokenizer.encode_batch(texts))
+    pairs = []
+    for context, _ in requests:
+        context_ids, whole = next(encoded).tolist(), next(encoded).tolist()
+        if context:
+            pairs.append((context_ids, whole[len(context_ids) :]))
+        else:
+            pairs.append(([tokenizer.eos_id], whole))
+    return pairs
+
+
 def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) -> Task:
     """The first `limit` examples of the jsonl file at `path` (all: None) as scoring rows. A row longer than
-    seq_len + 1 tokens keeps its end: the choice whole, the context's beginning cut."""
+    seq_len + 1 tokens keeps its end, as lm-eval cuts one: the choice whole, the context's beginning cut."""
     examples = []
     with open(os.path.expanduser(path), encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -60,16 +87,12 @@ def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) 
                 examples.append(_example(record, f"eval.tasks: {path} line {number}"))
             if limit is not None and len(examples) == limit:
                 break
-    texts = [text for context, choices, _ in examples for text in (context, *(" " + c for c in choices))]
-    encoded = iter(tokenizer.encode_batch(texts))
-    rows, scored = [], []  # each row's tokens (at most seq_len + 1, its end kept), and its choice's length
-    for _, choices, _ in examples:
-        context_ids = next(encoded)
-        for _choice in choices:
-            choice_ids = next(encoded)
-            row = np.concatenate([context_ids, choice_ids])[-(seq_len + 1) :]
-            rows.append(row)
-            scored.append(min(len(choice_ids), len(row) - 1))
+    requests = [(context, TARGET_DELIMITER + choice) for context, choices, _ in examples for choice in choices]
+    rows, scored = [], []  # each row's tokens (at most seq_len + 1, its end kept), its continuation's token count
+    for context_ids, continuation_ids in request_tokens(tokenizer, requests):
+        row = np.asarray(context_ids + continuation_ids, dtype=np.int64)[-(seq_len + 1) :]
+        rows.append(row)
+        scored.append(min(len(continuation_ids), len(row) - 1))
     inputs, targets = scoring_rows(rows, scored, seq_len)
     name = os.path.splitext(os.path.basename(path))[0]
     return Task(
@@ -78,6 +101,7 @@ def read_task(path: str, tokenizer: Tokenizer, seq_len: int, limit: int | None) 
         targets,
         np.array([len(choices) for _, choices, _ in examples]),
         np.array([label for _, _, label in examples]),
+        np.array([len(choice) for _, choices, _ in examples for choice in choices], dtype=np.float64),
     )
 
 

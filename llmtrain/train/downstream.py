@@ -6,8 +6,9 @@ tensor-parallel vocabulary shards, context-parallel sequence shards and pipeline
 The rows are dealt to the data-parallel ranks in turn, padded to a whole number of micro-batches per rank so that
 every rank runs the same forwards (FSDP gathers in each), and all-gathered back in order.
 
-An example counts for `acc` when its label's choice has the least summed loss, for `acc_norm` when it has the
-least mean loss per choice token (build-nanogpt's completion-style protocol).
+`acc` and `acc_norm` are lm-evaluation-harness's multiple-choice metrics: an example counts for `acc` when its
+label's choice has the greatest log-likelihood (the least summed loss), for `acc_norm` when it has the greatest
+log-likelihood per character of the choice string.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from llmtrain.data.tasks import Task
 from llmtrain.model.scoring import SUMMED_LOSSES, RowStatistic
 from llmtrain.parallel.parallel_model import ParallelModel
+from llmtrain.runtime import all_gather_single
 
 
 def score_rows(
@@ -46,21 +47,24 @@ def score_rows(
     if dp > 1:
         columns = statistic.columns
         gathered = torch.empty(dp * len(sums), columns, dtype=sums.dtype, device=device)
-        dist.all_gather_into_tensor(gathered, sums, group=model.mesh.dp_group)
+        all_gather_single(gathered, sums, group=model.mesh.dp_group)
         # back to the order the rows were dealt in
         sums = gathered.view(dp, -1, columns).transpose(0, 1).reshape(-1, columns)
     return sums[:rows]
 
 
 def task_accuracy(task: Task, sums: torch.Tensor) -> dict[str, float]:
-    """acc and acc_norm of `task` from its rows' (summed loss, tokens)."""
-    sums = sums.double().cpu()
+    """acc and acc_norm of `task` from its rows' summed losses (column 0), as lm-eval's multiple_choice
+    process_results computes them: argmax of the log-likelihoods, and of the log-likelihoods divided by each
+    choice's length in characters (the first among equals)."""
+    loglikelihoods = -sums[:, 0].double().cpu().numpy()
     correct = correct_norm = 0
     start = 0
     for count, label in zip(task.choices.tolist(), task.labels.tolist()):
-        losses, tokens = sums[start : start + count, 0], sums[start : start + count, 1].clamp(min=1)
-        correct += int(losses.argmin().item() == label)
-        correct_norm += int((losses / tokens).argmin().item() == label)
+        lls, lengths = loglikelihoods[start : start + count], task.lengths[start : start + count]
+        correct += int(np.argmax(lls) == label)
+        with np.errstate(divide="ignore", invalid="ignore"):  # an empty choice divides by 0, as in lm-eval
+            correct_norm += int(np.argmax(lls / lengths) == label)
         start += count
     examples = max(len(task.labels), 1)
     return {"acc": correct / examples, "acc_norm": correct_norm / examples}
