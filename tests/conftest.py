@@ -340,13 +340,17 @@ GROUP_WEIGHT_ATOL = 5e-5
 
 def assert_matches_single(results: dict, layout: str) -> None:
     """A layout of a layout_group followed its unsplit model: losses, gradient norms and the validation loss within
-    LOSS_RTOL, the same parameter names, weights within GROUP_WEIGHT_ATOL after the last step."""
+    LOSS_RTOL, the same parameter names, weights within GROUP_WEIGHT_ATOL after the last step; and both ran the
+    optimizer the layout names (a setting both ignored would let them agree)."""
     from layout_worker import reference_name
 
     reference, run = results[reference_name(layout)], results[layout]
     for key in ("losses", "norms", "val_losses"):
         assert run[key] == pytest.approx(reference[key], rel=LOSS_RTOL), (layout, key, run[key], reference[key])
     assert run["same_names"] and run["weight_difference"] <= GROUP_WEIGHT_ATOL, (layout, run)
+    muon = "optim=muon" in layout.split()
+    for held in (run["holdings"], reference["holdings"]):
+        assert all(name.endswith("Muon") == muon for name in held["optimizer"]), (layout, held["optimizer"])
 
 
 def layout_plan(*overrides: str, world_size: int) -> ParallelPlan:

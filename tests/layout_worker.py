@@ -9,8 +9,10 @@ Each layout is a space-separated list of overrides ("parallel=tp parallel.sequen
 before its first `parallel` one choose what it trains (`model=moe-tiny optim=muon parallel=fsdp`) and it is
 compared with the unsplit run of those (`single model=moe-tiny optim=muon`). Rank 0 writes
 OUT_DIR/results.json: per layout its per-step losses and gradient norms, its validation loss, and its largest
-weight difference to the unsplit model after the last step; with eval.tasks, its task scores and the lm-eval
-adapter's answers.
+weight difference to the unsplit model after the last step; what it holds (`holdings`: float8 layers, the kind,
+size and place of the optimizer's moments, over all ranks), which the losses alone cannot show (an emulated
+float8 rounds by less than the layouts' tolerance, an offloaded AdamW on a CPU is AdamW to the bit); with
+eval.tasks, its task scores and the lm-eval adapter's answers.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         parts.data.close()
         adapter = adapter_answers(parts) if parts.config.eval.tasks else None
     curves = {
+        "holdings": holdings(parts, runtime),
         "adapter": adapter,
         "losses": [r["loss"] for r in records],
         "norms": [r["grad_norm"] for r in records],
@@ -63,6 +66,48 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         "val_bpb": records[-1].get("val_bpb"),
     }
     return curves, parts.model.full_state_dict()
+
+
+def holdings(parts, runtime: Runtime) -> dict:
+    """What the layout holds after its steps, summed over the ranks: the names (the unsplit model's) of the Linear
+    layers float8 converted, the optimizer's class, its moments (AdamW's exp_avg, exp_avg_sq), those held
+    quantised and their bytes, and the devices the moments live on."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from llmtrain.parallel.parallel_model import local_tensor
+    from llmtrain.train.memory import tensor_bytes
+
+    float8 = [name for name, module in parts.model.module.named_modules() if type(module).__name__ == "Float8Linear"]
+    optimizer = parts.model.optimizer
+    moments = [
+        local_tensor(value)
+        for state in optimizer.state.values()
+        for key, value in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    ]
+    quantised = [moment for moment in moments if is_traceable_wrapper_subclass(moment)]
+    mine = {
+        "float8_layers": sorted(name.removeprefix("module.") for name in float8),
+        "optimizer": type(optimizer).__name__,
+        "moments": len(moments),
+        "quantised_moments": len(quantised),
+        "quantised_values": sum(moment.numel() for moment in quantised),
+        "quantised_bytes": tensor_bytes(quantised),
+        "moment_devices": sorted({moment.device.type for moment in moments}),
+    }
+    every = [mine]
+    if runtime.world_size > 1:
+        every = [{} for _ in range(runtime.world_size)]
+        torch.distributed.all_gather_object(every, mine)
+    return {
+        "float8_layers": sorted({name for rank in every for name in rank["float8_layers"]}),
+        "optimizer": sorted({rank["optimizer"] for rank in every}),
+        "moment_devices": sorted({device for rank in every for device in rank["moment_devices"]}),
+        **{
+            key: sum(rank[key] for rank in every)
+            for key in ("moments", "quantised_moments", "quantised_values", "quantised_bytes")
+        },
+    }
 
 
 def adapter_answers(parts) -> dict:

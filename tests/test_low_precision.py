@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from llmtrain.checkpoint.training import check_optimizer_matches
 from llmtrain.config import OptimConfig, require_extra, validate
 from llmtrain.errors import ConfigError
-from llmtrain.model import build_model, cross_entropy_loss, meta_model
+from llmtrain.model import build_model, cross_entropy_loss, meta_model, num_parameters
 from llmtrain.optim import HostAdamW, adamw
 from llmtrain.optim.state_bits import moment_bytes, portable_state, restore_low_bits
 from llmtrain.parallel.float8 import Float8, apply_float8, check_fp8_tensor_cores, convertible, float8_summary
@@ -186,9 +186,11 @@ LAYOUTS = [
     # float8 all-gathers, their scale precompute and 8-bit moments on DTensor shards, checkpointed after step 2
     f"{FLOAT8_8BIT} parallel=fsdp checkpoint.every=2",
     f"{FLOAT8_8BIT} parallel=tp",  # torchao's float8 tensor-parallel styles
-    # torch's styles around Float8Linear; AdamW on the host over tensor-parallel and FSDP DTensors
+    f"{FLOAT8_8BIT} parallel=pp",  # each stage converts its own blocks
+    # torch's styles around Float8Linear; AdamW on the host over tensor-parallel and FSDP DTensors, and plain tensors
     "train.float8=rowwise optim.offload=true parallel=tp parallel.sequence_parallel=true",
     "train.float8=rowwise optim.offload=true parallel=fsdp",
+    "train.float8=rowwise optim.offload=true parallel=ddp",
 ]
 
 
@@ -208,6 +210,33 @@ def test_float8_8bit_and_offload_layouts_follow_their_unsplit_model(group):
         for key in ("losses", "norms", "val_losses"):
             assert results[layout][key] == pytest.approx(reference[key], rel=FLOAT8_RTOL), (layout, key)
         assert results[layout]["same_names"]
+
+
+@pytest.mark.slow
+def test_every_layout_holds_what_its_settings_ask_for(group):
+    """What the layouts hold, summed over their ranks, which their losses cannot show (emulated float8 moves a loss
+    by less than FLOAT8_RTOL; an offloaded AdamW on a CPU is AdamW to the bit):
+    - float8: the Linear layers of the blocks converted, by name: those of the plain model, no more, no fewer;
+    - 8-bit: torchao's AdamW, its moments quantised (at least the unsplit run's values: the pipeline's last stage
+      holds the tied head's own copy), about a byte a value where fp32 takes 4;
+    - offload: the host AdamW, its moments in host memory."""
+    results, _ = group
+    plain = build_model(compose_config([COMMON.split()[0]]).model, 257, seed=0)
+    blocks_linears = sorted(
+        name for name, module in plain.named_modules() if isinstance(module, nn.Linear) and name.startswith("blocks.")
+    )
+    for layout in LAYOUTS:
+        held = results[layout]["holdings"]
+        reference = results[" ".join(["single", *layout.split(" parallel=")[0].split()])]["holdings"]
+        assert held["float8_layers"] == blocks_linears, layout
+        if "optim.state_bits=8" in layout:
+            assert held["optimizer"] == ["AdamW8bit"], layout
+            assert held["quantised_values"] >= reference["quantised_values"] > 0.9 * 2 * num_parameters(plain)
+            # 1 byte a value, an fp32 scale per 256 values and torchao's 1 KiB code map per tensor
+            assert held["quantised_bytes"] < 1.1 * held["quantised_values"], layout
+        else:
+            assert held["optimizer"] == ["HostAdamW"] and held["quantised_moments"] == 0, layout
+        assert held["moment_devices"] == ["cpu"]
 
 
 @pytest.mark.slow

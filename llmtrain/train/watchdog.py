@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,10 +84,24 @@ class Position:
 
 class StepWatchdog:
     """Watches the training thread of this rank; `close` ends the watch. `timeout` None: not armed until
-    `observe_step` has seen AUTO_AFTER_STEPS steps (then AUTO_FACTOR x their median)."""
+    `observe_step` has seen AUTO_AFTER_STEPS steps (then AUTO_FACTOR x their median, at least `auto_floor`).
+    `auto_floor` and `end_process` are the production values unless a test passes seconds it can wait for and a
+    function that records the exit code instead of ending the process."""
 
-    def __init__(self, timeout: float | None, runtime: Runtime, run_dir: str):
+    def __init__(
+        self,
+        timeout: float | None,
+        runtime: Runtime,
+        run_dir: str,
+        *,
+        auto_floor: float = AUTO_FLOOR,
+        end_process: Callable[[int], None] = os._exit,
+    ):
+        if auto_floor <= 0:  # the watching thread polls a tenth of it: zero would spin
+            raise ValueError(f"auto_floor must be positive seconds, not {auto_floor}")
         self.timeout = timeout
+        self.auto_floor = auto_floor
+        self.end_process = end_process
         self.runtime = runtime
         self.directory = os.path.join(run_dir, "hang")
         self.step_seconds: list[float] = []
@@ -123,7 +138,7 @@ class StepWatchdog:
         self.step_seconds.append(seconds)
         if self.timeout is None and len(self.step_seconds) == AUTO_AFTER_STEPS:
             median = statistics.median(self.step_seconds[1:])  # the first step compiles and warms up
-            self.timeout = max(AUTO_FLOOR, AUTO_FACTOR * median)
+            self.timeout = max(self.auto_floor, AUTO_FACTOR * median)
             log.info(f"watchdog  a rank that makes no progress for {self.timeout:.0f} s ends the job (requeued)")
 
     def close(self) -> None:
@@ -132,10 +147,13 @@ class StepWatchdog:
 
     # -- the watching thread ----------------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._closed.wait(1.0 if self.timeout is None else min(1.0, self.timeout / 10)):
+        # A tenth of the shortest allowance this watchdog can have: unarmed, the timeout the first steps derive is at
+        # least the floor, so the first look after arming comes in time (with the 300 s floor: once a second).
+        while not self._closed.wait(min(1.0, (self.auto_floor if self.timeout is None else self.timeout) / 10)):
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
                 self._fire()
+                return  # in production the process has ended; an end_process that returns sees one firing
 
     def _fire(self) -> None:
         stalled = self.timeout * self._allowance if self.timeout is not None else 0.0
@@ -150,7 +168,7 @@ class StepWatchdog:
             log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s; where it was: {path}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        os._exit(HUNG_EXIT)
+        self.end_process(HUNG_EXIT)
 
     def _innermost_frame(self) -> str:
         frame = sys._current_frames().get(self._training_thread)
