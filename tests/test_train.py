@@ -1,17 +1,20 @@
-"""The real entry point: a short run learns and writes its outputs; bad input fails cleanly."""
+"""The real entry point: a short run learns and writes its outputs; bad input fails cleanly. The warm interpreter
+the suite's runs are forked from (tests/zygote.py) changes none of that."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
-from conftest import PARITY, assert_same_run
+from conftest import PARITY, TESTS, assert_parity, assert_same_run, python, warm_interpreter
 
 from llmtrain.faults import arm
-
-pytestmark = pytest.mark.slow
 
 LEARNS = [
     "data.tokenizer.kind=bpe",
@@ -23,6 +26,7 @@ LEARNS = [
 ]
 
 
+@pytest.mark.slow
 def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secrets(train):
     secret = "k" + uuid.uuid4().hex + uuid.uuid4().hex[:7]  # 40 characters no corpus or config contains
     # present in the run's environment, must not reach any file
@@ -64,12 +68,83 @@ def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secr
             assert secret.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_repeats_the_run_and_another_seed_does_not(train, reference):
     """The suite starts its runs from forks of a warm interpreter (tests/zygote.py): the same run in a fresh one is
     the same to the bit. The seed reaches the run at all: another gives other losses."""
     assert_same_run(train(*PARITY, name="fresh", fresh=True), reference)
     other = train(*PARITY, "seed=7", name="other").metrics
     assert [m["loss"] for m in reference.metrics] != [m["loss"] for m in other]
+
+
+@pytest.mark.slow
+def test_a_multi_rank_run_in_fresh_interpreters_matches_single(train, reference) -> None:
+    """torchrun and both its ranks as fresh interpreters, as a job outside the suite starts them (the process group,
+    gloo's threads, the data pipeline made from scratch, nothing inherited from a warm fork): ddp over 2 ranks
+    reproduces the warm single-process run within the layouts' bounds."""
+    run = train(*PARITY, "parallel=ddp", nproc=2, name="fresh_ddp", fresh=True)
+    assert_parity(run, reference)
+    assert "layout    ddp" in run.stderr + run.stdout
+
+
+# Run in an interpreter of its own, which starts with one thread (pytest's may not: xdist's channel runs one). What
+# tests/zygote.py checks before each fork, asked alone, beside a Python thread, and beside a native thread that
+# Python never sees (as torch's, OpenBLAS's or jemalloc's pools are): started through pthread_create, it sleeps in
+# pause() until the interpreter exits.
+FORK_CHECK = """
+import ctypes, json, threading
+from zygote import fork_refusal
+
+answers = {"alone": fork_refusal()}
+stop = threading.Event()
+extra = threading.Thread(target=stop.wait)
+extra.start()
+answers["beside a Python thread"] = fork_refusal()
+stop.set()
+extra.join()
+answers["after it ended"] = fork_refusal()
+libc = ctypes.CDLL(None)
+assert libc.pthread_create(ctypes.byref(ctypes.c_ulong()), None, libc.pause, None) == 0
+answers["beside a native thread"] = fork_refusal()
+answers["threads Python sees"] = threading.active_count()
+print(json.dumps(answers))
+"""
+
+
+def test_the_zygote_refuses_to_fork_beside_another_thread() -> None:
+    """A fork copies only the thread that calls it: a lock another thread holds stays held in the child forever (a
+    run that deadlocks in its allocator, its imports, a pool's queue). The zygote's check passes one thread and
+    refuses a second, whether Python started it or a native library did, with a reason on one line."""
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", FORK_CHECK], cwd=TESTS, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    assert answers["alone"] is None and answers["after it ended"] is None, answers
+    assert answers["threads Python sees"] == 1  # the native thread is the kernel's count alone
+    for beside in ("beside a Python thread", "beside a native thread"):
+        assert answers[beside].startswith("the zygote runs 2 threads"), answers
+        assert "\n" not in answers[beside] and "refusing to fork" in answers[beside]
+
+
+@pytest.mark.slow
+def test_warm_runs_are_forks_of_a_zygote_that_runs_one_thread(tmp_path: Path) -> None:
+    """After its imports (torch, datasets and pyarrow, hydra, torchrun's) the zygote runs one thread: pyarrow's
+    jemalloc would start a second as it loads, which the zygote keeps from starting, and a run it refused would fail
+    here with the reason. The run is the zygote's child, not a fresh interpreter."""
+    if not warm_interpreter():
+        pytest.skip("LLMTRAIN_TEST_COLD=1: every run is a fresh interpreter")
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nprint(os.getppid())\n")
+    done = subprocess.run(
+        [python(), str(probe)], capture_output=True, text=True, timeout=300, env={**os.environ, **warm_interpreter()}
+    )
+    assert done.returncode == 0, done.stderr
+    zygote = int(done.stdout)
+    assert "zygote.py" in Path(f"/proc/{zygote}/cmdline").read_text()
+    status = Path(f"/proc/{zygote}/status").read_text()
+    threads = next(line for line in status.splitlines() if line.startswith("Threads:"))
+    assert threads.split() == ["Threads:", "1"], threads
 
 
 def _assert_clean_failure(run, key: str, exit_code: int = 2) -> None:
@@ -81,6 +156,7 @@ def _assert_clean_failure(run, key: str, exit_code: int = 2) -> None:
     assert not run.run_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -95,18 +171,21 @@ def test_missing_validation_files_or_store_give_one_line(train, tmp_path, overri
     assert run.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_empty_data_file(train, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     run = train("data=local", f"data.path={tmp_path / 'empty.txt'}")
     _assert_clean_failure(run, "data.path")
 
 
+@pytest.mark.slow
 def test_jsonl_without_the_text_field(train, tmp_path):
     (tmp_path / "docs.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     run = train("data=local", f"data.path={tmp_path / 'docs.jsonl'}")
     _assert_clean_failure(run, "data.text_field")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, nproc, reads",
     [

@@ -5,8 +5,9 @@ The suite starts a few hundred Python processes (train.py runs, torchrun and its
 cores. This client asks the zygote, a process that has made those imports once, to fork a process that runs ARGS
 (a script or `-m module`, with `-u`) with this process's arguments, environment, working directory and standard
 streams, and then stands in for it: it forwards the signals it gets, and exits as that process did. If this
-client dies, so does that process (tests/zygote.py). Anything else (another flag, no zygote, an environment that
-changes how an interpreter starts) runs a fresh interpreter instead, as before.
+client dies, so does that process (tests/zygote.py). A zygote that refuses to fork (it runs more than one thread)
+fails the run with its reason: a run never silently becomes a fresh interpreter there. Anything else (another flag,
+no zygote, an environment that changes how an interpreter starts) runs a fresh interpreter instead, as before.
 
 Standard library only, and started with `python -S`: the client itself costs a few milliseconds.
 """
@@ -103,10 +104,14 @@ def stand_in(connection: socket.socket, request: dict) -> None:
     payload = json.dumps(request).encode()
     socket.send_fds(connection, [STATUS.pack(len(payload))], [0, 1, 2])
     connection.sendall(payload)
-    pid = receive_exactly(connection, STATUS.size)
-    if pid is None:
+    started = receive_exactly(connection, STATUS.size)
+    if started is None:
         sys.exit("warm_python: the zygote closed the connection before starting the run")
-    child.append(STATUS.unpack(pid)[0])
+    pid = STATUS.unpack(started)[0]
+    if pid < 0:  # refused (tests/zygote.py's fork_refusal): the reason, -pid bytes, follows
+        reason = receive_exactly(connection, -pid)
+        sys.exit(f"warm_python: {reason.decode() if reason else 'the zygote refused the run'}")
+    child.append(pid)
     for number in pending:
         os.kill(child[0], number)
     status = receive_exactly(connection, STATUS.size)

@@ -10,6 +10,11 @@ it only skips the imports its parent made. The zygote sends the client the run's
 ends; a run whose client dies is killed with everything it started (a SIGKILL to the client, as the tests and
 torchrun send, reaches the run). SOCKET's folder keeps `children/<client pid>` = the run's pid, for tests that
 signal a run's process tree.
+
+A fork copies only the thread that called it: a lock another thread held (an allocator's, a thread pool's queue,
+the import lock) stays held in the child forever, and the pool the child expects is gone. So the zygote forks only
+while it runs one thread, as the kernel counts them (torch's intra-op pool, OpenBLAS's, jemalloc's or a tokenizer's
+are threads Python never sees); otherwise it refuses the run, and the client fails with the reason on one line.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ PRELOAD = (
     "torch.distributed.elastic.agent.server.local_elastic_agent",
 )
 PEER_CREDENTIALS = struct.Struct("3i")
+# The one thread the imports start: pyarrow's bundled jemalloc (pyarrow comes with datasets) starts its background
+# purging thread, `jemalloc_bg_thd`, as pyarrow loads (measured with pyarrow 26, whose default pool is mimalloc all
+# the same). The zygote's jemalloc runs without it; a forked run lacks it either way (a fork copies one thread).
+NO_JEMALLOC_THREAD = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 
 def preload() -> tuple[int, dict[str, str]]:
@@ -58,6 +67,39 @@ def preload() -> tuple[int, dict[str, str]]:
     gc.collect()
     gc.freeze()
     return torch.get_num_threads(), {key: value for key, value in os.environ.items() if key not in before}
+
+
+def os_threads() -> int | None:
+    """This process's threads as the kernel counts them (Linux's /proc/self/status), or None where it does not say."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), None)
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads: the kernel's (a native pool's threads name themselves, as jemalloc's
+    `jemalloc_bg_thd`), or Python's where the kernel does not say."""
+    names = []
+    for task in sorted(Path("/proc/self/task").glob("*")):
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            pass  # it ended meanwhile
+    return names or [thread.name for thread in threading.enumerate()]
+
+
+def fork_refusal() -> str | None:
+    """Why this process must not fork now, on one line; None while it runs one thread (Python's count, and the
+    kernel's, which also sees the threads native libraries start)."""
+    threads = max(threading.active_count(), os_threads() or 0)
+    if threads == 1:
+        return None
+    return (
+        f"the zygote runs {threads} threads ({', '.join(thread_names())}), not 1: a fork would copy only one of "
+        "them and leave a lock another holds held in the run; refusing to fork (LLMTRAIN_TEST_COLD=1: fresh runs)"
+    )
 
 
 def process_tree(pid: int) -> list[int]:
@@ -165,6 +207,18 @@ class Zygote:
         client = PEER_CREDENTIALS.unpack(
             connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
         )[0]
+        refusal = fork_refusal()
+        if refusal is not None:  # a negative "pid": the reason's length, the reason follows
+            print(refusal, flush=True)
+            reason = refusal.encode()
+            for stream in streams:
+                os.close(stream)
+            try:
+                connection.sendall(STATUS.pack(-len(reason)) + reason)
+            except OSError:
+                pass  # its client is gone
+            connection.close()
+            return
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -203,6 +257,8 @@ class Zygote:
 
 def main(address: str) -> None:
     started_with = startup_environment(dict(os.environ))
+    variable, setting = NO_JEMALLOC_THREAD  # before pyarrow loads; jemalloc's later settings win
+    os.environ[variable] = ",".join(filter(None, [os.environ.get(variable), setting]))
     default_threads, imports_set = preload()
     environment = {"started_with": started_with, "set_by_imports": imports_set}
     (Path(address).parent / "environment.json").write_text(json.dumps(environment))
