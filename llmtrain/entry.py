@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
+from llmtrain.resolvers import launch_rank
+from llmtrain.run_dir import exit_quietly_after_the_main_rank
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 
@@ -48,6 +50,10 @@ def run_entry(main: Callable[[], None], schema: type) -> None:
     except Exception as error:
         if user_wants_report or _JobState.running:
             raise
+        if isinstance(error, OSError) and launch_rank() != 0:
+            # The main rank owns the run directory and deletes it when its config is refused: a rank that starts
+            # later can meet that deletion while Hydra makes the directory. The main rank says why the run ended.
+            exit_quietly_after_the_main_rank()
         print(f"error: {composition_error_line(error, schema)}", file=sys.stderr)
         sys.exit(ConfigError.exit_code)
 

@@ -37,6 +37,11 @@ def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoR
     if is_main:
         print(f"error: {error}", file=sys.stderr)
         remove_if_empty_run(run_dir)
-    else:
-        time.sleep(_MAIN_RANK_REPORTS_WITHIN_S)
+        sys.exit(ConfigError.exit_code)
+    exit_quietly_after_the_main_rank()
+
+
+def exit_quietly_after_the_main_rank() -> NoReturn:
+    """Exit 2 on a rank other than the main one, which reports the config error: late enough for its line."""
+    time.sleep(_MAIN_RANK_REPORTS_WITHIN_S)
     sys.exit(ConfigError.exit_code)

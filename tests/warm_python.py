@@ -27,6 +27,10 @@ ADDRESS = "LLMTRAIN_TEST_ZYGOTE"  # the zygote's socket; unset: every run is a f
 # torchrun's and NCCL's are read when a process group forms.
 STARTUP_VARIABLES = ("PYTHON", "LD_", "CUDA_", "HF_", "TRANSFORMERS_", "TORCH", "MPL", "OMP_", "KMP_", "MKL_")
 RUNTIME_VARIABLES = (
+    # Set in the test process by its own imports (lm_eval, torchao), to the defaults a run would take anyway, and
+    # read when used: were they startup variables, every run after a test that imports those would start cold.
+    "TORCHINDUCTOR_CACHE_DIR",
+    "HF_XET_",
     "PYTHONFAULTHANDLER",
     "PYTHONUNBUFFERED",
     "PYTHON_EXEC",

@@ -26,8 +26,8 @@ from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path, load
 from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
 from llmtrain.job import build_layout
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.parallel.zero import ZeroOneAdamW, all_gather
-from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.parallel.zero import ZeroOneAdamW
+from llmtrain.runtime import Runtime, all_gather_single, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.memory import MemoryPeak
 
@@ -58,7 +58,7 @@ def full_moments(optimizer: ZeroOneAdamW, names: dict) -> dict[str, torch.Tensor
         state = optimizer.state[bucket.shard]
         for key in ("exp_avg", "exp_avg_sq"):
             full = torch.empty_like(bucket.flat_params)
-            all_gather(full, state[key].contiguous())
+            all_gather_single(full, state[key].contiguous())
             offset = 0
             for param in bucket.params:
                 moments[f"{names[param]}.{key}"] = full[offset : offset + param.numel()].view_as(param)
