@@ -1,6 +1,6 @@
 """The package's imports run one way: each module imports only from its own layer or the layers below it, and no
-modules import each other in a circle, counting imports inside functions (only `if TYPE_CHECKING:` imports, which
-never run, are left out). Read from the source with ast: nothing is imported."""
+modules import each other in a circle, counting imports inside functions and `if TYPE_CHECKING:` imports (which
+never run, but say the same dependence). Read from the source with ast: nothing is imported."""
 
 from __future__ import annotations
 
@@ -27,10 +27,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
     """The package modules this module imports. `from llmtrain.model import hf_gpt2` imports the submodule;
     `from llmtrain.model import GPT` the package's own code."""
@@ -38,9 +34,6 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) ->
     pending = [tree]
     while pending:
         node = pending.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            pending.extend(node.orelse)
-            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]

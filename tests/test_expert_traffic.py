@@ -22,7 +22,7 @@ def _worker(rank: int, store_path: str, results) -> None:
 
     from llmtrain.model import build_model
     from llmtrain.model.moe import MoE
-    from llmtrain.model.parallel_plan import SplitExperts
+    from llmtrain.parallel.tp import SplitExperts
     from llmtrain.tools import compose_config
 
     torch.set_num_threads(1)

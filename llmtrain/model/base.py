@@ -1,16 +1,13 @@
-"""What a model family tells the parallel layouts about itself: llmtrain/parallel/ works on any `LayeredModel` and
-never names one of its modules, so a second family (Llama-style, ...) needs no change there."""
+"""What a model family tells the parallel layouts about itself: the data-parallel, pipeline and context-parallel
+steps work on any `LayeredModel`. A family's tensor-parallel plan names its modules, so it lives with tensor
+parallelism (llmtrain/parallel/tp.py), and the model imports nothing of it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 class LayeredModel(nn.Module):
@@ -24,10 +21,6 @@ class LayeredModel(nn.Module):
         """Parameter name -> the name of the parameter it is (a head tied to the embedding), also on a pipeline
         part that holds it as its own copy: checkpoints store it once, under the source."""
         return {}
-
-    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-        """Module name -> DTensor parallel style, for the modules this model (or part) holds."""
-        raise NotImplementedError
 
     def shard_sequence(self, sequence) -> None:
         """Run on a shard of every sequence: `sequence` gives the positions this rank holds and the attention that

@@ -17,7 +17,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,6 @@ from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, SequenceShare, expert_init_std
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -259,12 +256,6 @@ class GPT(LayeredModel):
         """Parameter name -> the name of the parameter it is (the LM head's weight is the token embedding), also
         on a pipeline part that holds the head as its own copy: checkpoints store it once, under the source."""
         return {"lm_head.weight": "tok_emb.weight"} if self.cfg.tie_embeddings else {}
-
-    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-        """Module name -> tensor-parallel style, for the modules this model (or part) holds."""
-        from llmtrain.model.parallel_plan import gpt_tensor_parallel_plan
-
-        return gpt_tensor_parallel_plan(self, sequence_parallel, loss_parallel)
 
     def take_expert_load(self, device: torch.device) -> torch.Tensor | None:
         if not self.cfg.moe.num_experts:

@@ -125,7 +125,7 @@ class Experts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
-        # Tensor parallelism (model/parallel_plan.py's SplitExperts): each rank of this mesh holds a slice of every
+        # Tensor parallelism (parallel/tp.py's SplitExperts): each rank of this mesh holds a slice of every
         # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
         self.hidden_split: DeviceMesh | None = None
 

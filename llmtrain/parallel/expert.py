@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from llmtrain.model.moe import Experts, MoE
-from llmtrain.model.parallel_plan import EXPERT_HIDDEN_DIM
+from llmtrain.parallel.tp import EXPERT_HIDDEN_DIM
 
 
 class AllToAllDispatch:
@@ -65,7 +65,7 @@ class AllToAllDispatch:
 def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:
     """Shard every mixture's expert weights over `expert_mesh` (on the meta device: nothing is allocated) and hand
     its MoE the all-to-all dispatch. The mesh is (ep) or, with tensor parallelism, (ep, tp): then each expert is
-    also split by hidden units, the layout the tensor-parallel plan gives experts (model/parallel_plan.py), which
+    also split by hidden units, the layout the tensor-parallel plan gives experts (parallel/tp.py), which
     leaves these weights as they are."""
     tensor_parallel = expert_mesh.ndim == 2
     dispatch = AllToAllDispatch(expert_mesh["ep"].get_group())

@@ -1,19 +1,53 @@
 """Tensor parallelism with DTensor: `parallel=tp`, and the TP step of every layout with parallel.tp > 1.
 
-The model supplies its plan (module name -> parallel style: llmtrain/model/parallel_plan.py for the GPT); this
-step applies it over the `tp` mesh dimension and keeps tied parameters tied. With loss parallelism the
-cross-entropy runs on vocabulary shards (`loss_context`), so no rank holds full-vocabulary logits.
+`apply_tensor_parallel` applies the GPT family's plan (module name -> parallel style, `gpt_tensor_parallel_plan`)
+over the `tp` mesh dimension and keeps tied parameters tied. With loss parallelism the cross-entropy runs on
+vocabulary shards (`loss_context`), so no rank holds full-vocabulary logits. The plan lives here, beside the
+parallelism it drives, not in the model (as torchtitan's parallelize functions name their model's modules): the
+model modules import nothing of tensor parallelism.
+
+The plan, the Megatron way. Within a block, the first matmul of each pair is column-parallel (q, k, v split by
+heads, grouped-query attention's key/value heads with their query heads; the MLP's up-projection and SwiGLU gate
+split by hidden units) and the second row-parallel (attention output, MLP down-projection), so a block needs one
+all-reduce in forward (Megatron's g) and one in backward (f) per pair: 4 per layer, 8·b·s·h·(t−1)/t bytes.
+
+With sequence parallelism the activations between the pairs (LayerNorms, residual adds, dropout) stay sharded
+along the sequence: each all-reduce becomes an all-gather into the pair and a reduce-scatter out of it, the same
+bytes on the wire, while LayerNorm inputs and residuals shrink t times.
+
+A mixture-of-experts block splits every expert like the dense MLP, by hidden units (each rank holds a 1/t slice of
+all experts). Routing is replicated: every rank routes the same tokens the same way, so the router needs no plan,
+and only the experts' input and output cross the tensor-parallel boundary (`SplitExperts`: Megatron's f and g).
+Shared experts are a dense MLP with the dense plan.
+
+The token embedding is split by vocabulary rows and the tied LM head by the same rows, so with loss parallelism
+the cross-entropy runs on vocabulary shards and no rank ever holds full-vocabulary logits.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import cast
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from llmtrain.model import GPT
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.dropout import Dropout, Split
 from llmtrain.model.materialize import retie, tied_groups
+from llmtrain.model.moe import Experts, MoE
 from llmtrain.parallel.float8 import float8_tensor_parallel_plan
 
 
@@ -25,8 +59,10 @@ def apply_tensor_parallel(
     float8_styles: bool = False,
 ) -> None:
     """`float8_styles`: the model's float8 layers get torchao's float8 styles (float8.py)."""
+    if not isinstance(model, GPT):  # the one family there is; another adds its plan beside the GPT's
+        raise TypeError(f"no tensor-parallel plan for {type(model).__name__}")
     tied = tied_groups(model)
-    plan = model.tensor_parallel_plan(sequence_parallel, loss_parallel_on)
+    plan = gpt_tensor_parallel_plan(model, sequence_parallel, loss_parallel_on)
     parallelize_module(model, tp_mesh, float8_tensor_parallel_plan(model, plan) if float8_styles else plan)
     # parallelize_module gives each module its own DTensor parameter; tied ones share one placement (the
     # embedding and the head are both split by vocabulary rows), so the tie is restored as it was.
@@ -36,3 +72,150 @@ def apply_tensor_parallel(
 def loss_context(tp: int, loss_parallel_on: bool) -> AbstractContextManager:
     """Around the loss and its backward: cross-entropy on vocabulary shards when the head's output is split."""
     return loss_parallel() if loss_parallel_on and tp > 1 else nullcontext()
+
+
+class SplitDropout(ParallelStyle):
+    """Tells a Dropout that its input is this rank's chunk along `dim` (heads of attention weights, the sequence
+    of residual activations), so its mask is the matching part of the unsplit tensor's (model/dropout.py)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        cast(Dropout, module).split = Split(dim=self.dim, rank=device_mesh.get_local_rank(), parts=device_mesh.size())
+        return module
+
+
+class ChunkPositions(ParallelStyle):
+    """Under sequence parallelism the position embedding keeps replicated weights (a DTensor, so the partial
+    gradients of the ranks' sequence chunks are summed) and each rank looks up its own chunk of positions."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def positions_chunk(_module, inputs, mesh):
+            positions = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
+            return (positions.redistribute(mesh, [Shard(0)]),)
+
+        return distribute_module(
+            module, device_mesh, input_fn=positions_chunk, output_fn=lambda _module, output, _mesh: output.to_local()
+        )
+
+
+# The experts' hidden-unit dimension in each stacked weight: (E, d, f) for w_in and w_gate, (E, f, d) for w_out.
+EXPERT_HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}
+
+
+class SplitExperts(ParallelStyle):
+    """Each rank keeps a slice of every expert's hidden units and computes a partial sum of each routed slot's
+    output; the MoE reduces them once per token (moe.py: Megatron's f and g around the experts, after the slots
+    are combined). Expert-parallel weights arrive already split over the expert mesh's (ep, tp) and are left as
+    they are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                split = distribute_tensor(param.data, device_mesh, [Shard(EXPERT_HIDDEN_DIM[name])], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+        assert isinstance(module, Experts)
+        module.hidden_split = device_mesh
+        return module
+
+
+def _mixture_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A mixture block's MLP: replicated routing on the whole sequence, split experts, a dense plan for shared
+    experts; under sequence parallelism the sequence is gathered in and each rank keeps its chunk out."""
+    plan: dict[str, ParallelStyle] = {
+        "mlp.experts": SplitExperts(),
+        "mlp.shared.fc_in": ColwiseParallel(),
+        "mlp.shared.fc_gate": ColwiseParallel(),
+        "mlp.shared.fc_out": RowwiseParallel(),
+    }
+    if sequence_parallel:
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        )
+    return plan
+
+
+def _block_plan(sequence_parallel: bool, mixture: bool = False) -> dict[str, ParallelStyle]:
+    """Module name (inside a Block) -> parallel style."""
+    plan = _dense_block_plan(sequence_parallel)
+    if mixture:
+        plan = {name: style for name, style in plan.items() if name != "mlp" and not name.startswith("mlp.")}
+        plan.update(_mixture_plan(sequence_parallel))
+    return plan
+
+
+def _dense_block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    if not sequence_parallel:
+        # q, k and v read one shared DTensor, so backward sums their input gradients before a single all-reduce
+        # (Megatron's f), as a fused qkv projection would; three plain inputs would cost three.
+        share_input = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        return {
+            "attn": share_input,
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.out_proj": RowwiseParallel(),
+            "attn.attn_dropout": SplitDropout(dim=1),
+            "mlp.fc_in": ColwiseParallel(),
+            "mlp.fc_gate": ColwiseParallel(),
+            "mlp.fc_out": RowwiseParallel(),
+        }
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "attn_norm": SequenceParallel(),
+        "attn": gather_sequence,
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "attn.attn_dropout": SplitDropout(dim=1),
+        "attn.resid_dropout": SplitDropout(dim=1),
+        "mlp_norm": SequenceParallel(),
+        "mlp": gather_sequence,
+        "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_gate": ColwiseParallel(),
+        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.dropout": SplitDropout(dim=1),
+    }
+
+
+def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan for the blocks and the embeddings / final norm / head this model (or pipeline part) holds. Each
+    rank then computes its own heads: the attention reshape derives the head count from the local width."""
+    plan = {
+        f"blocks.{i}.{name}": style
+        for i, block in model.blocks.items()
+        for name, style in _block_plan(sequence_parallel, isinstance(block.get_submodule("mlp"), MoE)).items()
+        if _holds(block, name)  # the gate only in a SwiGLU MLP, shared experts only where configured
+    }
+    residual = Shard(1) if sequence_parallel else Replicate()
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if sequence_parallel:
+            if model.pos_emb is not None:  # rotary positions have no weights
+                plan["pos_emb"] = ChunkPositions()
+            plan["emb_dropout"] = SplitDropout(dim=1)
+    if model.lm_head is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def _holds(block: nn.Module, name: str) -> bool:
+    try:
+        return block.get_submodule(name) is not None
+    except AttributeError:
+        return False

@@ -1,6 +1,6 @@
 """What a rank's part of the GPT holds, in elements, counted from the model config alone (no model is built).
 
-The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/model/parallel_plan.py):
+The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/parallel/tp.py):
 - per block: q, k, v (k and v as wide as the key/value heads) and the MLP's up-projection (and SwiGLU's gate) are
   column-parallel (weights and biases split over tp); the attention output and the MLP's down-projection
   row-parallel (weights split, biases replicated); both norms replicated (RMSNorm: a scale only);
