@@ -54,7 +54,8 @@ from llmtrain.resolvers import register_resolvers
 CONF_DIR = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
 
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
-STRATEGIES = (*catalog.STRATEGIES, catalog.AUTO)
+# What parallel.strategy accepts: the catalog's strategies, and `auto` (the planner picks one of them).
+STRATEGY_CHOICES = (*catalog.STRATEGIES, catalog.AUTO)
 PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)
 
 
@@ -304,7 +305,7 @@ def _degree(what: str) -> str:
 class ParallelConfig:
     strategy: str = key(
         "single",
-        OneOf(STRATEGIES),
+        OneOf(STRATEGY_CHOICES),
         f"the mechanism the layout uses (`parallel=<layout>` sets it; named in `llmtrain/catalog.py`): "
         f"{', '.join(f'`{name}`' for name in catalog.STRATEGIES)}, or `{catalog.AUTO}` (the planner chooses a "
         f"layout for the world it runs in, [planner.md](planner.md))",
