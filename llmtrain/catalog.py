@@ -1,7 +1,7 @@
 """What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel.strategy), the
-pipeline schedules (parallel.pp_schedule), the optimizers (optim.name) and the learning-rate schedules
-(optim.schedule, optim.decay_shape). The config's choices and --help, and the code that builds each one, read these
-tables; no other file lists the names."""
+pipeline schedules (parallel.pp_schedule), the optimizers (optim.name), the learning-rate schedules
+(optim.schedule, optim.decay_shape), the data sources and tokenizers, and the recomputation modes. The config's
+choices and --help, and the code that builds each one, read these tables; no other file lists the names."""
 
 from __future__ import annotations
 
@@ -92,6 +92,14 @@ ADAMW_MOMENTS = 2
 # optim.state_bits -> bytes per element of each AdamW moment: fp32, or torchao's 8-bit codes with one fp32 scale per
 # block of 256 (llmtrain/optim/__init__.py).
 MOMENT_BYTES: dict[int, float] = {32: 4.0, 8: 1.0 + 4 / 256}
+# data.source: where the text comes from (llmtrain/data/sources.py), or prepared token stores (data/prepared.py,
+# data/mixture.py).
+DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix")
+# data.tokenizer.kind (llmtrain/data/tokenizers.py describes each).
+TOKENIZER_KINDS = ("byte", "bpe", "hf")
+# train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the
+# planner turns it up in this order when a layout does not fit.
+RECOMPUTE_MODES = ("none", "selective", "full")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # optim.schedule (llmtrain/optim/schedule.py describes each).

@@ -53,7 +53,6 @@ from llmtrain.resolvers import register_resolvers
 # llmtrain/conf links to, so that a wheel carries them inside the package and the tools find them from anywhere.
 CONF_DIR = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
 
-TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # What parallel.strategy accepts: the catalog's strategies, and `auto` (the planner picks one of them).
 STRATEGY_CHOICES = (*catalog.STRATEGIES, catalog.AUTO)
 PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)
@@ -215,7 +214,7 @@ class TokenizerConfig:
     # data=prepared leaves these null: the store's manifest names its tokenizer, and a key set here must agree.
     kind: Optional[str] = key(
         "bpe",
-        OneOf(TOKENIZER_KINDS),
+        OneOf(catalog.TOKENIZER_KINDS),
         "`byte` (256 bytes + end-of-text, no files), `bpe` (byte-level BPE trained on the training stream and "
         "cached), `hf` (a transformers tokenizer)",
     )
@@ -236,7 +235,7 @@ class TokenizerConfig:
 class DataConfig:
     source: str = key(
         MISSING,
-        OneOf(("stdlib", "local", "hf", "prepared", "mix")),
+        OneOf(catalog.DATA_SOURCES),
         "`stdlib`, `local`, `hf`, `prepared` or `mix`: set by the `data` option",
     )
     path: Optional[str] = key(
@@ -544,7 +543,7 @@ class TrainConfig:
     )
     activation_checkpointing: str = key(
         "none",
-        OneOf(("none", "full", "selective")),
+        OneOf(catalog.RECOMPUTE_MODES),
         "`full`: recompute each block in backward (keeps only block inputs); `selective`: keep matmul, attention "
         "and communication outputs, recompute the cheap ops between them",
     )
@@ -1004,7 +1003,7 @@ def validate_data(d) -> None:
     if reads_prepared_stores(d):
         return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
     if d.tokenizer.kind is None:
-        raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(TOKENIZER_KINDS)}")
+        raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(catalog.TOKENIZER_KINDS)}")
     if d.tokenizer.kind == "hf" and not d.tokenizer.name:
         raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
     if d.tokenizer.kind == "bpe" and (d.tokenizer.vocab_size or 0) < 512:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtrain.catalog import schedule_spec
+from llmtrain.catalog import RECOMPUTE_MODES, schedule_spec
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
@@ -174,9 +174,6 @@ def enumerate_candidates(
     return [c for c in found if _runs(c, model_cfg, train_cfg)]
 
 
-RECOMPUTE = ("none", "selective", "full")
-
-
 def with_knobs(candidates: list[Candidate], micro_batch_size: int, recompute: str) -> list[Candidate]:
     """Each candidate as configured, then with smaller micro-batches (the configured size's divisors, so the batch
     still splits) and more activation recomputation: what an expert turns when a layout does not fit. The
@@ -184,7 +181,7 @@ def with_knobs(candidates: list[Candidate], micro_batch_size: int, recompute: st
     micro_sizes = [m for m in range(micro_batch_size, 0, -1) if micro_batch_size % m == 0]
     found = []
     for candidate in candidates:
-        for mode in RECOMPUTE[RECOMPUTE.index(recompute) :]:
+        for mode in RECOMPUTE_MODES[RECOMPUTE_MODES.index(recompute) :]:
             for micro in micro_sizes:
                 found.append(
                     replace(
