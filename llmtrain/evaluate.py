@@ -133,15 +133,15 @@ def run_harness(lm, config: EvaluateRootConfig) -> dict:
 
 def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
     """Collective: the checkpoint's model laid out by `config` on this rank, its weights loaded, as an lm-eval model
-    (llmtrain/harness.py: LiveModel)."""
+    (llmtrain/lm_eval_model.py: LiveModel)."""
     from transformers import AutoTokenizer
 
     from llmtrain.checkpoint.manager import load_checkpoint, read_meta
     from llmtrain.checkpoint.state import load_model_weights_state, model_weights_state
     from llmtrain.checkpoint.training import check_model_matches
     from llmtrain.data.tokenizers import FastTokenizer
-    from llmtrain.harness import LiveModel
     from llmtrain.job import build_layout
+    from llmtrain.lm_eval_model import LiveModel
     from llmtrain.model import GPTConfig, model_group_of
 
     gpt_cfg = GPTConfig.from_dict(read_meta(checkpoint)["model"])

@@ -111,12 +111,12 @@ def holdings(parts, runtime: Runtime) -> dict:
 
 
 def adapter_answers(parts) -> dict:
-    """The lm-eval adapter's answers (llmtrain/harness.py) on the first eval.tasks file's first examples: greedy
+    """The lm-eval adapter's answers (llmtrain/lm_eval_model.py) on the first eval.tasks file's first examples: greedy
     completions, then the log-likelihoods and greedy flags of each choice and each completion, and the rolling
     log-likelihood of a document several model lengths long."""
     from lm_eval.api.instance import Instance
 
-    from llmtrain.harness import LiveModel
+    from llmtrain.lm_eval_model import LiveModel
 
     train = parts.config.train
     lm = LiveModel(parts.model, parts.data.tokenizer, parts.model_config.max_seq_len, train.micro_batch_size, False)

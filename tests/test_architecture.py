@@ -17,7 +17,7 @@ LAYERS = [
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"job", "spawn", "harness"},
+    {"job", "spawn", "lm_eval_model"},
     {"entry", "tools", "bench", "export", "generate"},
 ]
 

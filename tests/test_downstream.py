@@ -115,7 +115,7 @@ def test_task_scores_are_the_same_under_every_layout(tmp_path_factory):
         reference = results[reference_name(layout)]
         assert results[layout]["tasks"] == reference["tasks"], layout
         assert results[layout]["val_bpb"] == pytest.approx(reference["val_bpb"], rel=1e-5), layout
-        # lm-eval's requests through the adapter (llmtrain/harness.py): the same answers as one process
+        # lm-eval's requests through the adapter (llmtrain/lm_eval_model.py): the same answers as one process
         adapter, alone = results[layout]["adapter"], reference["adapter"]
         assert adapter["generated"] == alone["generated"] and adapter["greedy"] == alone["greedy"], layout
         for kind in ("loglikelihoods", "rolling"):

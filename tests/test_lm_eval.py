@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on the live model (llmtrain.evaluate, llmtrain/harness.py), held against lm-eval's own
+"""lm-evaluation-harness on the live model (llmtrain.evaluate, llmtrain/lm_eval_model.py), held against lm-eval's own
 Hugging Face backend (HFLM) on the same checkpoint exported: the same per-request log-likelihoods, greedy flags,
 rolling log-likelihoods and greedy generations, also where a context is longer than the model and is cut, the same
 metrics on local multiple-choice, perplexity and generation tasks, the in-loop scorer's log-likelihoods, acc and
