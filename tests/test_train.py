@@ -131,14 +131,21 @@ def test_the_zygote_refuses_to_fork_beside_another_thread() -> None:
 def test_warm_runs_are_forks_of_a_zygote_that_runs_one_thread(tmp_path: Path) -> None:
     """After its imports (torch, datasets and pyarrow, hydra, torchrun's) the zygote runs one thread: pyarrow's
     jemalloc would start a second as it loads, which the zygote keeps from starting, and a run it refused would fail
-    here with the reason. The run is the zygote's child, not a fresh interpreter."""
+    here with the reason. The run is the zygote's child, not a fresh interpreter. It runs with the startup
+    variables the zygote was started with: a test before this one in the same worker may have changed one (that
+    run then gets a fresh interpreter, as it should), which is not what this test is about."""
+    from warm_python import ADDRESS, startup_environment
+
     if not warm_interpreter():
         pytest.skip("LLMTRAIN_TEST_COLD=1: every run is a fresh interpreter")
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nprint(os.getppid())\n")
-    done = subprocess.run(
-        [python(), str(probe)], capture_output=True, text=True, timeout=300, env={**os.environ, **warm_interpreter()}
-    )
+    zygote_started_with = json.loads((Path(os.environ[ADDRESS]).parent / "environment.json").read_text())[
+        "started_with"
+    ]
+    ours = {key: value for key, value in os.environ.items() if key not in startup_environment(dict(os.environ))}
+    env = {**ours, **zygote_started_with, **warm_interpreter()}
+    done = subprocess.run([python(), str(probe)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     zygote = int(done.stdout)
     assert "zygote.py" in Path(f"/proc/{zygote}/cmdline").read_text()
