@@ -87,8 +87,7 @@ def exits_on_run_error() -> Iterator[None]:
     try:
         yield
     except RunError as error:
-        print(f"{error.prefix}{error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+        exit_for(error, is_main=True, shutdown=lambda _: None)  # one process: no group to leave
 
 
 def first_line(error: BaseException | str, limit: int = 160) -> str:
