@@ -1,4 +1,4 @@
-"""What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel.strategy), the
+"""What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel=<layout>), the
 pipeline schedules (parallel.pp_schedule), the optimizers (optim.name), the learning-rate schedules
 (optim.schedule, optim.decay_shape), the data sources and tokenizers, and the recomputation modes. The config's
 choices and --help, and the code that builds each one, read these tables; no other file lists the names."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmtrain.errors import ConfigError
 
@@ -15,29 +15,269 @@ from llmtrain.errors import ConfigError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+# The mesh dimensions the planner keeps inside a node: their collectives run every layer, so they get the fastest
+# links.
+WITHIN_NODE_DIMS = ("cp", "tp")
+# A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in llmtrain/resolvers.py).
+RANKS_PER_NODE = "${llmtrain_ranks_per_node:}"
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """How the data-parallel ranks share the model's state."""
+
+    implementation: str  # "module:Class" of the ParallelModel that applies it (imported when a run asks for it)
+    dims: tuple[str, ...]  # the mesh dimensions it can split over
+    sharding: str  # what it shards over its ranks: nothing, the optimizer state, or (FSDP) parameters
+    flat_optimizer: bool = False  # its optimizer updates flat fp32 slices: no 8-bit moments, no host-side state
+
+
+# parallel layouts' data_parallel field -> the mechanism.
+DATA_PARALLEL: dict[str, DataParallelSpec] = {
+    "none": DataParallelSpec("llmtrain.parallel.parallel_model:ParallelModel", (), "nothing"),
+    "ddp": DataParallelSpec("llmtrain.parallel.data_parallel:DDP", ("dp_replicate",), "nothing"),
+    "zero1": DataParallelSpec(
+        "llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",), "optimizer", flat_optimizer=True
+    ),
+    "fsdp": DataParallelSpec(
+        "llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
+    ),
+}
+PIPELINE_IMPLEMENTATION = "llmtrain.parallel.pipeline.parallel_model:PipelineParallel"
+
+
 @dataclass(frozen=True)
 class LayoutSpec:
-    implementation: str  # "module:Class" of the ParallelModel that lays it out (imported when a run asks for it)
-    dims: tuple[str, ...]  # the mesh dimensions it splits over: a degree above 1 on any other is refused
+    """One layout a user picks with `parallel=<name>`: conf/parallel/<name>.yaml, the layout tables of README.md and
+    docs/parallelism.md and the planner's candidates are made from it (llmtrain/tools/layouts.py)."""
+
+    description: str  # the yaml's opening comment: its first sentence is the option's line in --help and the docs
+    degrees: dict[str, int | str]  # the mesh degrees its yaml sets (-1: the remaining ranks; RANKS_PER_NODE)
+    data_parallel: str  # a key of DATA_PARALLEL
+    splits: str  # what it splits (the README's table)
+    state: tuple[str, str, str]  # per rank: parameters, gradients, AdamW state (Ψ parameters, N, T, P, S degrees)
+    communication: str  # per optimizer step
+    built_from: str
+    pipeline: bool = False
+    settings: dict[str, bool] = field(default_factory=dict)  # other parallel.* keys its yaml sets
+    overlaps: bool = False  # its data-parallel traffic runs behind backward (buckets, prefetch), not after it
+    planner_extras: tuple[str, ...] = ()  # degrees the planner also tries above 1: "cp" (within a node), "ep"
+    examples: tuple[str, ...] = ()
+
+    @property
+    def mechanism(self) -> DataParallelSpec:
+        return DATA_PARALLEL[self.data_parallel]
+
+    @property
+    def implementation(self) -> str:
+        return PIPELINE_IMPLEMENTATION if self.pipeline else self.mechanism.implementation
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The mesh dimensions it may split over: a degree above 1 on any other is refused. A pipeline carries any
+        layout inside its stages."""
+        if self.pipeline:
+            return MESH_DIMS
+        return tuple(d for d in MESH_DIMS if d in self.mechanism.dims or d in self.degrees)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP frees gathered parameters after forward (and gathers them again for backward). A pipeline
+        keeps them for the whole step: resharding would re-gather for every micro-batch."""
+        return not self.pipeline and self.settings.get("reshard_after_forward", True)
 
 
-# parallel.strategy -> its layout.
-STRATEGIES: dict[str, LayoutSpec] = {
-    "single": LayoutSpec("llmtrain.parallel.parallel_model:ParallelModel", ()),
-    "ddp": LayoutSpec("llmtrain.parallel.data_parallel:DDP", ("dp_replicate",)),
-    "zero1": LayoutSpec("llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",)),
-    "fsdp": LayoutSpec("llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp")),
-    "tp": LayoutSpec("llmtrain.parallel.parallel_model:ParallelModel", ("tp",)),
-    "pp": LayoutSpec("llmtrain.parallel.pipeline.parallel_model:PipelineParallel", MESH_DIMS),
+_SP = {"sequence_parallel": True}
+# parallel=<name> -> its layout, simplest first: the planner breaks a tie (predicted step times within 3%) toward
+# the earlier row, which has fewer moving parts to debug.
+LAYOUTS: dict[str, LayoutSpec] = {
+    "single": LayoutSpec(
+        "One process, no wrapper: the reference every other layout must reproduce.",
+        {},
+        "none",
+        "nothing",
+        ("Ψ", "Ψ", "2Ψ"),
+        "none",
+        "the model as it is",
+    ),
+    "ddp": LayoutSpec(
+        "DistributedDataParallel: every rank a full replica, gradients averaged by all-reduce.",
+        {"dp_replicate": -1},
+        "ddp",
+        "the batch; every rank holds everything",
+        ("Ψ", "Ψ", "2Ψ"),
+        "all-reduce of the gradients: 2Ψ, bucketed and overlapped with backward, once per optimizer step",
+        "`DistributedDataParallel`, `no_sync` while accumulating",
+        overlaps=True,
+        examples=(
+            "torchrun --standalone --nproc_per_node=4 train.py parallel=ddp",
+            "python train.py parallel=ddp parallel.nproc=4            # the same, workers started by train.py",
+        ),
+    ),
+    "zero1": LayoutSpec(
+        "ZeRO stage 1: replicas, but each rank keeps the optimizer state of only 1/N of the weights.",
+        {"dp_replicate": -1},
+        "zero1",
+        "the batch; optimizer state sharded",
+        ("Ψ", "Ψ", "2Ψ/N"),
+        "reduce-scatter of Ψ gradients + all-gather of Ψ updated parameters = 2Ψ, as DDP, after backward",
+        "written here (`llmtrain/parallel/zero.py`)",
+    ),
+    "zero2": LayoutSpec(
+        "ZeRO stage 2 with FSDP2: gradients and optimizer state sharded, parameters kept gathered from forward to "
+        "backward.",
+        {"dp_shard": -1},
+        "fsdp",
+        "the batch; gradients and optimizer state sharded",
+        ("Ψ/N (Ψ during the step)", "Ψ/N", "2Ψ/N"),
+        "all-gather of Ψ parameters (forward) + reduce-scatter of Ψ gradients = 2Ψ",
+        "FSDP2, `reshard_after_forward=False`",
+        settings={"reshard_after_forward": False},
+        overlaps=True,
+    ),
+    "fsdp": LayoutSpec(
+        "FSDP2 fully_shard per transformer block and on the root: ZeRO stage 3.",
+        {"dp_shard": -1},
+        "fsdp",
+        "the batch; parameters, gradients and optimizer state sharded (ZeRO-3)",
+        ("Ψ/N", "Ψ/N", "2Ψ/N"),
+        "all-gather of Ψ (forward) + all-gather of Ψ (backward) + reduce-scatter of Ψ gradients = 3Ψ; on GPU in "
+        "bf16 the parameters are gathered in bf16 and gradients reduced in fp32",
+        "FSDP2 `fully_shard` per block + root",
+        overlaps=True,
+        planner_extras=("cp", "ep"),
+        examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=fsdp",),
+    ),
+    "hsdp": LayoutSpec(
+        "Hybrid sharding: FSDP inside a node (dp_shard, fast links), replicas across nodes (dp_replicate).",
+        {"dp_replicate": -1, "dp_shard": RANKS_PER_NODE},
+        "fsdp",
+        "FSDP inside a node, replicas across nodes",
+        ("Ψ/S", "Ψ/S", "2Ψ/S"),
+        "3Ψ over the S ranks of a node, as fsdp + all-reduce of the Ψ/S gradient shard across nodes: the slow "
+        "links carry 2Ψ/S instead of 3Ψ",
+        "FSDP2 on a 2-D mesh",
+        overlaps=True,
+        examples=(
+            "sbatch --nodes=2 launch/slurm.sbatch parallel=hsdp",
+            "torchrun --standalone --nproc_per_node=4 train.py parallel=hsdp parallel.dp_shard=2   # 2 x 2 on one "
+            "machine",
+        ),
+    ),
+    "tp": LayoutSpec(
+        "Tensor parallelism: every layer split across all ranks, Megatron-style.",
+        {"tp": -1},
+        "none",
+        "each layer's matrices (+ sequence parallelism)",
+        ("Ψ/T", "Ψ/T", "2Ψ/T"),
+        "4 all-reduces of the b·s·h activations per layer (2 forward, 2 backward); with sequence parallelism "
+        "each becomes an all-gather + a reduce-scatter of the same volume",
+        "DTensor `parallelize_module` (`llmtrain/parallel/tp.py`)",
+        examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=tp parallel.sequence_parallel=true",),
+    ),
+    "ddp_tp": LayoutSpec(
+        "Tensor parallel inside (tp), plain replicas across (dp_replicate): DDP semantics over TP-sharded weights, "
+        "on FSDP2 with a replicate-only mesh (DistributedDataParallel does not take DTensor parameters).",
+        {"dp_replicate": -1, "tp": 2},
+        "fsdp",
+        "each layer's matrices inside, the batch across replicas",
+        ("Ψ/T", "Ψ/T", "2Ψ/T"),
+        "TP's per layer + all-reduce of the 2Ψ/T gradients across replicas",
+        "TP, then FSDP2 with a replicate-only mesh",
+        settings=_SP,
+        overlaps=True,
+    ),
+    "fsdp_tp": LayoutSpec(
+        "2-D parallelism: tensor parallel inside (tp, the fastest links), FSDP across (dp_shard).",
+        {"dp_shard": -1, "tp": 2},
+        "fsdp",
+        "each layer's matrices inside, FSDP across",
+        ("Ψ/(N·T)", "Ψ/(N·T)", "2Ψ/(N·T)"),
+        "TP's per layer over the T ranks + FSDP's 3Ψ/T over the N ranks",
+        "TP, then `fully_shard` on the TP-sharded parameters",
+        settings=_SP,
+        overlaps=True,
+        examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=fsdp_tp        # 2 x 2",),
+    ),
+    "pp": LayoutSpec(
+        "Pipeline parallelism: the model cut by depth into stages, one per rank (or pp_stages_per_rank), "
+        "micro-batches flowing through a schedule.",
+        {"pp": -1},
+        "fsdp",
+        "the layers into stages; 7 schedules (GPipe to DualPipeV)",
+        ("Ψ/P", "Ψ/P", "2Ψ/P"),
+        "one activation forward and its gradient backward per micro-batch, point-to-point between neighbours; "
+        "idle time (the bubble) (P − 1)/m of compute for gpipe and 1f1b, drawn each run into pipeline.png",
+        "torch `PipelineStage` + schedules; stage split written here",
+        pipeline=True,
+        overlaps=True,
+        examples=(
+            "torchrun --standalone --nproc_per_node=4 train.py parallel=pp parallel.pp_schedule=gpipe",
+            "torchrun --standalone --nproc_per_node=4 train.py parallel=pp parallel.pp_schedule=interleaved_1f1b "
+            "parallel.pp_stages_per_rank=2 model.n_layer=8",
+        ),
+    ),
+    "pp_fsdp": LayoutSpec(
+        "Pipeline across (pp) x FSDP within each stage (dp_shard), its gathered parameters kept for the step.",
+        {"pp": 2, "dp_shard": -1},
+        "fsdp",
+        "the layers into stages, each stage FSDP-sharded",
+        ("Ψ/(P·N)", "Ψ/(P·N)", "2Ψ/(P·N)"),
+        "pipeline point-to-point across + FSDP's within each stage, gathered once per step",
+        "stages, then `fully_shard`",
+        pipeline=True,
+        overlaps=True,
+        examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=pp_fsdp          # pp 2 x dp_shard 2",),
+    ),
+    "pp_tp": LayoutSpec(
+        "Pipeline across (pp) x tensor parallel within each stage (tp, the fastest links).",
+        {"pp": 2, "tp": -1},
+        "fsdp",
+        "the layers into stages, each layer's matrices within a stage",
+        ("Ψ/(P·T)", "Ψ/(P·T)", "2Ψ/(P·T)"),
+        "TP's per layer within each stage + pipeline point-to-point across",
+        "stages, then TP",
+        pipeline=True,
+        settings=_SP,
+        overlaps=True,
+        examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=pp_tp            # pp 2 x tp 2",),
+    ),
+    "3d": LayoutSpec(
+        "3-D parallelism as big runs map it onto hardware: tensor parallel inside a node, FSDP over the "
+        "data-parallel ranks, pipeline across nodes (point-to-point only, it tolerates slow links).",
+        {"pp": 2, "dp_shard": -1, "tp": 2},
+        "fsdp",
+        "TP inside a node, FSDP over data ranks, pipeline across nodes",
+        ("Ψ/(P·N·T)", "Ψ/(P·N·T)", "2Ψ/(P·N·T)"),
+        "TP's per layer over the T ranks, FSDP's over the N, pipeline point-to-point over the P",
+        "stages, TP, `fully_shard`",
+        pipeline=True,
+        settings=_SP,
+        overlaps=True,
+        examples=(
+            "torchrun --standalone --nproc_per_node=8 train.py parallel=3d               # pp 2 x dp_shard 2 x tp 2",
+            "sbatch --nodes=2 launch/slurm.sbatch parallel=3d   # pp across the 2 nodes, dp_shard x tp inside each",
+        ),
+    ),
 }
-# parallel.strategy=auto: the planner picks one of STRATEGIES for the world it runs in.
+# parallel=auto: the planner picks one of LAYOUTS for the world it runs in (llmtrain/planner/).
 AUTO = "auto"
+AUTO_DESCRIPTION = (
+    "Let the planner choose: at start-up it weighs every layout and degree split that runs on this world size for "
+    "the model and batch, with the memory and links of hardware= (or the bus bandwidths of "
+    "plan.measured=comm_bench.csv), and trains with the fastest that fits device memory. The start summary prints "
+    "the decision, the reason and the runner-up; the run's config records the chosen layout."
+)
+AUTO_EXAMPLES = (
+    "python -m llmtrain.tools.plan model=gpt2-xl hardware=rtx4080x4 plan.layouts=all",
+    "torchrun --standalone --nproc_per_node=4 train.py parallel=auto hardware=rtx4080x4",
+)
 
 
 def layout_spec(name: str) -> LayoutSpec:
-    if name not in STRATEGIES:
-        raise ConfigError(f"parallel.strategy={name!r} is not a layout: use one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
+    if name not in LAYOUTS:
+        raise ConfigError(f"parallel.layout={name!r} is not a layout: use one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ from llmtrain.resolvers import register_resolvers
 # llmtrain/conf links to, so that a wheel carries them inside the package and the tools find them from anywhere.
 CONF_DIR = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
 
-# What parallel.strategy accepts: the catalog's strategies, and `auto` (the planner picks one of them).
-STRATEGY_CHOICES = (*catalog.STRATEGIES, catalog.AUTO)
+# What parallel.layout accepts: the catalog's layouts, and `auto` (the planner picks one of them).
+LAYOUT_CHOICES = (*catalog.LAYOUTS, catalog.AUTO)
 PIPELINE_SCHEDULES = tuple(catalog.SCHEDULES)
 
 
@@ -302,12 +302,12 @@ def _degree(what: str) -> str:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = key(
+    layout: str = key(
         "single",
-        OneOf(STRATEGY_CHOICES),
-        f"the mechanism the layout uses (`parallel=<layout>` sets it; named in `llmtrain/catalog.py`): "
-        f"{', '.join(f'`{name}`' for name in catalog.STRATEGIES)}, or `{catalog.AUTO}` (the planner chooses a "
-        f"layout for the world it runs in, [planner.md](planner.md))",
+        OneOf(LAYOUT_CHOICES),
+        f"the layout `parallel=<layout>` picked (a row of `llmtrain/catalog.py`'s LAYOUTS, [parallelism.md]"
+        f"(parallelism.md)), or `{catalog.AUTO}` (the planner chooses one for the world it runs in, "
+        f"[planner.md](planner.md))",
     )
     # Degrees of the mesh (outer to inner); -1 on one of them means "the remaining ranks"; 0 is refused.
     pp: int = key(1, MeshDegree(), _degree("pipeline parallelism: the blocks cut into stages, one per rank group"))
@@ -823,8 +823,15 @@ def schema_keys(schema: type) -> tuple[tuple[str, Domain | None], ...]:
     return tuple((dotted, item.metadata.get("domain")) for dotted, item, _ in schema_fields(schema))
 
 
+# Keys an earlier version had -> their names now: a config that still sets one is told the new name.
+RENAMED_KEYS = {"parallel.strategy": "parallel.layout"}
+
+
 def unknown_key_line(name: str, keys: list[str]) -> str:
-    """`name` is not among `keys` (dotted leaf keys): the closest key of the same section, and the section's keys."""
+    """`name` is not among `keys` (dotted leaf keys): its new name if it was renamed, else the closest key of the
+    same section, and the section's keys."""
+    if name in RENAMED_KEYS:
+        return f"{name} is now {RENAMED_KEYS[name]}: set {RENAMED_KEYS[name]} (or pick the layout with parallel=<name>)"
     parent = name.rpartition(".")[0]
     prefix = f"{parent}." if parent else ""
     siblings = sorted({k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)})
@@ -930,11 +937,12 @@ def validate(cfg) -> None:
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
     validate_optim(cfg.optim)
-    if cfg.parallel.strategy == "zero1" and (cfg.optim.offload or cfg.optim.state_bits != 32):
+    layout = catalog.LAYOUTS.get(cfg.parallel.layout)
+    if layout and layout.mechanism.flat_optimizer and (cfg.optim.offload or cfg.optim.state_bits != 32):
         setting = "optim.offload=true" if cfg.optim.offload else f"optim.state_bits={cfg.optim.state_bits}"
         raise ConfigError(
-            f"{setting} is not available with parallel=zero1, whose optimizer updates flat fp32 slices of its own: "
-            f"use parallel=zero2 or fsdp (sharded per parameter)"
+            f"{setting} is not available with parallel={cfg.parallel.layout}, whose optimizer updates flat fp32 "
+            f"slices of its own: use parallel=zero2 or fsdp (sharded per parameter)"
         )
     if cfg.optim.offload and cfg.parallel.cpu_offload:
         raise ConfigError(

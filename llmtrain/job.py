@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from llmtrain.catalog import AUTO
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (
@@ -201,7 +202,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     tokenizer = build_tokenizer(config.data, runtime.is_main, runtime.barrier)
     _check_vocab(config, tokenizer.vocab_size)
     auto = None
-    if config.parallel.strategy == "auto":
+    if config.parallel.layout == AUTO:
         if config.plan.measured is None and runtime.world_size > 1:  # measure first: the links this machine has
             measured = _measured_links(config, runtime)
             config = dataclasses.replace(config, plan=dataclasses.replace(config.plan, measured=measured))

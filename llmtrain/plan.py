@@ -1,9 +1,9 @@
-"""A parallel layout decided before anything is built: which strategy, over which degrees of the device mesh, checked
+"""A parallel layout decided before anything is built: which layout, over which degrees of the device mesh, checked
 against the model, the batch and the world size. Torch-free, so train.py refuses a layout that cannot run in a
 second, before torch loads, and the planner weighs its candidates with the same checks training makes.
 
 `ParallelPlan.of(...)` resolves and checks in one go: a plan that exists is one that runs. What it does not know is
-where each rank sits in the mesh; the strategy built from it (llmtrain/parallel/) adds that.
+where each rank sits in the mesh; the ParallelModel built from it (llmtrain/parallel/) adds that.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def micro_batching(batch_size: int, micro_batch_size: int, dp: int, pipeline_m: 
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A layout that runs: `parallel.strategy` over `degrees` on `world_size` ranks, with the parallel.* and train.*
+    """A layout that runs: `parallel.layout` over `degrees` on `world_size` ranks, with the parallel.* and train.*
     settings it was checked with. Made by `of`, which refuses (ConfigError) what cannot run."""
 
     parallel: ParallelConfig
@@ -111,10 +111,10 @@ class ParallelPlan:
     @classmethod
     def of(cls, parallel: ParallelConfig, train: TrainConfig, model: ModelConfig, world_size: int) -> ParallelPlan:
         """The plan of these settings on `world_size` ranks, or a one-line ConfigError naming the key to change."""
-        spec = layout_spec(parallel.strategy)
+        spec = layout_spec(parallel.layout)
         if not spec.dims and world_size != 1:
             raise ConfigError(
-                f"parallel={parallel.strategy} runs one process but the world size is {world_size}: "
+                f"parallel={parallel.layout} runs one process but the world size is {world_size}: "
                 f"launch without torchrun or pick a multi-process layout (parallel=ddp, fsdp, ...)"
             )
         plan = cls(parallel, train, resolve_degrees(parallel, world_size), world_size)
@@ -123,16 +123,20 @@ class ParallelPlan:
 
     @property
     def name(self) -> str:
-        return self.parallel.strategy
+        return self.parallel.layout
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return layout_spec(self.name)
 
     @property
     def dims(self) -> tuple[str, ...]:
-        """The mesh dimensions the strategy splits over (none: one process, no mesh)."""
-        return layout_spec(self.name).dims
+        """The mesh dimensions the layout splits over (none: one process, no mesh)."""
+        return self.spec.dims
 
     @property
     def pipelined(self) -> bool:
-        return "pp" in self.dims
+        return self.spec.pipeline
 
     @property
     def dp_size(self) -> int:
@@ -150,32 +154,27 @@ class ParallelPlan:
         return micro_batching(t.batch_size, t.micro_batch_size, self.degrees.dp, pipeline_m)
 
     def describe(self) -> str:
-        """The layout and its degrees, in a few words."""
-        d, p = self.degrees, self.parallel
-        if self.name == "tp":
-            extras = [
-                name
-                for name, on in (("sequence parallel", p.sequence_parallel), ("loss parallel", p.loss_parallel))
-                if on
-            ]
-            return f"{self.name} ({d.describe()}{', ' if extras else ''}{', '.join(extras)})"
-        if self.name == "fsdp":
-            if d.dp_replicate > 1:
-                kind = "HSDP" if d.dp_shard > 1 else "replicated"
-            else:
-                kind = "ZeRO-3" if p.reshard_after_forward else "ZeRO-2"
-            offload = ", CPU offload" if p.cpu_offload else ""
-            tp = f", TP{' + SP' if p.sequence_parallel else ''}" if d.tp > 1 else ""
-            cp = ", ring attention" if d.cp > 1 else ""
-            return f"{self.name} {kind}{offload}{tp}{cp} ({d.describe()})"
+        """The layout, what its mechanisms do at these degrees, and the degrees, in a few words."""
+        d, p, spec = self.degrees, self.parallel, self.spec
+        parts = []
         if self.pipelined:
-            within = [name for name, degree in (("FSDP", d.dp), ("TP", d.tp)) if degree > 1]
             virtual = f", {p.pp_stages_per_rank} stages/rank" if p.pp_stages_per_rank > 1 else ""
-            return (
-                f"{self.name} {p.pp_schedule}{virtual}, {self.microbatches} micro-batches"
-                f"{' + ' + ' + '.join(within) if within else ''} ({d.describe()})"
-            )
-        return f"{self.name} ({d.describe()})"
+            parts.append(f"{p.pp_schedule}{virtual}, {self.microbatches} micro-batches")
+        if spec.mechanism.sharding == "parameters" and d.dp * d.cp > 1:
+            if d.dp_replicate > 1:
+                parts.append("HSDP" if d.dp_shard_cp > 1 else "replicated")
+            elif self.pipelined:
+                parts.append("FSDP")
+            else:
+                parts.append("ZeRO-3" if p.reshard_after_forward else "ZeRO-2")
+            if p.cpu_offload:
+                parts.append("CPU offload")
+        if d.tp > 1:
+            extras = (("SP", p.sequence_parallel), ("loss parallel", p.loss_parallel))
+            parts.append("TP" + "".join(f" + {name}" for name, on in extras if on))
+        if d.cp > 1:
+            parts.append("ring attention")
+        return f"{self.name}{' ' if parts else ''}{', '.join(parts)} ({d.describe()})"
 
     def summary(self) -> str:
         """The start-up summary's layout line: `describe()`, and on one process that nothing is split."""
@@ -188,7 +187,7 @@ class ParallelPlan:
             if getattr(d, dim) > 1 and dim not in spec.dims:
                 uses = ", ".join(spec.dims) or "no dimension"
                 raise ConfigError(
-                    f"parallel.{dim}={getattr(d, dim)} but parallel.strategy={self.name} does not split over "
+                    f"parallel.{dim}={getattr(d, dim)} but parallel={self.name} does not split over "
                     f"{dim} (it uses {uses}): set parallel.{dim}=1 or choose a layout that has it"
                 )
         if d.tp > 1:
@@ -273,7 +272,7 @@ def check_context_parallel(cp: int, seq_len: int, attention_dropout: float, tp: 
 
 
 def check_expert_parallel(
-    ep: int, num_experts: int, supports_ep: bool, strategy: str, activation_checkpointing: str = "none"
+    ep: int, num_experts: int, supports_ep: bool, layout: str, activation_checkpointing: str = "none"
 ) -> None:
     """Refuse what expert parallelism cannot do, before any process group exists."""
     if ep == 1:
@@ -290,7 +289,7 @@ def check_expert_parallel(
         )
     if not supports_ep:
         raise ConfigError(
-            f"parallel.ep={ep} but parallel.strategy={strategy} does not shard parameters: expert parallelism "
+            f"parallel.ep={ep} but parallel={layout} does not shard parameters: expert parallelism "
             f"takes its ranks from FSDP's; use parallel=fsdp, hsdp, fsdp_tp or a pipeline with FSDP"
         )
     if activation_checkpointing == "selective":
@@ -373,7 +372,7 @@ def plan_command(overrides: list[str], world_size: int) -> str:
 def check_layout(config: RootConfig, overrides: list[str], world_size: int) -> None:
     """Refuse the layout of a train.py run with these overrides on `world_size` ranks before anything is built
     (parallel=auto is decided later, once the tokenizer's vocabulary is known)."""
-    if config.parallel.strategy == AUTO:
+    if config.parallel.layout == AUTO:
         return
     try:
         ParallelPlan.of(config.parallel, config.train, config.model, world_size)

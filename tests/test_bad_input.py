@@ -22,8 +22,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 
 from llmtrain.config import (
+    LAYOUT_CHOICES,
     PIPELINE_SCHEDULES,
-    STRATEGY_CHOICES,
     PrepareRootConfig,
     RootConfig,
     check_domains,
@@ -123,16 +123,16 @@ def test_every_key_declares_a_domain():
 def test_every_name_in_the_catalog_builds_what_it_names():
     """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a ParallelModel, and each
     schedule is a class torch has (or the reference)."""
-    from llmtrain.catalog import SCHEDULES, STRATEGIES
+    from llmtrain.catalog import LAYOUTS, SCHEDULES
     from llmtrain.parallel.parallel_model import ParallelModel
     from llmtrain.parallel.pipeline.schedules import torch_schedule
     from llmtrain.parallel.registry import parallel_model_class
 
-    for name in STRATEGIES:
+    for name in LAYOUTS:
         assert issubclass(parallel_model_class(name), ParallelModel)
     for spec in SCHEDULES.values():
         assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
-    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and STRATEGY_CHOICES == (*STRATEGIES, "auto")
+    assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and LAYOUT_CHOICES == (*LAYOUTS, "auto")
 
 
 def test_the_schema_walk_refuses_every_invalid_value_with_one_line_naming_its_key():

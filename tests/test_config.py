@@ -139,6 +139,14 @@ def test_the_config_page_is_the_one_the_schema_generates():
     assert Path(PAGE).read_text() == render(), "run: python -m llmtrain.tools.config_doc --write"
 
 
+def test_the_layout_files_are_the_ones_their_rows_make():
+    """conf/parallel/*.yaml and the layout tables of README.md and docs/parallelism.md are written from the rows of
+    llmtrain/catalog.py's LAYOUTS: a row changed without regenerating them, or a yaml no row makes, fails here."""
+    from llmtrain.tools.layout_doc import stale
+
+    assert stale() == [], "run: python -m llmtrain.tools.layout_doc --write"
+
+
 def test_every_key_says_what_it_alone_does():
     """No doc pasted onto several keys: each says what its own key does (five mesh degrees once shared one)."""
     from collections import Counter

@@ -31,7 +31,7 @@ def test_all_to_all_experts_equal_one_process_holding_them_all(tmp_path):
     [
         ((2, 0, True, "fsdp"), "model.moe.num_experts=0"),
         ((3, 8, True, "fsdp"), "model.moe.num_experts=8"),
-        ((2, 8, False, "ddp"), "parallel.strategy=ddp"),
+        ((2, 8, False, "ddp"), "parallel=ddp"),
         ((2, 8, True, "fsdp", "selective"), "train.activation_checkpointing=selective"),
     ],
 )

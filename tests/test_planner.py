@@ -57,11 +57,11 @@ def test_parameter_count_from_the_config_is_the_models(model):
 
 
 LAYOUTS = {
-    "ddp": Candidate("ddp", "ddp", Degrees(dp_replicate=4)),
-    "zero1": Candidate("zero1", "zero1", Degrees(dp_replicate=4)),
-    "zero2": Candidate("zero2", "fsdp", Degrees(dp_shard=4), reshard_after_forward=False),
-    "fsdp": Candidate("fsdp", "fsdp", Degrees(dp_shard=4)),
-    "hsdp": Candidate("hsdp", "fsdp", Degrees(dp_replicate=2, dp_shard=2)),
+    "ddp": Candidate("ddp", Degrees(dp_replicate=4)),
+    "zero1": Candidate("zero1", Degrees(dp_replicate=4)),
+    "zero2": Candidate("zero2", Degrees(dp_shard=4), reshard_after_forward=False),
+    "fsdp": Candidate("fsdp", Degrees(dp_shard=4)),
+    "hsdp": Candidate("hsdp", Degrees(dp_replicate=2, dp_shard=2)),
 }
 
 
@@ -140,7 +140,7 @@ def test_context_parallel_divides_activations_and_adds_the_ring():
     """cp 2 beside fsdp on the same 4 ranks: half the tokens' activations per rank (logits included), states
     sharded over all 4 ranks either way, and the ring's sends and receives; the command line selects it."""
     fsdp, _, _ = _plan(LAYOUTS["fsdp"], "model=llama-tiny", "train.seq_len=256")
-    cp = Candidate("fsdp cp2", "fsdp", Degrees(dp_shard=2, cp=2))
+    cp = Candidate("fsdp", Degrees(dp_shard=2, cp=2))
     ring, _, _ = _plan(cp, "model=llama-tiny", "train.seq_len=256")
     # a micro-batch of the same rows (twice as many of them per rank: dp 2, not 4), half the tokens of each
     assert ring.heaviest.activations == pytest.approx(fsdp.heaviest.activations / 2, rel=1e-6)
@@ -159,8 +159,8 @@ def test_pipeline_micro_batches_in_flight():
 
 
 def test_pipeline_activations_follow_the_schedule():
-    gpipe, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=2), pp_schedule="gpipe"), "train.batch_size=32")
-    one_f_one_b, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=2)), "train.batch_size=32")
+    gpipe, _, _ = _plan(Candidate("pp", Degrees(pp=2), pp_schedule="gpipe"), "train.batch_size=32")
+    one_f_one_b, _, _ = _plan(Candidate("pp", Degrees(pp=2)), "train.batch_size=32")
     # 4 micro-batches: GPipe keeps all 4 on the first stage, 1F1B 2 (pp)
     assert gpipe.ranks[0].activations == pytest.approx(2 * one_f_one_b.ranks[0].activations)
     assert one_f_one_b.ranks[1].parameters > 0 and one_f_one_b.ranks[0].parameters != one_f_one_b.ranks[1].parameters
@@ -180,12 +180,12 @@ def test_traffic_is_the_designs():
     fsdp, _, _ = _plan(LAYOUTS["fsdp"], *overrides, sizes=sizes)
     root = holding(work.gpt).root
     assert dict(fsdp.traffic[0].bytes) == {"all_gather": 2 * (2 * psi - root) * e, "reduce_scatter": 2 * psi * e}
-    tp, _, _ = _plan(Candidate("tp", "tp", Degrees(tp=4)), *overrides, sizes=sizes)
+    tp, _, _ = _plan(Candidate("tp", Degrees(tp=4)), *overrides, sizes=sizes)
     bsh = 32 * 64 * work.gpt.d_model  # all 32 rows: 8 micro-batches of 4
     blocks_and_ends = 4 * work.gpt.n_layer + 2  # the embedding's forward and the head's backward add one each
     loss_parallel = 3 * 32 * 64 * 4  # max, sum of exponentials and target logit of every position, fp32
     assert dict(tp.traffic[0].bytes) == {"all_reduce": blocks_and_ends * bsh * e + loss_parallel}
-    pp, _, _ = _plan(Candidate("pp", "pp", Degrees(pp=4)), *overrides, sizes=sizes)
+    pp, _, _ = _plan(Candidate("pp", Degrees(pp=4)), *overrides, sizes=sizes)
     middle = pp.traffic[1].bytes
     assert middle["send"] == middle["recv"] == 2 * bsh * e  # activations forward, their gradients back
 

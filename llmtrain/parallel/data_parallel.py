@@ -1,7 +1,7 @@
-"""The layouts without a pipeline, keyed by `parallel.strategy` in llmtrain/catalog.py (conf/parallel/*.yaml picks
-one): what each adds to the base ParallelModel. The pipeline layouts live in pipeline/parallel_model.py; `single`
-(one process, no wrapper: every other layout is tested against it) and `tp` (tensor parallelism over all ranks,
-which the base applies wherever parallel.tp > 1) are the base ParallelModel itself.
+"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL that layouts without a pipeline use: what
+each adds to the base ParallelModel. The pipeline layouts live in pipeline/parallel_model.py; the mechanism `none`
+(`single`, and `tp`: tensor parallelism over all ranks, which the base applies wherever parallel.tp > 1) is the
+base ParallelModel itself.
 
   ddp     DistributedDataParallel (ddp.py)
   zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)

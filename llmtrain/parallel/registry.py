@@ -1,5 +1,5 @@
-"""`parallel.strategy` name -> the ParallelModel class that lays it out, from the table in llmtrain/catalog.py. A
-new layout is one class, one line in that table and one `conf/parallel/<name>.yaml`; the trainer does not change. A
+"""`parallel.layout` name -> the ParallelModel class that lays it out, from its row in llmtrain/catalog.py. A new
+layout is one row (and, if it needs mechanics no row has, one class named by it); the trainer does not change. A
 class is imported only when a run asks for it."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
         )
     chosen = decision.chosen.candidate
     values = chosen.parallel_values()
-    # keep the user's pipeline schedule knobs and nproc; the degrees and the strategy come from the plan
+    # keep the user's pipeline schedule knobs and nproc; the layout and its degrees come from the plan
     resolved = replace(parallel, **{k: v for k, v in values.items() if k not in ("microbatches", "pp_edge_blocks")})
     summary = f"parallel=auto chose {chosen.name} ({chosen.command_line()}): {decision.reason}"
     return AutoLayout(resolved, chosen.train_values(), summary)

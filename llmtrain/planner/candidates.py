@@ -1,14 +1,23 @@
-"""The layouts the planner weighs: each a registered strategy with its mesh degrees, named as conf/parallel/ names
-them, checked against the model and batch by the plan training makes (llmtrain/plan.py: a layout that cannot run is
-not a candidate)."""
+"""The layouts the planner weighs: each a row of llmtrain/catalog.py's LAYOUTS over the degrees its template
+leaves free, checked against the model and batch by the plan training makes (llmtrain/plan.py: a layout that
+cannot run is not a candidate). What a candidate costs comes from the row's fields, never from its name."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtrain.catalog import RECOMPUTE_MODES, schedule_spec
+from llmtrain.catalog import (
+    LAYOUTS,
+    MESH_DIMS,
+    RANKS_PER_NODE,
+    RECOMPUTE_MODES,
+    WITHIN_NODE_DIMS,
+    LayoutSpec,
+    schedule_spec,
+)
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
@@ -16,10 +25,9 @@ from llmtrain.plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout: `strategy` over `degrees`, with the parallel.* keys that shape its memory and traffic."""
+    """One layout: the row `layout` over `degrees`, with the parallel.* keys that shape its memory and traffic."""
 
-    name: str
-    strategy: str
+    layout: str
     degrees: Degrees
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
@@ -31,6 +39,24 @@ class Candidate:
     # The train.* knobs an expert turns beside the degrees when a layout does not fit; None: as configured.
     micro_batch_size: int | None = None
     recompute: str | None = None
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return LAYOUTS[self.layout]
+
+    @property
+    def name(self) -> str:
+        """The layout, and each degree above 1 its row does not set (`fsdp cp2`: fsdp with context parallelism)."""
+        d = self.degrees
+        extra = [f" {dim}{getattr(d, dim)}" for dim in (*MESH_DIMS, "ep") if getattr(d, dim) > 1
+                 and dim not in self.spec.degrees]  # fmt: skip
+        return self.layout + "".join(extra)
+
+    @property
+    def simplicity(self) -> int:
+        """The row's place in LAYOUTS (a tie goes to the earlier one), after every plain row when the candidate
+        adds a degree its row does not set."""
+        return list(LAYOUTS).index(self.layout) + (len(LAYOUTS) if self.name != self.layout else 0)
 
     def train_values(self) -> dict[str, Any]:
         """The train.* keys this candidate sets (none when it runs with the configured ones)."""
@@ -45,24 +71,28 @@ class Candidate:
     def sharding(self) -> str:
         """How model states split over the data-parallel ranks: none (replicas), optimizer (ZeRO-1), gradients
         (ZeRO-2: FSDP keeping gathered parameters through the step) or parameters (ZeRO-3)."""
-        if self.degrees.dp_shard_cp == 1 and self.strategy != "zero1":
-            return "none"
-        if self.strategy == "zero1":
+        mechanism = self.spec.mechanism.sharding
+        if mechanism == "optimizer":
             return "optimizer"
-        if self.strategy == "pp" or not self.reshard_after_forward:
-            return "gradients"
-        return "parameters"
+        if mechanism == "nothing" or self.degrees.dp_shard_cp == 1:
+            return "none"
+        return "parameters" if self.gathers_twice else "gradients"
+
+    @property
+    def gathers_twice(self) -> bool:
+        """Whether FSDP gathers parameters again for backward: it reshards after forward, outside a pipeline."""
+        return not self.spec.pipeline and self.reshard_after_forward
 
     def micro_batching(self, batch_size: int, micro_batch_size: int) -> tuple[int, int]:
         """(sequences per micro-batch, micro-batches per rank and step), as training splits the batch."""
-        pipeline_m = self.microbatches if self.degrees.pp > 1 else None
+        pipeline_m = self.microbatches if self.spec.pipeline else None
         return micro_batching(batch_size, micro_batch_size, self.degrees.dp, pipeline_m)
 
     def parallel_values(self) -> dict[str, Any]:
         """The parallel.* keys that run this layout."""
         d = self.degrees
         return {
-            "strategy": self.strategy,
+            "layout": self.layout,
             "pp": d.pp,
             "dp_replicate": d.dp_replicate,
             "dp_shard": d.dp_shard,
@@ -80,7 +110,6 @@ class Candidate:
 
     def command_line(self) -> str:
         """The overrides that select this layout on a train.py command line."""
-        base = f"parallel={self.name}" if self.name in _PLAIN else f"parallel={self.strategy}"
         d, extra = self.degrees, []
         for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
             extra.append(f"parallel.{dim}={getattr(d, dim)}")
@@ -90,22 +119,18 @@ class Candidate:
             extra.append(f"parallel.ep={d.ep}")
         if self.degrees.tp > 1:
             extra.append(f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
-        if self.strategy == "fsdp":
+        if self.spec.mechanism.sharding == "parameters" and not self.spec.pipeline:
             extra.append(f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}")
         extra += [f"train.{key}={value}" for key, value in self.train_values().items()]
-        return " ".join([base, *extra])
-
-
-_PLAIN = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "pp")
+        return " ".join([f"parallel={self.layout}", *extra])
 
 
 def describe_layout(parallel_cfg, world_size: int) -> Candidate:
     """The candidate a configured parallel group (not `auto`) runs."""
     degrees = resolve_degrees(parallel_cfg, world_size)
     p = parallel_cfg
-    candidate = Candidate(
-        name=p.strategy,
-        strategy=p.strategy,
+    return Candidate(
+        layout=p.layout,
         degrees=degrees,
         reshard_after_forward=p.reshard_after_forward,
         sequence_parallel=degrees.tp > 1 and p.sequence_parallel,
@@ -115,63 +140,70 @@ def describe_layout(parallel_cfg, world_size: int) -> Candidate:
         microbatches=p.microbatches,
         pp_edge_blocks=p.pp_edge_blocks,
     )
-    return replace(candidate, name=_layout_name(candidate))
-
-
-def _layout_name(c: Candidate) -> str:
-    d = c.degrees
-    if c.strategy == "pp":
-        inner = [name for name, on in (("fsdp", d.dp > 1), ("tp", d.tp > 1)) if on]
-        return "3d" if len(inner) == 2 else "_".join(["pp", *inner])
-    if c.strategy != "fsdp":
-        return c.strategy
-    context = (f" cp{d.cp}" if d.cp > 1 else "") + (f" ep{d.ep}" if d.ep > 1 else "")
-    if d.tp > 1:
-        return ("fsdp_tp" if d.dp_shard_cp > 1 else "ddp_tp") + context
-    if d.dp_replicate > 1:
-        return ("hsdp" if d.dp_shard_cp > 1 else "ddp") + context
-    return ("fsdp" if c.reshard_after_forward else "zero2") + context
 
 
 def enumerate_candidates(
     world_size: int, ranks_per_node: int, model_cfg, train_cfg, which: str, pp_schedule: str = "1f1b"
 ) -> list[Candidate]:
-    """The layouts for `world_size` ranks: the data-parallel ones (`which`="dp"), or also tensor, pipeline, 3-D,
-    context-parallel (fsdp with cp) and, for a mixture of experts, expert-parallel (fsdp with ep) ones ("all"), with
-    tensor and context parallelism kept inside a node.
-    Layouts the model or batch cannot split into are left out."""
-    w = world_size
-    if w == 1:
-        return [Candidate("single", "single", Degrees())]
+    """The layouts for `world_size` ranks: the data-parallel rows (`which`="dp"), or every row ("all") over each
+    split of the ranks among the degrees its template sets, each above 1, with tensor and context parallelism kept
+    inside a node; then ("all") the rows' planner extras: context parallelism inside a node and, for a mixture of
+    experts, expert parallelism. Layouts the model or batch cannot split into are left out."""
+    if world_size == 1:
+        return [Candidate("single", Degrees())]
+    rows = {
+        name: spec
+        for name, spec in LAYOUTS.items()
+        if which == "all" or (set(spec.degrees) <= {"dp_replicate", "dp_shard"} and not spec.pipeline)
+    }
     found = [
-        Candidate("ddp", "ddp", Degrees(dp_replicate=w)),
-        Candidate("zero1", "zero1", Degrees(dp_replicate=w)),
-        Candidate("zero2", "fsdp", Degrees(dp_shard=w), reshard_after_forward=False),
-        Candidate("fsdp", "fsdp", Degrees(dp_shard=w)),
+        _candidate(name, spec, degrees, pp_schedule)
+        for name, spec in rows.items()
+        for degrees in _splits(world_size, ranks_per_node, spec.degrees)
     ]
-    if w > ranks_per_node and w % ranks_per_node == 0:
-        found.append(Candidate("hsdp", "fsdp", Degrees(dp_replicate=w // ranks_per_node, dp_shard=ranks_per_node)))
-    if which == "all":
-        stages_per_rank = 1 if schedule_spec(pp_schedule).stages_per_rank == "one" else 2
-        for tp in _divisors(w):
-            for pp in _divisors(w // tp):
-                dp = w // (tp * pp)
-                if (tp == 1 and pp == 1) or tp > ranks_per_node:
-                    continue
-                degrees = Degrees(pp=pp, dp_shard=dp, tp=tp)
-                pipeline = dict(pp_schedule=pp_schedule, pp_stages_per_rank=stages_per_rank) if pp > 1 else {}
-                candidate = Candidate(
-                    "", "pp" if pp > 1 else ("tp" if dp == 1 else "fsdp"), degrees, sequence_parallel=tp > 1,
-                    **pipeline,  # type: ignore[arg-type]
-                )  # fmt: skip
-                found.append(replace(candidate, name=_layout_name(candidate)))
-        for cp in _divisors(min(w, ranks_per_node))[1:]:  # context parallel inside a node, FSDP over the rest
-            candidate = Candidate("", "fsdp", Degrees(dp_shard=w // cp, cp=cp))
-            found.append(replace(candidate, name=_layout_name(candidate)))
-        for ep in _divisors(w)[1:] if model_cfg.moe.num_experts else []:  # experts over ep of FSDP's ranks
-            candidate = Candidate("", "fsdp", Degrees(dp_shard=w, ep=ep))
-            found.append(replace(candidate, name=_layout_name(candidate)))
+    for name, spec in rows.items() if which == "all" else ():
+        for degrees in _splits(world_size, ranks_per_node, spec.degrees):
+            if "cp" in spec.planner_extras:
+                for cp in _divisors(math.gcd(degrees.dp_shard, ranks_per_node))[1:]:
+                    split = Degrees(**{**_mesh_degrees(degrees), "dp_shard": degrees.dp_shard // cp, "cp": cp})
+                    found.append(_candidate(name, spec, split, pp_schedule))
+            if "ep" in spec.planner_extras and model_cfg.moe.num_experts:
+                for ep in _divisors(degrees.dp_shard_cp)[1:]:
+                    found.append(_candidate(name, spec, Degrees(**_mesh_degrees(degrees), ep=ep), pp_schedule))
     return [c for c in found if _runs(c, model_cfg, train_cfg)]
+
+
+def _candidate(name: str, spec: LayoutSpec, degrees: Degrees, pp_schedule: str) -> Candidate:
+    pipeline: dict[str, Any] = {}
+    if spec.pipeline:
+        pipeline = dict(pp_schedule=pp_schedule, pp_stages_per_rank=schedule_spec(pp_schedule).fewest_stages_per_rank)
+    return Candidate(
+        name,
+        degrees,
+        reshard_after_forward=spec.settings.get("reshard_after_forward", True),
+        sequence_parallel=degrees.tp > 1,
+        **pipeline,
+    )
+
+
+def _mesh_degrees(degrees: Degrees) -> dict[str, int]:
+    return {dim: getattr(degrees, dim) for dim in MESH_DIMS}
+
+
+def _splits(world_size: int, ranks_per_node: int, template: dict[str, int | str]) -> list[Degrees]:
+    """Every way to give `world_size` ranks to the degrees `template` sets, each above 1, a RANKS_PER_NODE degree
+    the ranks of one node and those of WITHIN_NODE_DIMS no more than a node has."""
+    pinned = {dim: ranks_per_node for dim, value in template.items() if value == RANKS_PER_NODE}
+    free = [dim for dim in template if dim not in pinned]
+    rest, remainder = divmod(world_size, math.prod(pinned.values()))
+    if remainder or not template or any(degree < 2 for degree in pinned.values()):
+        return []
+    splits = []
+    for values in itertools.product(_divisors(rest)[1:], repeat=len(free)):
+        degrees = {**pinned, **dict(zip(free, values))}
+        if math.prod(values) == rest and all(degrees.get(dim, 1) <= ranks_per_node for dim in WITHIN_NODE_DIMS):
+            splits.append(Degrees(**degrees))
+    return splits
 
 
 def with_knobs(candidates: list[Candidate], micro_batch_size: int, recompute: str) -> list[Candidate]:
@@ -207,8 +239,8 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
 
 
 def for_optimizer(candidates: list[Candidate], optim_cfg) -> list[Candidate]:
-    """The candidates that can run `optim`: ZeRO-1's flat fp32 slices hold neither 8-bit moments nor host-side
-    state, so it is left out under optim.state_bits=8 and optim.offload."""
+    """The candidates that can run `optim`: flat fp32 slices (ZeRO-1's) hold neither 8-bit moments nor host-side
+    state, so they are left out under optim.state_bits=8 and optim.offload."""
     if optim_cfg.offload or optim_cfg.state_bits != 32:
-        return [c for c in candidates if c.strategy != "zero1"]
+        return [c for c in candidates if not c.spec.mechanism.flat_optimizer]
     return candidates

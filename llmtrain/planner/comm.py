@@ -77,19 +77,20 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
     units = held.blocks + 1  # FSDP units: each block and the root
     if d.dp == 1 and d.cp == 1:
         return traffic
-    if candidate.strategy == "ddp":
+    sharding = candidate.spec.mechanism.sharding
+    if sharding == "nothing":
         traffic.add("all_reduce", grads * sizes.grad, math.ceil(grads * sizes.grad / DDP_BUCKET_BYTES))
-    elif candidate.strategy == "zero1":
+    elif sharding == "optimizer":
         traffic.add("reduce_scatter", grads * sizes.grad, 2)  # one flat buffer per weight-decay group
         traffic.add("all_gather", grads * sizes.param, 2)
     else:
-        times = 1 if candidate.strategy == "pp" else k
+        times = 1 if candidate.spec.pipeline else k
         if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
             traffic.add("all_reduce", grads * sizes.grad * times, units * times)
             return traffic
         # Under expert parallelism FSDP gathers and reduces only this rank's 1/ep of the experts.
         not_here = held.experts - held.experts // d.ep
-        gathers = 2 if candidate.strategy != "pp" and candidate.reshard_after_forward else 1
+        gathers = 2 if candidate.gathers_twice else 1
         gathered = (params - not_here) * gathers - (held.root if gathers == 2 else 0)
         traffic.add("all_gather", gathered * sizes.gathered(held) * times, (units * gathers - (gathers - 1)) * times)
         traffic.add("reduce_scatter", (grads - not_here) * sizes.grad * times, units * times)
@@ -103,7 +104,7 @@ def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matr
     d, data, tensor = candidate.degrees, Traffic(), Traffic()
     count = held.blocks * (4 + (3 if cfg.mlp == "swiglu" else 2))  # matrices held (a mixture's are fewer, bigger)
     split = (held.matrices - (held.experts if d.ep > 1 else 0)) * MOMENT_BYTES[32]
-    if candidate.strategy == "zero1" and d.dp > 1:
+    if candidate.sharding == "optimizer" and d.dp > 1:
         data.add("all_gather", held.matrices * MOMENT_BYTES[32], 1)
     elif candidate.sharding != "none" and d.dp_shard_cp > 1:
         if whole_matrices == "spread" and d.tp == 1:

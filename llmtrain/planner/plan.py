@@ -42,9 +42,6 @@ from llmtrain.planner.memory import (
 from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
 
 GIB = 2**30
-# Layouts a tie (within TIE_TOLERANCE of the fastest) goes to, simplest first: fewer moving parts to debug.
-SIMPLICITY = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp_tp", "fsdp_tp", "pp", "pp_fsdp", "pp_tp",
-              "3d")  # fmt: skip
 TIE_TOLERANCE = 0.03
 
 
@@ -225,8 +222,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     if recompute == "full":
         flops *= 4 / 3  # the forward runs twice
     compute = flops / (machine.peak_flops * machine.mfu)
-    hidden = c.strategy in ("ddp", "fsdp", "pp")  # overlap their data-parallel traffic with compute
-    exposed = exposed_s + (max(0.0, dp_s - compute) if hidden else dp_s)
+    exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)
     whole = holding(gpt)
@@ -247,7 +243,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
 
 
 def _dp_dim(c: Candidate, op: str) -> str:
-    if c.strategy in ("ddp", "zero1") or c.degrees.dp_shard_cp == 1 or op == "all_reduce":
+    if c.spec.mechanism.sharding != "parameters" or c.degrees.dp_shard_cp == 1 or op == "all_reduce":
         return "dp_replicate"
     return "dp_shard_cp"
 
@@ -284,14 +280,9 @@ def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
         )
     fastest = fitting[0].step_time_s
     close = [p for p in fitting if p.step_time_s <= fastest * (1 + TIE_TOLERANCE)]
-    # Ties go to the simplest layout, then to the fewest knobs turned away from the configured ones.
-    chosen = min(
-        close,
-        key=lambda p: (
-            SIMPLICITY.index(p.name) if p.name in SIMPLICITY else len(SIMPLICITY),
-            len(p.candidate.train_values()),
-        ),
-    )
+    # Ties go to the simplest layout (the earliest row of LAYOUTS), then to the fewest knobs turned away from the
+    # configured ones.
+    chosen = min(close, key=lambda p: (p.candidate.simplicity, len(p.candidate.train_values())))
     others = [p for p in fitting if p.name != chosen.name]  # another layout, not the same with other knobs
     runner_up = others[0] if others else None
     why = "the fastest that fits" if chosen is fitting[0] else f"within {TIE_TOLERANCE:.0%} of the fastest and simpler"

@@ -24,6 +24,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
 from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
@@ -59,7 +60,7 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
         world, ranks_per_node, cfg.model, cfg.train, cfg.plan.layouts, cfg.parallel.pp_schedule
     )
     candidates = for_optimizer(candidates, cfg.optim)
-    if cfg.parallel.strategy not in ("single", "auto") or world == 1:
+    if cfg.parallel.layout != AUTO and (world == 1 or layout_spec(cfg.parallel.layout).dims):
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]
     # The pick also weighs each layout with smaller micro-batches and more recomputation; the table shows them as
