@@ -16,8 +16,8 @@ from llmtrain.config import RootConfig, register_schemas, validate
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 from llmtrain.faults import check_armed
+from llmtrain.launch_env import launch_coordinates, launch_rank
 from llmtrain.plan import check_layout
-from llmtrain.resolvers import launch_coordinates, launch_rank
 from llmtrain.run_dir import exit_with_config_error
 
 register_schemas()

@@ -1,6 +1,6 @@
 """What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel=<layout>), the
 pipeline schedules (parallel.pp_schedule), the optimizers (optim.name), the learning-rate schedules
-(optim.schedule, optim.decay_shape), the data sources and tokenizers, and the recomputation modes. The config's
+(optim.lr_schedule, optim.decay_shape), the data sources and tokenizers, and the recomputation modes. The config's
 choices and --help, and the code that builds each one, read these tables; no other file lists the names."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The mesh dimensions the planner keeps inside a node: their collectives run every layer, so they get the fastest
 # links.
 WITHIN_NODE_DIMS = ("cp", "tp")
-# A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in llmtrain/resolvers.py).
+# A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in llmtrain/launch_env.py).
 RANKS_PER_NODE = "${llmtrain_ranks_per_node:}"
 
 
@@ -40,7 +40,7 @@ DATA_PARALLEL: dict[str, DataParallelSpec] = {
         "llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",), "optimizer", flat_optimizer=True
     ),
     "fsdp": DataParallelSpec(
-        "llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
+        "llmtrain.parallel.parallel_model:ParallelModel", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
     ),
 }
 PIPELINE_IMPLEMENTATION = "llmtrain.parallel.pipeline.parallel_model:PipelineParallel"
@@ -319,13 +319,18 @@ def schedule_spec(name: str) -> ScheduleSpec:
 class OptimizerSpec:
     description: str
     matrix_moments: int  # fp32 buffers it keeps per element of the blocks' weight matrices (AdamW: 2 elsewhere)
+    # Its update of the blocks' hidden matrices needs each matrix whole (Muon's orthogonalisation): those form a
+    # group of their own, and a layout that splits them gathers them in the optimizer step.
+    whole_matrices: bool = False
 
 
 # optim.name -> what it updates, and how (llmtrain/optim/ builds each; conf/optim/<name>.yaml sets its defaults).
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec("AdamW on every parameter", 2),
     "muon": OptimizerSpec(
-        "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases", 1
+        "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases",
+        1,
+        whole_matrices=True,
     ),
 }
 ADAMW_MOMENTS = 2
@@ -342,7 +347,7 @@ TOKENIZER_KINDS = ("byte", "bpe", "hf")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
-# optim.schedule (llmtrain/optim/schedule.py describes each).
+# optim.lr_schedule (llmtrain/optim/lr_schedule.py describes each).
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 # optim.decay_shape: progress p through a WSD decay, 0 to 1 -> the share of (peak - floor) still left.
 DECAY_SHAPES: dict[str, Callable[[float], float]] = {

@@ -47,7 +47,7 @@ from llmtrain.domains import (
     positive,
 )
 from llmtrain.errors import ConfigError
-from llmtrain.resolvers import register_resolvers
+from llmtrain.launch_env import register_resolvers
 
 # The option files (train.yaml, prepare.yaml, one folder per group): conf/ at the top of a checkout, which
 # llmtrain/conf links to, so that a wheel carries them inside the package and the tools find them from anywhere.
@@ -407,7 +407,7 @@ class OptimConfig:
         "separately; AdamW on embeddings, head, norms and biases)",
     )
     lr: float = key(1e-3, positive(), "peak learning rate (under `muon`, of the AdamW parameters)")
-    schedule: str = key(
+    lr_schedule: str = key(
         "cosine",
         OneOf(catalog.LR_SCHEDULES),
         "after the linear warmup: `cosine` (decay to lr × min_lr_ratio at the last step), `wsd` (the peak held, then "
@@ -824,14 +824,14 @@ def schema_keys(schema: type) -> tuple[tuple[str, Domain | None], ...]:
 
 
 # Keys an earlier version had -> their names now: a config that still sets one is told the new name.
-RENAMED_KEYS = {"parallel.strategy": "parallel.layout"}
+RENAMED_KEYS = {"parallel.strategy": "parallel.layout", "optim.schedule": "optim.lr_schedule"}
 
 
 def unknown_key_line(name: str, keys: list[str]) -> str:
     """`name` is not among `keys` (dotted leaf keys): its new name if it was renamed, else the closest key of the
     same section, and the section's keys."""
     if name in RENAMED_KEYS:
-        return f"{name} is now {RENAMED_KEYS[name]}: set {RENAMED_KEYS[name]} (or pick the layout with parallel=<name>)"
+        return f"{name} is now {RENAMED_KEYS[name]}: set {RENAMED_KEYS[name]} instead"
     parent = name.rpartition(".")[0]
     prefix = f"{parent}." if parent else ""
     siblings = sorted({k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)})

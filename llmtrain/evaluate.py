@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help, register_schemas
 from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, first_line
-from llmtrain.resolvers import launch_rank
+from llmtrain.launch_env import launch_rank
 
 if TYPE_CHECKING:
     from llmtrain.runtime import Runtime
@@ -140,7 +140,7 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
     from llmtrain.checkpoint.state import load_model_weights_state, model_weights_state
     from llmtrain.checkpoint.training import check_model_matches
     from llmtrain.data.tokenizers import FastTokenizer
-    from llmtrain.job import build_layout
+    from llmtrain.job import build_parallel_model
     from llmtrain.lm_eval_model import LiveModel
     from llmtrain.model import GPTConfig, model_group_of
 
@@ -148,7 +148,7 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
     t = config.train
     # The plan's checks read train.seq_len (a row is at most the model's length) and a batch every layout divides.
     train = dataclasses.replace(t, seq_len=gpt_cfg.max_seq_len, batch_size=t.micro_batch_size * runtime.world_size)
-    model = build_layout(
+    model = build_parallel_model(
         dataclasses.replace(config, model=model_group_of(gpt_cfg, config.model), train=train),
         runtime,
         gpt_cfg.vocab_size,

@@ -33,7 +33,7 @@ from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scal
 from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
-from llmtrain.optim import build_schedule
+from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
@@ -180,7 +180,7 @@ def _plan(runtime: Runtime) -> str:
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
-def build_layout(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> ParallelModel:
+def build_parallel_model(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> ParallelModel:
     """The model of `config` laid out on this rank with its optimizer, as training builds it (for tools and tests
     that run steps of their own)."""
     if isinstance(config, DictConfig):
@@ -251,12 +251,12 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             model = _laid_out(config, plan, mesh, runtime, meta)
         held = held_bytes(model.module, model.optimizer, config.optim)
         memory = _memory_summary(runtime, held, build.bytes)
-        schedule = build_schedule(model.optimizer, t.steps, config.optim)
+        lr_schedule = build_lr_schedule(model.optimizer, t.steps, config.optim)
         wandb_id = wandb_run_id(resume, checkpoint_dir) if runtime.is_main else None  # rank 0 logs and writes meta
         checkpoints = RunCheckpoints(
             CheckpointManager(checkpoint_dir, config.checkpoint.keep, config.checkpoint.async_save, runtime),
             model,
-            schedule,
+            lr_schedule,
             data,
             gpt_cfg,
             config.optim,
@@ -268,7 +268,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             runtime=runtime,
             model=model,
             model_config=gpt_cfg,
-            schedule=schedule,
+            lr_schedule=lr_schedule,
             data=data,
             train_slice=train_slice,
             val_slice=val_slice,
@@ -293,8 +293,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
 def _measured_links(config: RootConfig, runtime: Runtime) -> str:
     """Collective: a comm_bench CSV of this machine's collectives over all ranks, measured once (a few seconds) and
     cached in data.cache_dir per host, world size, ranks per node and device; its path, the same on every rank."""
+    from llmtrain.launch_env import ranks_per_node
     from llmtrain.planner.probe import probe_links
-    from llmtrain.resolvers import ranks_per_node
 
     device = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
     name = f"{socket.gethostname()}-{runtime.world_size}x-{ranks_per_node()}pernode-{device}".replace(" ", "_")
@@ -313,8 +313,8 @@ def _measured_links(config: RootConfig, runtime: Runtime) -> str:
 def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
     """parallel=auto's choice for this world, or the ConfigError saying why there is none (decided on rank 0, which
     times the host when the hardware gives no peak, and handed to every rank)."""
+    from llmtrain.launch_env import ranks_per_node
     from llmtrain.planner.auto import auto_layout
-    from llmtrain.resolvers import ranks_per_node
 
     bf16 = uses_bf16(config.train.precision, runtime.device)
     per_node = min(ranks_per_node(), runtime.world_size)
@@ -326,8 +326,8 @@ def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
 
 def _prediction(config: RootConfig, runtime: Runtime, vocab_size: int) -> dict:
     """The planner's prediction for this run's layout (rank 0; the hardware config's links, or plan.measured)."""
+    from llmtrain.launch_env import ranks_per_node
     from llmtrain.planner.auto import prediction
-    from llmtrain.resolvers import ranks_per_node
 
     bf16 = uses_bf16(config.train.precision, runtime.device)
     per_node = min(ranks_per_node(), runtime.world_size)
@@ -346,7 +346,7 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
     watchdog = StepWatchdog.for_run(t.hang_timeout, runtime, run_dir)
     every, threshold = config.logging.log_every, config.logging.straggler_threshold
     stragglers = (
-        StragglerWatch(runtime, every, threshold, stages_of_ranks(model.mesh.mesh, runtime.world_size))
+        StragglerWatch(runtime, every, threshold, stages_of_ranks(model.mesh.device_mesh, runtime.world_size))
         if runtime.world_size > 1 and threshold > 0
         else None
     )

@@ -2,7 +2,7 @@
 
 `init_runtime` joins the process group when there is one (NCCL on CUDA, gloo on CPU) and picks the device;
 `Runtime.shutdown` leaves it cleanly. Everything else asks the Runtime, never the environment, except what runs
-before a Runtime can exist: resolvers.py (the run directory every rank agrees on) and spawn.py (the launcher).
+before a Runtime can exist: launch_env.py (the run directory every rank agrees on) and spawn.py (the launcher).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
-from llmtrain.resolvers import launch_coordinates
+from llmtrain.launch_env import launch_coordinates
 
 # The flat collectives under their torch >= 2.10 names: the older ones warn on every call (once a rank); torch
 # 2.9, llmtrain's floor, has only those.

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from llmtrain.catalog import SCHEDULES as ALL_SCHEDULES
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
@@ -67,7 +67,7 @@ def validation_loss(model) -> float:
 def train(cfg, runtime: Runtime):
     """The trainer's step (llmtrain/train/loop.py) on fixed batches: losses, gradient norms, the parallel model."""
     torch.manual_seed(cfg.seed)
-    model = build_layout(cfg, runtime, VOCAB)
+    model = build_parallel_model(cfg, runtime, VOCAB)
     losses, norms = [], []
     for micro_batches in batches(cfg):
         losses.append(model.reduce_mean(model.forward_backward(micro_batches)).item())

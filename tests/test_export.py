@@ -127,7 +127,7 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
     join_as_rank(rank, 2, port)
     from transformers import GPT2LMHeadModel
 
-    from llmtrain.job import build_layout
+    from llmtrain.job import build_parallel_model
     from llmtrain.model import GPT
     from llmtrain.runtime import init_runtime
 
@@ -139,7 +139,7 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
         cfg = compose_config(
             ["model=tiny", f"model.init_from={directory}", "train.batch_size=4", "train.micro_batch_size=2", *layout]
         )
-        model = build_layout(cfg, runtime, 257)
+        model = build_parallel_model(cfg, runtime, 257)
         with torch.no_grad():
             if model.name == "fsdp":  # every rank runs the whole model from its shards
                 found["fsdp"] = (model.module.eval()(ids)[..., :257] - theirs).abs().max().item()

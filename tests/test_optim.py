@@ -10,7 +10,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from llmtrain.catalog import DECAY_SHAPES
 from llmtrain.model import GPT, GPTConfig, build_model, cross_entropy_loss
-from llmtrain.optim import build_optimizer, build_schedule, is_hidden_matrix, lr_factor, newton_schulz
+from llmtrain.optim import build_lr_schedule, build_optimizer, is_hidden_matrix, lr_factor, newton_schulz
 from llmtrain.optim.muon import NS_COEFFICIENTS, NS_EPS
 from llmtrain.parallel.precision import precision_policy
 from llmtrain.tools import compose_config
@@ -20,7 +20,7 @@ MUON = OmegaConf.to_object(compose_config(["optim=muon"])).optim
 
 
 def schedule(name: str, **options) -> object:
-    return OmegaConf.create({**OmegaConf.to_container(OmegaConf.structured(OPTIM)), "schedule": name, **options})
+    return OmegaConf.create({**OmegaConf.to_container(OmegaConf.structured(OPTIM)), "lr_schedule": name, **options})
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -34,7 +34,7 @@ def test_warmup_then_cosine_to_the_floor():
 def test_scheduler_drives_the_optimizer_lr():
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(model, OPTIM)
-    schedule = build_schedule(optimizer, 100, OPTIM)
+    schedule = build_lr_schedule(optimizer, 100, OPTIM)
     seen = []
     for _ in range(100):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -68,7 +68,7 @@ def test_a_wsd_run_resumed_in_its_stable_phase_with_more_steps_follows_the_longe
 
     def built(steps: int):
         optimizer = build_optimizer(torch.nn.Linear(2, 2), wsd)
-        return optimizer, build_schedule(optimizer, steps, wsd)
+        return optimizer, build_lr_schedule(optimizer, steps, wsd)
 
     short, short_schedule = built(100)
     for _ in range(50):

@@ -22,10 +22,10 @@ from llmtrain.model import meta_model, num_parameters
 from llmtrain.optim import is_hidden_matrix
 from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
+from llmtrain.planner.cost import GIB, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes, in_flight_microbatches, layer_activations
-from llmtrain.planner.plan import GIB, choose, plan_layout
 from llmtrain.planner.shapes import holding, whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools import plan as plan_tool
@@ -45,7 +45,7 @@ def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
     cfg = _composed(*UNPADDED, *overrides)
     work = workload_for(cfg, 256, sizes)
     machine = machine_for(cfg, candidate.degrees.pp * candidate.degrees.dp * candidate.degrees.tp, 4, True)
-    return plan_layout(candidate, work, machine), work, machine
+    return layout_cost(candidate, work, machine), work, machine
 
 
 @pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b"])
@@ -209,14 +209,14 @@ def test_choice_is_the_fastest_that_fits_and_says_why():
     cfg = compose_config(["model=gpt2-xl", "hardware=rtx4080x4"])
     work = workload_for(cfg, 50257, ZERO)
     machine = machine_for(cfg, 4, 4, True)
-    plans = [plan_layout(c, work, machine) for c in enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")]
+    plans = [layout_cost(c, work, machine) for c in enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")]
     decision = choose(plans, machine)
     assert decision.chosen is not None and decision.chosen.fits
     assert decision.chosen.step_time_s <= min(p.step_time_s for p in plans if p.fits) * 1.03
     assert "ddp" in decision.reason.split("too big:")[1]  # 1.56B x 16 bytes does not fit 16 GiB
     huge = compose_config(["model=gpt3-2.7b", "hardware=rtx4080x4", "plan.parameters=20000000000"])
     work = workload_for(huge, 50257, ZERO)
-    nothing = choose([plan_layout(c, work, machine) for c in enumerate_candidates(4, 4, huge.model, huge.train, "dp")],
+    nothing = choose([layout_cost(c, work, machine) for c in enumerate_candidates(4, 4, huge.model, huge.train, "dp")],
                      machine)  # fmt: skip
     assert nothing.chosen is None and "no layout fits" in nothing.reason
 

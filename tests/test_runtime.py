@@ -86,7 +86,7 @@ def test_first_slurm_host(nodelist, first):
 
 
 def _stamp_worker(rank: int, results) -> None:
-    from llmtrain.resolvers import hydra_output_subdir, run_stamp
+    from llmtrain.launch_env import hydra_output_subdir, run_stamp
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     time.sleep(1.2 * rank)  # the ranks' clocks are a second apart when they compose the config
@@ -106,7 +106,7 @@ def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
 
 
 def test_slurm_job_names_the_run_directory(monkeypatch):
-    from llmtrain.resolvers import run_stamp
+    from llmtrain.launch_env import run_stamp
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert run_stamp() == "slurm-4242"
@@ -195,13 +195,13 @@ def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(
 
 
 def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
-    """The process's place in the job comes from the Runtime; only runtime.py, resolvers.py (the run directory,
+    """The process's place in the job comes from the Runtime; only runtime.py, launch_env.py (the run directory,
     before any Runtime) and spawn.py (the launcher) read the launchers' rank variables."""
     import re
     from pathlib import Path
 
     package = Path(__file__).resolve().parent.parent / "llmtrain"
-    allowed = {"runtime.py", "resolvers.py", "spawn.py"}
+    allowed = {"runtime.py", "launch_env.py", "spawn.py"}
     variables = re.compile(
         r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
         r"SLURM_STEP_NUM_TASKS)\b"

@@ -49,7 +49,7 @@ def _logits_worker(rank: int, port: int, results) -> None:
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
-    from llmtrain.job import build_layout
+    from llmtrain.job import build_parallel_model
     from llmtrain.model import cross_entropy_loss
     from llmtrain.runtime import init_runtime
 
@@ -57,7 +57,7 @@ def _logits_worker(rank: int, port: int, results) -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["parallel=tp", "parallel.sequence_parallel=true", "train.seq_len=16"])
     runtime = init_runtime("cpu")
-    model = build_layout(cfg, runtime, 257)
+    model = build_parallel_model(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
     seen = []
     model.module.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.to_local().shape)))

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path, load_checkpoint
 from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.zero import ZeroOneAdamW
 from llmtrain.runtime import Runtime, all_gather_single, init_runtime
@@ -37,7 +37,7 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 def layout(overrides: list[str], runtime: Runtime, seed: int) -> ParallelModel:
     config = OmegaConf.to_object(compose_config([*overrides, f"seed={seed}", "train.device=cpu"]))
-    return build_layout(config, runtime, VOCAB)
+    return build_parallel_model(config, runtime, VOCAB)
 
 
 def take_steps(model: ParallelModel, number: int) -> None:

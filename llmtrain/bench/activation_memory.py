@@ -18,7 +18,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
 from llmtrain.runtime import init_runtime
 from llmtrain.tools import compose_config
 
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     runtime = init_runtime(cfg.train.device)
     # 256 tokens: a vocabulary needing no padding, whose frozen mask parameter MemTracker cannot hook.
     vocab_size = cfg.model.vocab_size or 256
-    model = build_layout(cfg, runtime, vocab_size)
+    model = build_parallel_model(cfg, runtime, vocab_size)
     tokens = torch.randint(
         0,
         vocab_size,

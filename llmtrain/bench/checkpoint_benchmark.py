@@ -20,7 +20,7 @@ import torch
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
 from llmtrain.checkpoint.state import checkpoint_state
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
 from llmtrain.model import cross_entropy_loss
 from llmtrain.runtime import init_runtime
 from llmtrain.tools import compose_config
@@ -38,7 +38,7 @@ def main() -> None:
     cfg = compose_config(["train.device=cpu", *args.overrides])
     runtime = init_runtime("cpu")
     vocab_size = cfg.model.vocab_size or 50257
-    model = build_layout(cfg, runtime, vocab_size)
+    model = build_parallel_model(cfg, runtime, vocab_size)
     tokens = torch.randint(0, vocab_size, (1, 65))
     cross_entropy_loss(model.module(tokens[:, :-1]), tokens[:, 1:]).backward()
     model.optimizer.step()

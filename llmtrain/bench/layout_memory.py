@@ -32,14 +32,14 @@ import torch.distributed as dist
 
 from llmtrain.bench.comm_count import CommCounter
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
+from llmtrain.launch_env import ranks_per_node
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.candidates import describe_layout
+from llmtrain.planner.cost import layout_cost
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
-from llmtrain.planner.plan import plan_layout
-from llmtrain.resolvers import ranks_per_node
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.memory import MemoryPeak, held_bytes, peak_since_reset, reset_peak, tensor_bytes
@@ -50,7 +50,7 @@ def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> d
     bf16 = uses_bf16(cfg.train.precision, runtime.device)
     candidate = describe_layout(cfg.parallel, runtime.world_size)
     machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
-    plan = plan_layout(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16)), machine)
+    plan = layout_cost(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16)), machine)
     pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.degrees.pp > 1 else 0
     memory = plan.ranks[pp_rank]
     return {
@@ -70,7 +70,7 @@ def measure(cfg, runtime: Runtime, build_only: bool = False, count_comm: bool = 
     n_params = num_parameters(whole)
     largest = max(p.numel() * p.element_size() for p in whole.parameters())
     with MemoryPeak(runtime.device) as build:
-        model = build_layout(cfg, runtime, vocab_size)
+        model = build_parallel_model(cfg, runtime, vocab_size)
     will_hold = held_bytes(model.module, model.optimizer)
     row = {
         "rank": runtime.rank,

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_layout, build_training
+from llmtrain.job import build_parallel_model, build_training
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
@@ -37,9 +37,9 @@ MODELS = {
     "tiny-20M": ["model=tiny", "model.n_layer=6", "model.d_model=512", "model.n_head=8"],
 }
 SETTINGS = {
-    "adamw cosine": ["optim=adamw", "optim.schedule=cosine"],
-    "adamw wsd": ["optim=adamw", "optim.schedule=wsd"],
-    "muon wsd": ["optim=muon", "optim.schedule=wsd"],
+    "adamw cosine": ["optim=adamw", "optim.lr_schedule=cosine"],
+    "adamw wsd": ["optim=adamw", "optim.lr_schedule=wsd"],
+    "muon wsd": ["optim=muon", "optim.lr_schedule=wsd"],
 }
 QUIET = ["logging.wandb.mode=disabled", "checkpoint.resume=none", "train.save_model=false", "logging.progress=lines"]
 
@@ -82,7 +82,7 @@ def quality(steps: int, overrides: list[str]) -> None:
 def step_seconds(overrides: list[str], steps: int, runtime: Runtime) -> float:
     """Median seconds of the optimizer step of `overrides` under fsdp, over `steps` steps."""
     cfg = cast(RootConfig, OmegaConf.to_object(compose_config(["parallel=fsdp", *overrides])))
-    model = build_layout(cfg, runtime, 257)
+    model = build_parallel_model(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
     model.clip_grad_norm(0)

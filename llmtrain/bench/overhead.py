@@ -29,7 +29,7 @@ from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_training
 from llmtrain.model import build_model, cross_entropy_loss
-from llmtrain.optim import build_optimizer, build_schedule
+from llmtrain.optim import build_lr_schedule, build_optimizer
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
@@ -39,7 +39,7 @@ def bare_loop(cfg, vocab_size: int, batches: list[list[tuple[torch.Tensor, torch
     """A step function that trains the model of `cfg` the plain PyTorch way, cycling through `batches`."""
     model = build_model(cfg.model, vocab_size, cfg.seed).to(device).train()
     optimizer = build_optimizer(model, cfg.optim)
-    schedule = build_schedule(optimizer, cfg.train.steps, cfg.optim)
+    schedule = build_lr_schedule(optimizer, cfg.train.steps, cfg.optim)
     position = [0]
 
     def step() -> float:

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_layout
+from llmtrain.job import build_parallel_model
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 
@@ -33,7 +33,7 @@ def _short(op) -> str:
 
 def count_step(cfg, runtime: Runtime) -> Counter:
     """Collectives of one forward + backward on one micro-batch (the layout's own step)."""
-    model = build_layout(cfg, runtime, 257)
+    model = build_parallel_model(cfg, runtime, 257)
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     with CommDebugMode() as comm:
         model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])

@@ -159,14 +159,14 @@ class RunCheckpoints:
         self,
         manager: CheckpointManager,
         model: ParallelModel,
-        schedule: torch.optim.lr_scheduler.LRScheduler,
+        lr_schedule: torch.optim.lr_scheduler.LRScheduler,
         data: Data,
         gpt_cfg: GPTConfig,
         optim: OptimConfig,
         run: RunIdentity,
     ):
         self.manager = manager
-        self.model, self.schedule = model, schedule
+        self.model, self.lr_schedule = model, lr_schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
         self.optim = optim
@@ -181,7 +181,7 @@ class RunCheckpoints:
             "state_bits": self.optim.state_bits,
             "layout": self.model.plan.describe(),
             "world_size": self.runtime.world_size,
-            "schedule": json_numbers(self.schedule.state_dict()),
+            "schedule": json_numbers(self.lr_schedule.state_dict()),
             "run_dir": self.run.run_dir,
             "wandb_run_id": self.run.wandb_id,
         }
@@ -209,7 +209,7 @@ class RunCheckpoints:
         load_checkpoint(path, state.values, self.runtime.distributed)
         load_checkpoint_state(self.model, state)
         meta = read_meta(path)
-        self.schedule.load_state_dict(meta["schedule"])
+        self.lr_schedule.load_state_dict(meta["schedule"])
         # Same world size: each rank continues its own dropout stream; otherwise ranks keep their fresh seeds.
         if meta["world_size"] == self.runtime.world_size:
             restore_rng_states(path, self.runtime.rank)

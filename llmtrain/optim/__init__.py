@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmtrain.catalog import OPTIMIZERS
 from llmtrain.optim.groups import adamw_options, is_hidden_matrix, param_groups
+from llmtrain.optim.lr_schedule import build_lr_schedule, lr_factor
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.offload import HostAdamW
-from llmtrain.optim.schedule import build_schedule, lr_factor
 from llmtrain.optional import import_torchao
 
 HOST = torch.device("cpu")
@@ -21,7 +22,7 @@ def build_optimizer(
     """`optim.name`'s optimizer over `model`'s parameters (`ns_dtype`: Muon's Newton-Schulz precision; `device`:
     where the parameters compute, which `optim.offload` moves the state off)."""
     groups = param_groups(model, optim_cfg)
-    if optim_cfg.name == "muon":
+    if OPTIMIZERS[optim_cfg.name].whole_matrices:
         return Muon(groups, optim_cfg, ns_dtype)
     return adamw(groups, optim_cfg, device)
 
@@ -44,7 +45,7 @@ __all__ = [
     "adamw",
     "adamw_options",
     "build_optimizer",
-    "build_schedule",
+    "build_lr_schedule",
     "is_hidden_matrix",
     "lr_factor",
     "newton_schulz",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
+from llmtrain.catalog import OPTIMIZERS
+
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
     """A weight matrix inside the transformer blocks (attention and MLP projections, the router, each expert's
@@ -51,7 +53,7 @@ def param_groups(model: nn.Module, optim_cfg) -> list[dict]:
     weights, embeddings), none on biases and norms, whose decay would only pull scales and offsets towards zero.
     Muon: its hidden matrices first (`muon: True`, learning rate `optim.muon_lr`), then those two AdamW groups
     for the rest (`muon: False`)."""
-    muon = optim_cfg.name == "muon"
+    muon = OPTIMIZERS[optim_cfg.name].whole_matrices
     matrices: list[nn.Parameter] = []
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []

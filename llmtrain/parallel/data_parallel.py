@@ -1,12 +1,12 @@
-"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL that layouts without a pipeline use: what
-each adds to the base ParallelModel. The pipeline layouts live in pipeline/parallel_model.py; the mechanism `none`
-(`single`, and `tp`: tensor parallelism over all ranks, which the base applies wherever parallel.tp > 1) is the
-base ParallelModel itself.
+"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL that wrap or replace the base
+ParallelModel's step, for layouts without a pipeline (pipeline/parallel_model.py holds those):
 
   ddp     DistributedDataParallel (ddp.py)
   zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
-  fsdp    FSDP2 over dp_shard (and HSDP over dp_replicate x dp_shard), with TP inside when parallel.tp > 1 and
-          context parallelism (sequences split over cp ranks, context.py) when parallel.cp > 1
+
+The mechanisms `none` and `fsdp` are the base ParallelModel itself: FSDP2 is one of the steps layout.py applies
+(over dp_shard, HSDP over dp_replicate x dp_shard, with TP inside when parallel.tp > 1 and context parallelism
+when parallel.cp > 1).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from llmtrain.catalog import OPTIMIZERS
 from llmtrain.config import OptimConfig
 from llmtrain.parallel.ddp import apply_ddp
-from llmtrain.parallel.fsdp import fsdp_mesh
-from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.parallel_model import MicroBatches, ParallelModel, clip_gradients
 from llmtrain.parallel.zero import ZeroOneAdamW, ZeroOneMuon
 
@@ -42,7 +41,7 @@ class ZeroOne(ParallelModel):
     def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
-        if optim.name == "muon":
+        if OPTIMIZERS[optim.name].whole_matrices:
             return ZeroOneMuon(self.module, optim, self.mesh.dp_mesh, self._ns_dtype)
         return ZeroOneAdamW(self.module, optim, self.mesh.dp_mesh)
 
@@ -69,11 +68,3 @@ class ZeroOne(ParallelModel):
 
     def _names(self) -> dict[nn.Parameter, str]:
         return {param: name for name, param in self.module.named_parameters()}
-
-
-class FSDP(ParallelModel):
-    def _layout(self) -> Layout:
-        return self._base_layout(
-            fsdp_mesh=fsdp_mesh(self.mesh.device_mesh, self.degrees),
-            reshard_after_forward=self.parallel.reshard_after_forward,
-        )

@@ -23,14 +23,17 @@ from llmtrain.model.moe import MoE
 from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
-from llmtrain.parallel.float8 import Float8, apply_float8
-from llmtrain.parallel.fsdp import apply_fsdp
+from llmtrain.parallel.float8 import Float8, apply_float8, float8_on
+from llmtrain.parallel.fsdp import apply_fsdp, expert_fsdp_mesh, fsdp_mesh
+from llmtrain.parallel.mesh import RankMesh
+from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.tp import apply_tensor_parallel
+from llmtrain.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What `apply_layout` does to one model (or pipeline stage); each layout decides it (ParallelModel._layout)."""
+class LayoutSteps:
+    """What `apply_layout` does to one model (or pipeline stage): `layout_steps` reads it off a checked plan."""
 
     cp_mesh: DeviceMesh | None = None  # None: no context parallelism
     ep_mesh: DeviceMesh | None = None  # the experts' (ep) or (ep, tp) mesh; None: every rank holds all experts
@@ -46,6 +49,43 @@ class Layout:
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None  # FSDP's gathered parameters (bf16 compute), gradients reduced in fp32
     cpu_offload: bool = False
+
+
+def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> LayoutSteps:
+    """The steps `plan`'s layout takes on this rank's model, from its row's fields: tensor parallelism over the tp
+    dimension when it has one, context and expert parallelism when their degrees are above 1, activation
+    checkpointing and compilation as train.* asks, and FSDP where the data-parallel mechanism shards parameters:
+    inside a pipeline only over more than one rank, and keeping the gathered parameters for the whole step there
+    (resharding after forward would re-gather them for every micro-batch)."""
+    d, p, t, spec = plan.degrees, plan.parallel, plan.train, plan.spec
+    sharded = spec.mechanism.sharding == "parameters" and (not spec.pipeline or d.dp * d.cp > 1)
+    fsdp: dict = {}
+    if sharded:
+        fsdp.update(
+            fsdp_mesh=fsdp_mesh(mesh.device_mesh, d),
+            reshard_after_forward=p.reshard_after_forward and not spec.pipeline,
+        )
+    if mesh.expert_mesh is not None:  # the plan allows ep only where FSDP shards (so `fsdp` is set)
+        fsdp.update(
+            ep_mesh=mesh.expert_mesh["ep", "tp"] if d.tp > 1 else mesh.expert_mesh["ep"],
+            expert_fsdp_mesh=expert_fsdp_mesh(mesh.expert_mesh, d),
+            data_parallel_size=d.dp * d.cp,
+        )
+    tp = d.tp > 1
+    return LayoutSteps(
+        cp_mesh=mesh.cp_mesh,
+        float8=float8_on(
+            t.float8, device, sharded=sharded, tensor_parallel=tp, sequence_parallel=tp and p.sequence_parallel
+        ),
+        tp_mesh=mesh.tp_mesh,
+        sequence_parallel=tp and p.sequence_parallel,
+        loss_parallel=tp and p.loss_parallel,
+        activation_checkpointing=t.activation_checkpointing,
+        compile=t.compile,
+        param_dtype=torch.bfloat16 if uses_bf16(t.precision, device) else None,
+        cpu_offload=p.cpu_offload,
+        **fsdp,
+    )
 
 
 def apply_activation_checkpointing(model: LayeredModel, mode: str) -> None:
@@ -64,7 +104,7 @@ def apply_compile(model: LayeredModel) -> None:
         block.compile(fullgraph=not isinstance(getattr(block, "mlp", None), MoE))
 
 
-def apply_layout(model: LayeredModel, layout: Layout) -> None:
+def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
     """The steps of `layout`, in the order above, on a model that is still on the meta device."""
     if layout.cp_mesh is not None:
         apply_context_parallel(model, layout.cp_mesh)

@@ -62,7 +62,7 @@ class RankMesh:
     host, which the step must not do) and, with expert parallelism, the experts' mesh."""
 
     degrees: Degrees
-    mesh: DeviceMesh | None
+    _mesh: DeviceMesh | None  # read through device_mesh, which refuses the None
     dp_mesh: DeviceMesh | None
     expert_mesh: DeviceMesh | None
     cp_mesh: DeviceMesh | None = None
@@ -88,11 +88,16 @@ class RankMesh:
         )
 
     @property
+    def splits(self) -> bool:
+        """Whether the layout has a mesh: a single process without parallel dimensions has none."""
+        return self._mesh is not None
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh of a multi-process layout (a single process has none)."""
-        if self.mesh is None:
+        if self._mesh is None:
             raise RuntimeError("a single process without parallel dimensions has no mesh")
-        return self.mesh
+        return self._mesh
 
     @property
     def dp_rank(self) -> int:

@@ -33,9 +33,8 @@ from llmtrain.model.scoring import RowStatistic
 from llmtrain.optim import build_optimizer
 from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.context import shard_tokens
-from llmtrain.parallel.float8 import float8_on, float8_summary, precompute_scales_after_step
-from llmtrain.parallel.fsdp import expert_fsdp_mesh
-from llmtrain.parallel.layout import Layout, apply_layout
+from llmtrain.parallel.float8 import float8_summary, precompute_scales_after_step
+from llmtrain.parallel.layout import apply_layout, layout_steps
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.tp import loss_context
@@ -66,7 +65,7 @@ class ParallelModel:
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
         self.parallel, self.train, self.degrees = plan.parallel, plan.train, plan.degrees
-        self.layout = self._layout()
+        self.layout = layout_steps(plan, mesh, runtime.device)
         self.module = self._laid_out(model, init)
         self.optimizer = self._optimizer(optim)
         if self.layout.float8 is not None and self.layout.float8.fsdp_all_gather:
@@ -83,40 +82,6 @@ class ParallelModel:
         return self.plan.name
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _layout(self) -> Layout:
-        """The steps apply_layout takes on this rank's model: tensor parallelism over the tp dimension when it has
-        one, activation checkpointing and compilation as train.* asks; layouts that shard add FSDP."""
-        return self._base_layout()
-
-    def _base_layout(self, **fsdp) -> Layout:
-        expert_mesh = self.mesh.expert_mesh
-        if expert_mesh is not None:  # the plan allows ep only where FSDP shards (so `fsdp` is set)
-            fsdp.update(
-                ep_mesh=expert_mesh["ep", "tp"] if self.degrees.tp > 1 else expert_mesh["ep"],
-                expert_fsdp_mesh=expert_fsdp_mesh(expert_mesh, self.degrees),
-                data_parallel_size=self.degrees.dp * self.degrees.cp,
-            )
-        tp = self.degrees.tp > 1
-        bf16 = uses_bf16(self.train.precision, self.runtime.device)
-        return Layout(
-            cp_mesh=self.mesh.cp_mesh,
-            float8=float8_on(
-                self.train.float8,
-                self.runtime.device,
-                sharded="fsdp_mesh" in fsdp,
-                tensor_parallel=tp,
-                sequence_parallel=tp and self.parallel.sequence_parallel,
-            ),
-            tp_mesh=self.mesh.tp_mesh,
-            sequence_parallel=tp and self.parallel.sequence_parallel,
-            loss_parallel=tp and self.parallel.loss_parallel,
-            activation_checkpointing=self.train.activation_checkpointing,
-            compile=self.train.compile,
-            param_dtype=torch.bfloat16 if bf16 else None,
-            cpu_offload=self.parallel.cpu_offload,
-            **fsdp,
-        )
-
     @property
     def _init_device(self) -> torch.device:
         """Where parameters live: the device, or host memory when FSDP offloads them."""
@@ -195,7 +160,7 @@ class ParallelModel:
         (None for a dense model). Ranks hold different tokens (data, context parallel) or blocks (pipeline) and
         their counts add up; tensor-parallel ranks route the same tokens, so their sum is divided by tp."""
         load = unwrap(self.module).take_expert_load(self.runtime.device)
-        if load is None or self.mesh.mesh is None:
+        if load is None or not self.mesh.splits:
             return load
         load = load.to(self.runtime.device, torch.float64)
         dist.all_reduce(load)

@@ -3,7 +3,7 @@
 It weighs every layout (data-parallel, tensor, pipeline, 3-D) with llmtrain's own state sizes (fp32 weights,
 gradients and AdamW moments; activations in the run's precision), the hardware config's memory and links or the
 links measured in plan.measured, each also with smaller micro-batches and more activation recomputation, and
-returns the parallel config of the fastest that fits and the train.* knobs it turned (llmtrain/planner/plan.py).
+returns the parallel config of the fastest that fits and the train.* knobs it turned (llmtrain/planner/cost.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
+from llmtrain.planner.cost import GIB, Decision, choose, layout_cost
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
-from llmtrain.planner.plan import GIB, Decision, choose, plan_layout
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf
         )
     t = cfg.train
     variants = with_knobs(candidates, t.micro_batch_size, t.activation_checkpointing)
-    return choose([plan_layout(c, work, machine) for c in variants], machine)
+    return choose([layout_cost(c, work, machine) for c in variants], machine)
 
 
 def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,
@@ -66,7 +66,7 @@ def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16:
     step much slower than predicted."""
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
-    plan = plan_layout(describe_layout(cfg.parallel, world_size), work, machine)
+    plan = layout_cost(describe_layout(cfg.parallel, world_size), work, machine)
     return {
         "step_s": plan.step_time_s,
         "peak_gib_per_rank": plan.heaviest.total / GIB,

@@ -8,9 +8,9 @@ from dataclasses import replace
 from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OPTIMIZERS
 from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config
+from llmtrain.planner.cost import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
-from llmtrain.planner.plan import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
 
 
 def llmtrain_state_bytes(cfg, bf16: bool) -> StateBytes:

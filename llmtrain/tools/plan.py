@@ -30,8 +30,8 @@ from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
+from llmtrain.planner.cost import GIB, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
-from llmtrain.planner.plan import GIB, Decision, LayoutPlan, choose, plan_layout
 from llmtrain.tools import compose_config
 
 
@@ -43,7 +43,7 @@ def splittable_batch(train, world: int) -> int:
     return train.batch_size if train.batch_size % unit == 0 else unit * -(-train.batch_size // unit)
 
 
-def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, Any]]:
+def plan_config(cfg) -> tuple[list[LayoutCost], Decision, Decision, dict[str, Any]]:
     """Plans for every candidate layout of `cfg` (plus its configured one), the choice with the plan.* sizes,
     parallel=auto's (llmtrain's own sizes, every layout), and the run's facts."""
     hw = cfg.hardware
@@ -66,7 +66,7 @@ def plan_config(cfg) -> tuple[list[LayoutPlan], Decision, Decision, dict[str, An
     # The pick also weighs each layout with smaller micro-batches and more recomputation; the table shows them as
     # configured (the variants that turn no knob).
     variants = with_knobs(candidates, cfg.train.micro_batch_size, cfg.train.activation_checkpointing)
-    weighed = [plan_layout(c, work, machine) for c in variants]
+    weighed = [layout_cost(c, work, machine) for c in variants]
     plans = [p for p in weighed if not p.candidate.train_values()]
     decision = choose(weighed, machine)
     facts = {
@@ -102,7 +102,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
-def format_table(plans: list[LayoutPlan], facts: dict[str, Any]) -> str:
+def format_table(plans: list[LayoutCost], facts: dict[str, Any]) -> str:
     head = (
         f"{facts['model']}: {_count(facts['parameters'])} parameters on {facts['world_size']} x {facts['hardware']} "
         f"({facts['device_memory_gib']:.1f} GiB, {facts['usable_gib']:.1f} usable), {facts['precision']}, batch "

@@ -62,7 +62,7 @@ class Components:
     runtime: Runtime
     model: ParallelModel
     model_config: GPTConfig  # the model's resolved shape (vocabulary from the tokenizer, padding)
-    schedule: torch.optim.lr_scheduler.LRScheduler
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler
     data: Data
     train_slice: RankSlice
     val_slice: RankSlice
@@ -94,7 +94,7 @@ class Trainer:
         self.runtime = runtime = parts.runtime
         self.model = parts.model
         self.optimizer = parts.model.optimizer
-        self.schedule = parts.schedule
+        self.lr_schedule = parts.lr_schedule
         self.data = parts.data
         self.on_record = on_record
         self.flops_per_token = parts.model_flops
@@ -204,7 +204,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": self.state.step + 1,
             "loss": loss_value,
-            "lr": float(self.schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
+            "lr": float(self.lr_schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
             "grad_norm": norm_value,
         }
         if load_values:  # routed slots per expert, all mixture blocks together: the load balance
@@ -220,7 +220,7 @@ class Trainer:
         else:
             self._skip(record)
         self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.step()
+        self.lr_schedule.step()
         # The step ends when the device has run its optimizer: without this wait a GPU step's clock would stop
         # while its optimizer kernels are still queued, and their time would land in the next step's.
         self.runtime.synchronize()

@@ -94,10 +94,10 @@ class StragglerWatch:
         return max(statistics.median(peers), 1e-9)
 
 
-def stages_of_ranks(mesh: DeviceMesh | None, world_size: int) -> list[int]:
+def stages_of_ranks(mesh: DeviceMesh, world_size: int) -> list[int]:
     """Each rank's pipeline stage in `mesh` (all 0 without pipeline parallelism): the ranks that do the same work."""
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if mesh is None or "pp" not in names:
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
         return [0] * world_size
     ranks = mesh.mesh.movedim(names.index("pp"), 0)
     stage_of = [0] * world_size

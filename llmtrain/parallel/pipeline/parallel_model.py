@@ -27,8 +27,7 @@ from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.model.scoring import RowStatistic
-from llmtrain.parallel.fsdp import fsdp_mesh
-from llmtrain.parallel.layout import Layout, apply_layout
+from llmtrain.parallel.layout import apply_layout
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.parallel_model import (
     MicroBatches,
@@ -76,14 +75,6 @@ class PipelineParallel(ParallelModel):
         self.schedule = self._build_schedule()
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _layout(self) -> Layout:
-        # Within a stage FSDP keeps the gathered parameters for the whole step: resharding after forward would
-        # re-gather them for every micro-batch. Context-parallel ranks shard (and average gradients) like
-        # data-parallel ones.
-        if self.degrees.dp == 1 and self.degrees.cp == 1:
-            return self._base_layout()
-        return self._base_layout(fsdp_mesh=fsdp_mesh(self.mesh.device_mesh, self.degrees), reshard_after_forward=False)
-
     def _laid_out(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
         """This rank's part of `model` (on the meta device), for the optimizer: the pipeline cut, then each of its
         stages laid out (tensor / data parallelism) and allocated."""

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtrain.catalog import MOMENT_BYTES, schedule_spec
+from llmtrain.catalog import MOMENT_BYTES, OPTIMIZERS, schedule_spec
 from llmtrain.model.gpt import GPTConfig, flops_per_token
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
@@ -78,7 +78,7 @@ class Workload:
 
 
 @dataclass
-class LayoutPlan:
+class LayoutCost:
     candidate: Candidate
     ranks: list[RankMemory]  # per pipeline rank (one entry without a pipeline)
     traffic: list[Traffic]  # per pipeline rank
@@ -165,7 +165,7 @@ def _bubble_fraction(c: Candidate, m: int) -> float:
     return fraction / 3 if schedule_spec(c.pp_schedule).splits_backward else fraction
 
 
-def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
+def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     d, gpt = c.degrees, work.gpt
     recompute = c.recompute or work.recompute
     rows, k = c.micro_batching(work.batch_size, c.micro_batch_size or work.micro_batch_size)
@@ -182,7 +182,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
         muon_dp, muon_tp = Traffic(), Traffic()
-        if work.optimizer == "muon":  # in the optimizer step: nothing to hide it behind
+        if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
             muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
         ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
@@ -228,7 +228,7 @@ def plan_layout(c: Candidate, work: Workload, machine: Machine) -> LayoutPlan:
     whole = holding(gpt)
     matrix_share = whole.matrices / whole.trainable
     per_param = bytes_per_parameter(c, replace(work.sizes, optimizer=work.sizes.optimizer_bytes(1, matrix_share)))
-    return LayoutPlan(
+    return LayoutCost(
         candidate=c,
         ranks=ranks,
         traffic=traffic,
@@ -258,12 +258,12 @@ def _seconds(machine: Machine, traffic: Traffic, op: str, group: int, spans_node
 
 @dataclass(frozen=True)
 class Decision:
-    chosen: LayoutPlan | None
-    runner_up: LayoutPlan | None
+    chosen: LayoutCost | None
+    runner_up: LayoutCost | None
     reason: str
 
 
-def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
+def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
     """The fastest layout that fits (ties within 3% to the simplest), the runner-up, and why, in one line."""
     usable = machine.usable_bytes / GIB
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
@@ -300,7 +300,7 @@ def choose(plans: list[LayoutPlan], machine: Machine) -> Decision:
     return Decision(chosen, runner_up, reason)
 
 
-def _described(plan: LayoutPlan) -> str:
+def _described(plan: LayoutCost) -> str:
     """The layout's name and the train.* knobs it turned, if any."""
     knobs = " ".join(f"train.{key}={value}" for key, value in plan.candidate.train_values().items())
     return f"{plan.name} with {knobs}" if knobs else plan.name

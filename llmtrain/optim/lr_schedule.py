@@ -27,9 +27,9 @@ def lr_factor(step: int, total_steps: int, optim_cfg) -> float:
     if warmup is not None:
         return warmup
     floor = optim_cfg.min_lr_ratio
-    if optim_cfg.schedule == "constant":
+    if optim_cfg.lr_schedule == "constant":
         return 1.0
-    if optim_cfg.schedule == "wsd":
+    if optim_cfg.lr_schedule == "wsd":
         decay_steps = max(1, round(optim_cfg.decay_fraction * total_steps))
         decay_start = max(optim_cfg.warmup_steps, total_steps - decay_steps)
         if step < decay_start:
@@ -42,7 +42,9 @@ def lr_factor(step: int, total_steps: int, optim_cfg) -> float:
     return floor + (1 - floor) * DECAY_SHAPES["cosine"](progress)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int, optim_cfg) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer, total_steps: int, optim_cfg
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Each group's lr = its peak (the lr it was built with) x lr_factor; its state is the step count alone, so a
     resumed run recomputes the rates from its own config (a longer train.steps continues a WSD run)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, optim_cfg))
