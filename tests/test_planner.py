@@ -56,7 +56,7 @@ def test_parameter_count_from_the_config_is_the_models(model):
     assert holding(meta.cfg).total == sum(p.numel() for p in meta.parameters())  # + the frozen vocabulary mask
 
 
-LAYOUTS = {
+FOUR_RANKS = {
     "ddp": Candidate("ddp", Degrees(dp_replicate=4)),
     "zero1": Candidate("zero1", Degrees(dp_replicate=4)),
     "zero2": Candidate("zero2", Degrees(dp_shard=4), reshard_after_forward=False),
@@ -65,11 +65,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_model_states_are_the_zero_formulas(name):
     """ZeRO's paper (2/2/12 bytes per parameter, N = 4 data-parallel ranks): DDP 2Ψ + 2Ψ + 12Ψ; ZeRO-1
     2Ψ + 2Ψ + 12Ψ/N; ZeRO-2 2Ψ/N + 2Ψ/N + 12Ψ/N with Ψ gathered in bf16 for the step; ZeRO-3 all /N; HSDP /2."""
-    plan, work, _ = _plan(LAYOUTS[name])
+    plan, work, _ = _plan(FOUR_RANKS[name])
     psi = whole_model_parameters(work.gpt)
     h = work.gpt.d_model
     block = 12 * h * h + 13 * h  # attention 4h² + 4h, MLP 2·h·4h + 5h, two LayerNorms 4h
@@ -90,7 +90,7 @@ def test_model_states_are_the_zero_formulas(name):
 
 
 def test_parameter_override_answers_what_if():
-    plan, _, _ = _plan(LAYOUTS["ddp"], "plan.parameters=1100000000")
+    plan, _, _ = _plan(FOUR_RANKS["ddp"], "plan.parameters=1100000000")
     assert plan.heaviest.model_states == pytest.approx(16 * 1.1e9, rel=1e-6)
     assert not plan.fits  # 17.6 GB of states on a 16 GiB card
 
@@ -139,7 +139,7 @@ def test_layer_terms_count_what_a_block_saves_for_backward(preset):
 def test_context_parallel_divides_activations_and_adds_the_ring():
     """cp 2 beside fsdp on the same 4 ranks: half the tokens' activations per rank (logits included), states
     sharded over all 4 ranks either way, and the ring's sends and receives; the command line selects it."""
-    fsdp, _, _ = _plan(LAYOUTS["fsdp"], "model=llama-tiny", "train.seq_len=256")
+    fsdp, _, _ = _plan(FOUR_RANKS["fsdp"], "model=llama-tiny", "train.seq_len=256")
     cp = Candidate("fsdp", Degrees(dp_shard=2, cp=2))
     ring, _, _ = _plan(cp, "model=llama-tiny", "train.seq_len=256")
     # a micro-batch of the same rows (twice as many of them per rank: dp 2, not 4), half the tokens of each
@@ -172,12 +172,12 @@ def test_traffic_is_the_designs():
     e = 4
     sizes = StateBytes(param=e, grad=e, optimizer=8, compute=e)
     overrides = ("train.batch_size=32", "train.micro_batch_size=4")  # 8 rows per data-parallel rank: 2 micro-batches
-    ddp, work, _ = _plan(LAYOUTS["ddp"], *overrides, sizes=sizes)
+    ddp, work, _ = _plan(FOUR_RANKS["ddp"], *overrides, sizes=sizes)
     psi = whole_model_parameters(work.gpt)
     assert dict(ddp.traffic[0].bytes) == {"all_reduce": psi * e}
-    zero1, _, _ = _plan(LAYOUTS["zero1"], *overrides, sizes=sizes)
+    zero1, _, _ = _plan(FOUR_RANKS["zero1"], *overrides, sizes=sizes)
     assert dict(zero1.traffic[0].bytes) == {"reduce_scatter": psi * e, "all_gather": psi * e}
-    fsdp, _, _ = _plan(LAYOUTS["fsdp"], *overrides, sizes=sizes)
+    fsdp, _, _ = _plan(FOUR_RANKS["fsdp"], *overrides, sizes=sizes)
     root = holding(work.gpt).root
     assert dict(fsdp.traffic[0].bytes) == {"all_gather": 2 * (2 * psi - root) * e, "reduce_scatter": 2 * psi * e}
     tp, _, _ = _plan(Candidate("tp", Degrees(tp=4)), *overrides, sizes=sizes)
@@ -188,6 +188,33 @@ def test_traffic_is_the_designs():
     pp, _, _ = _plan(Candidate("pp", Degrees(pp=4)), *overrides, sizes=sizes)
     middle = pp.traffic[1].bytes
     assert middle["send"] == middle["recv"] == 2 * bsh * e  # activations forward, their gradients back
+
+
+def test_a_layout_is_one_row(monkeypatch):
+    """A new row of llmtrain/catalog.py's LAYOUTS (here fsdp keeping its gathered parameters, under another name)
+    is an option file, a layout training checks and builds, and a planner candidate costed by its fields: zero2's
+    numbers, since it is zero2."""
+    import dataclasses
+
+    from llmtrain import catalog
+    from llmtrain.config import ParallelConfig
+    from llmtrain.parallel.registry import parallel_model_class
+    from llmtrain.plan import ParallelPlan
+    from llmtrain.tools.layout_doc import option_file
+
+    row = dataclasses.replace(catalog.LAYOUTS["fsdp"], settings={"reshard_after_forward": False}, planner_extras=())
+    monkeypatch.setitem(catalog.LAYOUTS, "fsdp_kept", row)
+    assert "layout: fsdp_kept\ndp_shard: -1\nreshard_after_forward: false\n" in option_file("fsdp_kept", row)
+    cfg = _composed(*UNPADDED)
+    parallel = ParallelConfig(layout="fsdp_kept", dp_shard=-1, reshard_after_forward=False)
+    plan = ParallelPlan.of(parallel, cfg.train, cfg.model, 4)
+    assert plan.describe() == "fsdp_kept ZeRO-2 (dp_shard 4)" and parallel_model_class(
+        "fsdp_kept"
+    ) is parallel_model_class("fsdp")
+    found = {c.layout: c for c in enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")}
+    kept, zero2 = _plan(found["fsdp_kept"])[0], _plan(found["zero2"])[0]
+    assert kept.heaviest == zero2.heaviest and dict(kept.traffic[0].bytes) == dict(zero2.traffic[0].bytes)
+    assert kept.traffic[0].bytes and list(found).index("fsdp_kept") == len(found) - 1  # the last row: least simple
 
 
 def test_enumerated_layouts_respect_the_model_and_batch():
@@ -331,7 +358,7 @@ def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
     meta = meta_model(_composed(f"model={model}").model, 50257)
     matrices = sum(p.numel() for name, p in meta.named_parameters() if is_hidden_matrix(name, p))
     assert holding(meta.cfg).matrices == matrices
-    fsdp = LAYOUTS["fsdp"]
+    fsdp = FOUR_RANKS["fsdp"]
     adamw, work, _ = _plan(fsdp, sizes=configured_state_bytes(_composed(*UNPADDED), True))
     muon, _, _ = _plan(fsdp, "optim=muon", sizes=configured_state_bytes(_composed(*UNPADDED, "optim=muon"), True))
     held = holding(work.gpt)
@@ -350,15 +377,15 @@ def test_8bit_moments_float8_gathers_and_offload_shrink_the_state_and_the_wire()
     eight = configured_state_bytes(_composed(*UNPADDED, "optim.state_bits=8"), True)
     assert eight.optimizer == pytest.approx(plain.optimizer - 2 * (4 - (1 + 4 / 256)))
     float8 = configured_state_bytes(_composed(*UNPADDED, "train.float8=tensorwise"), True)
-    fsdp, work, _ = _plan(LAYOUTS["fsdp"], sizes=plain)
-    fsdp8, _, _ = _plan(LAYOUTS["fsdp"], sizes=float8)
+    fsdp, work, _ = _plan(FOUR_RANKS["fsdp"], sizes=plain)
+    fsdp8, _, _ = _plan(FOUR_RANKS["fsdp"], sizes=float8)
     held = holding(work.gpt)
     share = held.matrices / held.total  # the tiny GPT has no experts: every block matrix is a Linear weight
     gathered, gathered8 = fsdp.traffic[0].bytes["all_gather"], fsdp8.traffic[0].bytes["all_gather"]
     assert gathered8 == pytest.approx(gathered * (share * 1 + (1 - share) * 2) / 2)
     assert fsdp8.traffic[0].bytes["reduce_scatter"] == fsdp.traffic[0].bytes["reduce_scatter"]
     offload = configured_state_bytes(_composed(*UNPADDED, "optim.offload=true"), True)
-    offloaded, _, machine = _plan(LAYOUTS["fsdp"], sizes=offload)
+    offloaded, _, machine = _plan(FOUR_RANKS["fsdp"], sizes=offload)
     assert offloaded.heaviest.optimizer == 0 and fsdp.heaviest.optimizer > 0
     host_link = 2 * 4 * held.trainable / 4 / (machine.links.intra * 1e9)  # fp32 gradients down, weights up; 1/N
     assert offloaded.exposed_comm_s == pytest.approx(fsdp.exposed_comm_s + host_link)
