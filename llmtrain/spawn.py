@@ -110,7 +110,9 @@ def spawn_workers(
     )
     try:
         with _forwarding_preemption_signals(preemption):
-            elastic_launch(config, sys.executable)(entry_point, *_without_pinned(overrides), *pinned)
+            # The workers' interpreter as torchrun picks it: PYTHON_EXEC where it is set, else this one.
+            interpreter = os.environ.get("PYTHON_EXEC", sys.executable)
+            elastic_launch(config, interpreter)(entry_point, *_without_pinned(overrides), *pinned)
     except ChildFailedError as failure:
         rank, first = failure.get_first_failure()
         if first.exitcode == -signal.SIGKILL and preemption.signal_name is None:
