@@ -26,7 +26,7 @@ RANKS_PER_NODE = "${llmtrain_ranks_per_node:}"
 class DataParallelSpec:
     """How the data-parallel ranks share the model's state."""
 
-    implementation: str  # "module:Class" of the ParallelModel that applies it (imported when a run asks for it)
+    implementation: str  # "module:Class" of the mechanism a ParallelModel holds (imported when a run asks for it)
     dims: tuple[str, ...]  # the mesh dimensions it can split over
     sharding: str  # what it shards over its ranks: nothing, the optimizer state, or (FSDP) parameters
     flat_optimizer: bool = False  # its optimizer updates flat fp32 slices: no 8-bit moments, no host-side state
@@ -34,16 +34,15 @@ class DataParallelSpec:
 
 # parallel layouts' data_parallel field -> the mechanism.
 DATA_PARALLEL: dict[str, DataParallelSpec] = {
-    "none": DataParallelSpec("llmtrain.parallel.parallel_model:ParallelModel", (), "nothing"),
+    "none": DataParallelSpec("llmtrain.parallel.data_parallel:DataParallel", (), "nothing"),
     "ddp": DataParallelSpec("llmtrain.parallel.data_parallel:DDP", ("dp_replicate",), "nothing"),
     "zero1": DataParallelSpec(
         "llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",), "optimizer", flat_optimizer=True
     ),
     "fsdp": DataParallelSpec(
-        "llmtrain.parallel.parallel_model:ParallelModel", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
+        "llmtrain.parallel.data_parallel:DataParallel", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
     ),
 }
-PIPELINE_IMPLEMENTATION = "llmtrain.parallel.pipeline.parallel_model:PipelineParallel"
 
 
 @dataclass(frozen=True)
@@ -67,10 +66,6 @@ class LayoutSpec:
     @property
     def mechanism(self) -> DataParallelSpec:
         return DATA_PARALLEL[self.data_parallel]
-
-    @property
-    def implementation(self) -> str:
-        return PIPELINE_IMPLEMENTATION if self.pipeline else self.mechanism.implementation
 
     @property
     def dims(self) -> tuple[str, ...]:

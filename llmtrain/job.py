@@ -37,7 +37,6 @@ from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
-from llmtrain.parallel.registry import parallelize
 from llmtrain.plan import ParallelPlan, plan_command, with_layouts_that_run
 from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
 from llmtrain.runtime import Runtime, init_runtime
@@ -192,7 +191,7 @@ def build_parallel_model(config: RootConfig | DictConfig, runtime: Runtime, voca
 def _laid_out(config: RootConfig, plan: ParallelPlan, mesh: RankMesh, runtime: Runtime, meta: GPT) -> ParallelModel:
     """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
     init = initial_weights(config.model, meta, config.seed)
-    return parallelize(meta, init, plan, mesh, runtime, config.optim)
+    return ParallelModel(plan, mesh, runtime, meta, init, config.optim)
 
 
 def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:

@@ -74,7 +74,7 @@ def holdings(parts, runtime: Runtime) -> dict:
     quantised and their bytes, and the devices the moments live on."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    from llmtrain.parallel.parallel_model import local_tensor
+    from llmtrain.parallel.tensors import local_tensor
     from llmtrain.train.memory import tensor_bytes
 
     float8 = [name for name, module in parts.model.module.named_modules() if type(module).__name__ == "Float8Linear"]

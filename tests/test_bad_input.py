@@ -121,15 +121,15 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads a ParallelModel, and each
+    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads its data-parallel mechanism, and each
     schedule is a class torch has (or the reference)."""
     from llmtrain.catalog import LAYOUTS, SCHEDULES
-    from llmtrain.parallel.parallel_model import ParallelModel
+    from llmtrain.parallel.data_parallel import DataParallel
+    from llmtrain.parallel.parallel_model import data_parallel_class
     from llmtrain.parallel.pipeline.schedules import torch_schedule
-    from llmtrain.parallel.registry import parallel_model_class
 
     for name in LAYOUTS:
-        assert issubclass(parallel_model_class(name), ParallelModel)
+        assert issubclass(data_parallel_class(name), DataParallel)
     for spec in SCHEDULES.values():
         assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
     assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and LAYOUT_CHOICES == (*LAYOUTS, "auto")

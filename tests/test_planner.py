@@ -198,7 +198,7 @@ def test_a_layout_is_one_row(monkeypatch):
 
     from llmtrain import catalog
     from llmtrain.config import ParallelConfig
-    from llmtrain.parallel.registry import parallel_model_class
+    from llmtrain.parallel.parallel_model import data_parallel_class
     from llmtrain.plan import ParallelPlan
     from llmtrain.tools.layout_doc import option_file
 
@@ -208,9 +208,9 @@ def test_a_layout_is_one_row(monkeypatch):
     cfg = _composed(*UNPADDED)
     parallel = ParallelConfig(layout="fsdp_kept", dp_shard=-1, reshard_after_forward=False)
     plan = ParallelPlan.of(parallel, cfg.train, cfg.model, 4)
-    assert plan.describe() == "fsdp_kept ZeRO-2 (dp_shard 4)" and parallel_model_class(
+    assert plan.describe() == "fsdp_kept ZeRO-2 (dp_shard 4)" and data_parallel_class(
         "fsdp_kept"
-    ) is parallel_model_class("fsdp")
+    ) is data_parallel_class("fsdp")
     found = {c.layout: c for c in enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")}
     kept, zero2 = _plan(found["fsdp_kept"])[0], _plan(found["zero2"])[0]
     assert kept.heaviest == zero2.heaviest and dict(kept.traffic[0].bytes) == dict(zero2.traffic[0].bytes)

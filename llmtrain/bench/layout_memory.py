@@ -51,7 +51,7 @@ def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> d
     candidate = describe_layout(cfg.parallel, runtime.world_size)
     machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
     plan = layout_cost(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16)), machine)
-    pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.degrees.pp > 1 else 0
+    pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.plan.degrees.pp > 1 else 0
     memory = plan.ranks[pp_rank]
     return {
         "params": memory.parameters,
@@ -100,7 +100,7 @@ def _two_steps(cfg, model: ParallelModel, runtime, vocab_size: int, count_comm: 
     size, count = model.plan.micro_batching()
     generator = torch.Generator().manual_seed(model.mesh.dp_rank)
     held_in_step = None
-    if model.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
+    if model.plan.degrees.pp == 1:  # a pipeline part's forward takes its stage's input, not tokens
         with torch.no_grad(), model.precision():
             module(torch.randint(0, vocab_size, (size, cfg.train.seq_len), generator=generator).to(runtime.device))
         held_in_step = tensor_bytes(module.parameters())  # gathered parameters kept between forward and backward

@@ -1,70 +1,128 @@
-"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL that wrap or replace the base
-ParallelModel's step, for layouts without a pipeline (pipeline/parallel_model.py holds those):
+"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL: how the ranks that see different data
+share the model's state, each an object a ParallelModel holds, whole when made.
 
-  ddp     DistributedDataParallel (ddp.py)
-  zero1   ZeRO-1: AdamW state sharded over the data-parallel ranks (zero.py)
-
-The mechanisms `none` and `fsdp` are the base ParallelModel itself: FSDP2 is one of the steps layout.py applies
-(over dp_shard, HSDP over dp_replicate x dp_shard, with TP inside when parallel.tp > 1 and context parallelism
-when parallel.cp > 1).
+  none, fsdp   DataParallel: the step as it is (FSDP2 is a step of layout.py, applied to the modules themselves)
+  ddp          DistributedDataParallel (ddp.py): a wrapper, and no gradient sync while accumulating
+  zero1        ZeRO-1 (zero.py): the optimizer updates this rank's flat slice of the gradients, reduce-scattered
+               after backward, and the updated parameters are all-gathered
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.catalog import OPTIMIZERS
 from llmtrain.config import OptimConfig
+from llmtrain.optim import build_optimizer
+from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.ddp import apply_ddp
-from llmtrain.parallel.parallel_model import MicroBatches, ParallelModel, clip_gradients
+from llmtrain.parallel.mesh import RankMesh
+from llmtrain.parallel.tensors import clip_gradients, replicate_partial_gradients
 from llmtrain.parallel.zero import ZeroOneAdamW, ZeroOneMuon
+from llmtrain.runtime import Runtime
+
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class DDP(ParallelModel):
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        return apply_ddp(model, self.mesh.dp_group, self.runtime.device)
+class DataParallel:
+    """Data parallelism that changes nothing in the step: none at all, or FSDP's, which its hooks do."""
 
-    def _grad_sync(self, is_last_micro_batch: bool) -> AbstractContextManager:
-        return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, self.module).no_sync()
+    def __init__(self, mesh: RankMesh, runtime: Runtime):
+        self.mesh, self.runtime = mesh, runtime
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """A wrapper that needs the materialised weights, or the module itself."""
+        return module
+
+    def accumulating(self, module: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward + backward."""
+        return nullcontext()
+
+    def build_optimizer(self, module: nn.Module, optim: OptimConfig, ns_dtype: torch.dtype) -> torch.optim.Optimizer:
+        return build_optimizer(module, optim, ns_dtype, self.runtime.device)
+
+    def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once the step's gradients are complete."""
+
+    def clip_grad_norm(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """Clip to `max_norm` (0: measure only) by the global gradient norm `norm()` and return that norm."""
+        replicate_partial_gradients(module.parameters())
+        total = norm()
+        clip_gradients(module.parameters(), max_norm, total)
+        return total
+
+    def state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Model and optimizer state as this rank holds it, keyed by the unsplit model's names."""
+        return (
+            get_model_state_dict(module),
+            portable_state(get_optimizer_state_dict(module, optimizer, options=_FLAT_OPTIMIZER)),
+        )
+
+    def load_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+    ) -> None:
+        set_model_state_dict(module, model_state)
+        set_optimizer_state_dict(module, optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
+        restore_low_bits(optimizer)
 
 
-class ZeroOne(ParallelModel):
-    optimizer: ZeroOneAdamW | ZeroOneMuon
+class DDP(DataParallel):
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return apply_ddp(module, self.mesh.dp_group, self.runtime.device)
 
-    def _optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
+    def accumulating(self, module: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+        """Gradients are all-reduced once per step: not on the micro-batches before the last."""
+        return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, module).no_sync()
+
+
+class ZeroOne(DataParallel):
+    def build_optimizer(self, module: nn.Module, optim: OptimConfig, ns_dtype: torch.dtype) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
         if OPTIMIZERS[optim.name].whole_matrices:
-            return ZeroOneMuon(self.module, optim, self.mesh.dp_mesh, self._ns_dtype)
-        return ZeroOneAdamW(self.module, optim, self.mesh.dp_mesh)
+            return ZeroOneMuon(module, optim, self.mesh.dp_mesh, ns_dtype)
+        return ZeroOneAdamW(module, optim, self.mesh.dp_mesh)
 
-    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
-        loss = super().forward_backward(micro_batches)
-        self.optimizer.reduce_scatter_gradients()
-        return loss
+    def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        cast(ZeroOneAdamW | ZeroOneMuon, optimizer).reduce_scatter_gradients()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
         """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
-        grads = self.optimizer.shard_gradients()
+        sharded = cast(ZeroOneAdamW | ZeroOneMuon, optimizer)
+        grads = sharded.shard_gradients()
         squares = torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
-        dist.all_reduce(squares, group=self.optimizer.group)
-        norm = squares.sqrt()
-        clip_gradients(self.optimizer.shards(), max_norm, norm)
-        return norm
+        dist.all_reduce(squares, group=sharded.group)
+        total = squares.sqrt()
+        clip_gradients(sharded.shards(), max_norm, total)
+        return total
 
-    def model_and_optimizer_state(self) -> tuple[dict, dict]:
-        return get_model_state_dict(self.module), self.optimizer.flat_state_dict(self._names())
+    def state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return get_model_state_dict(module), cast(ZeroOneAdamW | ZeroOneMuon, optimizer).flat_state_dict(_names(module))
 
-    def load_model_and_optimizer_state(self, model_state: dict, optimizer_state: dict) -> None:
-        set_model_state_dict(self.module, model_state)
-        self.optimizer.load_flat_state_dict(optimizer_state, self._names())
+    def load_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+    ) -> None:
+        set_model_state_dict(module, model_state)
+        cast(ZeroOneAdamW | ZeroOneMuon, optimizer).load_flat_state_dict(optimizer_state, _names(module))
 
-    def _names(self) -> dict[nn.Parameter, str]:
-        return {param: name for name, param in self.module.named_parameters()}
+
+def _names(module: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in module.named_parameters()}

@@ -23,8 +23,9 @@ from llmtrain.data.tasks import Task
 from llmtrain.data.tokenizers import token_byte_lengths
 from llmtrain.errors import Preempted, TrainingDiverged
 from llmtrain.model import GPTConfig
-from llmtrain.parallel.parallel_model import ParallelModel, full_tensor
+from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
+from llmtrain.parallel.tensors import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.downstream import evaluate_tasks
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from llmtrain.config import OptimConfig
 from llmtrain.errors import OutOfMemory
 from llmtrain.optim.state_bits import moment_bytes
-from llmtrain.parallel.parallel_model import local_tensor
+from llmtrain.parallel.tensors import local_tensor
 
 MIB = 2**20
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,33 +24,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
-from llmtrain.config import OptimConfig
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
-from llmtrain.model.scoring import RowStatistic
-from llmtrain.parallel.layout import apply_layout
-from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
-from llmtrain.parallel.parallel_model import (
-    MicroBatches,
-    ParallelModel,
-    Statistic,
-    full_tensor,
-    grads_by_layout,
-    local_tensor,
-    squared_norm,
-)
+from llmtrain.parallel.layout import LayoutSteps, apply_layout
+from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import torch_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
+from llmtrain.parallel.tensors import MicroBatches, Statistic, full_tensor, grads_by_layout, local_tensor, squared_norm
 from llmtrain.plan import ParallelPlan, stage_layers
 from llmtrain.runtime import Runtime
 
 
-class PipelineParallel(ParallelModel):
-    """This rank's stages of the cut model (`stages`, one per entry of `stage_indices`; `module` holds them all)
-    and the schedule that runs them, both made at construction."""
+class Pipeline:
+    """This rank's stages of the model cut by depth (`stages`, one per entry of `stage_indices`; `part` holds them
+    all, for the optimizer), laid out and allocated, and the schedule that runs them: all made at construction.
+    A ParallelModel of a pipelined plan holds one and hands it each step."""
 
     def __init__(
         self,
@@ -57,51 +49,53 @@ class PipelineParallel(ParallelModel):
         mesh: RankMesh,
         runtime: Runtime,
         model: LayeredModel,
+        steps: LayoutSteps,
+        init_device: torch.device,
         init: ParameterInit,
-        optim: OptimConfig,
     ):
-        # Where this rank sits in the pipeline, which the base constructor's layout steps (_laid_out) cut by.
+        self.plan, self.mesh, self.runtime = plan, mesh, runtime
         self.spec = schedule_spec(plan.parallel.pp_schedule)
-        self.pp_group = mesh.device_mesh["pp"].get_group()
-        self.pp_rank = mesh.device_mesh.get_local_rank("pp")
+        self.group = mesh.device_mesh["pp"].get_group()
+        self.rank = mesh.device_mesh.get_local_rank("pp")
         self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
-        self.stage_indices = rank_stages(
-            self.pp_rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style
-        )
+        self.stage_indices = rank_stages(self.rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline(runtime.device)
-        self.stages: list[LayeredModel] = []
-        super().__init__(plan, mesh, runtime, model, init, optim)
+        self.part, self.stages = self._cut(model, steps, init_device, init)
+        self.tied_parameters = self.part.tied_parameters
         self.tied_group = self._tied_embedding_group()
         self.schedule = self._build_schedule()
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _laid_out(self, model: LayeredModel, init: ParameterInit) -> nn.Module:
-        """This rank's part of `model` (on the meta device), for the optimizer: the pipeline cut, then each of its
-        stages laid out (tensor / data parallelism) and allocated."""
-        layers = stage_layers(len(model.blocks), self.n_stages, self.parallel.pp_edge_blocks)
+    def _cut(
+        self, model: LayeredModel, steps: LayoutSteps, init_device: torch.device, init: ParameterInit
+    ) -> tuple[LayeredModel, list[LayeredModel]]:
+        """This rank's part of `model` (on the meta device), then each of its stages laid out (tensor / data
+        parallelism) and allocated."""
+        layers = stage_layers(len(model.blocks), self.n_stages, self.plan.parallel.pp_edge_blocks)
         last = self.n_stages - 1
         part = model.pipeline_part(
             [i for stage in self.stage_indices for i in layers[stage]],
             first=0 in self.stage_indices,
             last=last in self.stage_indices,
         )
+        stages = []
         for stage in self.stage_indices:
             view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
-            apply_layout(view, self.layout)
+            apply_layout(view, steps)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
-            materialize(view, self._init_device, init)
-            self.stages.append(view)
-        return part
+            materialize(view, init_device, init)
+            stages.append(view)
+        return part, stages
 
     def _build_schedule(self):
         m, device = self.plan.microbatches, self.runtime.device
         schedule_class = torch_schedule(self.spec)
         if schedule_class is None:
             return Reference1F1B(
-                self.stages[0], self.pp_rank, self.n_stages, self.pp_group, m, cross_entropy_loss, device, self.timeline
+                self.stages[0], self.rank, self.n_stages, self.group, m, cross_entropy_loss, device, self.timeline
             )
         stages = [
-            TimedStage(module, stage, self.n_stages, device, group=self.pp_group, timeline=self.timeline)
+            TimedStage(module, stage, self.n_stages, device, group=self.group, timeline=self.timeline)
             for stage, module in zip(self.stage_indices, self.stages)
         ]
         try:
@@ -110,13 +104,13 @@ class PipelineParallel(ParallelModel):
             return schedule_class(stages, m, loss_fn=cross_entropy_loss)
         except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
             raise ConfigError(
-                f"parallel.pp_schedule={self.parallel.pp_schedule} with parallel.microbatches={m}: {error}"
+                f"parallel.pp_schedule={self.plan.parallel.pp_schedule} with parallel.microbatches={m}: {error}"
             ) from None
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """The two ranks (same data and tensor-parallel coordinates) holding the embedding and the LM head; None
         when one rank holds both (V schedules)."""
-        if stage_rank(self.n_stages - 1, self.degrees.pp, self.spec.style) == 0:
+        if stage_rank(self.n_stages - 1, self.plan.degrees.pp, self.spec.style) == 0:
             return None
         mine = None
         ends = self.mesh.device_mesh.mesh[[0, -1]].reshape(2, -1)
@@ -127,24 +121,29 @@ class PipelineParallel(ParallelModel):
         return mine
 
     # -- one step -------------------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
-        device = self.runtime.device
-        inputs = self._context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
-        targets = self._context_shard(torch.cat([y for _, y in micro_batches])).to(device)
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's micro-batches (this rank's part of each sequence, on the device) through the schedule; the
+        tied copies' gradients summed; the mean micro-batch loss, computed on the last stage's rank and shared with
+        the whole pipeline."""
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
-        with self.loss_context(), self.precision():
-            if 0 in self.stage_indices:
-                self.schedule.step(inputs, target=targets, losses=losses)
-            else:
-                self.schedule.step(target=targets, losses=losses)
+        if 0 in self.stage_indices:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        else:
+            self.schedule.step(target=targets, losses=losses)
         self._sum_tied_gradients()
-        return self._mean_from_last_stage(losses)
+        mean = torch.stack([full_tensor(loss) for loss in losses]).mean() if losses else None
+        return self.share(mean if mean is not None else torch.zeros((), device=self.runtime.device))
+
+    def share(self, value: torch.Tensor) -> torch.Tensor:
+        """A value the last stage's rank computed (zeros on the others), on every rank of the pipeline."""
+        dist.all_reduce(value, group=self.group)
+        return value
 
     def _sum_tied_gradients(self) -> None:
-        held = {name for name, _ in self.module.named_parameters()}
+        held = {name for name, _ in self.part.named_parameters()}
         for tied, source in self.tied_parameters.items():
-            grads = [_local_grad(self.module.get_parameter(name)) for name in (source, tied) if name in held]
+            grads = [_local_grad(self.part.get_parameter(name)) for name in (source, tied) if name in held]
             if len(grads) == 2:
                 total = grads[0] + grads[1]
                 for grad in grads:
@@ -152,93 +151,68 @@ class PipelineParallel(ParallelModel):
             elif grads:
                 dist.all_reduce(grads[0], group=self.tied_group)
 
-    def _mean_from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean micro-batch loss, computed on the last stage's rank and shared with the whole pipeline (and
-        over the context-parallel ranks, each of which computed it on its part of the sequences)."""
-        total = (
-            torch.stack([full_tensor(loss) for loss in losses]).mean()
-            if losses
-            else torch.zeros((), device=self.runtime.device)
-        )
-        dist.all_reduce(total, group=self.pp_group)
-        return mean_over(total, self.mesh.cp_mesh)
-
-    @torch.no_grad()
-    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
-        return self._mean_from_last_stage(self._forward_only(micro_batches, cross_entropy_loss))
-
-    @torch.no_grad()
-    def row_sums(self, micro_batches: MicroBatches, statistic: RowStatistic) -> torch.Tensor:
-        rows = sum(len(inputs) for inputs, _ in micro_batches)
-        sums = self._forward_only(micro_batches, statistic.compute)
-        total = (
-            torch.cat(sums)
-            if sums
-            else torch.zeros(rows, statistic.columns, dtype=torch.float64, device=self.runtime.device)
-        )
-        dist.all_reduce(total, group=self.pp_group)  # from the last stage's rank to the whole pipeline
-        return sum_over(total, self.mesh.cp_mesh)
-
-    def _forward_only(self, micro_batches: MicroBatches, statistic: Statistic) -> list[torch.Tensor]:
-        """`statistic` of each micro-batch on the last stage's rank ([] elsewhere), by forward-only pipelining,
-        micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages
-        in increasing order, receiving each input from the previous stage's rank and sending each output on. Every
-        rank goes through (micro-batch, stage) in the same order, so the k-th message between two ranks is the
-        k-th on both sides and each waits only on work that comes earlier in that order: no cycle, even where a
-        send blocks until received (NCCL; a rank with several stages sends both ways). With one stage per rank the
-        ranks still overlap: rank 0 computes micro-batch i + 1 while rank 1 computes i.
+    def forward_only(
+        self, micro_batches: MicroBatches, statistic: Statistic, shard: Callable[[torch.Tensor], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`statistic` of each micro-batch (`shard`: this rank's part of a sequence) on the last stage's rank ([]
+        elsewhere), by forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1,
+        ..., its stages in increasing order, receiving each input from the previous stage's rank and sending each
+        output on. Every rank goes through (micro-batch, stage) in the same order, so the k-th message between two
+        ranks is the k-th on both sides and each waits only on work that comes earlier in that order: no cycle,
+        even where a send blocks until received (NCCL; a rank with several stages sends both ways). With one stage
+        per rank the ranks still overlap: rank 0 computes micro-batch i + 1 while rank 1 computes i.
         The first output of each stage travels with a header (its trailing shape and dtype, a host read on the
         receiver); the others' shapes follow from the micro-batch sizes every pipeline rank already holds."""
         device, last = self.runtime.device, self.n_stages - 1
         results: list[torch.Tensor] = []
         stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
-        with self.precision(), self.loss_context():
-            for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
-                inputs, targets = self._context_shard(whole_inputs), self._context_shard(whole_targets)
-                carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
-                for stage, module in stages:
-                    if stage == 0:
-                        x = inputs.to(device)
-                    elif carried is not None:
-                        x = carried
-                    else:
-                        previous = self._global_rank(stage - 1)
-                        if stage not in received:
-                            received[stage] = recv_header(previous, self.pp_group, device)
-                        shape, dtype = received[stage]
-                        x = torch.empty([len(inputs), *shape[1:]], dtype=dtype, device=device)
-                        exchange([dist.P2POp(dist.irecv, x, previous, self.pp_group)])
-                    output, carried = module(x), None
-                    if stage == last:
-                        results.append(full_tensor(statistic(output, targets.to(device))))
-                    elif stage + 1 in self.stage_indices:
-                        carried = output
-                    else:
-                        following = self._global_rank(stage + 1)
-                        if i == 0:
-                            send_header(output, following, self.pp_group)
-                        exchange([dist.P2POp(dist.isend, output.contiguous(), following, self.pp_group)])
+        for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
+            inputs, targets = shard(whole_inputs), shard(whole_targets)
+            carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
+            for stage, module in stages:
+                if stage == 0:
+                    x = inputs.to(device)
+                elif carried is not None:
+                    x = carried
+                else:
+                    previous = self._global_rank(stage - 1)
+                    if stage not in received:
+                        received[stage] = recv_header(previous, self.group, device)
+                    shape, dtype = received[stage]
+                    x = torch.empty([len(inputs), *shape[1:]], dtype=dtype, device=device)
+                    exchange([dist.P2POp(dist.irecv, x, previous, self.group)])
+                output, carried = module(x), None
+                if stage == last:
+                    results.append(full_tensor(statistic(output, targets.to(device))))
+                elif stage + 1 in self.stage_indices:
+                    carried = output
+                else:
+                    following = self._global_rank(stage + 1)
+                    if i == 0:
+                        send_header(output, following, self.group)
+                    exchange([dist.P2POp(dist.isend, output.contiguous(), following, self.group)])
         return results
 
     def _global_rank(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage_rank(stage, self.degrees.pp, self.spec.style))
+        return dist.get_global_rank(self.group, stage_rank(stage, self.plan.degrees.pp, self.spec.style))
 
-    def _grad_norm(self) -> torch.Tensor:
-        # A tied parameter's copy (the LM head's embedding matrix) is one parameter of the model: count it once.
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm over every stage; a tied parameter's copy (the LM head's embedding matrix) is one
+        parameter of the model, counted once."""
         tied = self.tied_parameters
-        counted = [param for name, param in self.module.named_parameters() if name not in tied]
+        counted = [param for name, param in self.part.named_parameters() if name not in tied]
         squared = squared_norm(grads_by_layout(counted))
-        dist.all_reduce(squared, group=self.pp_group)
+        dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
 
     # -- results --------------------------------------------------------------------------------------------
     def _gather_to_main(self, payload: object) -> list | None:
         """The pipeline's payloads by pp rank, on rank 0 (the pipeline that holds rank 0 takes part)."""
-        if 0 not in dist.get_process_group_ranks(self.pp_group):
+        if 0 not in dist.get_process_group_ranks(self.group):
             return None
-        gathered = [None] * self.degrees.pp if self.runtime.is_main else None
-        dist.gather_object(payload, gathered, dst=0, group=self.pp_group)
+        gathered = [None] * self.plan.degrees.pp if self.runtime.is_main else None
+        dist.gather_object(payload, gathered, dst=0, group=self.group)
         return gathered
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -247,16 +221,16 @@ class PipelineParallel(ParallelModel):
         first of them sends it to rank 0 unless rank 0 holds it itself. No rank holds more than one whole tensor
         it does not keep; a tied copy (the head's embedding matrix) is not sent twice."""
         tied = self.tied_parameters
-        params = dict(self.module.named_parameters())
+        params = dict(self.part.named_parameters())
         listing = [(name, tuple(param.shape), param.dtype) for name, param in params.items() if name not in tied]
-        held: list = [None] * self.degrees.pp
-        dist.all_gather_object(held, listing, group=self.pp_group)
+        held: list = [None] * self.plan.degrees.pp
+        dist.all_gather_object(held, listing, group=self.group)
         state: dict[str, torch.Tensor] = {}
         device = self.runtime.device
         for holder, names in enumerate(held):
             first_rank = int(self.mesh.device_mesh.mesh[holder].flatten()[0])
             for name, shape, dtype in names:
-                if holder == self.pp_rank:
+                if holder == self.rank:
                     whole = full_tensor(params[name].detach())
                     if self.runtime.is_main:
                         state[name] = whole.cpu()
@@ -275,10 +249,10 @@ class PipelineParallel(ParallelModel):
         gathered = self._gather_to_main((self.timeline.events, self.timeline.peak_in_flight))
         if not gathered:
             return {}
-        p, v, m = self.degrees.pp, self.parallel.pp_stages_per_rank, self.plan.microbatches
+        p, v, m = self.plan.degrees.pp, self.plan.parallel.pp_stages_per_rank, self.plan.microbatches
         events = [rank_events for rank_events, _ in gathered]
         measured, theory = bubble_fraction(events), (p - 1) / (v * m)
-        schedule = self.parallel.pp_schedule
+        schedule = self.plan.parallel.pp_schedule
         plot_gantt(
             events,
             os.path.join(run_dir, "pipeline.png"),
