@@ -121,8 +121,8 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads its data-parallel mechanism, and each
-    schedule is a class torch has (or the reference)."""
+    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads its data-parallel mechanism,
+    and each schedule is a class torch has (or the reference)."""
     from llmtrain.catalog import LAYOUTS, SCHEDULES
     from llmtrain.parallel.data_parallel import DataParallel
     from llmtrain.parallel.parallel_model import data_parallel_class

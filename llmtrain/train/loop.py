@@ -78,7 +78,8 @@ class Components:
 class Trainer:
     """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
     cleanly at a step boundary when `preemption` saw a stop signal, recording the steps `profiler` asks for, and
-    telling `watchdog` where it is and `stragglers` how long its compute took."""
+    telling `watchdog` where it is and `stragglers` how long its compute took. What others use of it: `run` (the
+    job), `advance` (a number of steps: benchmarks and test workers), `state`, `model` and `checkpoints`."""
 
     def __init__(
         self,
@@ -89,49 +90,49 @@ class Trainer:
         watchdog: StepWatchdog | None = None,
         stragglers: StragglerWatch | None = None,
     ):
-        self.train = parts.config.train
-        self.grad_clip = parts.config.optim.grad_clip
-        self.checkpoint_every = parts.config.checkpoint.every
-        self.runtime = runtime = parts.runtime
+        self._train = parts.config.train
+        self._grad_clip = parts.config.optim.grad_clip
+        self._checkpoint_every = parts.config.checkpoint.every
+        self._runtime = runtime = parts.runtime
         self.model = parts.model
-        self.optimizer = parts.model.optimizer
-        self.lr_schedule = parts.lr_schedule
-        self.data = parts.data
-        self.on_record = on_record
-        self.flops_per_token = parts.model_flops
-        self.peak = peak_flops(runtime.device, bf16=uses_bf16(self.train.precision, runtime.device))
-        self.train_slice = parts.train_slice
-        self.val_slice = parts.val_slice
+        self._optimizer = parts.model.optimizer
+        self._lr_schedule = parts.lr_schedule
+        self._data = parts.data
+        self._on_record = on_record
+        self._flops_per_token = parts.model_flops
+        self._peak = peak_flops(runtime.device, bf16=uses_bf16(self._train.precision, runtime.device))
+        self._train_slice = parts.train_slice
+        self._val_slice = parts.val_slice
         self.checkpoints = parts.checkpoints
-        self.preemption = preemption
-        self.profiler = profiler
-        self.watchdog = watchdog
-        self.stragglers = stragglers
+        self._preemption = preemption
+        self._profiler = profiler
+        self._watchdog = watchdog
+        self._stragglers = stragglers
         self.state = parts.state
-        self.tasks = parts.tasks
-        self.task_every = parts.config.eval.every or self.train.eval_every
-        self.val_bytes_per_token = self._val_bytes_per_token()
-        self.stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
+        self._tasks = parts.tasks
+        self._task_every = parts.config.eval.every or self._train.eval_every
+        self._val_bytes_per_token = self._measured_val_bytes_per_token()
+        self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
 
     def _is_checkpoint_step(self, step: int) -> bool:
-        every = self.checkpoint_every
-        return step == self.train.steps or (every > 0 and step % every == 0)
+        every = self._checkpoint_every
+        return step == self._train.steps or (every > 0 and step % every == 0)
 
     def _is_eval_step(self, step: int) -> bool:
-        every = self.train.eval_every
-        return every > 0 and (step % every == 0 or step == self.train.steps)
+        every = self._train.eval_every
+        return every > 0 and (step % every == 0 or step == self._train.steps)
 
     def _is_task_step(self, step: int) -> bool:
-        every = self.task_every
-        return bool(self.tasks) and every > 0 and (step % every == 0 or step == self.train.steps)
+        every = self._task_every
+        return bool(self._tasks) and every > 0 and (step % every == 0 or step == self._train.steps)
 
-    def _val_bytes_per_token(self) -> list[float]:
+    def _measured_val_bytes_per_token(self) -> list[float]:
         """Collective: per validation set, the UTF-8 bytes per scored token (every rank holds as many rows)."""
-        if not self.data.validation:
+        if not self._data.validation:
             return []
-        lengths = token_byte_lengths(self.data.tokenizer)
-        mine = [float(lengths[v.rows[:, 1:]].sum()) / max(v.rows[:, 1:].size, 1) for v in self.data.validation]
-        return self.model.reduce_mean(torch.tensor(mine, device=self.runtime.device)).tolist()
+        lengths = token_byte_lengths(self._data.tokenizer)
+        mine = [float(lengths[v.rows[:, 1:]].sum()) / max(v.rows[:, 1:].size, 1) for v in self._data.validation]
+        return self.model.reduce_mean(torch.tensor(mine, device=self._runtime.device)).tolist()
 
     def validate(self) -> dict[str, float]:
         """`val_loss` and `val_bpb`: over the validation sets (one, or a mixture's sources), their mean weighted by
@@ -140,97 +141,97 @@ class Trainer:
         # One host read for all the sets: the device runs every set's forwards without waiting in between.
         losses = torch.stack(
             [
-                self.model.reduce_mean(self.model.evaluate(self.val_slice.micro_batches(v.rows, self.runtime.device)))
-                for v in self.data.validation
+                self.model.reduce_mean(self.model.evaluate(self._val_slice.micro_batches(v.rows, self._runtime.device)))
+                for v in self._data.validation
             ]
         ).tolist()
         self.model.module.train()
-        weights = [v.weight for v in self.data.validation]
+        weights = [v.weight for v in self._data.validation]
         total = sum(weights)
         record = {"val_loss": sum(w * loss for w, loss in zip(weights, losses)) / total}
-        if all(self.val_bytes_per_token):  # nats per token -> bits per byte: comparable across tokenizers
-            bits = [loss / (math.log(2) * per_token) for loss, per_token in zip(losses, self.val_bytes_per_token)]
+        if all(self._val_bytes_per_token):  # nats per token -> bits per byte: comparable across tokenizers
+            bits = [loss / (math.log(2) * per_token) for loss, per_token in zip(losses, self._val_bytes_per_token)]
             record["val_bpb"] = sum(w * b for w, b in zip(weights, bits)) / total
-        for v, loss in zip(self.data.validation, losses):
+        for v, loss in zip(self._data.validation, losses):
             if v.name is not None:
                 record[f"val_loss/{v.name}"] = loss
         return record
 
     def _mark(self, phase: str, step: int | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.mark(self.state.step + 1 if step is None else step, phase)
+        if self._watchdog is not None:
+            self._watchdog.mark(self.state.step + 1 if step is None else step, phase)
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         self._mark("starting the step")
-        if self.stragglers is not None:
-            self.stragglers.begin()
-        faults.step_begins(self.state.step + 1, self.runtime.rank)
-        with faults.counting_host_reads(self.optimizer):
+        if self._stragglers is not None:
+            self._stragglers.begin()
+        faults.step_begins(self.state.step + 1, self._runtime.rank)
+        with faults.counting_host_reads(self._optimizer):
             record = self._step(started)
         faults.step_ends(started)
         return record
 
     def _step(self, started: float) -> dict[str, Any]:
-        begin_step_memory(self.runtime.device)
-        micro_batches = self.train_slice.micro_batches(self.data.train.next(), self.runtime.device)
+        begin_step_memory(self._runtime.device)
+        micro_batches = self._train_slice.micro_batches(self._data.train.next(), self._runtime.device)
         self._mark("forward/backward")
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
         loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
         self._mark("clipping")
-        grad_norm = self.model.clip_grad_norm(self.grad_clip)
-        device = self.runtime.device
+        grad_norm = self.model.clip_grad_norm(self._grad_clip)
+        device = self._runtime.device
         stop = (
-            self.preemption.requested_flag(self.runtime)
-            if self.preemption is not None
+            self._preemption.requested_flag(self._runtime)
+            if self._preemption is not None
             else torch.zeros((), device=device)
         )
         # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
         # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
         load = self.model.expert_load()
-        if self.stragglers is not None:
-            self.stragglers.end_of_compute()
-        ranks_seconds = self.stragglers.gathered(self.state.step + 1) if self.stragglers is not None else None
+        if self._stragglers is not None:
+            self._stragglers.end_of_compute()
+        ranks_seconds = self._stragglers.gathered(self.state.step + 1) if self._stragglers is not None else None
         self._mark("reading the step's results")
         extra = [value for value in (load, ranks_seconds) if value is not None]
         scalars = [full_tensor(loss), grad_norm, stop, *extra]
         loss_value, norm_value, stop_value, *extra_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
-        if self.stragglers is not None:
-            self.stragglers.after_host_read()
+        if self._stragglers is not None:
+            self._stragglers.after_host_read()
         load_values = extra_values[: 0 if load is None else load.numel()]
-        self.stop_requested = stop_value > 0
+        self._stop_requested = stop_value > 0
         record: dict[str, Any] = {
             "step": self.state.step + 1,
             "loss": loss_value,
-            "lr": float(self.lr_schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
+            "lr": float(self._lr_schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
             "grad_norm": norm_value,
         }
         if load_values:  # routed slots per expert, all mixture blocks together: the load balance
             record["expert_load"] = [round(value) for value in load_values]
             record["expert_imbalance"] = max(load_values) * len(load_values) / max(sum(load_values), 1)
-        if ranks_seconds is not None and self.stragglers is not None:
-            self.stragglers.report(record["step"], extra_values[len(load_values) :], record)
+        if ranks_seconds is not None and self._stragglers is not None:
+            self._stragglers.report(record["step"], extra_values[len(load_values) :], record)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         self._mark("optimizer")
         if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
-            self.optimizer.step()
+            self._optimizer.step()
             self.state.bad_steps = 0
         else:
             self._skip(record)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_schedule.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._lr_schedule.step()
         # The step ends when the device has run its optimizer: without this wait a GPU step's clock would stop
         # while its optimizer kernels are still queued, and their time would land in the next step's.
-        self.runtime.synchronize()
+        self._runtime.synchronize()
         seconds = time.perf_counter() - started
-        if self.watchdog is not None:
-            self.watchdog.observe_step(seconds)
-        tokens = self.train.batch_size * self.train.seq_len
+        if self._watchdog is not None:
+            self._watchdog.observe_step(seconds)
+        tokens = self._train.batch_size * self._train.seq_len
         record["tokens_per_s"] = tokens / seconds
-        record["mfu"] = mfu(tokens / seconds / self.runtime.world_size, self.flops_per_token, self.peak)
+        record["mfu"] = mfu(tokens / seconds / self._runtime.world_size, self._flops_per_token, self._peak)
         self.state.train_seconds += seconds
         return record
 
@@ -241,45 +242,45 @@ class Trainer:
             f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
             f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)"
         )
-        if self.state.bad_steps >= self.train.max_bad_steps:
+        if self.state.bad_steps >= self._train.max_bad_steps:
             raise TrainingDiverged(
                 f"step {record['step']}: {self.state.bad_steps} steps in a row with a non-finite loss or gradient "
-                f"norm (train.max_bad_steps={self.train.max_bad_steps}), the run stops; its last checkpoint is "
+                f"norm (train.max_bad_steps={self._train.max_bad_steps}), the run stops; its last checkpoint is "
                 f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data"
             )
 
     def run(self) -> LoopState:
         self.model.module.train()
-        while self.state.step < self.train.steps:
+        while self.state.step < self._train.steps:
             self.advance()
         return self.state
 
     def advance(self) -> None:
         """One step and what the run does around it: validation, memory, checkpoint completion, the record,
         saving, stopping when asked."""
-        if self.profiler is not None:
-            self.profiler.before_step(self.state.step + 1)
+        if self._profiler is not None:
+            self._profiler.before_step(self.state.step + 1)
         record = self.train_step()
-        if self.profiler is not None:
-            self.profiler.after_step(record["step"])
+        if self._profiler is not None:
+            self._profiler.after_step(record["step"])
         self.state.step = step = record["step"]
         if self._is_eval_step(step):
             self._mark("validation", step)
             record.update(self.validate())
         if self._is_task_step(step):
             self._mark("downstream tasks", step)
-            record.update(evaluate_tasks(self.model, self.tasks, self.train.micro_batch_size))
+            record.update(evaluate_tasks(self.model, self._tasks, self._train.micro_batch_size))
         self._mark("logging", step)
-        record.update(self.data.source_tokens(self.train.seq_len))
-        record.update(step_memory(self.runtime.device))
+        record.update(self._data.source_tokens(self._train.seq_len))
+        record.update(step_memory(self._runtime.device))
         self.checkpoints.poll()
         self.state.records.append(record)
-        self.on_record(record)
-        stop = self.stop_requested
+        self._on_record(record)
+        stop = self._stop_requested
         if stop or self._is_checkpoint_step(step):
             self._mark("checkpoint", step)
             self.checkpoints.save(step)
         if stop:
             self.checkpoints.finish()
-            signal_name = self.preemption.signal_name if self.preemption is not None else None
+            signal_name = self._preemption.signal_name if self._preemption is not None else None
             raise Preempted(self.state.step, signal_name or "a signal on another rank")
