@@ -185,7 +185,13 @@ def build_parallel_model(config: RootConfig | DictConfig, runtime: Runtime, voca
     if isinstance(config, DictConfig):
         config = cast(RootConfig, OmegaConf.to_object(config))
     plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
-    return _laid_out(config, plan, RankMesh.of(plan, runtime), runtime, meta_model(config.model, vocab_size))
+    return _laid_out(
+        config,
+        plan,
+        RankMesh.of(plan, runtime),
+        runtime,
+        meta_model(config.model, vocab_size, config.train.activation_checkpointing),
+    )
 
 
 def _laid_out(config: RootConfig, plan: ParallelPlan, mesh: RankMesh, runtime: Runtime, meta: GPT) -> ParallelModel:
@@ -227,7 +233,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
 
     if runtime.is_main and (warning := streaming_scale_warning(config.data, dp_size)):
         log.warning(warning)
-    meta = meta_model(config.model, tokenizer.vocab_size)  # shapes only: nothing is allocated yet
+    # shapes only: nothing is allocated yet
+    meta = meta_model(config.model, tokenizer.vocab_size, config.train.activation_checkpointing)
     gpt_cfg = meta.cfg
     checkpoint_dir = os.path.abspath(os.path.expanduser(config.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
     resume = _agreed(runtime, resume_path(config.checkpoint, checkpoint_dir, runtime.is_main))

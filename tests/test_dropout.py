@@ -7,7 +7,6 @@ import torch
 
 from llmtrain.model.dropout import Split, keep_mask
 from llmtrain.model.gpt import Block, GPTConfig
-from llmtrain.model.recompute import checkpoint_blocks
 
 DROPPY = GPTConfig(vocab_size=97, n_layer=1, n_head=4, d_model=32, max_seq_len=16, dropout=0.2, attention_dropout=0.3)
 
@@ -47,8 +46,10 @@ def test_a_recomputed_block_drops_what_its_forward_dropped(mode, compiled):
     """Recomputation (inside the compiled graph when compiled) draws the same seeds, so the same masks."""
     torch.manual_seed(0)
     block, x = Block(DROPPY, 0).train(), torch.randn(2, 8, 32, requires_grad=True)
+    recomputing = Block(DROPPY, 0, recompute=mode).train()
+    recomputing.load_state_dict(block.state_dict())
 
-    def gradients() -> list[torch.Tensor]:
+    def gradients(block: Block) -> list[torch.Tensor]:
         torch.manual_seed(7)
         (torch.compile(block) if compiled else block)(x).square().sum().backward()
         grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
@@ -56,15 +57,14 @@ def test_a_recomputed_block_drops_what_its_forward_dropped(mode, compiled):
         block.zero_grad()
         return grads
 
-    stored = gradients()
-    checkpoint_blocks([block], mode)
+    stored = gradients(block)
     # Compiled, the recomputed region is fused differently from the forward's, so results differ by float32
     # rounding: a few ulps of the largest gradient (1.19e-6 was seen, failing an absolute 1e-6). 1e-5 of the largest
     # gradient of all leaves room for that; another dropout mask moves a dropped element's gradient by its whole
     # size. Of all, not of each tensor: the key projection's bias has no true gradient (softmax ignores a shift),
     # so its gradient is that rounding alone (1.9e-7 was seen against a tolerance of 2.3e-12 of its own largest).
     tolerance = 1e-5 * max(float(kept.abs().max()) for kept in stored)
-    for recomputed, kept in zip(gradients(), stored, strict=True):
+    for recomputed, kept in zip(gradients(recomputing), stored, strict=True):
         torch.testing.assert_close(recomputed, kept, rtol=0, atol=tolerance)
     assert not torch.equal(stored[0], gradients_without_dropout(block, x))  # dropout did change the gradients
 

@@ -271,15 +271,14 @@ def test_every_kind_of_block_compiles_as_one_graph(preset, extra, recompute, dty
     from torch.distributed.device_mesh import init_device_mesh
 
     from llmtrain.model import build_model
-    from llmtrain.model.recompute import checkpoint_blocks
     from llmtrain.parallel.context import apply_context_parallel
     from llmtrain.tools import compose_config
 
     torch._dynamo.reset()
-    model = build_model(compose_config([f"model={preset}", *(e for e in extra if e != "cp")]).model, 97, seed=0)
+    overrides = [f"model={preset}", *(e for e in extra if e != "cp")]
+    model = build_model(compose_config(overrides).model, 97, seed=0, recompute=recompute)
     if "cp" in extra:
         apply_context_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)))
-    checkpoint_blocks(model.blocks.values(), recompute)
     block = list(model.to(dtype).train().blocks.values())[-1]
     explanation = torch._dynamo.explain(block)(torch.randn(2, 16, model.cfg.d_model, dtype=dtype))
     assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -25,7 +25,6 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.moe import Experts, MoE
-from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.planner.shapes import whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import compare
@@ -133,8 +132,7 @@ def test_auxiliary_losses_reach_the_router_as_if_added_to_the_loss():
 def test_expert_load_counts_every_routed_slot_once(preset):
     """Once per training forward: not again when activation checkpointing reruns the blocks in backward, and not
     for validation (eval mode) or forwards without gradients."""
-    model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0)
-    checkpoint_blocks(model.blocks.values(), "full")
+    model = build_model(compose_config([f"model={preset}"]).model, 257, seed=0, recompute="full")
     tokens, cpu = torch.randint(0, 257, (4, 16)), torch.device("cpu")
     model(tokens).sum().backward()
     with torch.no_grad():

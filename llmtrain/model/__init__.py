@@ -60,10 +60,11 @@ def rope_scaling(scaling_cfg) -> RopeScaling | None:
     )
 
 
-def meta_model(model_cfg, vocab_size: int) -> GPT:
-    """The whole model on the meta device: shapes only, no memory, for a layout to cut and shard."""
+def meta_model(model_cfg, vocab_size: int, recompute: str = "none") -> GPT:
+    """The whole model on the meta device: shapes only, no memory, for a layout to cut and shard; its blocks
+    recompute their activations in backward as `recompute` (train.activation_checkpointing) says."""
     with torch.device("meta"):
-        return GPT(gpt_config(model_cfg, vocab_size))
+        return GPT(gpt_config(model_cfg, vocab_size), recompute=recompute)
 
 
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
@@ -75,10 +76,10 @@ def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
     return seeded_init(model, seed)
 
 
-def build_model(model_cfg, vocab_size: int, seed: int) -> GPT:
+def build_model(model_cfg, vocab_size: int, seed: int, recompute: str = "none") -> GPT:
     """The whole model materialised in this process on the CPU, with the weights every layout starts from (for
     tools and tests; training lays the model out on the meta device first, llmtrain/job.py)."""
-    model = meta_model(model_cfg, vocab_size)
+    model = meta_model(model_cfg, vocab_size, recompute)
     materialize(model, torch.device("cpu"), initial_weights(model_cfg, model, seed))
     return model
 

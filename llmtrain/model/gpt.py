@@ -29,6 +29,7 @@ from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, SequenceShare, expert_init_std
+from llmtrain.model.recompute import recomputed
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
 
@@ -178,14 +179,18 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of experts in
     the blocks model.moe picks."""
 
-    def __init__(self, cfg: GPTConfig, index: int):
+    def __init__(self, cfg: GPTConfig, index: int, recompute: str = "none"):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
+        self.recompute = recompute  # what backward recomputes (train.activation_checkpointing, model/recompute.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._residual, self.recompute, x)
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -208,9 +213,10 @@ class GPT(LayeredModel):
         embedding: bool = True,
         head: bool = True,
         tie_head: bool = True,
+        recompute: str = "none",
     ):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.recompute = cfg, recompute
         layers = range(cfg.n_layer) if layers is None else layers
         self.tok_emb: nn.Embedding | None = None
         self.pos_emb: nn.Embedding | None = None
@@ -223,7 +229,7 @@ class GPT(LayeredModel):
             if cfg.position == "learned":
                 self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.emb_dropout = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, recompute) for i in layers})
         if head:
             padded = cfg.padded_vocab_size > cfg.vocab_size
             self.norm = make_norm(cfg)
@@ -281,7 +287,7 @@ class GPT(LayeredModel):
         runs the first stage, the final norm and head when it runs the last. The head is its own parameter even
         when the part holds the embedding too: the two belong to different stages."""
         with torch.device("meta"):
-            return GPT(self.cfg, layers=layers, embedding=first, head=last, tie_head=False)
+            return GPT(self.cfg, layers=layers, embedding=first, head=last, tie_head=False, recompute=self.recompute)
 
     def stage_view(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
         """The module that runs one pipeline stage: a GPT made of this part's own modules (shared, not copied)."""

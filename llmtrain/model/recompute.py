@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # Operators by qualified name: the ring's is registered by the parallel layer, which the model does not import.
@@ -46,23 +45,19 @@ def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:
-    if mode == "full":
-        return checkpoint(forward, x, use_reentrant=False)
-    return checkpoint(
-        forward, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_expensive)
-    )
+def recomputed(compute: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:
+    """`compute(x)`, its activations recomputed in backward as `mode` (a RECOMPUTE_MODES name) says.
 
-
-def checkpoint_blocks(blocks: Iterable[nn.Module], mode: str) -> None:
-    """Make each block recompute its activations in backward (`mode` full or selective; none leaves them be).
-
-    The checkpoint goes *inside* each block's forward rather than around its call: parameter names stay as they
-    are (the seeded initialisation and checkpoints are keyed by them), and a block compiled afterwards traces the
-    checkpoint from inside. Checkpointing a compiled block from outside fails in backward under the selective
-    policy ("Tensor cached during selective activation checkpoint has been mutated"); torchtitan's order is the
-    same: checkpoint, then compile, then FSDP."""
+    A block calls this inside its own forward (llmtrain/model/gpt.py's Block, which is built with its mode) rather
+    than being wrapped: parameter names stay as they are (the seeded initialisation and checkpoints are keyed by
+    them), and a block compiled afterwards traces the checkpoint from inside. Checkpointing a compiled block from
+    outside fails in backward under the selective policy ("Tensor cached during selective activation checkpoint
+    has been mutated"), and torch's hook-based composable checkpoint breaks a fullgraph compile; torchtitan's
+    order is the same: checkpoint, then compile, then FSDP."""
     if mode == "none":
-        return
-    for block in blocks:
-        block.forward = partial(_checkpointed, block.forward, mode)
+        return compute(x)
+    if mode == "full":
+        return checkpoint(compute, x, use_reentrant=False)
+    return checkpoint(
+        compute, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_expensive)
+    )

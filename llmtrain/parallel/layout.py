@@ -1,11 +1,12 @@
 """How a layout is applied to a model on the meta device: one linear sequence of plain steps, each in its own
-module (tp.py, fsdp.py, ddp.py; activation checkpointing and compilation are one line each, here).
+module (tp.py, fsdp.py, ddp.py; compilation is one line, here). Activation checkpointing is not a step: the blocks
+are built recomputing as train.activation_checkpointing says (llmtrain/model/recompute.py), inside their forward.
 
 The ordering rule, stated once: context parallelism first (it only tells the model which positions it holds and
 hands its attention the ring), expert parallelism next (it shards the experts and hands each mixture its
 all-to-all), then float8 (it swaps Linear layers for torchao's Float8Linear, which torchao's float8 tensor-parallel
 styles expect to find), then tensor parallelism (every later step sees the sharded layers), then
-activation checkpointing and compilation of each block (so they capture the sharded computation), then FSDP (it
+compilation of each block (so it captures the sharded computation, recomputation included), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
 buffers, built with the optimizer) come after that.
@@ -20,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import MoE
-from llmtrain.model.recompute import checkpoint_blocks
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
 from llmtrain.parallel.float8 import Float8, apply_float8, float8_on
@@ -41,7 +41,6 @@ class LayoutSteps:
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False
     fsdp_mesh: DeviceMesh | None = None  # None: parameters are not sharded over data-parallel ranks
     expert_fsdp_mesh: DeviceMesh | None = None  # with ep_mesh: the ranks FSDP shards the experts over
@@ -53,8 +52,8 @@ class LayoutSteps:
 
 def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> LayoutSteps:
     """The steps `plan`'s layout takes on this rank's model, from its row's fields: tensor parallelism over the tp
-    dimension when it has one, context and expert parallelism when their degrees are above 1, activation
-    checkpointing and compilation as train.* asks, and FSDP where the data-parallel mechanism shards parameters:
+    dimension when it has one, context and expert parallelism when their degrees are above 1, compilation as
+    train.compile asks, and FSDP where the data-parallel mechanism shards parameters:
     inside a pipeline only over more than one rank, and keeping the gathered parameters for the whole step there
     (resharding after forward would re-gather them for every micro-batch)."""
     d, p, t, spec = plan.degrees, plan.parallel, plan.train, plan.spec
@@ -80,18 +79,11 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
         tp_mesh=mesh.tp_mesh,
         sequence_parallel=tp and p.sequence_parallel,
         loss_parallel=tp and p.loss_parallel,
-        activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
         param_dtype=torch.bfloat16 if uses_bf16(t.precision, device) else None,
         cpu_offload=p.cpu_offload,
         **fsdp,
     )
-
-
-def apply_activation_checkpointing(model: LayeredModel, mode: str) -> None:
-    """Recompute each block's activations in backward (`full`), or only the cheap ops between its matmuls
-    (`selective`): llmtrain/model/recompute.py."""
-    checkpoint_blocks(model.blocks.values(), mode)
 
 
 def apply_compile(model: LayeredModel) -> None:
@@ -115,7 +107,6 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
     if layout.tp_mesh is not None:
         float8_styles = layout.float8 is not None and layout.float8.tensor_parallel_styles
         apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel, float8_styles)
-    apply_activation_checkpointing(model, layout.activation_checkpointing)
     if layout.compile:
         apply_compile(model)
     if layout.fsdp_mesh is not None:
