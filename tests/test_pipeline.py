@@ -15,6 +15,7 @@ from pipeline_worker import STEPS
 from llmtrain.catalog import SCHEDULES
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
+from llmtrain.parallel.family import gpt_pipeline_part, gpt_stage_view
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.plan import stage_layers, validate_schedule
 from llmtrain.tools import compose_config
@@ -62,8 +63,8 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     parts = []
     for rank in range(2):
         stages = rank_stages(rank, 2, 2, "v")
-        part = meta_model(cfg.model, 257).pipeline_part(
-            [i for s in stages for i in layers[s]], first=0 in stages, last=3 in stages
+        part = gpt_pipeline_part(
+            meta_model(cfg.model, 257), [i for s in stages for i in layers[s]], 0 in stages, 3 in stages
         )
         materialize(part, torch.device("cpu"), init)
         parts.append(part)
@@ -75,7 +76,7 @@ def test_rank_parts_keep_the_whole_models_names_weights_and_function():
     assert parts[0].lm_head.weight is not parts[0].tok_emb.weight
     # The stage views run the parts' own modules; chained, they compute the whole model.
     views = {
-        stage: parts[stage_rank(stage, 2, "v")].stage_view(layers[stage], first=stage == 0, last=stage == 3)
+        stage: gpt_stage_view(parts[stage_rank(stage, 2, "v")], layers[stage], stage == 0, stage == 3)
         for stage in range(4)
     }
     assert views[3].lm_head is parts[0].lm_head and views[2].blocks["2"] is parts[1].blocks["2"]

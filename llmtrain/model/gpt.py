@@ -17,7 +17,6 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,7 @@ from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
-from llmtrain.model.moe import Experts, MoE, MoEConfig, SequenceShare, expert_init_std
+from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
 from llmtrain.model.recompute import recomputed
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
@@ -91,8 +90,8 @@ class GPTConfig:
 
 class WholeSequence:
     """Which positions of the sequence a forward sees, and how its attention reaches the rest: here all of them,
-    in order, and attention is local. Context parallelism hands the model its own layout instead
-    (`GPT.shard_sequence`, llmtrain/parallel/context.py): a shard of positions, attention over a ring of ranks."""
+    in order, and attention is local. Context parallelism hands the model its own layout instead (made by
+    llmtrain/parallel/context.py, handed over by family.py): a shard of positions, attention over a ring of ranks."""
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return torch.arange(t, device=device)
@@ -272,33 +271,6 @@ class GPT(LayeredModel):
             if loads
             else torch.zeros(self.cfg.moe.num_experts, dtype=torch.long, device=device)
         )
-
-    def shard_sequence(self, sequence: WholeSequence) -> None:
-        """Run on a part of each sequence: positions, attention and the mixtures' balance statistics from
-        `sequence` (context parallelism)."""
-        self.sequence = sequence
-        for block in self.blocks.values():
-            cast(Block, block).attn.sequence = sequence
-            if isinstance(block.mlp, MoE):
-                block.mlp.sequence = cast(SequenceShare, sequence)
-
-    def pipeline_part(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
-        """A pipeline rank's part of this model, on the meta device: the blocks `layers`, the embeddings when it
-        runs the first stage, the final norm and head when it runs the last. The head is its own parameter even
-        when the part holds the embedding too: the two belong to different stages."""
-        with torch.device("meta"):
-            return GPT(self.cfg, layers=layers, embedding=first, head=last, tie_head=False, recompute=self.recompute)
-
-    def stage_view(self, layers: Sequence[int], first: bool, last: bool) -> GPT:
-        """The module that runs one pipeline stage: a GPT made of this part's own modules (shared, not copied)."""
-        with torch.device("meta"):
-            view = GPT(self.cfg, layers=[], embedding=False, head=False)
-        view.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
-        if first:
-            view.tok_emb, view.pos_emb, view.emb_dropout = self.tok_emb, self.pos_emb, self.emb_dropout
-        if last:
-            view.norm, view.lm_head = self.norm, self.lm_head
-        return view
 
     # -- initialisation ---------------------------------------------------------------------------------------
     @torch.no_grad()

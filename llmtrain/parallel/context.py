@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
+from llmtrain.parallel.family import family_of
 from llmtrain.parallel.ring_attention import ring_attention
 
 
@@ -58,5 +59,6 @@ class ContextShard:
 
 
 def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
-    """Make `model` (or a pipeline stage) run on this rank's zigzag shard of every sequence."""
-    model.shard_sequence(ContextShard(mesh))
+    """Make `model` (or a pipeline stage) run on this rank's zigzag shard of every sequence, as its family's spec
+    hands a sequence layout to its modules."""
+    family_of(model).shard_sequence(model, ContextShard(mesh))

@@ -23,6 +23,7 @@ from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import MoE
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
+from llmtrain.parallel.family import family_of
 from llmtrain.parallel.float8 import Float8, apply_float8, float8_on
 from llmtrain.parallel.fsdp import apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from llmtrain.parallel.mesh import RankMesh
@@ -106,7 +107,8 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
         apply_float8(model, layout.float8)
     if layout.tp_mesh is not None:
         float8_styles = layout.float8 is not None and layout.float8.tensor_parallel_styles
-        apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel, layout.loss_parallel, float8_styles)
+        plan = family_of(model).tensor_parallel_plan(model, layout.sequence_parallel, layout.loss_parallel)
+        apply_tensor_parallel(model, plan, layout.tp_mesh, float8_styles)
     if layout.compile:
         apply_compile(model)
     if layout.fsdp_mesh is not None:

@@ -1,10 +1,10 @@
 """Tensor parallelism with DTensor: `parallel=tp`, and the TP step of every layout with parallel.tp > 1.
 
-`apply_tensor_parallel` applies the GPT family's plan (module name -> parallel style, `gpt_tensor_parallel_plan`)
-over the `tp` mesh dimension and keeps tied parameters tied. With loss parallelism the cross-entropy runs on
-vocabulary shards (`loss_context`), so no rank holds full-vocabulary logits. The plan lives here, beside the
-parallelism it drives, not in the model (as torchtitan's parallelize functions name their model's modules): the
-model modules import nothing of tensor parallelism.
+`apply_tensor_parallel` applies a family's plan (module name -> parallel style; the GPT's is
+`gpt_tensor_parallel_plan`, which family.py binds to the GPT) over the `tp` mesh dimension and keeps tied parameters
+tied. With loss parallelism the cross-entropy runs on vocabulary shards (`loss_context`), so no rank holds
+full-vocabulary logits. The plan lives here, beside the parallelism it drives, not in the model (as torchtitan's
+parallelize functions name their model's modules): the model modules import nothing of tensor parallelism.
 
 The plan, the Megatron way. Within a block, the first matmul of each pair is column-parallel (q, k, v split by
 heads, grouped-query attention's key/value heads with their query heads; the MLP's up-projection and SwiGLU gate
@@ -52,17 +52,11 @@ from llmtrain.parallel.float8 import float8_tensor_parallel_plan
 
 
 def apply_tensor_parallel(
-    model: LayeredModel,
-    tp_mesh: DeviceMesh,
-    sequence_parallel: bool,
-    loss_parallel_on: bool,
-    float8_styles: bool = False,
+    model: LayeredModel, plan: dict[str, ParallelStyle], tp_mesh: DeviceMesh, float8_styles: bool = False
 ) -> None:
-    """`float8_styles`: the model's float8 layers get torchao's float8 styles (float8.py)."""
-    if not isinstance(model, GPT):  # the one family there is; another adds its plan beside the GPT's
-        raise TypeError(f"no tensor-parallel plan for {type(model).__name__}")
+    """`plan` (its family's, llmtrain/parallel/family.py) over `tp_mesh`; `float8_styles`: the model's float8
+    layers get torchao's float8 styles (float8.py)."""
     tied = tied_groups(model)
-    plan = gpt_tensor_parallel_plan(model, sequence_parallel, loss_parallel_on)
     parallelize_module(model, tp_mesh, float8_tensor_parallel_plan(model, plan) if float8_styles else plan)
     # parallelize_module gives each module its own DTensor parameter; tied ones share one placement (the
     # embedding and the head are both split by vocabulary rows), so the tie is restored as it was.

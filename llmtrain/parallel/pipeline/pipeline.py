@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.parallel.family import family_of
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
@@ -73,14 +74,16 @@ class Pipeline:
         parallelism) and allocated."""
         layers = stage_layers(len(model.blocks), self.n_stages, self.plan.parallel.pp_edge_blocks)
         last = self.n_stages - 1
-        part = model.pipeline_part(
+        family = family_of(model)
+        part = family.pipeline_part(
+            model,
             [i for stage in self.stage_indices for i in layers[stage]],
-            first=0 in self.stage_indices,
-            last=last in self.stage_indices,
+            0 in self.stage_indices,
+            last in self.stage_indices,
         )
         stages = []
         for stage in self.stage_indices:
-            view = part.stage_view(layers[stage], first=stage == 0, last=stage == last)
+            view = family.stage_view(part, layers[stage], stage == 0, stage == last)
             apply_layout(view, steps)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
             materialize(view, init_device, init)

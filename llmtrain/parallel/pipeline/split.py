@@ -1,12 +1,13 @@
 """The stage split: which stages each pipeline rank holds (which blocks each stage runs is the plan's
 `stage_layers`, llmtrain/plan.py, checked before anything is built), without tracing.
 
-The model cuts itself (`pipeline_part`, `stage_view`): a rank's part holds the blocks of all its stages under
-their whole-model names ("blocks.5.attn.q_proj.weight"), plus the embeddings if it runs the first stage and the
-final norm and head if it runs the last, so its state dict and its optimizer's are keyed like the unsplit model's
-and checkpoints do not care how the model was cut. The part is built on the meta device and each rank allocates
-only its own stages' weights, initialised as the unsplit model's (llmtrain/model/materialize.py). Each stage the
-schedule runs is a view made of the part's own modules, holding just that stage's slice.
+The model family's spec cuts the model (llmtrain/parallel/family.py: `pipeline_part`, `stage_view`): a rank's part
+holds the blocks of all its stages under their whole-model names ("blocks.5.attn.q_proj.weight"), plus the
+embeddings if it runs the first stage and the final norm and head if it runs the last, so its state dict and its
+optimizer's are keyed like the unsplit model's and checkpoints do not care how the model was cut. The part is built
+on the meta device and each rank allocates only its own stages' weights, initialised as the unsplit model's
+(llmtrain/model/materialize.py). Each stage the schedule runs is a view made of the part's own modules, holding just
+that stage's slice.
 """
 
 from __future__ import annotations
