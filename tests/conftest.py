@@ -146,11 +146,20 @@ def claim_ranks(ranks: int) -> Path | None:
     deadline = time.monotonic() + RANK_WAIT_LIMIT
     while True:
         with FileLock(folder / "count.lock"):
-            held = sum(int(other.read_text()) for other in folder.glob("*.claim") if _running(int(other.stem)))
+            held = sum(_ranks_claimed(other) for other in folder.glob("*.claim") if _running(int(other.stem)))
             if held == 0 or held + ranks <= RANK_CAPACITY or time.monotonic() > deadline:
                 claim.write_text(str(ranks))
                 return claim
         time.sleep(0.2)
+
+
+def _ranks_claimed(claim: Path) -> int:
+    """The ranks a claim holds; 0 once it is gone (its holder releases it, or renames it to its run's pid, without
+    the lock: between listing the folder and reading the claim)."""
+    try:
+        return int(claim.read_text())
+    except FileNotFoundError:
+        return 0
 
 
 def _running(pid: int) -> bool:
