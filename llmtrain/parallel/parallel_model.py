@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from contextlib import AbstractContextManager
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,14 @@ from llmtrain.parallel.data_parallel import DataParallel
 from llmtrain.parallel.float8 import float8_summary, precompute_scales_after_step
 from llmtrain.parallel.layout import apply_layout, layout_steps
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
-from llmtrain.parallel.pipeline.pipeline import Pipeline
 from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.tensors import MicroBatches, Statistic, full_tensor, grads_by_layout, squared_norm
 from llmtrain.parallel.tp import loss_context
 from llmtrain.plan import ParallelPlan
 from llmtrain.runtime import Runtime
+
+if TYPE_CHECKING:
+    from llmtrain.parallel.pipeline.pipeline import Pipeline
 
 
 def data_parallel_class(name: str) -> type[DataParallel]:
@@ -64,7 +66,11 @@ class ParallelModel:
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
         self._data_parallel = data_parallel_class(plan.name)(mesh, runtime)
-        self._pipeline = Pipeline(plan, mesh, runtime, model, steps, init_device, init) if plan.pipelined else None
+        self._pipeline: Pipeline | None = None
+        if plan.pipelined:  # imported only where a run pipelines: torch's pipelining costs a process ~0.7 s
+            from llmtrain.parallel.pipeline.pipeline import Pipeline
+
+            self._pipeline = Pipeline(plan, mesh, runtime, model, steps, init_device, init)
         if self._pipeline is None:
             apply_layout(model, steps)
             materialize(model, init_device, init)
