@@ -54,9 +54,9 @@ class LayoutSteps:
 def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> LayoutSteps:
     """The steps `plan`'s layout takes on this rank's model, from its row's fields: tensor parallelism over the tp
     dimension when it has one, context and expert parallelism when their degrees are above 1, compilation as
-    train.compile asks, and FSDP where the data-parallel mechanism shards parameters:
-    inside a pipeline only over more than one rank, and keeping the gathered parameters for the whole step there
-    (resharding after forward would re-gather them for every micro-batch)."""
+    train.compile asks, and FSDP where the data-parallel mechanism shards parameters (inside a pipeline only over
+    more than one rank, keeping the gathered parameters for the whole step: resharding after forward would
+    re-gather them for every micro-batch)."""
     d, p, t, spec = plan.degrees, plan.parallel, plan.train, plan.spec
     sharded = spec.mechanism.sharding == "parameters" and (not spec.pipeline or d.dp * d.cp > 1)
     fsdp: dict = {}
