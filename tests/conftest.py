@@ -19,6 +19,7 @@ import hashlib
 import json
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -522,3 +523,28 @@ FIRST = ("test_slurm.py", "test_checkpoint.py")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+
+
+# LLMTRAIN_TEST_CPU=<file>: each test's CPU seconds (setup, module fixtures included, call and teardown), in this
+# process and in the processes it started and waited for, appended to <file> as one JSON line: what the suite's
+# budget is spent on, free of the noise two workers sharing two cores put on wall times. Run it with
+# LLMTRAIN_TEST_COLD=1: a warm run's processes are children of the zygote, not of the test.
+CPU_REPORT = os.environ.get("LLMTRAIN_TEST_CPU")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not CPU_REPORT:
+        yield
+        return
+    (own, children), start = _cpu_seconds(), time.monotonic()
+    yield
+    own_after, children_after = _cpu_seconds()
+    record = {"test": item.nodeid, "own_s": own_after - own, "children_s": children_after - children}
+    with open(CPU_REPORT, "a") as f:  # one short line per write: the two workers' lines do not interleave
+        f.write(json.dumps({**record, "wall_s": time.monotonic() - start}) + "\n")
