@@ -75,12 +75,6 @@ class LayoutSpec:
             return MESH_DIMS
         return tuple(d for d in MESH_DIMS if d in self.mechanism.dims or d in self.degrees)
 
-    @property
-    def reshard_after_forward(self) -> bool:
-        """Whether FSDP frees gathered parameters after forward (and gathers them again for backward). A pipeline
-        keeps them for the whole step: resharding would re-gather for every micro-batch."""
-        return not self.pipeline and self.settings.get("reshard_after_forward", True)
-
 
 _SP = {"sequence_parallel": True}
 # parallel=<name> -> its layout, simplest first: the planner breaks a tie (predicted step times within 3%) toward
