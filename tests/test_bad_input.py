@@ -177,6 +177,12 @@ def test_an_unknown_key_names_the_nearest_one():
     )
     assert error_line(base, "+train.stpes=5").startswith("train.stpes is not a key: did you mean train.steps?")
     assert error_line(base, "+foo=1").startswith("foo is not a key (the keys of the config: checkpoint, data,")
+    # a key an earlier version had: its new name
+    assert (
+        error_line(base, "parallel.strategy=fsdp")
+        == "parallel.strategy is now parallel.layout: set parallel.layout instead"
+    )
+    assert error_line(base, "optim.schedule=wsd").startswith("optim.schedule is now optim.lr_schedule")
 
 
 def _corpus(tmp: Path) -> dict[str, Path]:
