@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 from omegaconf import OmegaConf
-from warm_python import ADDRESS
+from warm_python import ADDRESS, COLD_STARTS
 
 from llmtrain.checkpoint import load_final_model
 from llmtrain.checkpoint.manager import complete_checkpoints
@@ -106,6 +106,12 @@ def warm_interpreter() -> dict[str, str]:
         time.sleep(0.05)
     os.environ[ADDRESS] = str(address)  # inherited by every process a test starts: only python()'s client reads it
     return {ADDRESS: str(address), "PYTHON_EXEC": str(client)}
+
+
+# Where tests/warm_python.py notes each run that started a fresh interpreter because its environment differs from
+# the zygote's; set once, by the process that starts the xdist workers, so that they share it, and summarised at the
+# end (pytest_terminal_summary): a variable an import sets quietly made every later run of a worker cold, unseen.
+os.environ.setdefault(COLD_STARTS, os.path.join(tempfile.gettempdir(), f"llmtrain-cold-starts-{os.getpid()}.jsonl"))
 
 
 def python() -> str:
@@ -548,3 +554,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     record = {"test": item.nodeid, "own_s": own_after - own, "children_s": children_after - children}
     with open(CPU_REPORT, "a") as f:  # one short line per write: the two workers' lines do not interleave
         f.write(json.dumps({**record, "wall_s": time.monotonic() - start}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the process that started it reports
+        return
+    noted = Path(os.environ[COLD_STARTS])
+    if not noted.exists():
+        return
+    by_change: dict[str, list[str]] = {}
+    for line in noted.read_text().splitlines():
+        record = json.loads(line)
+        by_change.setdefault(", ".join(record["changed"]), []).append(record["test"])
+    noted.unlink()
+    terminalreporter.section("runs started cold (a fresh interpreter, not the zygote's fork)")
+    for changed, tests in sorted(by_change.items(), key=lambda item: -len(item[1])):
+        first = ", ".join(dict.fromkeys(tests))
+        terminalreporter.write_line(f"{len(tests)} for their environment's {changed}: {first[:300]}")

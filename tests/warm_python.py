@@ -22,6 +22,7 @@ import struct
 import sys
 
 ADDRESS = "LLMTRAIN_TEST_ZYGOTE"  # the zygote's socket; unset: every run is a fresh interpreter
+COLD_STARTS = "LLMTRAIN_TEST_COLD_STARTS"  # a file: one line per run started cold for its environment
 # Read once, as an interpreter starts (or by modules as they are imported): a run that sets them otherwise than the
 # zygote was started with needs an interpreter of its own. The zygote's child sets up the runtime ones itself;
 # torchrun's and NCCL's are read when a process group forms.
@@ -30,6 +31,8 @@ RUNTIME_VARIABLES = (
     # Set in the test process by its own imports (lm_eval, torchao), to the defaults a run would take anyway, and
     # read when used: were they startup variables, every run after a test that imports those would start cold.
     "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",  # scikit-learn's, through lm_eval: read by Intel's OpenMP, which torch does not load
+    "TORCHDYNAMO_DISABLE",  # read by torch.compile at each call
     "HF_XET_",
     "PYTHONFAULTHANDLER",
     "PYTHONUNBUFFERED",
@@ -67,8 +70,20 @@ def warm_request(args: list[str]) -> dict | None:
         if zygote["set_by_imports"].get(key) != value  # a run started by a warm run inherits these
     }
     if ours != zygote["started_with"]:
+        record_cold_start(args, ours, zygote["started_with"])
         return None
     return {"flags": flags, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+
+
+def record_cold_start(args: list[str], ours: dict[str, str], zygote: dict[str, str]) -> None:
+    """Note a run that starts a fresh interpreter because its startup variables differ from the zygote's, for the
+    test session's summary (tests/conftest.py): a variable some import sets quietly makes every later run cold."""
+    record = os.environ.get(COLD_STARTS)
+    if record:
+        changed = sorted(key for key in {*ours, *zygote} if ours.get(key) != zygote.get(key))
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(record, "a") as f:  # one short line per write: concurrent runs' lines do not interleave
+            f.write(json.dumps({"changed": changed, "test": test, "args": args[:2]}) + "\n")
 
 
 def receive_exactly(connection: socket.socket, size: int) -> bytes | None:

@@ -43,6 +43,9 @@ PRELOAD = (
     "hydra.main",
     "torch.distributed.launcher.api",
     "torch.distributed.elastic.agent.server.local_elastic_agent",
+    # imported by a run's first call into a function torch keeps from being compiled (a parameter's initialisation
+    # on the meta device, an optimizer's step, FSDP's hooks): ~1.5 CPU s a run, near every run
+    "torch._dynamo",
 )
 PEER_CREDENTIALS = struct.Struct("3i")
 # The one thread the imports start: pyarrow's bundled jemalloc (pyarrow comes with datasets) starts its background
