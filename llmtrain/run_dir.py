@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from typing import NoReturn
@@ -33,15 +34,24 @@ def remove_if_empty_run(run_dir: str) -> None:
 
 
 def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoReturn:
-    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind."""
+    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind: every rank removes
+    it, since Hydra makes it again in a rank that starts after the main rank removed it."""
     if is_main:
         print(f"error: {error}", file=sys.stderr)
-        remove_if_empty_run(run_dir)
+    remove_if_empty_run(run_dir)
+    if is_main:
         sys.exit(ConfigError.exit_code)
     exit_quietly_after_the_main_rank()
 
 
 def exit_quietly_after_the_main_rank() -> NoReturn:
-    """Exit 2 on a rank other than the main one, which reports the config error: late enough for its line."""
+    """Exit 2 on a rank other than the main one, which reports the config error: late enough for its line, or as
+    soon as the launcher stops this rank (torchrun does once the main rank has exited, i.e. after its line)."""
+
+    def stopped(signum: int, frame: object) -> NoReturn:
+        sys.exit(ConfigError.exit_code)
+
+    for stop in (signal.SIGTERM, signal.SIGINT):  # replacing the preemption watch's: there is no step to save
+        signal.signal(stop, stopped)
     time.sleep(_MAIN_RANK_REPORTS_WITHIN_S)
     sys.exit(ConfigError.exit_code)
