@@ -48,6 +48,10 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     """The trainer's records of `overrides` (losses, gradient norms, validation loss), and rank 0's full weights."""
     parts = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
     records: list[dict] = []
+    computed_in: set[str] = set()  # the dtypes of the Linear layers' outputs: what the steps computed in
+    for module in parts.model.module.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _module, _inputs, output: computed_in.add(str(output.dtype)))
     try:
         trainer = Trainer(parts, records.append, preemption=None)
         parts.model.module.train()
@@ -57,7 +61,8 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         parts.data.close()
         adapter = adapter_answers(parts) if parts.config.eval.tasks else None
     curves = {
-        "holdings": holdings(parts, runtime),
+        "holdings": holdings(parts, runtime, computed_in),
+        "precision": parts.model.precision_description,
         "adapter": adapter,
         "losses": [r["loss"] for r in records],
         "norms": [r["grad_norm"] for r in records],
@@ -68,10 +73,10 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     return curves, parts.model.full_state_dict()
 
 
-def holdings(parts, runtime: Runtime) -> dict:
+def holdings(parts, runtime: Runtime, computed_in: set[str]) -> dict:
     """What the layout holds after its steps, summed over the ranks: the names (the unsplit model's) of the Linear
     layers float8 converted, the optimizer's class, its moments (AdamW's exp_avg, exp_avg_sq), those held
-    quantised and their bytes, and the devices the moments live on."""
+    quantised and their bytes, the devices the moments live on, and the dtypes the Linear layers computed in."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from llmtrain.parallel.tensors import local_tensor
@@ -94,6 +99,7 @@ def holdings(parts, runtime: Runtime) -> dict:
         "quantised_values": sum(moment.numel() for moment in quantised),
         "quantised_bytes": tensor_bytes(quantised),
         "moment_devices": sorted({moment.device.type for moment in moments}),
+        "computed_in": sorted(computed_in),
     }
     every = [mine]
     if runtime.world_size > 1:
@@ -103,6 +109,7 @@ def holdings(parts, runtime: Runtime) -> dict:
         "float8_layers": sorted({name for rank in every for name in rank["float8_layers"]}),
         "optimizer": sorted({rank["optimizer"] for rank in every}),
         "moment_devices": sorted({device for rank in every for device in rank["moment_devices"]}),
+        "computed_in": sorted({dtype for rank in every for dtype in rank["computed_in"]}),
         **{
             key: sum(rank[key] for rank in every)
             for key in ("moments", "quantised_moments", "quantised_values", "quantised_bytes")

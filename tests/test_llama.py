@@ -6,7 +6,7 @@ Its forward against transformers' LlamaForCausalLM and its parameter counts are 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_matches_single, layout_group, layout_groups
+from conftest import BF16, assert_matches_single, layout_group, layout_groups
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +30,12 @@ LAYOUTS = {
 }
 
 
-# pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed; and GPT-2's family (tiny) too.
+# pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed; GPT-2's family (tiny); and bf16.
 LAYOUTS_3D = [
     "parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
     " train.activation_checkpointing=full",
     "model=tiny parallel=3d",
+    f"{BF16} parallel=3d",  # the bf16 tier's 3-D layout (tests/test_parallel.py has the others)
 ]
 
 

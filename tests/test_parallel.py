@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    BF16,
     PARITY,
     assert_console_quiet,
     assert_matches_single,
@@ -33,6 +34,9 @@ def test_layout_matches_single(layout, nproc, reference, layout_run):
 # The other data-parallel, the tensor-parallel and the combined pipeline layouts of GPT-2's family, driving the same
 # trainer in two process groups: 2 ranks for one degree of 2, 4 for two (the Llama family's in test_llama.py). Where
 # tensor parallelism leaves the batch whole on every rank, micro-batches of 4 or 8: 4 or 2 per step, not 8.
+# The bf16 tier: every layout, and each family (GPT-2's, Llama, MoE, Mixtral), with train.precision=bf16 against one
+# process in bf16 (conftest.BF16_RTOL): the GPU user's precision policy, run here on gloo (which has every collective
+# these layouts issue in bf16: all-gathers, all-reduces, sends, all-to-all; FSDP reduces gradients in fp32 by policy).
 # Muon under every layout, against Muon in one process (its Newton-Schulz in fp32, as the runs compute): whole
 # matrices where they are (ddp, pp, experts split by expert), from ZeRO-1's flat slices, spread over the ranks that
 # split them (zero2, fsdp, hsdp, cp) or gathered (fsdp with `gather`, tp, fsdp_tp's 2-D split, 3d).
@@ -48,6 +52,12 @@ LAYOUTS = {
         "optim=muon parallel=fsdp optim.whole_matrices=gather",
         "optim=muon parallel=tp train.micro_batch_size=8",
         "optim=muon parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
+        f"{BF16} parallel=ddp",
+        f"{BF16} parallel=zero1",
+        f"{BF16} parallel=zero2",
+        f"{BF16} parallel=fsdp",
+        f"{BF16} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
+        f"{BF16} parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
     ],
     4: [
         "parallel=hsdp parallel.dp_shard=2",
@@ -61,6 +71,16 @@ LAYOUTS = {
         "optim=muon parallel=3d",
         "optim=muon parallel=fsdp parallel.cp=2",
         "model=moe-tiny optim=muon parallel=fsdp parallel.ep=2",
+        f"{BF16} parallel=hsdp parallel.dp_shard=2",
+        f"{BF16} parallel=ddp_tp train.micro_batch_size=4",
+        f"{BF16} parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",
+        f"{BF16} parallel=pp_tp train.micro_batch_size=4",
+        f"{BF16} parallel=fsdp parallel.cp=2",
+        f"model=llama-tiny {BF16} parallel=fsdp_tp train.micro_batch_size=4",
+        f"model=llama-tiny {BF16} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+        f"model=moe-tiny {BF16} parallel=fsdp parallel.ep=2",
+        f"model=mixtral-tiny {BF16} parallel=fsdp_tp parallel.tp=2",
+        f"model=mixtral-tiny {BF16} parallel=pp parallel.pp_schedule=1f1b",
     ],
 }
 
