@@ -117,8 +117,10 @@ def use_tf32_for_fp32_matmuls(device: torch.device) -> None:
     accumulation): several times the fp32 rate, at the precision training needs; what an fp32 run's MFU is
     measured against (train/metrics.py). Nothing changes on CPU."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
+        # The legacy call: it sets every backend's setting alike, so both APIs read "tf32" / "high" after it. Set
+        # through the new `torch.backends.cuda.matmul.fp32_precision` alone, the legacy getter raises ("a mix of the
+        # legacy and new APIs"), and inductor's autotuning and flex attention call it. Convolutions use TF32 already.
+        torch.set_float32_matmul_precision("high")
 
 
 def peer_to_peer_verdict(names: list[str], peers_reachable: bool) -> str | None:

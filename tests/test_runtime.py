@@ -248,11 +248,14 @@ def test_gpu_jobs_get_a_gloo_backend_beside_nccl_for_host_tensors():
 
 
 def test_fp32_matmuls_use_tf32_tensor_cores_on_gpus_only():
-    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    """...readable through both of torch's APIs afterwards (the legacy getter, which inductor calls, raised after
+    the new API alone set it)."""
+    before = torch.get_float32_matmul_precision()
     try:
         use_tf32_for_fp32_matmuls(torch.device("cpu"))
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == before
+        assert torch.get_float32_matmul_precision() == before
         use_tf32_for_fp32_matmuls(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "high"
         assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        torch.set_float32_matmul_precision(before)
