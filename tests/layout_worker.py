@@ -48,9 +48,11 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     """The trainer's records of `overrides` (losses, gradient norms, validation loss), and rank 0's full weights."""
     parts = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
     records: list[dict] = []
-    computed_in: set[str] = set()  # the dtypes of the Linear layers' outputs: what the steps computed in
-    for module in parts.model.module.modules():
-        if isinstance(module, torch.nn.Linear):
+    # What the steps computed in: the dtype of the output head's logits (on the pipeline's last stage), outside the
+    # compiled blocks; the blocks compute in the same precision (parallel/precision.py).
+    computed_in: set[str] = set()
+    for name, module in parts.model.module.named_modules():
+        if name.endswith("lm_head"):
             module.register_forward_hook(lambda _module, _inputs, output: computed_in.add(str(output.dtype)))
     try:
         trainer = Trainer(parts, records.append, preemption=None)
@@ -76,7 +78,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
 def holdings(parts, runtime: Runtime, computed_in: set[str]) -> dict:
     """What the layout holds after its steps, summed over the ranks: the names (the unsplit model's) of the Linear
     layers float8 converted, the optimizer's class, its moments (AdamW's exp_avg, exp_avg_sq), those held
-    quantised and their bytes, the devices the moments live on, and the dtypes the Linear layers computed in."""
+    quantised and their bytes, the devices the moments live on, and the dtypes the output head computed in."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from llmtrain.parallel.tensors import local_tensor

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import python
 from omegaconf import OmegaConf
 
@@ -282,3 +283,30 @@ def test_every_kind_of_block_compiles_as_one_graph(preset, extra, recompute, dty
     block = list(model.to(dtype).train().blocks.values())[-1]
     explanation = torch._dynamo.explain(block)(torch.randn(2, 16, model.cfg.d_model, dtype=dtype))
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_attention_reaches_a_fused_kernel_in_every_precision(dtype):
+    """Half precision hands grouped key/value heads to SDPA as they are (flash attention takes them); fp32 repeats
+    them first (CUDA's memory-efficient kernel takes no grouped heads, and SDPA's fallback, the math kernel, holds
+    t x t scores per head). Either way each query head attends over its own group's key/value head."""
+    from torch.overrides import TorchFunctionMode
+
+    from llmtrain.model.gpt import causal_attention
+
+    q = torch.randn(2, 8, 16, 4, dtype=dtype)
+    k, v = torch.randn(2, 2, 16, 4, dtype=dtype), torch.randn(2, 2, 16, 4, dtype=dtype)
+    handed: list[tuple[int, bool]] = []  # SDPA's key heads and enable_gqa, per call
+
+    class Handed(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                handed.append((args[1].shape[1], kwargs.get("enable_gqa", False)))
+            return func(*args, **kwargs)
+
+    with Handed():
+        out = causal_attention(q, k, v)
+    assert handed == ([(8, False)] if dtype == torch.float32 else [(2, True)])
+    repeated = (z.repeat_interleave(4, dim=1) for z in (k, v))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, *repeated, is_causal=True))

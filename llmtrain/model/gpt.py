@@ -97,7 +97,23 @@ class WholeSequence:
         return torch.arange(t, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return causal_attention(q, k, v)
+
+
+# The dtypes in which CUDA's flash kernel runs, the one fused kernel that takes fewer key/value heads than queries.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, t, head_dim). Grouped-query attention is handed to SDPA as such in half
+    precision, where flash attention takes it; in fp32 (no flash kernel) CUDA's memory-efficient kernel does not
+    take it and SDPA would fall back to the math kernel, which materialises (t x t) scores per head: Llama 3.2 1B in
+    fp32 would not fit 16 GB. There the key/value heads are repeated, as ring attention does."""
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and q.dtype not in _FLASH_DTYPES:
+        k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
+        grouped = False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 
 class CausalSelfAttention(nn.Module):
