@@ -34,12 +34,11 @@ def remove_if_empty_run(run_dir: str) -> None:
 
 
 def exit_with_config_error(error: Exception, run_dir: str, is_main: bool) -> NoReturn:
-    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind: every rank removes
-    it, since Hydra makes it again in a rank that starts after the main rank removed it."""
+    """Exit 2 after one `error:` line (from the main rank only) and no run directory left behind (the main rank
+    removes it: another rank doing so could pull it from under the main rank's Hydra as that starts)."""
     if is_main:
         print(f"error: {error}", file=sys.stderr)
-    remove_if_empty_run(run_dir)
-    if is_main:
+        remove_if_empty_run(run_dir)
         sys.exit(ConfigError.exit_code)
     exit_quietly_after_the_main_rank()
 

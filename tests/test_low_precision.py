@@ -259,6 +259,26 @@ def test_an_fsdp_float8_8bit_checkpoint_resumes_in_one_process(group, train):
 
 
 @pytest.mark.slow
+def test_an_fsdp_float8_run_resumed_on_its_ranks_repeats_the_uninterrupted_run(train):
+    """fsdp with float8 all-gathers on two ranks, checkpointed after step 2 and resumed there: step 3 is the
+    uninterrupted run's, to the bit. The all-gathers quantise each weight with a scale computed after every optimizer
+    step; a resume computes them from the weights it loaded (DCP builds the optimizer's state with a step whose hook
+    saw the weights as built, and the first step after every resume quantised with those). A learning rate of 0.02
+    moves the weights' largest values far enough from the built ones for stale scales to change the loss."""
+    run = [*COMMON.split(), "train.float8=tensorwise", "parallel=fsdp", "optim.lr=0.02", "train.steps=3"]
+    run += ["train.eval_every=3", "checkpoint.every=2"]
+    whole = train(*run, nproc=2, name="whole", env=EAGER)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    checkpoint = whole.run_dir / "checkpoints" / "step-00000002"
+    resumed = train(*run, f"checkpoint.resume={checkpoint}", nproc=2, name="resumed", env=EAGER)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "FSDP all-gathers in float8" in resumed.stdout + resumed.stderr  # the scales this test is about
+    step3 = [run.metrics[-1] for run in (whole, resumed)]
+    assert step3[0]["step"] == step3[1]["step"] == 3
+    assert step3[1]["loss"] == step3[0]["loss"] and step3[1]["val_loss"] == step3[0]["val_loss"], step3
+
+
+@pytest.mark.slow
 def test_a_32bit_run_refuses_an_8bit_checkpoint_with_one_line(group):
     _, out = group
     with pytest.raises(ConfigError) as refused:

@@ -18,6 +18,7 @@ numerics of the casts, not the speed of the FP8 kernels. On a GPU below sm_89 fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -164,9 +165,16 @@ def _feeds_only_float8(module: nn.Module, float8_linear: type) -> bool:
     return bool(linears) and all(isinstance(child, float8_linear) for child in linears)
 
 
-def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> Callable[[], None]:
     """With float8 all-gathers: after each optimizer step, every sharded weight's float8 scale in one pass (one
-    all-reduce of the amaxes) instead of one per weight inside each all-gather."""
+    all-reduce of the amaxes) instead of one per weight inside each all-gather. Returned: that pass, for weights
+    set otherwise. A checkpoint loaded in place needs it: DCP builds the optimizer's state by running a step (of
+    learning rate 0) whose hook computes the scales from the weights as built, which the load then replaces; the
+    next all-gathers would quantise the loaded weights with those stale scales."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    def precompute() -> None:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+    optimizer.register_step_post_hook(lambda *_: precompute())
+    return precompute

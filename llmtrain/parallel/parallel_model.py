@@ -8,6 +8,7 @@ sequence of steps."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, cast
 
@@ -80,8 +81,9 @@ class ParallelModel:
         self.optimizer = self._data_parallel.build_optimizer(
             self.module, optim, torch.bfloat16 if bf16 else torch.float32
         )
+        self._precompute_float8_scales: Callable[[], None] | None = None
         if steps.float8 is not None and steps.float8.fsdp_all_gather:
-            precompute_scales_after_step(self.optimizer, self.module)
+            self._precompute_float8_scales = precompute_scales_after_step(self.optimizer, self.module)
         fsdp_mixed_precision = steps.fsdp_mesh is not None and steps.param_dtype is not None
         self.precision, self.precision_description = precision_policy(runtime.device, bf16, fsdp_mixed_precision)
         if steps.float8 is not None:
@@ -208,6 +210,7 @@ class ParallelModel:
     def load_model_and_optimizer_state(self, model_state: dict, optimizer_state: dict) -> None:
         """The inverse of model_and_optimizer_state, once a checkpoint's values have been loaded into it."""
         self._data_parallel.load_state(self.module, self.optimizer, model_state, optimizer_state)
+        self._weights_set()
 
     def model_state(self) -> dict:
         """The model's part of model_and_optimizer_state (evaluation loads the weights alone)."""
@@ -216,6 +219,12 @@ class ParallelModel:
     def load_model_state(self, model_state: dict) -> None:
         """The inverse of model_state: the weights set, the optimizer left as built."""
         set_model_state_dict(self.module, model_state)
+        self._weights_set()
+
+    def _weights_set(self) -> None:
+        """After weights were set other than by a step: what was derived from them follows (float8 scales)."""
+        if self._precompute_float8_scales is not None:
+            self._precompute_float8_scales()
 
     def report(self, run_dir: str) -> dict:
         """Collective, after training: what this layout measured, for the end summary (rank 0 may also write
