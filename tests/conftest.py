@@ -375,8 +375,8 @@ def assert_matches_single(results: dict, layout: str) -> None:
 
     reference, run = results[reference_name(layout)], results[layout]
     bf16 = BF16 in layout.split()
+    rtol = BF16_RTOL if bf16 else LOSS_RTOL
     for key in ("losses", "norms", "val_losses"):
-        rtol = BF16_RTOL if bf16 else LOSS_RTOL
         assert run[key] == pytest.approx(reference[key], rel=rtol), (layout, key, run[key], reference[key])
     assert run["same_names"], (layout, run)
     assert bf16 or run["weight_difference"] <= GROUP_WEIGHT_ATOL, (layout, run)
@@ -588,5 +588,5 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     noted.unlink()
     terminalreporter.section("runs started cold (a fresh interpreter, not the zygote's fork)")
     for changed, tests in sorted(by_change.items(), key=lambda item: -len(item[1])):
-        first = ", ".join(dict.fromkeys(tests))
-        terminalreporter.write_line(f"{len(tests)} for their environment's {changed}: {first[:300]}")
+        named = ", ".join(dict.fromkeys(tests))
+        terminalreporter.write_line(f"{len(tests)} for their environment's {changed}: {named[:300]}")

@@ -70,12 +70,12 @@ def warm_request(args: list[str]) -> dict | None:
         if zygote["set_by_imports"].get(key) != value  # a run started by a warm run inherits these
     }
     if ours != zygote["started_with"]:
-        record_cold_start(args, ours, zygote["started_with"])
+        record_cold_start(ours, zygote["started_with"])
         return None
     return {"flags": flags, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
 
 
-def record_cold_start(args: list[str], ours: dict[str, str], zygote: dict[str, str]) -> None:
+def record_cold_start(ours: dict[str, str], zygote: dict[str, str]) -> None:
     """Note a run that starts a fresh interpreter because its startup variables differ from the zygote's, for the
     test session's summary (tests/conftest.py): a variable some import sets quietly makes every later run cold."""
     record = os.environ.get(COLD_STARTS)
@@ -83,7 +83,7 @@ def record_cold_start(args: list[str], ours: dict[str, str], zygote: dict[str, s
         changed = sorted(key for key in {*ours, *zygote} if ours.get(key) != zygote.get(key))
         test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
         with open(record, "a") as f:  # one short line per write: concurrent runs' lines do not interleave
-            f.write(json.dumps({"changed": changed, "test": test, "args": args[:2]}) + "\n")
+            f.write(json.dumps({"changed": changed, "test": test}) + "\n")
 
 
 def receive_exactly(connection: socket.socket, size: int) -> bytes | None:
