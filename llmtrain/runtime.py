@@ -41,11 +41,6 @@ class Runtime:
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
-    def synchronize(self) -> None:
-        """Wait until this process's device has run everything queued on it (nothing to wait for on a CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

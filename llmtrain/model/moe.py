@@ -19,9 +19,10 @@ router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional alway
   and sets `dispatch`, which sends each routed token to the rank holding its expert and back
   (llmtrain/parallel/expert.py).
 
-The experts run as grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`, on CPU and CUDA; the group
-boundaries stay on the device), so a block without expert parallelism never waits for the host, and finer experts
-(DeepSeek's many narrow ones) cost about what a few wide ones do.
+The experts run as grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`, on CPU and on CUDA's
+Hopper and Blackwell; the group boundaries stay on the device), so a block without expert parallelism never waits
+for the host, and finer experts (DeepSeek's many narrow ones) cost about what a few wide ones do. On other GPUs
+(Ada's sm_89: RTX 40xx, L40) torch has no fused kernel; the experts run one by one there, one host read per block.
 """
 
 from __future__ import annotations
@@ -106,14 +107,22 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+# The compute capabilities (majors) with a fused grouped GEMM in torch._grouped_mm: Hopper (sm_90) and Blackwell
+# (sm_100). Elsewhere (an RTX 4080 is sm_89) torch falls back to copying the group offsets to the host and looping,
+# a host read in each of a block's ~9 grouped GEMMs (forward and backward); the experts' own loop reads the counts
+# once per block and runs its matmuls (and their backward) without another.
+FUSED_GROUPED_GEMM_MAJORS = (9, 10)
+
+
 def _grouped_kernel_takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """torch._grouped_mm reads rows of 16 bytes at once (every weight's last dimension a multiple of 16 bytes),
     takes fp32, bf16 and fp16 on CPU, and bf16 only on CUDA (torch's documentation: fp32 there may have no kernel)
-    and under torch.compile (its shape function refuses the rest)."""
+    and under torch.compile (its shape function refuses the rest); on CUDA only where it is fused."""
     aligned = all(w.shape[-1] * w.element_size() % 16 == 0 for w in weights)
     eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()  # its compiled form takes bf16 only
     kinds = (torch.float32, torch.bfloat16, torch.float16) if eager_cpu else (torch.bfloat16,)
-    return aligned and x.dtype in kinds
+    fused = x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] in FUSED_GROUPED_GEMM_MAJORS
+    return aligned and x.dtype in kinds and fused
 
 
 class Experts(nn.Module):

@@ -3,11 +3,12 @@
 Each converted Linear casts its input, weight and output gradient to float8 (e4m3) with dynamic scales and runs its
 three matmuls on the FP8 tensor cores (sm_89: Ada, e.g. RTX 4080 and L40; sm_90: Hopper), accumulating in higher
 precision; weights, gradients and optimizer state stay as they were. Two recipes, torchao's:
-  tensorwise  one scale per tensor: the fastest; under FSDP the weights are all-gathered in float8 (half of bf16's
-              bytes on the wire) with every weight's scale computed in one pass after the optimizer step; under
+  tensorwise  one scale per tensor: the fastest; under FSDP over two or more ranks the weights are all-gathered in
+              float8 (half of bf16's bytes on the wire) with every weight's scale computed in one pass after the optimizer step; under
               tensor parallelism torchao's float8 styles cast each block's input once, before the sequence-parallel
               all-gather, which then moves float8
-  rowwise     one scale per row: closer to bf16 on outliers, slower; communication stays in the compute dtype
+  rowwise     one scale per row: closer to bf16 on outliers, slower; communication stays in the compute dtype;
+              compiled, inductor rounds its fused casts as eager kernels do (round_compiled_casts_as_eager)
 What is converted (torchtitan's rule): Linear layers inside the blocks whose two dimensions are multiples of 16
 (what the FP8 matmul needs), except the MoE router, whose logits decide the routing; the LM head and the
 embeddings stay in the compute dtype, as do the experts' stacked weights (no Linear).
@@ -59,9 +60,10 @@ def float8_on(
     recipe: str, device: torch.device, sharded: bool, tensor_parallel: bool, sequence_parallel: bool
 ) -> Float8 | None:
     """`train.float8=recipe` on `device` (None for `none`); ConfigError on a GPU without FP8 tensor cores.
-    `sharded`: FSDP shards the weights (tensorwise then gathers them in float8). Tensorwise tensor parallelism
-    takes torchao's float8 styles, except under sequence parallelism on a CPU: their float8 all-gather needs NCCL
-    (gloo has no float8 collectives), so there each Float8Linear casts after torch's own all-gather."""
+    `sharded`: FSDP shards the weights over more than one rank (tensorwise then gathers them in float8).
+    Tensorwise tensor parallelism takes torchao's float8 styles, except under sequence parallelism on a CPU: their
+    float8 all-gather needs NCCL (gloo has no float8 collectives), so there each Float8Linear casts after torch's own
+    all-gather."""
     if recipe == "none":
         return None
     if device.type == "cuda":
@@ -105,6 +107,15 @@ def apply_float8(model: nn.Module, float8: Float8) -> None:
         enable_fsdp_float8_all_gather=float8.fsdp_all_gather,
     )
     torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+
+
+def round_compiled_casts_as_eager() -> None:
+    """Inductor rounds the casts it fuses as eager kernels do. Compiled rowwise float8 (with activation
+    checkpointing, whose recomputation fuses differently) can otherwise produce NaNs on the GPU (pytorch issue
+    150859; torchtitan sets the same). Process-wide, as inductor's configuration is."""
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True
 
 
 def float8_summary(float8: Float8, model: nn.Module) -> str:

@@ -24,7 +24,7 @@ from llmtrain.model.moe import MoE
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
 from llmtrain.parallel.family import family_of
-from llmtrain.parallel.float8 import Float8, apply_float8, float8_on
+from llmtrain.parallel.float8 import Float8, apply_float8, float8_on, round_compiled_casts_as_eager
 from llmtrain.parallel.fsdp import apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.precision import uses_bf16
@@ -74,8 +74,13 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
     tp = d.tp > 1
     return LayoutSteps(
         cp_mesh=mesh.cp_mesh,
+        # Over one rank FSDP gathers nothing: a float8 all-gather would only add its casts and scale precompute.
         float8=float8_on(
-            t.float8, device, sharded=sharded, tensor_parallel=tp, sequence_parallel=tp and p.sequence_parallel
+            t.float8,
+            device,
+            sharded=sharded and d.dp_shard_cp > 1,
+            tensor_parallel=tp,
+            sequence_parallel=tp and p.sequence_parallel,
         ),
         tp_mesh=mesh.tp_mesh,
         sequence_parallel=tp and p.sequence_parallel,
@@ -110,6 +115,8 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
         plan = family_of(model).tensor_parallel_plan(model, layout.sequence_parallel, layout.loss_parallel)
         apply_tensor_parallel(model, plan, layout.tp_mesh, float8_styles)
     if layout.compile:
+        if layout.float8 is not None and layout.float8.recipe == "rowwise":
+            round_compiled_casts_as_eager()
         apply_compile(model)
     if layout.fsdp_mesh is not None:
         apply_fsdp(

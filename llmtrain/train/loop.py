@@ -113,6 +113,7 @@ class Trainer:
         self._task_every = parts.config.eval.every or self._train.eval_every
         self._val_bytes_per_token = self._measured_val_bytes_per_token()
         self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
+        self._previous_read: float | None = None  # when the step before read its results, if it was the last wait
 
     def _is_checkpoint_step(self, step: int) -> bool:
         every = self._checkpoint_every
@@ -199,6 +200,13 @@ class Trainer:
         loss_value, norm_value, stop_value, *extra_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
+        # A step's time runs from the step before's read to this one's: the device is waited for only here, so the
+        # step before's optimizer, still queued at its read, is in this period and every period holds one of each.
+        # After validation, tasks or a checkpoint (which wait for the device themselves) it runs from this step's
+        # start.
+        read_at = time.perf_counter()
+        seconds = read_at - (started if self._previous_read is None else self._previous_read)
+        self._previous_read = read_at
         if self._stragglers is not None:
             self._stragglers.after_host_read()
         load_values = extra_values[: 0 if load is None else load.numel()]
@@ -223,10 +231,6 @@ class Trainer:
             self._skip(record)
         self._optimizer.zero_grad(set_to_none=True)
         self._lr_schedule.step()
-        # The step ends when the device has run its optimizer: without this wait a GPU step's clock would stop
-        # while its optimizer kernels are still queued, and their time would land in the next step's.
-        self._runtime.synchronize()
-        seconds = time.perf_counter() - started
         if self._watchdog is not None:
             self._watchdog.observe_step(seconds)
         tokens = self._train.batch_size * self._train.seq_len
@@ -264,6 +268,8 @@ class Trainer:
         if self._profiler is not None:
             self._profiler.after_step(record["step"])
         self.state.step = step = record["step"]
+        if self._is_eval_step(step) or self._is_task_step(step) or self._is_checkpoint_step(step):
+            self._previous_read = None  # their time is not the next step's
         if self._is_eval_step(step):
             self._mark("validation", step)
             record.update(self.validate())
