@@ -502,9 +502,9 @@ class LoggingConfig:
     straggler_threshold: float = key(
         0.2,
         Number(low=0),
-        "on logging steps (every `log_every`) the ranks compare their compute time: `slowest_rank` and "
-        "`straggler_lag` in the metrics, and a warning for a rank that lags its peers by more than this fraction "
-        "3 times in a row; 0 = no check",
+        "on logging steps (every `log_every`) the ranks compare their busy time (the step less the waits in "
+        "collectives): `slowest_rank` and `straggler_lag` in the metrics, and a warning for a rank its peers waited "
+        "for longer than this fraction of a step 3 times in a row; 0 = no check",
     )
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -152,10 +152,13 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     notes = _decide_peer_to_peer(world_size) if device.type == "cuda" else ()
     runtime = Runtime(rank, world_size, local_rank, device, launcher, notes)
     if world_size > 1 and not dist.is_initialized():
-        # The flight recorders the hang watchdog dumps (train/watchdog.py), read when the group is made: the last
-        # collectives of each group, kept in a ring buffer at the cost of a record per collective. One name for
-        # every backend since torch 2.9, llmtrain's floor (NCCL's older TORCH_NCCL_TRACE_BUFFER_SIZE now warns).
+        # The flight recorders the hang watchdog dumps and the straggler check reads (train/), read when the group
+        # is made: the last collectives of each group, kept in a ring buffer at the cost of a record per
+        # collective. One name for every backend since torch 2.9, llmtrain's floor (NCCL's older
+        # TORCH_NCCL_TRACE_BUFFER_SIZE now warns).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        if device.type == "cuda":  # each NCCL kernel's time in its record: the straggler check's waits
+            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
         dist.init_process_group(
             backend=process_group_backend(device),
             rank=rank,

@@ -78,7 +78,7 @@ class Components:
 class Trainer:
     """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
     cleanly at a step boundary when `preemption` saw a stop signal, recording the steps `profiler` asks for, and
-    telling `watchdog` where it is and `stragglers` how long its compute took. What others use of it: `run` (the
+    telling `watchdog` where it is and `stragglers` when its steps start and end. What others use of it: `run` (the
     job), `advance` (a number of steps: benchmarks and test workers), `state`, `model` and `checkpoints`."""
 
     def __init__(
@@ -191,8 +191,6 @@ class Trainer:
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
         # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
         load = self.model.expert_load()
-        if self._stragglers is not None:
-            self._stragglers.end_of_compute()
         ranks_seconds = self._stragglers.gathered(self.state.step + 1) if self._stragglers is not None else None
         self._mark("reading the step's results")
         extra = [value for value in (load, ranks_seconds) if value is not None]

@@ -1,80 +1,103 @@
 """Stragglers: which rank is slow, and by how much (logging.straggler_threshold).
 
 In a synchronous step every rank waits for the slowest, so the step time says that one rank is slow but not which.
-Each rank measures its own busy time in the step's compute (from the step's start through forward/backward and
-clipping, before the step's one host read): on a CPU the training thread's CPU time, which time blocked in a
-collective does not add to; on a GPU the compute stream's time between two CUDA events, read after the host read
-has synchronised anyway. On logging steps the ranks gather the previous step's times in one small device
-collective, read with that step's loss and norm, so nothing adds a synchronisation. The record gets the slowest
-rank and its lag (its time over the median of the ranks that do the same work: the ranks of its pipeline stage),
-and a rank that lags by more than the threshold on STRAGGLER_CHECKS logging steps in a row gets one warning."""
+What tells them apart is where the time went: a slow rank arrives late at each collective and waits little in it,
+its peers wait for it. So each rank measures, over its step from start to its one host read, its busy time: the
+step's time less the time it spent waiting in collectives.
+  - On a CPU the training thread's CPU time: a collective blocks the thread without using it (gloo moves the data
+    in threads of its own).
+  - On a GPU the step's time less how long its NCCL kernels ran, from torch's flight recorder (init_runtime sets
+    TORCH_NCCL_ENABLE_TIMING, so each completed collective carries its kernel's time, which is mostly the wait for
+    the last rank to arrive). CUDA events around the compute would not do: they include the compute stream's
+    waits on those collectives, so the ranks' times come out equal, the last to start the shortest.
+On logging steps the ranks gather the previous step's times (its collectives have finished by then) in one small
+device collective, read with that step's loss and norm, so nothing adds a synchronisation. A rank's lag is its busy
+time over the median of the others that do the same work (the ranks of its pipeline stage), as a share of its
+step: the share of the step the others spent waiting for it. The record gets the slowest rank and its lag, and a
+rank that lags by more than the threshold on STRAGGLER_CHECKS logging steps in a row gets one warning."""
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.runtime import Runtime, all_gather_single
+from llmtrain.train.flight_recorder import flight_entries, seconds_in_collectives
 
 log = logging.getLogger("llmtrain")
 
 STRAGGLER_CHECKS = 3
 
 
+@dataclass(frozen=True)
+class StepSpan:
+    """One step of this rank, from its start to its host read: wall-clock nanoseconds (the flight recorder's clock)
+    and, on a CPU, the training thread's CPU seconds in it."""
+
+    started_ns: int
+    ended_ns: int
+    cpu_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended_ns - self.started_ns) / 1e9
+
+
 class StragglerWatch:
-    """Measures this rank's busy time each step (`begin`, `end_of_compute`, `after_host_read`) and, on logging steps,
-    gathers every rank's (`gathered`) and reports (`report`). `stage_of`: each rank's pipeline stage (its peers)."""
+    """Measures this rank's step (`begin`, `after_host_read`) and, on logging steps, gathers every rank's measure of
+    the step before (`gathered`) and reports (`report`). `stage_of`: each rank's pipeline stage (its peers)."""
 
     def __init__(self, runtime: Runtime, every: int, threshold: float, stage_of: list[int]):
         self.runtime = runtime
         self.every = every
         self.threshold = threshold
         self.stage_of = stage_of
-        self.previous_seconds = 0.0  # this rank's busy time in the step before (what a logging step gathers)
-        self._cuda = runtime.device.type == "cuda"
-        self._started = 0.0
-        self._measured = 0.0
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._gpu = runtime.device.type == "cuda"
+        self._started: tuple[int, float] = (0, 0.0)  # this step's start: wall-clock ns, thread CPU seconds
+        self._previous: StepSpan | None = None  # the step before (what a logging step gathers)
         self._lagging: dict[int, int] = {}  # rank -> logging steps in a row over the threshold
         self._warned: set[int] = set()
 
     def begin(self) -> None:
-        if self._cuda:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        else:
-            self._started = time.thread_time()
-
-    def end_of_compute(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._measured = time.thread_time() - self._started
+        self._started = (time.time_ns(), time.thread_time())
 
     def after_host_read(self) -> None:
-        """The step's host read has waited for the device: the events' time can be read without a new wait."""
-        if self._events is not None:
-            start, end = self._events
-            self._measured = start.elapsed_time(end) / 1000
-        self.previous_seconds = self._measured
+        """The step's host read has waited for this rank's device: the step's work is done."""
+        started_ns, started_cpu = self._started
+        self._previous = StepSpan(started_ns, time.time_ns(), time.thread_time() - started_cpu)
+
+    def busy_seconds(self, span: StepSpan) -> float:
+        """`span`'s time less this rank's waits in collectives; NaN where the flight recorder has no time yet for
+        one of its collectives."""
+        if not self._gpu:
+            return span.cpu_seconds
+        waited = seconds_in_collectives(flight_entries()[0], span.started_ns, span.ended_ns)
+        return math.nan if waited is None else max(span.seconds - waited, 0.0)
 
     def gathered(self, step: int) -> torch.Tensor | None:
-        """On a logging step, every rank's busy time in the step before (a device tensor, one value per rank), to be
-        read with the step's results; None on other steps or alone."""
-        if self.runtime.world_size == 1 or step % self.every or step == 1:
+        """On a logging step, every rank's (busy, whole) seconds of the step before (a device tensor of 2 values per
+        rank), to be read with the step's results; None on other steps, alone, or before a first step."""
+        if self.runtime.world_size == 1 or step % self.every or self._previous is None:
             return None
-        mine = torch.full((1,), self.previous_seconds, dtype=torch.float64, device=self.runtime.device)
-        every_rank = torch.empty(self.runtime.world_size, dtype=torch.float64, device=self.runtime.device)
+        mine = torch.empty(2, dtype=torch.float64, device=self.runtime.device)
+        mine[0], mine[1] = self.busy_seconds(self._previous), self._previous.seconds  # fills: no host-to-device copy
+        every_rank = torch.empty(2 * self.runtime.world_size, dtype=torch.float64, device=self.runtime.device)
         all_gather_single(every_rank, mine)
         return every_rank
 
-    def report(self, step: int, seconds: list[float], record: dict) -> None:
-        """The slowest rank and its lag into `record`; a warning for a rank that keeps lagging."""
-        lags = [seconds[rank] / self._median_of_peers(rank, seconds) - 1 for rank in range(len(seconds))]
+    def report(self, step: int, gathered: list[float], record: dict) -> None:
+        """The slowest rank and its lag into `record`; a warning for a rank that keeps lagging. Nothing where a
+        rank could not measure its step (a GPU whose flight recorder has no time for one of its collectives)."""
+        busy, whole = gathered[0::2], gathered[1::2]
+        if any(math.isnan(value) for value in busy):
+            return
+        lags = [self._lag(rank, busy, whole[rank]) for rank in range(len(busy))]
         slowest = max(range(len(lags)), key=lags.__getitem__)
         record["slowest_rank"], record["straggler_lag"] = slowest, round(lags[slowest], 4)
         for rank, lag in enumerate(lags):
@@ -84,14 +107,18 @@ class StragglerWatch:
                 if not self.runtime.is_main:  # every rank knows; one says so
                     continue
                 log.warning(
-                    f"step {step}: rank {rank} has been {lag:.0%} slower than its peers' median on "
-                    f"{STRAGGLER_CHECKS} logging steps in a row (logging.straggler_threshold={self.threshold}): a "
-                    f"throttled or shared device? metrics.jsonl has slowest_rank and straggler_lag"
+                    f"step {step}: rank {rank}'s peers waited {lag:.0%} of the step for it on {STRAGGLER_CHECKS} "
+                    f"logging steps in a row (logging.straggler_threshold={self.threshold}): a throttled or shared "
+                    f"device, or a slow input? metrics.jsonl has slowest_rank and straggler_lag"
                 )
 
-    def _median_of_peers(self, rank: int, seconds: list[float]) -> float:
-        peers = [seconds[other] for other in range(len(seconds)) if self.stage_of[other] == self.stage_of[rank]]
-        return max(statistics.median(peers), 1e-9)
+    def _lag(self, rank: int, busy: list[float], whole: float) -> float:
+        """How much longer `rank` was busy than the median of the others in its stage, as a share of its step."""
+        stage = self.stage_of[rank]
+        others = [busy[other] for other in range(len(busy)) if other != rank and self.stage_of[other] == stage]
+        if not others:
+            return 0.0
+        return (busy[rank] - statistics.median(others)) / max(whole, 1e-9)
 
 
 def stages_of_ranks(mesh: DeviceMesh, world_size: int) -> list[int]:
