@@ -9,6 +9,8 @@ read once per process:
                             collective (what the hang watchdog is for)
   hang_marker=PATH          with hang_at_step: hang only while PATH does not exist, and create it when hanging (a
                             job requeued after the hang then runs through)
+  hang_in_phase=NAME        with hang_at_step: hang when the step enters this phase of the loop (the watchdog's
+                            PHASES: "forward/backward", "logging", ...), not when it starts
   step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
   slow_rank=r               with slow_seconds=s: rank r computes s seconds more in every step (a throttled device)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
@@ -50,6 +52,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "hang_at_step": _step_list,
     "hang_on_rank": int,
     "hang_marker": str,
+    "hang_in_phase": str,
     "step_seconds": float,
     "slow_rank": int,
     "slow_seconds": float,
@@ -127,11 +130,16 @@ def _hang() -> NoReturn:
         time.sleep(1)
 
 
+def phase_begins(step: int, phase: str, rank: int) -> None:
+    """When training step `step` on `rank` enters `phase` of the loop: hang_at_step (hang_on_rank, hang_marker,
+    hang_in_phase; by default the step's first phase)."""
+    if phase == armed().get("hang_in_phase", "starting the step") and step in _steps("hang_at_step"):
+        if _hangs_here(rank):
+            _hang()
+
+
 def step_begins(step: int, rank: int) -> None:
-    """At the start of training step `step` on `rank`: hang_at_step (hang_on_rank, hang_marker), slow_rank,
-    oom_at_step."""
-    if step in _steps("hang_at_step") and _hangs_here(rank):
-        _hang()
+    """At the start of training step `step` on `rank`: slow_rank, oom_at_step."""
     if int(armed().get("slow_rank", -1)) == rank:
         busy_until = time.thread_time() + float(armed()["slow_seconds"])
         while time.thread_time() < busy_until:  # compute, not a sleep: the thread's CPU time grows

@@ -31,32 +31,58 @@ FIRING_WAIT = 5.0
 
 @pytest.mark.slow
 def test_a_rank_stuck_before_a_collective_ends_the_job_with_every_ranks_stack(tmp_path, cache_dir, layout_run):
-    """Rank 1 stops before step 4 (a fault point), rank 0 waits for it in the step's first collective. Within the
-    timeout and a few seconds both have written their stacks (rank 1's in the fault, rank 0's in the collective),
-    one line names rank 1 as behind, the launcher exits HUNG_EXIT, and the rerun resumes from step 2's checkpoint
+    """Rank 1 stops as step 4's forward/backward begins (a fault point); rank 0 runs its forward and waits for rank
+    1 in backward's gradient all-reduce: the same step and phase, as every rank of a GPU job ends up (at the step's
+    one read). Within the timeout and a few seconds both have written their stacks (rank 1's in the fault, rank
+    0's in the collective); one line names rank 1 as behind from the flight recorders (rank 0 waits in an
+    all-reduce rank 1 never posted), the launcher exits HUNG_EXIT, and the rerun resumes from step 2's checkpoint
     to the uninterrupted run's records and weights."""
     run = (*PARITY, "parallel=ddp", "parallel.nproc=2", "checkpoint.every=2", f"train.hang_timeout={TIMEOUT}")
-    process, run_dir = start_run(
-        tmp_path, cache_dir, *run, nproc=0, env=arm(hang_at_step="4", hang_on_rank="1"), name="hung"
-    )
+    hang = arm(hang_at_step="4", hang_on_rank="1", hang_in_phase="forward/backward")
+    process, run_dir = start_run(tmp_path, cache_dir, *run, nproc=0, env=hang, name="hung")
     wait_for_steps(run_dir, 3, process)
     step_3_logged = time.monotonic()
     assert process.wait(timeout=120) == HUNG_EXIT
     ended_after = time.monotonic() - step_3_logged
     output = (tmp_path / "hung.stdout").read_text() + (tmp_path / "hung.stderr").read_text()
     stuck, waiting = ((run_dir / "hang" / f"rank-{rank}.txt").read_text() for rank in (1, 0))
-    assert "in step 4, starting the step, at _hang (llmtrain/faults.py" in stuck and "in _hang" in stuck
-    assert "in step 4, forward/backward" in waiting and "gloo:all_reduce" in waiting  # the flight recorder's
+    assert "in step 4, forward/backward, at _hang (llmtrain/faults.py" in stuck and "in _hang" in stuck
+    assert "in step 4, forward/backward" in waiting and "waiting in gloo:all_reduce" in waiting and "posted" in waiting
     line = next(line for line in output.splitlines() if "hang: no progress" in line)
-    behind = re.search(r"behind: rank 1 in step 4 \(starting the step\) at _hang .*?collective gloo:\w+ #(\d+)", line)
-    ahead = re.search(r"waiting for them: rank 0 in step 4 \(forward/backward\) .*?collective gloo:\w+ #(\d+)", line)
+    behind = re.search(
+        r"behind: rank 1 in step 4 \(forward/backward\) at _hang .*?in no collective \(newest: gloo:\w+ #(\d+)", line
+    )
+    ahead = re.search(
+        r"waiting for them: rank 0 in step 4 \(forward/backward\) .*?waiting in gloo:all_reduce #(\d+)", line
+    )
     assert behind and ahead, line
-    assert int(ahead.group(1)) > int(behind.group(1)), line  # rank 0 posted collectives rank 1 never joined
+    assert int(ahead.group(1)) == int(behind.group(1)) + 1, line  # the all-reduce rank 1 never posted
     assert ended_after < TIMEOUT + 20, ended_after
     resumed = start_run(tmp_path, cache_dir, *run, nproc=0, env={}, name="hung")[0]  # the same run directory
     assert resumed.wait(timeout=300) == 0, (tmp_path / "hung.stderr").read_text()[-3000:]
     rerun = Run(0, (tmp_path / "hung.stdout").read_text(), (tmp_path / "hung.stderr").read_text(), run_dir)
     assert_resumed_exactly(rerun, layout_run("parallel=ddp", nproc=2))
+
+
+@pytest.mark.slow
+def test_the_first_watchdog_to_fire_makes_every_rank_dump_at_once(tmp_path, cache_dir):
+    """Rank 1 stops while logging step 3 (a W&B call that never returns: a slow phase, 10x the timeout) and rank 0
+    waits for it in step 4 (1x). Rank 0's watchdog fires first and tells the others through the job's store:
+    rank 1 writes its dump within a poll, long before its own deadline (and the launcher's kill), and the line
+    names it as behind rather than silent."""
+    run = (*PARITY, "parallel=ddp", "parallel.nproc=2", f"train.hang_timeout={TIMEOUT}")
+    hang = arm(hang_at_step="3", hang_on_rank="1", hang_in_phase="logging")
+    process, run_dir = start_run(tmp_path, cache_dir, *run, nproc=0, env=hang, name="told")
+    wait_for_steps(run_dir, 3, process)
+    step_3_logged = time.monotonic()
+    assert process.wait(timeout=120) == HUNG_EXIT
+    assert time.monotonic() - step_3_logged < 2 * TIMEOUT  # rank 1's own deadline: 10 x TIMEOUT
+    stuck = (run_dir / "hang" / "rank-1.txt").read_text()
+    assert "in step 3, logging, at _hang" in stuck and "(another rank's watchdog fired)" in stuck
+    output = (tmp_path / "told.stdout").read_text() + (tmp_path / "told.stderr").read_text()
+    line = next(line for line in output.splitlines() if "hang: no progress" in line)
+    assert "silent" not in line and "behind: rank 1 in step 3 (logging)" in line, line
+    assert "waiting for them: rank 0 in step 4 (forward/backward)" in line, line
 
 
 @pytest.mark.slow

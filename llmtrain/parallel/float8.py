@@ -4,9 +4,9 @@ Each converted Linear casts its input, weight and output gradient to float8 (e4m
 three matmuls on the FP8 tensor cores (sm_89: Ada, e.g. RTX 4080 and L40; sm_90: Hopper), accumulating in higher
 precision; weights, gradients and optimizer state stay as they were. Two recipes, torchao's:
   tensorwise  one scale per tensor: the fastest; under FSDP over two or more ranks the weights are all-gathered in
-              float8 (half of bf16's bytes on the wire) with every weight's scale computed in one pass after the optimizer step; under
-              tensor parallelism torchao's float8 styles cast each block's input once, before the sequence-parallel
-              all-gather, which then moves float8
+              float8 (half of bf16's bytes on the wire) with every weight's scale computed in one pass after the
+              optimizer step; under tensor parallelism torchao's float8 styles cast each block's input once, before
+              the sequence-parallel all-gather, which then moves float8
   rowwise     one scale per row: closer to bf16 on outliers, slower; communication stays in the compute dtype;
               compiled, inductor rounds its fused casts as eager kernels do (round_compiled_casts_as_eager)
 What is converted (torchtitan's rule): Linear layers inside the blocks whose two dimensions are multiples of 16

@@ -38,8 +38,9 @@ def group_of(entry: dict) -> str:
 
 
 def describe(entry: dict) -> str:
-    """The collective, its number in its group, the group and how far it got: `nccl:all_reduce #12 group 0 started`."""
-    state = "completed" if finished(entry) else entry.get("state", "?")
+    """The collective, its number in its group, the group and how far it got: `nccl:all_reduce #12 group 0 started`
+    (posted: on NCCL its device has not reached it; gloo tells no more)."""
+    state = "completed" if finished(entry) else {"scheduled": "posted"}.get(entry.get("state", "?"), entry["state"])
     return f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')} group {group_of(entry)} {state}"
 
 
@@ -55,11 +56,13 @@ def seconds_in_collectives(entries: list[dict], since_ns: int, until_ns: int) ->
     longer reaches back to since_ns."""
     if not entries or entries[0].get("time_created_ns", 0) >= since_ns:
         return None
-    posted = [entry for entry in entries if since_ns <= entry.get("time_created_ns", 0) < until_ns]
-    durations = [entry.get("duration_ms") for entry in posted]
-    if any(duration is None for duration in durations):
-        return None
-    return sum(durations) / 1000
+    total_ms = 0.0
+    for entry in entries:
+        if since_ns <= entry.get("time_created_ns", 0) < until_ns:
+            if entry.get("duration_ms") is None:
+                return None
+            total_ms += entry["duration_ms"]
+    return total_ms / 1000
 
 
 def flight_record(entries: list[dict], reason: str) -> str:

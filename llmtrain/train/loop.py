@@ -159,8 +159,10 @@ class Trainer:
         return record
 
     def _mark(self, phase: str, step: int | None = None) -> None:
+        step = self.state.step + 1 if step is None else step
         if self._watchdog is not None:
-            self._watchdog.mark(self.state.step + 1 if step is None else step, phase)
+            self._watchdog.mark(step, phase)
+        faults.phase_begins(step, phase, self._runtime.rank)
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()

@@ -4,14 +4,21 @@ On a cluster the costly failure is a hang, not a crash: one rank stuck (a bad GP
 and every other rank waiting in a collective until the time limit, with no word of who or where. The training
 loop marks its progress here (`mark(step, phase)`: an attribute write, no I/O, no device sync). When a phase has
 run longer than its allowance, a thread of this process, on every rank on its own clock:
-  1. writes <run dir>/hang/rank-<r>.txt: the step and phase, every Python thread's stack (faulthandler) and the
-     collectives the process group still has in flight (torch's flight recorder, TORCH_FR_BUFFER_SIZE; init_runtime
-     sets it unless the user did);
-  2. posts where it is to the job's store and waits a few seconds for the other ranks' posts;
-  3. logs one line naming the ranks that are behind (an earlier step or phase, or silent: gone, or stuck holding
-     the interpreter) and where the others wait;
-  4. ends the process with HUNG_EXIT, which launch/slurm.sbatch requeues (at most LLMTRAIN_MAX_REQUEUES times):
-     the job resumes from its last complete checkpoint.
+  1. posts a "fire" key to the job's store, which every other rank's watchdog polls: they do the same at once,
+     whatever their own allowance (a rank in a slow phase would otherwise be killed by the launcher before its
+     deadline, its dump lost);
+  2. writes <run dir>/hang/rank-<r>.txt: the step and phase, every Python thread's stack (faulthandler) and the
+     collectives the process groups posted (torch's flight recorder, TORCH_FR_BUFFER_SIZE; init_runtime sets it
+     unless the user did);
+  3. posts where it is to the job's store and waits a few seconds for the other ranks' posts;
+  4. logs one line naming the ranks that are behind and where the others wait. Behind: an earlier step or phase,
+     or silent (gone, or stuck holding the interpreter), or, among ranks in the same phase (on a GPU every host
+     ends up at the step's one read: kernels return at once), behind in the collectives: the oldest one a rank has
+     not finished, from the flight recorder, is an earlier one than its peers' (or one it has not posted, or, on
+     NCCL, one its device has not started);
+  5. aborts the process groups (NCCL's kernels stop spinning on the device) and ends the process with HUNG_EXIT,
+     which launch/slurm.sbatch requeues (at most LLMTRAIN_MAX_REQUEUES times): the job resumes from its last
+     complete checkpoint.
 It works from its own thread because the training thread is the one that is stuck, in a collective that never
 returns; a rank that hangs does not keep the others from writing their dumps."""
 
@@ -26,14 +33,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.runtime import Runtime
+from llmtrain.train.flight_recorder import describe, flight_entries, flight_record, group_of, oldest_unfinished
 
 log = logging.getLogger("llmtrain")
 
@@ -58,28 +65,54 @@ AUTO_AFTER_STEPS, AUTO_FACTOR, AUTO_FLOOR = 5, 20, 300.0
 # How long a rank that timed out waits for the others' posts before naming who is missing.
 GATHER_SECONDS = 15.0
 STORE_PREFIX = "llmtrain/hang"
+FIRE_KEY = f"{STORE_PREFIX}/fire"  # set by the first watchdog to fire; the others poll it
+
+
+# How far a rank got with a collective: not posted by its host, posted (NCCL: its device has not reached it; gloo
+# tells no more), started (NCCL: its kernel runs, waiting for the peers).
+NOT_POSTED, POSTED, STARTED = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where a rank is: its step, its phase, the innermost frame of its training thread and the newest collective
-    its process group posted."""
+    """Where a rank is: its step, its phase, the innermost frame of its training thread, and where it is in its
+    collectives: `collective` says it, `progress` orders it among the ranks of one group: (group, number in the
+    group, NOT_POSTED | POSTED | STARTED) of the oldest collective it has not finished (with none unfinished: the
+    one after its newest, not posted); None without a flight recorder."""
 
     rank: int
     step: int
     phase: str
     frame: str
     collective: str = ""
+    progress: tuple[str, int, int] | None = None
 
     def order(self) -> tuple[int, int]:
         return self.step, PHASES.index(self.phase)
 
     def encode(self) -> str:
-        return json.dumps([self.rank, self.step, self.phase, self.frame, self.collective])
+        return json.dumps([self.rank, self.step, self.phase, self.frame, self.collective, self.progress])
 
     @classmethod
     def decode(cls, text: bytes) -> Position:
-        return cls(*json.loads(text))
+        rank, step, phase, frame, collective, progress = json.loads(text)
+        return cls(rank, step, phase, frame, collective, None if progress is None else tuple(progress))
+
+
+def collective_position(entries: list[dict]) -> tuple[str, tuple[str, int, int] | None]:
+    """This process's place in its collectives (Position's `collective` and `progress`) from its flight record."""
+    waiting = oldest_unfinished(entries)
+    if waiting is not None:
+        stage = STARTED if waiting.get("state") == "started" else POSTED
+        return f"waiting in {describe(waiting)}", (group_of(waiting), waiting.get("collective_seq_id", 0), stage)
+    if not entries:
+        return "", None
+    newest = entries[-1]
+    return f"in no collective (newest: {describe(newest)})", (
+        group_of(newest),
+        newest.get("collective_seq_id", 0) + 1,
+        NOT_POSTED,
+    )
 
 
 class StepWatchdog:
@@ -107,6 +140,7 @@ class StepWatchdog:
         self.step_seconds: list[float] = []
         self._training_thread = threading.get_ident()
         self._position = Position(runtime.rank, 0, PHASES[0], "")
+        self._marked_at = time.monotonic()
         self._deadline: float | None = None
         self._allowance = 1.0
         self._closed = threading.Event()
@@ -125,6 +159,7 @@ class StepWatchdog:
         """The training thread entered `phase` of `step`: the clock starts again, with the phase's allowance (from
         the end of the first step: the first compiles, warms up and opens the data)."""
         self._position = Position(self.runtime.rank, step, phase, "")
+        self._marked_at = time.monotonic()
         self._allowance = SLOW_PHASE_ALLOWANCE if phase in SLOW_PHASES else 1.0
         if self.timeout is None or not self.step_seconds:
             self._deadline = None
@@ -152,22 +187,43 @@ class StepWatchdog:
         while not self._closed.wait(min(1.0, (self.auto_floor if self.timeout is None else self.timeout) / 10)):
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                self._fire()
+                self._fire(because="no progress within its allowance")
                 return  # in production the process has ended; an end_process that returns sees one firing
+            if deadline is not None and self._fired_elsewhere():
+                self._fire(because="another rank's watchdog fired")
+                return
 
-    def _fire(self) -> None:
-        stalled = self.timeout * self._allowance if self.timeout is not None else 0.0
+    def _store(self) -> dist.Store | None:
+        return dist.distributed_c10d._get_default_store() if self.runtime.distributed else None
+
+    def _fired_elsewhere(self) -> bool:
+        """Whether another rank's watchdog has fired (its key in the job's store)."""
+        try:
+            store = self._store()
+            return store is not None and store.check([FIRE_KEY])
+        except (RuntimeError, dist.DistStoreError):  # the store's host is gone: this rank's own deadline decides
+            return False
+
+    def _fire(self, because: str) -> None:
+        stalled = time.monotonic() - self._marked_at
+        try:
+            store = self._store()
+            if store is not None:
+                store.set(FIRE_KEY, str(self.runtime.rank))
+        except (RuntimeError, dist.DistStoreError):
+            pass  # the others still fire on their own clocks
         entries, reason = flight_entries()
-        newest = _collective(entries[-1]) if entries else ""
-        here = Position(**{**self._position.__dict__, "frame": self._innermost_frame(), "collective": newest})
-        path = self._write_dump(here, stalled, flight_record(entries, reason))
+        collective, progress = collective_position(entries)
+        here = replace(self._position, frame=self._innermost_frame(), collective=collective, progress=progress)
+        path = self._write_dump(here, stalled, because, flight_record(entries, reason))
         positions = self._gather(here)
         if min(positions) == self.runtime.rank:  # one line for the job, from the lowest rank that got this far
             log.error(describe_hang(positions, self.runtime.world_size, stalled, self.directory))
         else:
-            log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s; where it was: {path}")
+            log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s ({because}); where it was: {path}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        _abort_process_groups()
         self.end_process(HUNG_EXIT)
 
     def _innermost_frame(self) -> str:
@@ -176,13 +232,14 @@ class StepWatchdog:
             return "(the training thread has ended)"
         return f"{frame.f_code.co_name} ({_short_path(frame.f_code.co_filename)}:{frame.f_lineno})"
 
-    def _write_dump(self, here: Position, stalled: float, collectives: str) -> str:
+    def _write_dump(self, here: Position, stalled: float, because: str, collectives: str) -> str:
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"rank-{self.runtime.rank}.txt")
         with open(path, "w") as dump:
             dump.write(
                 f"rank {self.runtime.rank} of {self.runtime.world_size} (host {os.uname().nodename}, pid {os.getpid()})"
-                f": no progress for {stalled:.0f} s in step {here.step}, {here.phase}, at {here.frame}\n\n"
+                f": no progress for {stalled:.0f} s in step {here.step}, {here.phase}, at {here.frame} ({because})\n"
+                f"collectives: {here.collective or 'none recorded'}\n\n"
                 "Python threads (the training thread is the one in the step):\n"
             )
             dump.flush()
@@ -215,9 +272,8 @@ class StepWatchdog:
 def describe_hang(positions: dict[int, Position], world_size: int, stalled: float, directory: str) -> str:
     """One line: which ranks are behind (or silent), and where the others wait."""
     silent = [rank for rank in range(world_size) if rank not in positions]
-    earliest = min(position.order() for position in positions.values())
-    behind = [p for p in positions.values() if p.order() == earliest]
-    ahead = [p for p in positions.values() if p.order() != earliest]
+    behind = ranks_behind(list(positions.values()))
+    ahead = [p for p in positions.values() if p not in behind]
     parts = [f"hang: no progress for {stalled:.0f} s (train.hang_timeout)"]
     if silent:
         parts.append(f"silent (gone, or stuck holding the interpreter): ranks {_ranks(silent)}")
@@ -231,13 +287,25 @@ def describe_hang(positions: dict[int, Position], world_size: int, stalled: floa
     return "; ".join(parts)
 
 
+def ranks_behind(positions: list[Position]) -> list[Position]:
+    """The ranks in the earliest step and phase; among those, when they wait in one process group, the ones
+    least far in its collectives (an earlier one unfinished, or the same one not posted or not started)."""
+    earliest = min(position.order() for position in positions)
+    tied = [position for position in positions if position.order() == earliest]
+    progress = [position.progress for position in tied]
+    if any(place is None for place in progress) or len({place[0] for place in progress if place}) != 1:
+        return tied
+    least = min(place[1:] for place in progress if place)
+    return [position for position in tied if position.progress is not None and position.progress[1:] == least]
+
+
 def _group(positions: list[Position]) -> str:
     by_place: dict[tuple[int, str, str, str], list[int]] = {}
     for p in positions:
         by_place.setdefault((p.step, p.phase, p.frame, p.collective), []).append(p.rank)
     return ", ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} in step {step} ({phase}) at {frame}"
-        + (f", newest collective {collective}" if collective else "")
+        + (f", {collective}" if collective else "")
         for (step, phase, frame, collective), ranks in sorted(by_place.items())
     )
 
@@ -254,32 +322,11 @@ def _short_path(filename: str) -> str:
     return os.path.basename(filename)
 
 
-def flight_entries() -> tuple[list[dict], str]:
-    """The flight recorder's collectives of this process, oldest first, or why there are none."""
-    dumps = torch._C._distributed_c10d
-    dump = getattr(dumps, "_dump_nccl_trace_json", None) if torch.cuda.is_available() else None
-    dump = dump or getattr(dumps, "_dump_fr_trace_json", None)
-    if dump is None:
-        return [], "(this torch build has no flight recorder)"
-    try:
-        entries = json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])
-    except Exception as error:  # the recorder is a diagnostic: its failure must not stop the dump
-        return [], f"(the flight recorder could not be read: {error})"
-    if not entries:
-        return [], "(none recorded: set TORCH_FR_BUFFER_SIZE > 0 before the start)"
-    return entries, ""
-
-
-def _collective(entry: dict) -> str:
-    return f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')}"
-
-
-def flight_record(entries: list[dict], reason: str) -> str:
-    """The newest entries, one per line: the collective and its sequence number in its group, the group, its
-    state. A rank waiting in a collective its peers never posted shows a higher number than theirs."""
-    if not entries:
-        return reason
-    return "\n".join(
-        f"  {_collective(entry)} group {entry.get('process_group', ['?'])[0]} {entry.get('state', '?')}"
-        for entry in entries[-20:]
-    )
+def _abort_process_groups() -> None:
+    """Abort every process group before the exit: NCCL's kernels stop spinning on the device and its communicators
+    are freed. The dumps are written; a failure here must not keep the process from ending."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as error:
+            log.warning(f"the process groups could not be aborted ({error}); exiting anyway")
