@@ -40,7 +40,7 @@ DATA_PARALLEL: dict[str, DataParallelSpec] = {
         "llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",), "optimizer", flat_optimizer=True
     ),
     "fsdp": DataParallelSpec(
-        "llmtrain.parallel.data_parallel:DataParallel", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
+        "llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
     ),
 }
 

@@ -18,8 +18,10 @@ eval.tasks, its task scores and the lm-eval adapter's answers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import time
 
 import torch
 from omegaconf import OmegaConf
@@ -28,6 +30,7 @@ from llmtrain.job import build_training
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
+from llmtrain.train.flight_recorder import flight_entries
 from llmtrain.train.loop import Trainer
 
 STEPS = 2
@@ -58,12 +61,13 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         trainer = Trainer(parts, records.append, preemption=None)
         parts.model.module.train()
         for _ in range(STEPS):
+            last_step_began = time.time_ns()  # on the flight recorder's clock
             trainer.advance()
     finally:
         parts.data.close()
         adapter = adapter_answers(parts) if parts.config.eval.tasks else None
     curves = {
-        "holdings": holdings(parts, runtime, computed_in),
+        "holdings": holdings(parts, runtime, computed_in, last_step_began),
         "precision": parts.model.precision_description,
         "adapter": adapter,
         "losses": [r["loss"] for r in records],
@@ -75,10 +79,11 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     return curves, parts.model.full_state_dict()
 
 
-def holdings(parts, runtime: Runtime, computed_in: set[str]) -> dict:
+def holdings(parts, runtime: Runtime, computed_in: set[str], last_step_began: int) -> dict:
     """What the layout holds after its steps, summed over the ranks: the names (the unsplit model's) of the Linear
     layers float8 converted, the optimizer's class, its moments (AdamW's exp_avg, exp_avg_sq), those held
-    quantised and their bytes, the devices the moments live on, and the dtypes the output head computed in."""
+    quantised and their bytes, the devices the moments live on, the dtypes the output head computed in, and the
+    most gradient reductions a rank posted in the last step (the flight recorder's)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from llmtrain.parallel.tensors import local_tensor
@@ -102,6 +107,10 @@ def holdings(parts, runtime: Runtime, computed_in: set[str]) -> dict:
         "quantised_bytes": tensor_bytes(quantised),
         "moment_devices": sorted({moment.device.type for moment in moments}),
         "computed_in": sorted(computed_in),
+        "gradient_reductions": sum(
+            entry["time_created_ns"] >= last_step_began and is_gradient_reduction(entry)
+            for entry in flight_entries()[0]
+        ),
     }
     every = [mine]
     if runtime.world_size > 1:
@@ -112,11 +121,19 @@ def holdings(parts, runtime: Runtime, computed_in: set[str]) -> dict:
         "optimizer": sorted({rank["optimizer"] for rank in every}),
         "moment_devices": sorted({device for rank in every for device in rank["moment_devices"]}),
         "computed_in": sorted({dtype for rank in every for dtype in rank["computed_in"]}),
+        "gradient_reductions": max(rank["gradient_reductions"] for rank in every),
         **{
             key: sum(rank[key] for rank in every)
             for key in ("moments", "quantised_moments", "quantised_values", "quantised_bytes")
         },
     }
+
+
+def is_gradient_reduction(entry: dict) -> bool:
+    """A reduce-scatter or all-reduce of more than a thousand values (gloo's FSDP reduces by all-reduce; the step's
+    loss, norm and flags are a value each, the gradient norm one per tensor)."""
+    values = sum(math.prod(size) for size in entry.get("input_sizes", []))
+    return "reduce" in entry.get("profiling_name", "") and values > 1024
 
 
 def adapter_answers(parts) -> dict:

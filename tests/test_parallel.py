@@ -56,6 +56,9 @@ LAYOUTS = {
         f"{BF16} parallel=zero1",
         f"{BF16} parallel=zero2",
         f"{BF16} parallel=fsdp",
+        # 4 micro-batches per rank accumulated unsharded (fp32), reduce-scattered once
+        "parallel=fsdp parallel.reduce_once_per_step=true",
+        f"{BF16} parallel=fsdp parallel.reduce_once_per_step=true",
         f"{BF16} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
         f"{BF16} parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
     ],
@@ -94,6 +97,14 @@ def results(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", [*LAYOUTS[2], *LAYOUTS[4]])
 def test_layouts_in_a_process_group_match_single(layout, results):
     assert_matches_single(results, layout)
+
+
+def test_fsdp_reduces_once_per_step_when_asked(results):
+    """parallel.reduce_once_per_step: the same steps (above) with a quarter of the gradient reductions (4
+    micro-batches per rank), counted in the flight recorder of the last step."""
+    every = results[f"{BF16} parallel=fsdp"]["holdings"]["gradient_reductions"]
+    once = results[f"{BF16} parallel=fsdp parallel.reduce_once_per_step=true"]["holdings"]["gradient_reductions"]
+    assert once > 0 and every == 4 * once, (every, once)
 
 
 def test_auto_picks_a_layout_says_why_and_trains(reference, layout_run):

@@ -1,7 +1,9 @@
 """The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL: how the ranks that see different data
 share the model's state, each an object a ParallelModel holds, whole when made.
 
-  none, fsdp   DataParallel: the step as it is (FSDP2 is a step of layout.py, applied to the modules themselves)
+  none         DataParallel: the step as it is
+  fsdp         FSDP: FSDP2 is a step of layout.py, applied to the modules themselves; here only whether it
+               reduce-scatters every micro-batch's gradients or once per step (parallel.reduce_once_per_step)
   ddp          DistributedDataParallel (ddp.py): a wrapper, and no gradient sync while accumulating
   zero1        ZeRO-1 (zero.py): the optimizer updates this rank's flat slice of the gradients, reduce-scattered
                after backward, and the updated parameters are all-gathered
@@ -23,10 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.catalog import OPTIMIZERS
-from llmtrain.config import OptimConfig
+from llmtrain.config import OptimConfig, ParallelConfig
 from llmtrain.optim import build_optimizer
 from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.ddp import apply_ddp
@@ -41,8 +44,8 @@ _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 class DataParallel:
     """Data parallelism that changes nothing in the step: none at all, or FSDP's, which its hooks do."""
 
-    def __init__(self, mesh: RankMesh, runtime: Runtime):
-        self.mesh, self.runtime = mesh, runtime
+    def __init__(self, mesh: RankMesh, runtime: Runtime, parallel: ParallelConfig):
+        self.mesh, self.runtime, self.parallel = mesh, runtime, parallel
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """A wrapper that needs the materialised weights, or the module itself."""
@@ -89,6 +92,17 @@ class DDP(DataParallel):
     def accumulating(self, module: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """Gradients are all-reduced once per step: not on the micro-batches before the last."""
         return nullcontext() if is_last_micro_batch else cast(DistributedDataParallel, module).no_sync()
+
+
+class FSDP(DataParallel):
+    def accumulating(self, module: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
+        """With parallel.reduce_once_per_step, no reduce-scatter on the micro-batches before the last: FSDP keeps
+        their gradients unsharded, accumulated in its reduce dtype (fp32)."""
+        if self.parallel.reduce_once_per_step:
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_gradient_sync(is_last_micro_batch, recurse=False)
+        return nullcontext()
 
 
 class ZeroOne(DataParallel):

@@ -66,7 +66,7 @@ class ParallelModel:
         steps = layout_steps(plan, mesh, runtime.device)
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
-        self._data_parallel = data_parallel_class(plan.name)(mesh, runtime)
+        self._data_parallel = data_parallel_class(plan.name)(mesh, runtime, plan.parallel)
         self._pipeline: Pipeline | None = None
         if plan.pipelined:  # imported only where a run pipelines: torch's pipelining costs a process ~0.7 s
             from llmtrain.parallel.pipeline.pipeline import Pipeline
