@@ -296,7 +296,7 @@ def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
     models = [nn.Linear(64, 32) for _ in range(3)]
     for model in models:
         model.load_state_dict(start.state_dict())
-    plain = torch.optim.AdamW(models[0].parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    plain = torch.optim.AdamW(models[0].parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     offloaded = adamw([{"params": list(models[1].parameters()), "weight_decay": 0.1}], cfg)
     plain.param_groups[0]["weight_decay"] = 0.1
     assert isinstance(offloaded, HostAdamW)

@@ -135,6 +135,7 @@ def test_muon_follows_torchs_muon_and_adamw_step_for_step():
                     lr=MUON.lr,
                     betas=(MUON.beta1, MUON.beta2),
                     eps=MUON.eps,
+                    fused=True,
                 ),
             ]
         generator, seen = torch.Generator().manual_seed(1), []

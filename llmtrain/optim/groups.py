@@ -20,6 +20,12 @@ def adamw_options(optim_cfg) -> dict:
     return dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 
 
+# torch's AdamW runs fused (one kernel over all of a group's tensors on CUDA, a vectorised loop on a CPU, DTensor
+# shards included) wherever llmtrain runs it itself: its default would be a foreach launch per operation on a GPU
+# and the per-tensor loop on a host, and the CPU tests then run another kernel than the GPU's.
+FUSED = True
+
+
 def adamw_update(
     group: dict,
     params: list[Tensor],
@@ -45,6 +51,7 @@ def adamw_update(
         weight_decay=group["weight_decay"],
         eps=group["eps"],
         maximize=False,
+        fused=FUSED,
     )
 
 

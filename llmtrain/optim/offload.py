@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from llmtrain.optim.groups import adamw_options, adamw_update
+from llmtrain.optim.groups import FUSED, adamw_options, adamw_update
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], optim_cfg, device: torch.device):
         # torch's AdamW's defaults, so that the two write the same state dict and resume from each other's
-        super().__init__(groups, torch.optim.AdamW([torch.zeros(1)], **adamw_options(optim_cfg)).defaults)
+        defaults = torch.optim.AdamW([torch.zeros(1)], **adamw_options(optim_cfg), fused=FUSED).defaults
+        super().__init__(groups, defaults)
         self.device = device
         pin = device.type == "cuda"
         self._weights: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its host fp32 copy

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llmtrain.optim import Muon, adamw_options, param_groups
+from llmtrain.optim.groups import FUSED
 from llmtrain.runtime import all_gather_single, reduce_scatter_single
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
@@ -199,7 +200,8 @@ class ZeroOneShards:
 
 class ZeroOneAdamW(ZeroOneShards, torch.optim.AdamW):
     def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh):
-        torch.optim.AdamW.__init__(self, self._shard_groups(model, optim_cfg, mesh), **adamw_options(optim_cfg))
+        groups = self._shard_groups(model, optim_cfg, mesh)
+        torch.optim.AdamW.__init__(self, groups, **adamw_options(optim_cfg), fused=FUSED)
 
 
 class ZeroOneMuon(ZeroOneShards, Muon):
