@@ -22,6 +22,9 @@ read once per process:
   host_reads=FILE           each step appends to FILE how many times the training thread read a tensor's value on
                             the host (item, tolist, float, int, bool): each one a device sync on a GPU. Reads
                             inside optimizer.step are left out (AdamW keeps its step counters on the host)
+  device_syncs=FILE         on a GPU each step appends to FILE how many synchronizing CUDA operations it ran, the
+                            optimizer's included (torch.cuda.set_sync_debug_mode("warn"): any wait of the host for
+                            the device, not only reads); 0 on a CPU
 
 Unarmed, a point costs a dictionary lookup. The code calls the points by these names; nothing is patched. A run
 checks the variable at its start (`check_armed`): an unknown point or a value of the wrong kind is one line and
@@ -62,6 +65,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "hang_in_save_at_step": _step_list,
     "disk_full_at_step": _step_list,
     "host_reads": str,
+    "device_syncs": str,
 }
 
 
@@ -225,3 +229,30 @@ def _counting(path: str, optimizer: Any) -> Iterator[None]:
             setattr(torch.Tensor, name, original)
         with open(path, "a") as f:
             f.write(f"{count[0]}\n")
+
+
+def counting_device_syncs():
+    """A context around one training step: device_syncs. Counts the synchronizing CUDA operations the step runs
+    (CUDA's sync debug mode warns at each) and appends the count to the armed file."""
+    path = armed().get("device_syncs")
+    return _counting_syncs(path) if path else nullcontext()
+
+
+@contextmanager
+def _counting_syncs(path: str) -> Iterator[None]:
+    import warnings
+
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("default")
+    with open(path, "a") as f:
+        f.write(f"{sum('synchroniz' in str(warning.message) for warning in caught)}\n")

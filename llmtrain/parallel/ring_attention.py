@@ -15,7 +15,9 @@ fp32 by the online-softmax rule out = Σ_i exp(lse_i - lse) out_i with lse = log
 order. Backward calls each block's fused backward with the merged output and log-sum-exp, which recomputes the
 block's probabilities instead of storing them: per layer the ring keeps only q, k, v, the output and the
 log-sum-exp, O(t/cp) per rank. The keys and values circulate again, each with the gradient accumulated for it so
-far (fp32), which returns to its owner after the last step.
+far, which returns to its owner after the last step. That gradient travels in fp32, twice bf16's bytes: it is a
+running sum that every rank adds to, and in bf16 each of the cp - 1 hops would round it again (8 mantissa bits; a
+block's contribution below 1/256 of the sum is lost); the keys and values themselves travel in the compute dtype.
 
 Transfers overlap compute: the next block's send/receive is posted (as one group, so NCCL pairs them: see
 pipeline/p2p.py) before this block is computed, and waited for after.
@@ -113,7 +115,7 @@ def _merged_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's partial result into the fp32 (out, lse), in place (the online-softmax rule)."""
     merged = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - merged)[..., None]).add_(block_out * torch.exp(block_lse - merged)[..., None])
@@ -137,11 +139,11 @@ def _forward_step(q, k, v, source: int, out: torch.Tensor, lse: torch.Tensor) ->
     doc."""
     early, late = _halves(q)
     if source == 0:
-        _merge(out, lse, *block_attention(q, k, v, causal=True))
+        merge_block(out, lse, *block_attention(q, k, v, causal=True))
     elif source < 0:
-        _merge(out, lse, *block_attention(q, k[..., early, :], v[..., early, :], causal=False))
+        merge_block(out, lse, *block_attention(q, k[..., early, :], v[..., early, :], causal=False))
     else:
-        _merge(out[..., late, :], lse[..., late], *block_attention(q[..., late, :], k, v, causal=False))
+        merge_block(out[..., late, :], lse[..., late], *block_attention(q[..., late, :], k, v, causal=False))
 
 
 def _backward_step(q, k, v, out_grad, out, lse, source: int, dq: torch.Tensor, dkv: torch.Tensor) -> None:

@@ -170,7 +170,7 @@ class Trainer:
         if self._stragglers is not None:
             self._stragglers.begin()
         faults.step_begins(self.state.step + 1, self._runtime.rank)
-        with faults.counting_host_reads(self._optimizer):
+        with faults.counting_host_reads(self._optimizer), faults.counting_device_syncs():
             record = self._step(started)
         faults.step_ends(started)
         return record
