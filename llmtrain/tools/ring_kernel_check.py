@@ -31,7 +31,7 @@ def blocks_against_sdpa(device: torch.device, dtype: torch.dtype, seq: int = 256
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v, out_grad = (torch.randn(2, 4, seq, 64, device=device, dtype=dtype, generator=generator) for _ in range(4))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    attended = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    attended = F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], is_causal=True)
     attended.backward(out_grad)
     reference = attended.detach()
 
