@@ -21,20 +21,28 @@ def test_the_gpu_check_says_so_when_there_is_no_gpu():
 
 
 @pytest.mark.slow
-def test_the_gpu_check_compares_each_run_with_its_reference_and_resumes_async_checkpoints(tmp_path):
+def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
+    """One row of each kind, as on a GPU: a training run and one compared with its reference, the step's host reads
+    and device syncs counted, ring attention's kernels against SDPA, a one-rank torchrun FSDP run with float8 and
+    its resume, an async checkpoint and its resume: each ok, the resumed steps within 1e-3 of the first run's."""
     out = tmp_path / "check.json"
+    rows_run = ["bf16", "host syncs", "ring kernels", "fsdp float8 save", "fsdp float8 resume", "async save", "resume"]
     done = _tool(
         "llmtrain.tools.gpu_check",
-        *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--out", str(out)),
-        *("--only", "bf16,async save,resume"),
+        *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--budget", "0", "--out", str(out)),
+        *("--only", ",".join(rows_run)),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["bf16", "async save", "resume"]
-    assert all(row["status"] == "ok" for row in rows.values())
-    assert rows["resume"]["difference"] <= 1e-3
+    assert sorted(rows) == sorted(rows_run)
+    assert all(row["status"] == "ok" for row in rows.values()), rows
+    assert rows["resume"]["difference"] <= 1e-3 and rows["fsdp float8 resume"]["difference"] <= 1e-3
     assert rows["bf16"]["final_loss"] < rows["bf16"]["first_loss"]
-    assert re.search(r"^resume +\| ok ", done.stdout, re.MULTILINE)
+    assert "host reads [1], device syncs [0]" in rows["host syncs"]["notes"][0]  # no CUDA here: nothing syncs
+    assert (
+        "bfloat16: output" in rows["ring kernels"]["notes"][0] and "float32: output" in rows["ring kernels"]["notes"][1]
+    )
+    assert re.search(r"^fsdp float8 resume +\| ok ", done.stdout, re.MULTILINE)
 
 
 @pytest.mark.slow
