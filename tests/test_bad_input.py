@@ -298,6 +298,7 @@ def _external_cases(tmp: Path) -> list[tuple[list[str], dict[str, str], str]]:
         ([f"data.tokenizer.name={files['empty_tokenizer']}", "data.tokenizer.kind=hf"], {}, "is a directory without"),
         (["data=local", f"data.path={files['bad_json']}"], {}, f"{files['bad_json']}, line 2 is not JSON"),
         (["model=gpt2", f"model.init_from={files['bert']}"], {}, "holds a 'bert' model"),
+        (["parallel=fsdp", "parallel.cpu_offload=true"], {}, "but this run is on cpu, where they are in host memory"),
     ]
 
 

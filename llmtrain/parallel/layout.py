@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import MoE
 from llmtrain.parallel.context import apply_context_parallel
@@ -58,6 +59,11 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
     more than one rank, keeping the gathered parameters for the whole step: resharding after forward would
     re-gather them for every micro-batch)."""
     d, p, t, spec = plan.degrees, plan.parallel, plan.train, plan.spec
+    if p.cpu_offload and device.type != "cuda":
+        raise ConfigError(
+            f"parallel.cpu_offload=true moves FSDP's shards from a GPU into host memory, but this run is on "
+            f"{device.type}, where they are in host memory already: set parallel.cpu_offload=false"
+        )
     sharded = spec.mechanism.sharding == "parameters" and (not spec.pipeline or d.dp * d.cp > 1)
     fsdp: dict = {}
     if sharded:

@@ -18,7 +18,8 @@ Rows, in order (tolerances are on the per-step training loss, max relative diffe
                          by log-sum-exp, and their backward, against SDPA (llmtrain.tools.ring_kernel_check)
   fsdp 1 rank            torchrun with one rank, parallel=fsdp: FSDP2's bf16 mixed precision, DTensor, DCP and
                          NCCL on one GPU, within 3% of bf16; likewise fsdp muon (of muon), fsdp moe (of moe eager),
-                         fsdp float8 8-bit (of float8 tensorwise) and fsdp offload (of adamw offload)
+                         fsdp float8 8-bit (of float8 tensorwise), fsdp offload and fsdp cpu offload (FSDP's own,
+                         GPUs only; both of adamw offload)
   compiled none          bf16 compiled: its MFU is gpt2's on this GPU; within 3% of bf16
   muon, moe eager        Muon's Newton-Schulz in bf16; 8 experts in every second block, one grouped GEMM each
   fsdp float8 save/resume  float8 FSDP checkpoints every 5 steps, a new run resumes from step 5: steps 6-10 within
@@ -102,11 +103,12 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
 
-def single_gpu_checks() -> list[Check]:
+def single_gpu_checks(llama: list[str]) -> list[Check]:
     """In the order they run: first what only a GPU shows and the run's own layouts had never run on one (one-rank
     FSDP over NCCL with each optimizer, mixture and float8, a float8 FSDP resume, the step's device syncs, ring
     attention's kernels, compiled bf16's MFU), each after its reference; then the rest. bf16 eager without
-    activation checkpointing is the reference of most. A budget (--budget) cuts the tail."""
+    activation checkpointing is the reference of most. A budget (--budget) cuts the tail. `llama`: the overrides
+    of the Llama rows' model."""
     experts = ["model.moe.num_experts=8", "model.moe.every=2"]
     n = LOW_PRECISION_STEPS
     fsdp = "parallel=fsdp"
@@ -146,14 +148,9 @@ def single_gpu_checks() -> list[Check]:
             resume_from=float8_saved.name,
         ),
         Check("adamw offload", ["optim.offload=true"], reference="bf16 long", tolerance=0.01, steps=n),
-        Check(
-            "fsdp offload 1 rank",
-            [fsdp, "parallel.cpu_offload=true"],
-            reference="adamw offload",
-            steps=n,
-            tolerance=0.03,
-            nproc=1,
-        ),
+        Check("fsdp offload 1 rank", [fsdp, "optim.offload=true"], "adamw offload", 0.03, nproc=1, steps=n),
+        # FSDP's own CPU offload (shards, gradients and AdamW on the host; GPUs only)
+        Check("fsdp cpu offload 1 rank", [fsdp, "parallel.cpu_offload=true"], "adamw offload", 0.03, nproc=1, steps=n),
         Check("float8 rowwise", ["train.float8=rowwise"], reference="bf16 long", tolerance=0.03, steps=n),
         # compiled rowwise float8 recomputed under activation checkpointing: inductor must round its casts as eager
         Check(
@@ -161,6 +158,7 @@ def single_gpu_checks() -> list[Check]:
             ["train.float8=rowwise", "train.compile=true", "train.activation_checkpointing=full"],
             reference="float8 rowwise",
             tolerance=0.03,
+            steps=n,  # the reference's learning-rate schedule
         ),
     ]
     rest = [Check("fp32", ["train.precision=fp32"], reference="bf16", tolerance=0.03)]
@@ -174,7 +172,7 @@ def single_gpu_checks() -> list[Check]:
         rest.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"]))
     rest.append(Check("moe compiled", [*experts, "train.compile=true"]))
     rest.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
-    rest += low_precision_checks()
+    rest += low_precision_checks(llama)
     resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
     return [*first, *rest, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
 
@@ -184,7 +182,7 @@ def single_gpu_checks() -> list[Check]:
 LOW_PRECISION_STEPS = 50
 
 
-def low_precision_checks() -> list[Check]:
+def low_precision_checks(llama: list[str]) -> list[Check]:
     """Float8 on the FP8 tensor cores (sm_89+: skipped below), 8-bit AdamW and optimizer offload, each against a
     bf16 run of the same LOW_PRECISION_STEPS within 3% (a stated bound: float8 rounds inputs, weights and output
     gradients to 3 mantissa bits, the 8-bit moments to 256 levels per block; offload, the same fp32 update on the
@@ -196,7 +194,6 @@ def low_precision_checks() -> list[Check]:
     compiled = ["train.float8=tensorwise", "train.compile=true"]
     checks = [Check("float8 compiled", compiled, reference="float8 tensorwise", tolerance=0.03, steps=n)]
     checks.append(Check("adamw 8-bit", ["optim.state_bits=8"], reference="bf16 long", tolerance=0.03, steps=n))
-    llama = ["model=llama3.2-1b", "model.n_layer=2", "model.vocab_size=50304"]
     checks.append(Check("llama bf16", llama, steps=n))
     float8_llama = [*llama, "train.float8=tensorwise"]
     checks.append(Check("llama float8", float8_llama, reference="llama bf16", tolerance=0.03, steps=n))
@@ -381,7 +378,11 @@ def main() -> None:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.device == "cuda" and gpus == 0:
         sys.exit("gpu_check: no CUDA GPU is visible; nothing was checked (--device cpu proves the harness on CPU)")
-    checks = single_gpu_checks() + (multi_gpu_checks() if gpus >= 2 else [])
+    # llama3.2-1b's blocks (2 layers), or on a CPU rehearsal of the tiny model its Llama twin
+    llama = ["model=llama-tiny"] if args.model == "tiny" else ["model=llama3.2-1b", "model.n_layer=2"]
+    checks = single_gpu_checks(llama) + (multi_gpu_checks() if gpus >= 2 else [])
+    if args.device != "cuda":  # FSDP's CPU offload moves shards off an accelerator
+        checks = [c for c in checks if "parallel.cpu_offload=true" not in c.overrides]
     if args.device == "cuda" and torch.cuda.get_device_capability(0) < FP8_CAPABILITY:  # refused there: skip
         checks = [c for c in checks if not any(o.startswith("train.float8=") for o in c.overrides)]
     if args.only:
