@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from llmtrain.catalog import OPTIMIZERS
-from llmtrain.optim.groups import FUSED, adamw_options, is_hidden_matrix, param_groups
+from llmtrain.optim.groups import adamw_options, fused_for, is_hidden_matrix, param_groups
 from llmtrain.optim.lr_schedule import build_lr_schedule, lr_factor
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.offload import HostAdamW
@@ -35,7 +35,9 @@ def adamw(groups: list[dict], optim_cfg, device: torch.device = HOST) -> torch.o
     if optim_cfg.offload:
         return HostAdamW(groups, optim_cfg, device)
     if optim_cfg.state_bits == 32:
-        return torch.optim.AdamW(groups, **adamw_options(optim_cfg), fused=FUSED)
+        return torch.optim.AdamW(
+            [{**group, "fused": fused_for(group["params"])} for group in groups], **adamw_options(optim_cfg)
+        )
     return import_torchao("torchao.optim").AdamW8bit(groups, **adamw_options(optim_cfg))
 
 

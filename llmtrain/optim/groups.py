@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from llmtrain.catalog import OPTIMIZERS
@@ -24,6 +25,12 @@ def adamw_options(optim_cfg) -> dict:
 # shards included) wherever llmtrain runs it itself: its default would be a foreach launch per operation on a GPU
 # and the per-tensor loop on a host, and the CPU tests then run another kernel than the GPU's.
 FUSED = True
+
+
+def fused_for(params: list[Tensor]) -> bool:
+    """Whether the fused AdamW takes these tensors in one call: it refuses DTensors mixed with plain tensors (a
+    tensor-parallel layout leaves some weights whole), which then take torch's default path."""
+    return FUSED and len({isinstance(param, DTensor) for param in params}) <= 1
 
 
 def adamw_update(
@@ -51,7 +58,7 @@ def adamw_update(
         weight_decay=group["weight_decay"],
         eps=group["eps"],
         maximize=False,
-        fused=FUSED,
+        fused=fused_for(params),
     )
 
 
