@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
@@ -31,6 +32,14 @@ def fused_for(params: list[Tensor]) -> bool:
     """Whether the fused AdamW takes these tensors in one call: it refuses DTensors mixed with plain tensors (a
     tensor-parallel layout leaves some weights whole), which then take torch's default path."""
     return FUSED and len({isinstance(param, DTensor) for param in params}) <= 1
+
+
+def refuse_inherited_fusion(optimizer: torch.optim.Optimizer) -> None:
+    """After a load: each AdamW group runs fused as this layout's tensors allow, not as the saved options say (the
+    layout that saved them may have held the group's tensors all of one kind)."""
+    for group in optimizer.param_groups:
+        if "fused" in group:
+            group["fused"] = fused_for(group["params"])
 
 
 def adamw_update(

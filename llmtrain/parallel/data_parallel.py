@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llmtrain.catalog import OPTIMIZERS
 from llmtrain.config import OptimConfig, ParallelConfig
 from llmtrain.optim import build_optimizer
+from llmtrain.optim.groups import refuse_inherited_fusion
 from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.mesh import RankMesh
@@ -83,6 +84,7 @@ class DataParallel:
         set_model_state_dict(module, model_state)
         set_optimizer_state_dict(module, optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
         restore_low_bits(optimizer)
+        refuse_inherited_fusion(optimizer)
 
 
 class DDP(DataParallel):
