@@ -23,7 +23,7 @@ _FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
 class _JobState:
-    running = False  # set while the task function runs: errors then are the job's, not the composition's
+    failed = False  # the task function raised: its error is the job's, not the composition's
 
 
 def job(task: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -31,11 +31,11 @@ def job(task: Callable[[Any], None]) -> Callable[[Any], None]:
 
     @functools.wraps(task)
     def marked(cfg: Any) -> None:
-        _JobState.running = True
         try:
             task(cfg)
-        finally:
-            _JobState.running = False
+        except BaseException:
+            _JobState.failed = True
+            raise
 
     return marked
 
@@ -48,7 +48,7 @@ def run_entry(main: Callable[[], None], schema: type) -> None:
         with closed_pipe_is_quiet():
             main()
     except Exception as error:
-        if user_wants_report or _JobState.running:
+        if user_wants_report or _JobState.failed:
             raise
         if isinstance(error, OSError) and launch_rank() != 0:
             # The main rank owns the run directory and deletes it when its config is refused: a rank that starts

@@ -56,6 +56,17 @@ PREEMPTED_EXIT = 75
 HUNG_EXIT = 76
 
 
+# A peer's process ended mid-run (killed, crashed, its node lost): requeued or restarted like a hang, resuming from
+# the last complete checkpoint.
+PEER_LOST_EXIT = 77
+
+
+class PeerLost(RunError, RuntimeError):
+    """The collectives failed because another rank's process ended; said by the lowest rank that is left."""
+
+    exit_code = PEER_LOST_EXIT
+
+
 class Preempted(RunError):
     """Raised on every rank after the checkpoint of `step` is written: the job is requeued to resume."""
 

@@ -11,6 +11,9 @@ read once per process:
                             job requeued after the hang then runs through)
   hang_in_phase=NAME        with hang_at_step: hang when the step enters this phase of the loop (the watchdog's
                             PHASES: "forward/backward", "logging", ...), not when it starts
+  kill_at_step=k            the process kills itself (SIGKILL, as the OOM killer or a lost node ends it) as step k
+                            starts, in the job's first attempt only (not after a torchrun restart or Slurm requeue)
+  kill_on_rank=r            with kill_at_step: only rank r
   step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
   slow_rank=r               with slow_seconds=s: rank r computes s seconds more in every step (a throttled device)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +60,8 @@ POINTS: dict[str, Callable[[str], object]] = {
     "hang_on_rank": int,
     "hang_marker": str,
     "hang_in_phase": str,
+    "kill_at_step": _step_list,
+    "kill_on_rank": int,
     "step_seconds": float,
     "slow_rank": int,
     "slow_seconds": float,
@@ -143,7 +149,12 @@ def phase_begins(step: int, phase: str, rank: int) -> None:
 
 
 def step_begins(step: int, rank: int) -> None:
-    """At the start of training step `step` on `rank`: slow_rank, oom_at_step."""
+    """At the start of training step `step` on `rank`: kill_at_step (kill_on_rank), slow_rank, oom_at_step."""
+    first_attempt = all(
+        os.environ.get(name, "0") == "0" for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
+    if step in _steps("kill_at_step") and int(armed().get("kill_on_rank", rank)) == rank and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
     if int(armed().get("slow_rank", -1)) == rank:
         busy_until = time.thread_time() + float(armed()["slow_seconds"])
         while time.thread_time() < busy_until:  # compute, not a sleep: the thread's CPU time grows

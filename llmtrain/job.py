@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import time
-from typing import cast
+from typing import NoReturn, cast
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -51,6 +51,7 @@ from llmtrain.train.memory import (
     held_bytes,
     out_of_memory,
 )
+from llmtrain.train.peer_loss import is_peer_loss, peer_lost
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
@@ -118,10 +119,19 @@ def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
                 preemption.hand_over()  # e.g. submitit's handler, which requeues the job
 
         exit_for(error, runtime.is_main, shut_down)
-    except BaseException:
-        runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
-        raise
+    except BaseException as error:
+        _end_after(error, runtime)
     runtime.shutdown(synchronize=True)
+
+
+def _end_after(error: BaseException, runtime: Runtime) -> NoReturn:
+    """A failure that is no RunError: a peer's death becomes PeerLost (one line, its exit code); anything else
+    keeps its traceback."""
+    if isinstance(error, Exception) and runtime.distributed and is_peer_loss(error):
+        lost, speaks = peer_lost(error, runtime)
+        exit_for(lost, speaks, lambda _: runtime.abort())  # a group with a dead member: torn down, not left
+    runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
+    raise error
 
 
 def _run_workers(config: RootConfig, preemption: PreemptionWatch, entry_point: str, run_dir: str) -> None:

@@ -8,6 +8,7 @@ before a Runtime can exist: launch_env.py (the run directory every rank agrees o
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -44,6 +45,16 @@ class Runtime:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def abort(self) -> None:
+        """Abort every process group: NCCL's kernels stop spinning on the device and its communicators are freed,
+        where a peer has gone or hangs and an orderly shutdown could wait for it. Failing, it says so and returns:
+        its caller is ending the process."""
+        if self.distributed:
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as error:
+                logging.getLogger("llmtrain").warning(f"the process groups could not be aborted ({error})")
 
     def shutdown(self, synchronize: bool = False) -> None:
         """Leave the process group. `synchronize` (at the normal end of a job) first waits for every rank: a rank

@@ -261,12 +261,17 @@ def train_command(
     nproc: int = 0,
     env: dict[str, str] | None = None,
     fresh: bool = False,
+    restarts: int = 0,
 ) -> tuple[list[str], dict[str, str], Path]:
-    """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks), from
-    the warm interpreter unless `fresh`."""
+    """The command line, environment and run directory of `python train.py` (or torchrun with nproc ranks, restarting
+    them up to `restarts` times), from the warm interpreter unless `fresh`."""
     run_dir = workdir / name
     interpreter, warm = (sys.executable, {}) if fresh else (python(), warm_interpreter())
-    torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    torchrun_args = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
+        if nproc
+        else []
+    )
     launcher = [interpreter, *torchrun_args]
     args = launcher + [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
     args += (FAST if fast else []) + list(overrides)

@@ -223,7 +223,7 @@ class StepWatchdog:
             log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s ({because}); where it was: {path}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        _abort_process_groups()
+        self.runtime.abort()
         self.end_process(HUNG_EXIT)
 
     def _innermost_frame(self) -> str:
@@ -320,13 +320,3 @@ def _short_path(filename: str) -> str:
         if marker in filename:
             return root + os.sep + filename.rsplit(marker, 1)[1]
     return os.path.basename(filename)
-
-
-def _abort_process_groups() -> None:
-    """Abort every process group before the exit: NCCL's kernels stop spinning on the device and its communicators
-    are freed. The dumps are written; a failure here must not keep the process from ending."""
-    if dist.is_initialized():
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception as error:
-            log.warning(f"the process groups could not be aborted ({error}); exiting anyway")
