@@ -12,8 +12,10 @@ read once per process:
   hang_in_phase=NAME        with hang_at_step: hang when the step enters this phase of the loop (the watchdog's
                             PHASES: "forward/backward", "logging", ...), not when it starts
   kill_at_step=k            the process kills itself (SIGKILL, as the OOM killer or a lost node ends it) as step k
-                            starts, in the job's first attempt only (not after a torchrun restart or Slurm requeue)
+                            starts
   kill_on_rank=r            with kill_at_step: only rank r
+  kill_marker=PATH          with kill_at_step: only while PATH does not exist, created on the kill (a job restarted
+                            or requeued after it then runs through)
   step_seconds=s            every step takes at least s seconds (time to send a signal mid-run)
   slow_rank=r               with slow_seconds=s: rank r computes s seconds more in every step (a throttled device)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
@@ -62,6 +64,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "hang_in_phase": str,
     "kill_at_step": _step_list,
     "kill_on_rank": int,
+    "kill_marker": str,
     "step_seconds": float,
     "slow_rank": int,
     "slow_seconds": float,
@@ -124,9 +127,13 @@ def _steps(name: str) -> set[int]:
 
 
 def _hangs_here(rank: int) -> bool:
-    if int(armed().get("hang_on_rank", rank)) != rank:
-        return False
-    marker = armed().get("hang_marker")
+    return int(armed().get("hang_on_rank", rank)) == rank and _once("hang_marker")
+
+
+def _once(marker_point: str) -> bool:
+    """Whether a fault with this marker point fires: always without a marker, else while the marker does not
+    exist (it is created now)."""
+    marker = armed().get(marker_point)
     if marker is None:
         return True
     if os.path.exists(marker):
@@ -150,10 +157,7 @@ def phase_begins(step: int, phase: str, rank: int) -> None:
 
 def step_begins(step: int, rank: int) -> None:
     """At the start of training step `step` on `rank`: kill_at_step (kill_on_rank), slow_rank, oom_at_step."""
-    first_attempt = all(
-        os.environ.get(name, "0") == "0" for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-    )
-    if step in _steps("kill_at_step") and int(armed().get("kill_on_rank", rank)) == rank and first_attempt:
+    if step in _steps("kill_at_step") and int(armed().get("kill_on_rank", rank)) == rank and _once("kill_marker"):
         os.kill(os.getpid(), signal.SIGKILL)
     if int(armed().get("slow_rank", -1)) == rank:
         busy_until = time.thread_time() + float(armed()["slow_seconds"])

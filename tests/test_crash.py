@@ -15,7 +15,7 @@ from llmtrain.faults import arm
 def test_a_rank_killed_mid_run_is_named_and_torchrun_restarts_the_job_from_its_checkpoint(
     tmp_path, cache_dir, layout_run
 ):
-    """Rank 1 kills itself as step 5 starts (first attempt only); rank 0 fails in the step's first collective and
+    """Rank 1 kills itself as step 5 starts (once); rank 0 fails in the step's first collective and
     says, in one line, that rank 1 ended and that it exits 77. torchrun (--max-restarts=1) starts both again; they
     resume from step 4's checkpoint and end as the uninterrupted 2-rank ddp run does, to the bit."""
     run = run_train(
@@ -26,7 +26,7 @@ def test_a_rank_killed_mid_run_is_named_and_torchrun_restarts_the_job_from_its_c
         "checkpoint.every=2",
         nproc=2,
         restarts=1,
-        env=arm(kill_at_step="5", kill_on_rank="1"),
+        env=arm(kill_at_step="5", kill_on_rank="1", kill_marker=str(tmp_path / "killed-once")),
     )
     output = run.stdout + run.stderr
     lines = [line for line in output.splitlines() if "ended mid-run" in line]
