@@ -614,6 +614,13 @@ class ProfileConfig:
 @dataclass
 class CheckpointConfig:
     every: int = key(0, at_least(0), "also save every N steps (0: only at the end and on preemption)")
+    every_minutes: float = key(
+        15,
+        Number(low=0),
+        "also save when this many minutes have passed since the last save (rank 0's clock, agreed at the step's "
+        "read), so a crash loses at most that much; only the newest of these is kept beside `every`'s; 0 = off. "
+        "15: an async save of GPT-2 124M blocks this 2-core CPU 3.4 s (a written one 7 s), under 1% of 15 minutes",
+    )
     dir: Optional[str] = key(
         None,
         WritableDirectory(),

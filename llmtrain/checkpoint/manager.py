@@ -10,7 +10,9 @@ A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
   tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling.
 It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
 complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
-naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted.
+naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted, and
+one saved on the clock alone (checkpoint.every_minutes, `by_clock` in its meta.json) goes as soon as a newer one is
+complete.
 
 With `checkpoint.async_save`, DCP's async_save stages the state in host memory, returns, and writes in a background
 thread on a dedicated gloo group while training continues. The staging buffers are allocated at the first save and
@@ -325,6 +327,9 @@ class CheckpointManager:
         if self.runtime.is_main:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            for old in complete_checkpoints(self.directory)[:-1]:
+                if read_meta(old).get("by_clock"):  # a newer one is complete: it has done its job
+                    shutil.rmtree(old, ignore_errors=True)
             for old in complete_checkpoints(self.directory)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.runtime.barrier()

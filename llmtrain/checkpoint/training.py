@@ -173,9 +173,12 @@ class RunCheckpoints:
         self.runtime = manager.runtime
         self.run = run
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, by_clock: bool = False) -> None:
+        """Collective: checkpoint `step`; `by_clock`: saved for checkpoint.every_minutes alone (pruned once a newer
+        one is complete)."""
         meta = {
             "step": step,
+            "by_clock": by_clock,
             "model": dataclasses.asdict(self.gpt_cfg),
             "optimizer": self.optim.name,
             "state_bits": self.optim.state_bits,

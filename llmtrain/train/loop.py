@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from llmtrain import faults
 from llmtrain.config import RootConfig
@@ -36,9 +37,12 @@ from llmtrain.train.watchdog import StepWatchdog
 
 log = logging.getLogger("llmtrain")
 
+# The agreed flag's values (Trainer._agreed_flag), strongest last: MAX over the ranks keeps it.
+CLOCK_SAVE, STOP = 1.0, 2.0
+
 
 class Checkpoints(Protocol):
-    def save(self, step: int) -> None: ...
+    def save(self, step: int, by_clock: bool = False) -> None: ...
 
     def poll(self) -> None: ...
 
@@ -113,6 +117,9 @@ class Trainer:
         self._task_every = parts.config.eval.every or self._train.eval_every
         self._val_bytes_per_token = self._measured_val_bytes_per_token()
         self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
+        self._clock_save_due = False  # checkpoint.every_minutes have passed: set by each step, acted on at its end
+        self._checkpoint_minutes = parts.config.checkpoint.every_minutes
+        self._last_save = time.monotonic()  # or the run's start
         self._previous_read: float | None = None  # when the step before read its results, if it was the last wait
 
     def _is_checkpoint_step(self, step: int) -> bool:
@@ -184,11 +191,7 @@ class Trainer:
         self._mark("clipping")
         grad_norm = self.model.clip_grad_norm(self._grad_clip)
         device = self._runtime.device
-        stop = (
-            self._preemption.requested_flag(self._runtime)
-            if self._preemption is not None
-            else torch.zeros((), device=device)
-        )
+        agreed = self._agreed_flag()
         # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
         # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
         # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
@@ -196,8 +199,8 @@ class Trainer:
         ranks_seconds = self._stragglers.gathered(self.state.step + 1) if self._stragglers is not None else None
         self._mark("reading the step's results")
         extra = [value for value in (load, ranks_seconds) if value is not None]
-        scalars = [full_tensor(loss), grad_norm, stop, *extra]
-        loss_value, norm_value, stop_value, *extra_values = torch.cat(
+        scalars = [full_tensor(loss), grad_norm, agreed, *extra]
+        loss_value, norm_value, agreed_value, *extra_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
         # A step's time runs from the step before's read to this one's: the device is waited for only here, so the
@@ -210,7 +213,8 @@ class Trainer:
         if self._stragglers is not None:
             self._stragglers.after_host_read()
         load_values = extra_values[: 0 if load is None else load.numel()]
-        self._stop_requested = stop_value > 0
+        self._stop_requested = agreed_value >= STOP
+        self._clock_save_due = agreed_value == CLOCK_SAVE
         record: dict[str, Any] = {
             "step": self.state.step + 1,
             "loss": loss_value,
@@ -238,6 +242,19 @@ class Trainer:
         record["mfu"] = mfu(tokens / seconds / self._runtime.world_size, self._flops_per_token, self._peak)
         self.state.train_seconds += seconds
         return record
+
+    def _agreed_flag(self) -> torch.Tensor:
+        """Collective: what every rank does after this step, agreed in one MAX all-reduce read with the step's
+        results: STOP (a rank was asked to stop: save and exit), CLOCK_SAVE (checkpoint.every_minutes have passed
+        on rank 0's clock since the last save), or 0. Filled on the device: torch.tensor(value, device=cuda) would
+        copy from host memory, a sync each step."""
+        stop = self._preemption is not None and self._preemption.stop_requested(self._runtime)
+        interval = self._checkpoint_minutes * 60
+        due = self._runtime.is_main and interval > 0 and time.monotonic() - self._last_save >= interval
+        flag = torch.full((), STOP if stop else CLOCK_SAVE if due else 0.0, device=self._runtime.device)
+        if self._runtime.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
 
     def _skip(self, record: dict[str, Any]) -> None:
         record["skipped"] = True
@@ -268,7 +285,9 @@ class Trainer:
         if self._profiler is not None:
             self._profiler.after_step(record["step"])
         self.state.step = step = record["step"]
-        if self._is_eval_step(step) or self._is_task_step(step) or self._is_checkpoint_step(step):
+        stop = self._stop_requested
+        save = stop or self._clock_save_due or self._is_checkpoint_step(step)
+        if self._is_eval_step(step) or self._is_task_step(step) or save:
             self._previous_read = None  # their time is not the next step's
         if self._is_eval_step(step):
             self._mark("validation", step)
@@ -282,10 +301,10 @@ class Trainer:
         self.checkpoints.poll()
         self.state.records.append(record)
         self._on_record(record)
-        stop = self._stop_requested
-        if stop or self._is_checkpoint_step(step):
+        if save:
             self._mark("checkpoint", step)
-            self.checkpoints.save(step)
+            self.checkpoints.save(step, by_clock=not (stop or self._is_checkpoint_step(step)))
+            self._last_save = time.monotonic()
         if stop:
             self.checkpoints.finish()
             signal_name = self._preemption.signal_name if self._preemption is not None else None

@@ -75,20 +75,11 @@ class PreemptionWatch:
                 flush=True,
             )
 
-    def requested_flag(self, runtime: Runtime):
-        """Collective: a device tensor, 1 when any rank has been asked to stop. Left on the device: the trainer
-        reads it with the step's loss and gradient norm, in the step's one host synchronisation."""
-        import torch
-        import torch.distributed as dist
-
-        if self._rank is None:  # not attached yet: announce a signal received while the job started
+    def stop_requested(self, runtime: Runtime) -> bool:
+        """Whether this rank has been asked to stop (announcing a signal received while the job started)."""
+        if self._rank is None:  # not attached yet
             self.attach(runtime)
-
-        # Filled on the device: torch.tensor(value, device=cuda) would copy from host memory, a sync each step.
-        flag = torch.full((), float(self.signal_name is not None), device=runtime.device)
-        if runtime.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag
+        return self.signal_name is not None
 
     def hand_over(self) -> None:
         """Run the handler that watched for the received signal before this watch did, now that the checkpoint is

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llmtrain.config import CheckpointConfig
     from llmtrain.train.loop import Components
 
 
@@ -33,9 +35,20 @@ def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, ru
             f"data      {parts.data.description}",
             f"memory    {memory}",
             f"run dir   {run_dir}",
+            f"saves     {_saves(config.checkpoint, run_dir)}",
             *([f"resumed   from {resumed}"] if resumed else []),
         ]
     )
+
+
+def _saves(checkpoint: CheckpointConfig, run_dir: str) -> str:
+    """When and where checkpoints are written, the first clock one's time of day included."""
+    rules = [f"every {checkpoint.every} steps"] if checkpoint.every else []
+    if checkpoint.every_minutes:
+        first = time.strftime("%H:%M", time.localtime(time.time() + checkpoint.every_minutes * 60))
+        rules.append(f"every {checkpoint.every_minutes:g} min (the first by {first})")
+    where = checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    return ", ".join([*rules, "at the end and on a stop signal"]) + f", to {where}"
 
 
 def end_summary(
