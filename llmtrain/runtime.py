@@ -170,14 +170,28 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         if device.type == "cuda":  # each NCCL kernel's time in its record: the straggler check's waits
             os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend=process_group_backend(device),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            store=_attempt_store(rank, world_size, timeout) if RESTART_COUNT in os.environ else None,
         )
     return runtime
+
+
+# Set by torchrun's agent in its workers: how many times it has started them again.
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store with this attempt's keys under a prefix of their own. The store outlives the workers that
+    torchrun restarts: without the prefix a restarted rank can read the address its dead predecessor published and
+    gloo connects to nobody ("connectFullMesh failed ... Connection refused"), while its peer waits for it."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"llmtrain/attempt-{os.environ[RESTART_COUNT]}", store)
 
 
 def join_single_process_group(runtime: Runtime) -> None:

@@ -138,7 +138,8 @@ def stand_in(connection: socket.socket, request: dict) -> None:
         sys.exit("warm_python: the zygote closed the connection before the run ended")
     code = STATUS.unpack(status)[0]
     if os.WIFSIGNALED(code):  # end as the run did: killed by the same signal
-        signal.signal(os.WTERMSIG(code), signal.SIG_DFL)
+        if os.WTERMSIG(code) not in (signal.SIGKILL, signal.SIGSTOP):  # those two take no handler, nor need one
+            signal.signal(os.WTERMSIG(code), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(code))
     sys.exit(os.waitstatus_to_exitcode(code))
 
