@@ -22,11 +22,12 @@ def test_the_gpu_check_says_so_when_there_is_no_gpu():
 
 @pytest.mark.slow
 def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
-    """One row of each kind, as on a GPU: a training run and one compared with its reference, the step's host reads
-    and device syncs counted, ring attention's kernels against SDPA, a one-rank torchrun FSDP run with float8 and
-    its resume, an async checkpoint and its resume: each ok, the resumed steps within 1e-3 of the first run's."""
+    """One row of each kind, as on a GPU: a training run with its host reads and device syncs counted, ring
+    attention's kernels against SDPA, a one-rank torchrun FSDP run with float8, and its resume compared with it:
+    each ok, the resumed steps within 1e-3 of the first run's. (The other rows are these kinds with other
+    overrides; the async checkpoint's resume has its own tests in test_checkpoint.py.)"""
     out = tmp_path / "check.json"
-    rows_run = ["bf16", "host syncs", "ring kernels", "fsdp float8 save", "fsdp float8 resume", "async save", "resume"]
+    rows_run = ["host syncs", "ring kernels", "fsdp float8 save", "fsdp float8 resume"]
     done = _tool(
         "llmtrain.tools.gpu_check",
         *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--budget", "0", "--out", str(out)),
@@ -36,12 +37,11 @@ def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == sorted(rows_run)
     assert all(row["status"] == "ok" for row in rows.values()), rows
-    assert rows["resume"]["difference"] <= 1e-3 and rows["fsdp float8 resume"]["difference"] <= 1e-3
-    assert rows["bf16"]["final_loss"] < rows["bf16"]["first_loss"]
+    assert rows["fsdp float8 resume"]["difference"] <= 1e-3
+    assert rows["host syncs"]["final_loss"] < rows["host syncs"]["first_loss"]
     assert "host reads [1], device syncs [0]" in rows["host syncs"]["notes"][0]  # no CUDA here: nothing syncs
-    assert (
-        "bfloat16: output" in rows["ring kernels"]["notes"][0] and "float32: output" in rows["ring kernels"]["notes"][1]
-    )
+    notes = rows["ring kernels"]["notes"]
+    assert "bfloat16: output" in notes[0] and "float32: output" in notes[1]
     assert re.search(r"^fsdp float8 resume +\| ok ", done.stdout, re.MULTILINE)
 
 
