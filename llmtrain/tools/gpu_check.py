@@ -241,9 +241,7 @@ def run_check(check: Check, base: list[str], workdir: Path, timeout: float, devi
     )
     counts = {name: run_dir.with_name(f"{run_dir.name}.{name}") for name in ("host_reads", "device_syncs")}
     faults = " ".join(f"{name}={path}" for name, path in counts.items()) if check.counts_syncs else ""
-    row, output = _run(
-        check.name, [*launcher, str(REPO / "train.py"), *overrides], timeout, {"LLMTRAIN_FAULTS": faults}
-    )
+    row, _ = _run(check.name, [*launcher, str(REPO / "train.py"), *overrides], timeout, {"LLMTRAIN_FAULTS": faults})
     if row.status != "ok":
         return row
     fill_row(row, read_metrics(str(run_dir)))
@@ -271,7 +269,9 @@ def _run(name: str, command: list[str], timeout: float, env: dict[str, str]) -> 
     row = Row(name, seconds=time.monotonic() - started)
     if process.returncode != 0:
         row.status = f"FAIL (exit {process.returncode})"
-        row.notes.append(output.strip().splitlines()[-1] if output.strip() else "no output")
+        lines = output.strip().splitlines() or ["no output"]
+        # the run's own one-line error where there is one (torchrun ends its output with a box of its own)
+        row.notes.append(next((line for line in reversed(lines) if line.startswith("error:")), lines[-1]))
     return row, output
 
 
