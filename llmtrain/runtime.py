@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,23 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
             store=_attempt_store(rank, world_size, timeout) if RESTART_COUNT in os.environ else None,
         )
     return runtime
+
+
+def roll_call(runtime: Runtime, prefix: str, mine: str, seconds: float) -> dict[int, bytes]:
+    """Post `mine` under `prefix` to the job's store and read what the other ranks post within `seconds`: for a
+    rank whose collectives have failed or hang (the store is a separate connection). Rank -> its post, this rank's
+    included; {} when the store's host is gone too."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=seconds))
+        store.set(f"{prefix}/{runtime.rank}", mine)
+        keys = [f"{prefix}/{rank}" for rank in range(runtime.world_size)]
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.1)
+        return {rank: store.get(key) for rank, key in enumerate(keys) if store.check([key])}
+    except (RuntimeError, dist.DistStoreError):
+        return {}
 
 
 # Set by torchrun's agent in its workers: how many times it has started them again.

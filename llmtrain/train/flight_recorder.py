@@ -40,7 +40,8 @@ def group_of(entry: dict) -> str:
 def describe(entry: dict) -> str:
     """The collective, its number in its group, the group and how far it got: `nccl:all_reduce #12 group 0 started`
     (posted: on NCCL its device has not reached it; gloo tells no more)."""
-    state = "completed" if finished(entry) else {"scheduled": "posted"}.get(entry.get("state", "?"), entry["state"])
+    state = entry.get("state", "?")
+    state = "completed" if finished(entry) else {"scheduled": "posted"}.get(state, state)
     return f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')} group {group_of(entry)} {state}"
 
 

@@ -9,13 +9,11 @@ requeued (launch/slurm.sbatch) from the last complete checkpoint."""
 from __future__ import annotations
 
 import re
-import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from llmtrain.errors import PEER_LOST_EXIT, PeerLost
-from llmtrain.runtime import Runtime
+from llmtrain.runtime import Runtime, roll_call
 
 # What the backends say when the other end of a connection has gone.
 PEER_GONE = (
@@ -40,7 +38,7 @@ def is_peer_loss(error: BaseException) -> bool:
 def peer_lost(error: BaseException, runtime: Runtime) -> tuple[PeerLost, bool]:
     """PeerLost for this rank, naming the ranks that did not answer the roll call (none: every rank answered, the
     loss is a link's, or the store has gone too), and whether this rank says it: the lowest rank left does."""
-    answered = _roll_call(runtime)
+    answered = set(roll_call(runtime, STORE_PREFIX, "1", ROLL_CALL_SECONDS))
     gone = [rank for rank in range(runtime.world_size) if rank not in answered]
     who = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended" if gone else "a peer ended"
     lost = PeerLost(
@@ -48,21 +46,6 @@ def peer_lost(error: BaseException, runtime: Runtime) -> tuple[PeerLost, bool]:
         f"left exit {PEER_LOST_EXIT} to be restarted or requeued from the last complete checkpoint"
     )
     return lost, not answered or runtime.rank == min(answered)
-
-
-def _roll_call(runtime: Runtime) -> set[int]:
-    """The ranks that post themselves to the job's store within ROLL_CALL_SECONDS (this one included)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=ROLL_CALL_SECONDS))
-        store.set(f"{STORE_PREFIX}/{runtime.rank}", "1")
-        keys = [f"{STORE_PREFIX}/{rank}" for rank in range(runtime.world_size)]
-        deadline = time.monotonic() + ROLL_CALL_SECONDS
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(0.1)
-        return {rank for rank, key in enumerate(keys) if store.check([key])}
-    except (RuntimeError, dist.DistStoreError):  # the store's host has gone as well
-        return set()
 
 
 def _first_line(error: BaseException) -> str:

@@ -34,12 +34,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from llmtrain.errors import HUNG_EXIT
-from llmtrain.runtime import Runtime
+from llmtrain.runtime import Runtime, roll_call
 from llmtrain.train.flight_recorder import describe, flight_entries, flight_record, group_of, oldest_unfinished
 
 log = logging.getLogger("llmtrain")
@@ -250,23 +249,12 @@ class StepWatchdog:
 
     def _gather(self, here: Position) -> dict[int, Position]:
         """Post this rank's position and read the others' (those that post within GATHER_SECONDS)."""
-        positions = {here.rank: here}
         if not self.runtime.distributed:
-            return positions
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(timedelta(seconds=GATHER_SECONDS))
-            store.set(f"{STORE_PREFIX}/{here.rank}", here.encode())
-            deadline = time.monotonic() + GATHER_SECONDS
-            keys = [f"{STORE_PREFIX}/{rank}" for rank in range(self.runtime.world_size)]
-            while time.monotonic() < deadline and not store.check(keys):
-                time.sleep(0.2)
-            for rank, key in enumerate(keys):
-                if rank not in positions and store.check([key]):
-                    positions[rank] = Position.decode(store.get(key))
-        except (RuntimeError, dist.DistStoreError) as error:  # the store's host is gone: say what this rank knows
-            log.warning(f"rank {here.rank}: the job's store did not answer ({error}); naming only this rank")
-        return positions
+            return {here.rank: here}
+        posts = roll_call(self.runtime, STORE_PREFIX, here.encode(), GATHER_SECONDS)
+        if not posts:  # the store's host is gone: say what this rank knows
+            log.warning(f"rank {here.rank}: the job's store did not answer; naming only this rank")
+        return {**{rank: Position.decode(post) for rank, post in posts.items()}, here.rank: here}
 
 
 def describe_hang(positions: dict[int, Position], world_size: int, stalled: float, directory: str) -> str:
