@@ -350,6 +350,14 @@ class ParallelConfig:
         at_least(1),
         "workers `train.py` starts itself when not launched by torchrun or srun (ignored under them)",
     )
+    max_restarts: int = key(
+        0,
+        at_least(0),
+        "times `train.py` starts its workers again (all of them, resuming from the last complete checkpoint into the "
+        "same run directory) after one crashed, was killed, hung or lost a peer; a stop signal, bad input or a "
+        "diverged run ends the job at once. With `parallel.nproc=1` too: one worker. Under torchrun: "
+        "`--max-restarts` ([slurm.md](slurm.md))",
+    )
     reshard_after_forward: bool = key(
         True,
         Flag(),

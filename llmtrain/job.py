@@ -32,6 +32,7 @@ from llmtrain.config import RootConfig, WandbConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
+from llmtrain.launch_env import launch_rank
 from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
 from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.mesh import RankMesh
@@ -39,7 +40,7 @@ from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.plan import ParallelPlan, plan_command, with_layouts_that_run
 from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
-from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.runtime import Runtime, ended_on_purpose, init_runtime, record_end_on_purpose
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import Components, LoopState, Trainer
@@ -87,9 +88,10 @@ def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
     config = cast(RootConfig, OmegaConf.to_object(cfg))  # typed from here on, each section handed to what uses it
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        if config.parallel.nproc > 1 and not launched_externally():
+        if (config.parallel.nproc > 1 or config.parallel.max_restarts) and not launched_externally():
             _run_workers(config, preemption, entry_point, run_dir)
             return
+        _leave_if_ended_on_purpose()
         runtime = init_runtime(config.train.device)
         preemption.attach(runtime)
     except ConfigError as error:
@@ -107,21 +109,41 @@ def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
                 runtime.rank, where, runtime.device, config.train.micro_batch_size, _plan(runtime)
             ) from error
     except RunError as error:
-        if isinstance(error, ConfigError):
-            error = with_layouts_that_run(error, list(HydraConfig.get().overrides.task), runtime.world_size)
-        if isinstance(error, ConfigError) and runtime.is_main:
-            remove_if_empty_run(run_dir)
-        preempted = isinstance(error, Preempted)
-
-        def shut_down(synchronize: bool) -> None:
-            runtime.shutdown(synchronize=synchronize)
-            if preempted:
-                preemption.hand_over()  # e.g. submitit's handler, which requeues the job
-
-        exit_for(error, runtime.is_main, shut_down)
+        _end_on_purpose(error, runtime, run_dir, preemption)
     except BaseException as error:
         _end_after(error, runtime)
     runtime.shutdown(synchronize=True)
+
+
+def _end_on_purpose(error: RunError, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> NoReturn:
+    """A run that cannot go on, for a reason every restart would meet again (README: exit codes): its one line and
+    exit code, recorded for a launcher's restarts too."""
+    if isinstance(error, ConfigError):
+        error = with_layouts_that_run(error, list(HydraConfig.get().overrides.task), runtime.world_size)
+    if isinstance(error, ConfigError) and runtime.is_main:
+        remove_if_empty_run(run_dir)
+    if runtime.is_main or not error.main_rank_speaks:
+        record_end_on_purpose(runtime, error.exit_code, str(error))
+    preempted = isinstance(error, Preempted)
+
+    def shut_down(synchronize: bool) -> None:
+        runtime.shutdown(synchronize=synchronize)
+        if preempted:
+            preemption.hand_over()  # e.g. submitit's handler, which requeues the job
+
+    exit_for(error, runtime.is_main, shut_down)
+
+
+def _leave_if_ended_on_purpose() -> None:
+    """A worker restarted after the run had ended on purpose (a stop signal, bad input, divergence) leaves with
+    that run's exit code: only a crash, a hang or a lost peer is trained on from the last checkpoint."""
+    ended = ended_on_purpose()
+    if ended is None:
+        return
+    code, line = ended
+    if launch_rank() == 0:
+        print(f"llmtrain: not restarted, as the run had ended on purpose (exit {code}): {line}", file=sys.stderr)
+    sys.exit(code)
 
 
 def _end_after(error: BaseException, runtime: Runtime) -> NoReturn:
@@ -135,11 +157,12 @@ def _end_after(error: BaseException, runtime: Runtime) -> NoReturn:
 
 
 def _run_workers(config: RootConfig, preemption: PreemptionWatch, entry_point: str, run_dir: str) -> None:
-    """This node's parallel.nproc workers, each running `entry_point` with this command line; exits with the first
-    failing worker's code."""
+    """This node's parallel.nproc workers, each running `entry_point` with this command line and restarted up to
+    parallel.max_restarts times; exits with the first failing worker's code."""
     code = spawn_workers(
         entry_point,
         config.parallel.nproc,
+        config.parallel.max_restarts,
         list(HydraConfig.get().overrides.task),
         run_dir,
         *_wandb_identity(config.logging.wandb, run_dir),

@@ -208,8 +208,48 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     """torchrun's store with this attempt's keys under a prefix of their own. The store outlives the workers that
     torchrun restarts: without the prefix a restarted rank can read the address its dead predecessor published and
     gloo connects to nobody ("connectFullMesh failed ... Connection refused"), while its peer waits for it."""
+    return dist.PrefixStore(f"llmtrain/attempt-{os.environ[RESTART_COUNT]}", _agent_store(rank, world_size, timeout))
+
+
+def _agent_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """A connection to the store of the elastic agent (torchrun's, or the one parallel.nproc runs) that started
+    this worker: it lives as long as the agent, across the workers it restarts."""
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    return dist.PrefixStore(f"llmtrain/attempt-{os.environ[RESTART_COUNT]}", store)
+    return store
+
+
+# In the agent's store: why the workers ended on purpose, for the workers it would start again.
+_ENDED_ON_PURPOSE = "llmtrain/ended-on-purpose"
+
+
+def record_end_on_purpose(runtime: Runtime, exit_code: int, line: str) -> None:
+    """Under an agent that restarts its workers (torchrun --max-restarts, parallel.max_restarts): say that the run
+    ended on purpose (stopped and saved, bad input, diverged), so that a restart leaves with the same code instead
+    of training on past a stop signal or failing the same way again. The record ends with the agent: a requeued
+    job starts without it."""
+    if RESTART_COUNT not in os.environ:
+        return
+    try:
+        store = _agent_store(runtime.rank, runtime.world_size, datetime.timedelta(seconds=10))
+        store.set(_ENDED_ON_PURPOSE, f"{exit_code} {line}")
+    except (RuntimeError, ValueError, dist.DistStoreError) as error:  # the agent is gone: no restart to tell
+        logging.getLogger("llmtrain").warning("could not tell the launcher the run ended on purpose: %s", error)
+
+
+def ended_on_purpose() -> tuple[int, str] | None:
+    """In a worker an agent started again: the exit code and line of a run that had ended on purpose
+    (record_end_on_purpose), which this attempt leaves with at once; None for a restart after a failure."""
+    if int(os.environ.get(RESTART_COUNT, "0")) == 0:
+        return None
+    rank, world_size, _, _ = launch_coordinates()
+    try:
+        store = _agent_store(rank, world_size, datetime.timedelta(seconds=30))
+        if not store.check([_ENDED_ON_PURPOSE]):
+            return None
+        code, _, line = store.get(_ENDED_ON_PURPOSE).decode().partition(" ")
+    except (RuntimeError, ValueError, dist.DistStoreError):
+        return None
+    return int(code), line
 
 
 def join_single_process_group(runtime: Runtime) -> None:

@@ -14,6 +14,11 @@ code (75) to reach the batch script: here the node's exit code is its first fail
 Preemption signals (SIGTERM, SIGUSR1, SIGUSR2) sent to this parent are forwarded to the workers, which save a
 checkpoint at their next step boundary and exit 75; the parent outlives the signal and waits for them. (torchrun
 would kill its workers 30 s after a SIGTERM, and dies of a SIGUSR1.)
+
+With `parallel.max_restarts=N` the agent starts all of this node's workers again after one fails (its rendezvous
+brings the other nodes' along), as torchrun's `--max-restarts` does; they resume from the last complete
+checkpoint. A run that ended on purpose (a stop signal, bad input, divergence) is not restarted into training:
+the restarted workers find the end in the agent's store and leave with its code (runtime.ended_on_purpose).
 """
 
 from __future__ import annotations
@@ -82,15 +87,17 @@ KILLED_HINT = (
 def spawn_workers(
     entry_point: str,
     nproc: int,
+    max_restarts: int,
     overrides: list[str],
     run_dir: str,
     wandb_name: str,
     wandb_group: str | None,
     preemption: PreemptionWatch,
 ) -> int:
-    """Run `entry_point` (train.py) in `nproc` workers on this node (and as many on every other node of the step);
-    returns the exit code to leave with: the first failed worker's, 0 when all succeed. A preemption signal
-    forwarded to the workers is recorded in `preemption`."""
+    """Run `entry_point` (train.py) in `nproc` workers on this node (and as many on every other node of the step),
+    starting them all again up to `max_restarts` times after a failure; returns the exit code to leave with: the
+    last attempt's first failed worker's, 0 when all succeed. A preemption signal forwarded to the workers is
+    recorded in `preemption`."""
     nodes = job_nodes(nproc)
     pinned = [f"hydra.run.dir={_quoted(run_dir)}", f"logging.wandb.name={_quoted(wandb_name)}"]
     if wandb_group is not None:
@@ -105,7 +112,7 @@ def spawn_workers(
         run_id=nodes.run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=nodes.rendezvous,
-        max_restarts=0,
+        max_restarts=max_restarts,
         signals_to_handle=AGENT_SIGNALS,
     )
     try:

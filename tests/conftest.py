@@ -281,11 +281,14 @@ def train_command(
     return args, full_env, run_dir
 
 
-def run_train(workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 480, **options) -> Run:
+def run_train(
+    workdir: Path, cache_dir: Path, *overrides: str, timeout: float = 480, ranks: int | None = None, **options
+) -> Run:
     """The run, or (past `timeout`, before pytest's own limit) a failure showing where each process waited: a
-    hang is aborted with SIGABRT, on which Python's fault handler prints every thread's stack."""
+    hang is aborted with SIGABRT, on which Python's fault handler prints every thread's stack. `ranks`: the
+    processes it runs, where train.py starts them (parallel.nproc), not torchrun."""
     args, env, run_dir = train_command(workdir, cache_dir, *overrides, **options)
-    with rank_slots(options.get("nproc", 0)):
+    with rank_slots(options.get("nproc", 0) if ranks is None else ranks):
         process = subprocess.Popen(
             args,
             cwd=workdir,
@@ -490,10 +493,13 @@ def assert_console_quiet(run: Run) -> None:
     assert noisy == [], noisy[:5]
 
 
-def start_run(tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str):
-    """The run in the background, its output in files beside its run directory (a pipe could fill and block)."""
+def start_run(
+    tmp_path: Path, cache_dir: Path, *overrides: str, nproc: int, env: dict, name: str, ranks: int | None = None
+):
+    """The run in the background, its output in files beside its run directory (a pipe could fill and block);
+    `ranks` as for run_train."""
     args, full_env, run_dir = train_command(tmp_path, cache_dir, *overrides, nproc=nproc, env=env, name=name)
-    claim = claim_ranks(nproc)
+    claim = claim_ranks(nproc if ranks is None else ranks)
     with open(tmp_path / f"{name}.stdout", "w") as out, open(tmp_path / f"{name}.stderr", "w") as err:
         process = subprocess.Popen(args, cwd=tmp_path, env=full_env, stdout=out, stderr=err)
     if claim is not None:  # held until the run ends

@@ -11,24 +11,34 @@ from llmtrain.checkpoint.manager import complete_checkpoints, read_meta
 from llmtrain.errors import PEER_LOST_EXIT
 from llmtrain.faults import arm
 
+# The two launchers that restart their workers: torchrun's --max-restarts and train.py's own (parallel.nproc).
+RESTARTING = {
+    "torchrun": {"nproc": 2, "restarts": 1},
+    "train.py": {"overrides": ("parallel.nproc=2", "parallel.max_restarts=1"), "ranks": 2},
+}
+
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_run_is_named_and_torchrun_restarts_the_job_from_its_checkpoint(
-    tmp_path, cache_dir, layout_run
+@pytest.mark.parametrize("launcher", list(RESTARTING))
+def test_a_rank_killed_mid_run_is_named_and_the_launcher_restarts_the_job_from_its_checkpoint(
+    tmp_path, cache_dir, layout_run, launcher
 ):
     """Rank 1 kills itself as step 5 starts (once); rank 0 fails in the step's first collective and
-    says, in one line, that rank 1 ended and that it exits 77. torchrun (--max-restarts=1) starts both again; they
-    resume from step 4's checkpoint and end as the uninterrupted 2-rank ddp run does, to the bit."""
+    says, in one line, that rank 1 ended and that it exits 77. The launcher (torchrun --max-restarts=1, or train.py
+    with parallel.max_restarts=1) starts both again; they resume from step 4's checkpoint and end as the
+    uninterrupted 2-rank ddp run does, to the bit."""
+    options = dict(RESTARTING[launcher])
     run = run_train(
         tmp_path,
         cache_dir,
         *PARITY,
         "parallel=ddp",
         "checkpoint.every=2",
-        nproc=2,
-        restarts=1,
+        *options.pop("overrides", ()),
         env=arm(kill_at_step="5", kill_on_rank="1", kill_marker=str(tmp_path / "killed-once")),
+        **options,
     )
+    assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
     lines = [line for line in output.splitlines() if "ended mid-run" in line]
     assert len(lines) == 1, output[-3000:]
