@@ -791,6 +791,23 @@ class EvaluateRootConfig(RootConfig):
     )
 
 
+@dataclass
+class DryRunConfig:
+    world_size: int = key(8, at_least(1), "the job's ranks, e.g. 1024: one process stands in for one of them")
+    rank: int = key(0, at_least(0), "which rank to be (its pipeline stage, its place in the mesh); below world_size")
+    steps: int = key(
+        2, at_least(2), "training steps to run; the last is measured (the first also allocates optimizer state)"
+    )
+    output: Optional[str] = key(None, Text(), "also write what was measured and planned as JSON to this file")
+
+
+@dataclass
+class DryRunRootConfig(RootConfig):
+    """`python -m llmtrain.tools.dry_run`: training's keys and the job the one process stands in for."""
+
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
+
+
 def evaluation_keys() -> set[str]:
     """The keys `python -m llmtrain.evaluate` adds to training's."""
     return {f.name for f in dataclasses.fields(EvaluateRootConfig)} - {f.name for f in dataclasses.fields(RootConfig)}
@@ -800,6 +817,7 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=RootConfig)
     ConfigStore.instance().store(name="evaluate_schema", node=EvaluateRootConfig)
     ConfigStore.instance().store(name="prepare_schema", node=PrepareRootConfig)
+    ConfigStore.instance().store(name="dry_run_schema", node=DryRunRootConfig)
     register_resolvers()
     if not OmegaConf.has_resolver("llmtrain_keys"):  # `--help`: ${llmtrain_keys:train} in conf/hydra/help/
         OmegaConf.register_new_resolver("llmtrain_keys", _keys_help)

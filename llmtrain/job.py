@@ -33,7 +33,15 @@ from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scal
 from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.launch_env import launch_rank
-from llmtrain.model import GPT, flops_per_token, initial_weights, meta_model, num_parameters
+from llmtrain.model import (
+    GPT,
+    Materializer,
+    flops_per_token,
+    initial_weights,
+    materialize,
+    meta_model,
+    num_parameters,
+)
 from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.parallel_model import ParallelModel
@@ -212,9 +220,11 @@ def _plan(runtime: Runtime) -> str:
     return plan_command(list(HydraConfig.get().overrides.task), runtime.world_size)
 
 
-def build_parallel_model(config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int) -> ParallelModel:
+def build_parallel_model(
+    config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int, materializer: Materializer = materialize
+) -> ParallelModel:
     """The model of `config` laid out on this rank with its optimizer, as training builds it (for tools and tests
-    that run steps of their own)."""
+    that run steps of their own; a dry run allocates it with a `materializer` of its own)."""
     if isinstance(config, DictConfig):
         config = cast(RootConfig, OmegaConf.to_object(config))
     plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
@@ -224,13 +234,21 @@ def build_parallel_model(config: RootConfig | DictConfig, runtime: Runtime, voca
         RankMesh.of(plan, runtime),
         runtime,
         meta_model(config.model, vocab_size, config.train.activation_checkpointing),
+        materializer,
     )
 
 
-def _laid_out(config: RootConfig, plan: ParallelPlan, mesh: RankMesh, runtime: Runtime, meta: GPT) -> ParallelModel:
+def _laid_out(
+    config: RootConfig,
+    plan: ParallelPlan,
+    mesh: RankMesh,
+    runtime: Runtime,
+    meta: GPT,
+    materializer: Materializer = materialize,
+) -> ParallelModel:
     """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
     init = initial_weights(config.model, meta, config.seed)
-    return ParallelModel(plan, mesh, runtime, meta, init, config.optim)
+    return ParallelModel(plan, mesh, runtime, meta, init, config.optim, materializer)
 
 
 def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:

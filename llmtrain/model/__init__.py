@@ -17,7 +17,7 @@ from llmtrain.model.gpt import (
     num_parameters,
     seeded_init,
 )
-from llmtrain.model.materialize import ParameterInit, materialize
+from llmtrain.model.materialize import Materializer, ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
 from llmtrain.model.rope import RopeScaling
 
@@ -88,6 +88,7 @@ __all__ = [
     "LayeredModel",
     "GPT",
     "GPTConfig",
+    "Materializer",
     "ParameterInit",
     "auxiliary_loss_scale",
     "build_model",

@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 ParameterInit = Callable[[str, torch.Tensor], None]
+# How a laid-out meta model gets its memory and values: `materialize`, or a dry run's fake allocation.
+Materializer = Callable[[nn.Module, torch.device, ParameterInit], None]
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -57,8 +59,14 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
 
 def allocate(model: nn.Module, device: torch.device) -> None:
     """Give `model`'s parameters (only this rank's shards, for a sharded layout) uninitialised memory on `device`,
-    keeping tied parameters tied."""
+    keeping tied parameters tied. The second name of a tied pair is taken off before the move and set again after
+    it: the move of a tensor subclass (a dry run's fake tensors) swaps each parameter in place, which a parameter
+    held under two names refuses."""
     tied = tied_groups(model)
+    for _, *others in tied:
+        for name in others:
+            module_name, _, attribute = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[attribute] = None
     model.to_empty(device=device)
     retie(model, tied)
 

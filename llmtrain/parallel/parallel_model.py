@@ -19,7 +19,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
-from llmtrain.model import LayeredModel, ParameterInit, auxiliary_loss_scale, cross_entropy_loss, materialize
+from llmtrain.model import (
+    LayeredModel,
+    Materializer,
+    ParameterInit,
+    auxiliary_loss_scale,
+    cross_entropy_loss,
+    materialize,
+)
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.data_parallel import DataParallel
@@ -61,6 +68,7 @@ class ParallelModel:
         model: LayeredModel,
         init: ParameterInit,
         optim: OptimConfig,
+        materializer: Materializer = materialize,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
         steps = layout_steps(plan, mesh, runtime.device)
@@ -71,10 +79,10 @@ class ParallelModel:
         if plan.pipelined:  # imported only where a run pipelines: torch's pipelining costs a process ~0.7 s
             from llmtrain.parallel.pipeline.pipeline import Pipeline
 
-            self._pipeline = Pipeline(plan, mesh, runtime, model, steps, init_device, init)
+            self._pipeline = Pipeline(plan, mesh, runtime, model, steps, init_device, init, materializer)
         if self._pipeline is None:
             apply_layout(model, steps)
-            materialize(model, init_device, init)
+            materializer(model, init_device, init)
         self.module = self._data_parallel.wrap(model if self._pipeline is None else self._pipeline.part)
         bf16 = uses_bf16(plan.train.precision, runtime.device)
         # Muon's Newton-Schulz runs in the run's compute precision.

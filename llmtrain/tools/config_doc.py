@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import (
     CONF_DIR,
+    DryRunRootConfig,
     EvaluateRootConfig,
     PrepareRootConfig,
     RootConfig,
@@ -94,7 +95,9 @@ def render() -> str:
         train = OmegaConf.to_container(compose("train"), resolve=False)
         prepare = OmegaConf.to_container(compose("prepare"), resolve=False)
         evaluate = OmegaConf.to_container(compose("evaluate"), resolve=False)
+        dry_run = OmegaConf.to_container(compose("dry_run"), resolve=False)
     assert isinstance(train, dict) and isinstance(prepare, dict) and isinstance(evaluate, dict)
+    assert isinstance(dry_run, dict)
     defaults = {"model": train["model"]["name"], "data": train["data"]["source"], "parallel": "single"}
     defaults.update(optim="adamw", logging="default", hardware=train["hardware"]["name"])
     lines = [INTRO, "", "## Groups", "", "`python train.py group=option`:", "", *_groups_table(defaults), ""]
@@ -111,6 +114,8 @@ def render() -> str:
         "Training's keys lay the model out (the model is the checkpoint's);",
     ]
     lines += ["its own:", "", *_keys_table(EvaluateRootConfig, evaluate, evaluation_keys().__contains__), ""]
+    lines += ["## `python -m llmtrain.tools.dry_run`", "", "Training's keys, and the job it stands in for:", ""]
+    lines += [*_keys_table(DryRunRootConfig, dry_run, _starts("dry_run.")), ""]
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, Materializer, ParameterInit, cross_entropy_loss, materialize
 from llmtrain.parallel.family import family_of
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
 from llmtrain.parallel.mesh import RankMesh
@@ -53,6 +53,7 @@ class Pipeline:
         steps: LayoutSteps,
         init_device: torch.device,
         init: ParameterInit,
+        materializer: Materializer = materialize,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
         self.spec = schedule_spec(plan.parallel.pp_schedule)
@@ -61,14 +62,19 @@ class Pipeline:
         self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(self.rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline(runtime.device)
-        self.part, self.stages = self._cut(model, steps, init_device, init)
+        self.part, self.stages = self._cut(model, steps, init_device, init, materializer)
         self.tied_parameters = self.part.tied_parameters
         self.tied_group = self._tied_embedding_group()
         self.schedule = self._build_schedule()
 
     # -- construction ---------------------------------------------------------------------------------------
     def _cut(
-        self, model: LayeredModel, steps: LayoutSteps, init_device: torch.device, init: ParameterInit
+        self,
+        model: LayeredModel,
+        steps: LayoutSteps,
+        init_device: torch.device,
+        init: ParameterInit,
+        materializer: Materializer,
     ) -> tuple[LayeredModel, list[LayeredModel]]:
         """This rank's part of `model` (on the meta device), then each of its stages laid out (tensor / data
         parallelism) and allocated."""
@@ -86,7 +92,7 @@ class Pipeline:
             view = family.stage_view(part, layers[stage], stage == 0, stage == last)
             apply_layout(view, steps)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
-            materialize(view, init_device, init)
+            materializer(view, init_device, init)
             stages.append(view)
         return part, stages
 

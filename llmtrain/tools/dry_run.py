@@ -1,0 +1,374 @@
+"""`python -m llmtrain.tools.dry_run <training overrides> dry_run.world_size=N [dry_run.rank=r]`: check a cluster
+layout on one CPU before the queue does. Examples:
+
+    python -m llmtrain.tools.dry_run parallel=fsdp model=gpt2 dry_run.world_size=64
+    python -m llmtrain.tools.dry_run parallel=fsdp_tp parallel.tp=8 model=llama3.2-1b model.n_layer=80 \\
+        model.d_model=8192 model.n_head=64 model.n_kv_head=8 model.d_ff=28672 train.seq_len=4096 \\
+        train.batch_size=1024 train.micro_batch_size=1 dry_run.world_size=1024 dry_run.rank=517
+
+One process stands in for rank r of an N-rank job. It joins a fake process group of N ranks (torch's `fake`
+backend: every collective returns at once), lays the model out with training's own code (ParallelModel: the
+mesh, FSDP2, DTensor tensor parallelism, the optimizer), allocates its parameters as fake tensors (shapes, dtypes
+and devices, no memory) and runs `dry_run.steps` training steps: forward, backward, clipping, optimizer. The last
+step is measured: the rank's peak memory by kind (LiveMemory below) and every collective it issues, beside
+what the planner predicts for the same layout. A layout that would crash (a shape that does not split, a dtype
+mix) ends in one line naming the module and the error, exit 2.
+
+What it does not do yet, and why: the tensors are fake CPU tensors under the CUDA run's precision policy
+(`train.precision=auto` becomes bf16), not fake CUDA ones: on a CPU-only build of torch, Python's tensor indexing
+asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp, ddp_tp) is C++ that reads tensor
+memory, and torch's pipelining decides its shape exchange from a tensor's value (`.item()`), which fake tensors do
+not have: those layouts are refused, as is a mixture of experts (its routing sizes depend on values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+import weakref
+from collections import Counter
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from llmtrain.config import (
+    DryRunConfig,
+    DryRunRootConfig,
+    RootConfig,
+    check_domains,
+    keys_help,
+    register_schemas,
+    validate,
+)
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
+from llmtrain.job import build_parallel_model
+from llmtrain.launch_env import ranks_per_node
+from llmtrain.model import ParameterInit
+from llmtrain.model.materialize import allocate
+from llmtrain.parallel.parallel_model import ParallelModel
+from llmtrain.plan import ParallelPlan, check_layout
+from llmtrain.planner.candidates import describe_layout
+from llmtrain.planner.cost import layout_cost
+from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.runtime import Runtime
+from llmtrain.train.report import write_json_atomic
+
+MIB, GIB = 2**20, 2**30
+# The layouts whose data parallelism is DDP's C++ reducer, which reads tensor memory (catalog names).
+_DDP_LAYOUTS = ("ddp", "ddp_tp")
+
+
+def _composed(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.config import CONF_DIR
+    from llmtrain.entry import composition_error_line
+
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose("dry_run", overrides=overrides)
+    except Exception as error:
+        raise ConfigError(composition_error_line(error, DryRunRootConfig)) from None
+
+
+def _checked(cfg, overrides: list[str]) -> DryRunRootConfig:
+    """The config as train.py would run it on dry_run.world_size ranks, with the CUDA run's precision."""
+    check_domains(cfg, DryRunRootConfig)
+    validate(OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RootConfig)]))  # training's rules
+    config = cast(DryRunRootConfig, OmegaConf.to_object(cfg))
+    world, rank = config.dry_run.world_size, config.dry_run.rank
+    if rank >= world:
+        raise ConfigError(f"dry_run.rank={rank} is not a rank of dry_run.world_size={world}: set it below {world}")
+    check_layout(config, [o for o in overrides if not o.startswith("dry_run.")], world)
+    if config.train.precision == "auto":  # what `auto` is on CUDA, the run this one stands in for
+        config.train.precision = "bf16"
+    return config
+
+
+def _refuse_what_fake_tensors_cannot_run(plan: ParallelPlan, config: DryRunRootConfig) -> None:
+    if plan.name in _DDP_LAYOUTS:
+        raise ConfigError(
+            f"parallel={plan.name} cannot be dry-run: DDP's reducer reads tensor memory, which fake tensors do not "
+            f"have; dry-run parallel=zero1 (the same model states and traffic but a sharded optimizer) instead"
+        )
+    if plan.pipelined:
+        raise ConfigError(
+            f"parallel={plan.name} cannot be dry-run yet: torch's pipelining agrees on its shape exchange from a "
+            f"tensor's value, which fake tensors do not have; dry-run the layout without pp"
+        )
+    if config.model.moe.num_experts > 1:
+        raise ConfigError(
+            "a mixture of experts cannot be dry-run yet: how many tokens each expert gets is a value, which fake "
+            "tensors do not have; dry-run its dense counterpart (model.moe.num_experts=1)"
+        )
+
+
+class CollectiveTally(TorchDispatchMode):
+    """Every collective this rank issues, by op: calls and bytes as nccl-tests counts them (all_gather the gathered
+    output, reduce_scatter the unreduced input, all_reduce and broadcast the tensor, all_to_all the send buffer),
+    read from the op's tensor arguments: the largest one, times the group for a functional all-gather, whose output
+    is not an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier", "monitored_barrier"):
+            op = _op_name(name)
+            sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            nbytes = max(sizes, default=0)
+            if namespace == "_c10d_functional" and op == "all_gather":
+                nbytes *= args[1]  # (input, group_size, group_name)
+            self.calls[op] += 1
+            self.bytes[op] += nbytes
+        return func(*args, **(kwargs or {}))
+
+
+def _op_name(name: str) -> str:
+    """A c10d op's name as the planner's traffic names it (allgather_, _allgather_base_, all_gather_into_tensor ->
+    all_gather)."""
+    bare = name.strip("_").replace("_coalesced", "").replace("_base", "").replace("_into_tensor", "")
+    bare = bare.replace("_tensor", "")
+    return {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(bare, bare)
+
+
+class _ModuleTrail:
+    """The module each forward is in (forward pre- and post-hooks on every submodule), for naming where a layout
+    failed."""
+
+    def __init__(self, module: nn.Module):
+        self.stack: list[str] = []
+        self.hooks = []
+        for name, sub in module.named_modules():
+            self.hooks.append(sub.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
+            self.hooks.append(sub.register_forward_hook(lambda *_: self._leave()))
+
+    def _enter(self, name: str) -> None:
+        self.stack.append(name)
+
+    def _leave(self) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def where(self) -> str:
+        return self.stack[-1] if self.stack and self.stack[-1] else "the model's top level"
+
+
+def fake_materializer(fake: FakeTensorMode):
+    """Parameters allocated as fake tensors of `fake`, without values (a dry run's steps read none)."""
+
+    def allocate_fake(model: nn.Module, device: torch.device, init: ParameterInit) -> None:
+        with fake:
+            allocate(model, device)
+
+    return allocate_fake
+
+
+def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
+    """Build the layout as rank dry_run.rank of dry_run.world_size and run its steps; what the last one held and
+    sent, and the planner's prediction."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, rank = config.dry_run.world_size, config.dry_run.rank
+    plan = ParallelPlan.of(config.parallel, config.train, config.model, world)
+    _refuse_what_fake_tensors_cannot_run(plan, config)
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        runtime = Runtime(rank, world, rank % ranks_per_node(), torch.device("cpu"), "dry-run")
+        vocab_size = config.model.vocab_size or 50304
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        model = build_parallel_model(config, runtime, vocab_size, materializer=fake_materializer(fake))
+        measured = _steps(model, plan, config, vocab_size, fake)
+    finally:
+        dist.destroy_process_group()
+    measured["seconds"] = time.perf_counter() - started
+    measured["planned"] = _planned(config, plan, model, vocab_size)
+    measured["layout"] = model.plan.describe()
+    measured["precision"] = model.precision_description
+    return measured
+
+
+class LiveMemory(TorchDispatchMode):
+    """The bytes of the tensors alive on this rank and their high-water mark, by kind: every op's outputs counted
+    once per storage until it is freed, storages resized in place (FSDP2 frees and refills its gathered
+    parameters that way) followed through `UntypedStorage.resize_`. At the peak, each live storage is a
+    parameter (this rank's shard), a gradient or optimizer state when the model and optimizer hold it, else an
+    activation or temporary (gathered parameters, saved activations, communication buffers). The peak's kinds are
+    read again whenever it has grown by `regrain` since they were last read."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, regrain: float = 0.005):
+        super().__init__()
+        self.regrain = regrain
+        # This rank's shards, taken before a step: FSDP2 puts gathered parameters in their place while it runs.
+        self.parameters = list(module.parameters())
+        state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
+        self.live: dict[int, int] = {}
+        self.total = self.peak = 0
+        self.peak_kinds: dict[str, int] = {}
+        self._kinds_at = 0
+        self._resize = torch.UntypedStorage.resize_
+        self._parameter_keys = {_storage(p)._cdata for p in self.parameters}
+        self._state_keys = {_storage(t)._cdata for t in state} - self._parameter_keys
+        for tensor in [*self.parameters, *module.buffers(), *state]:
+            self._add(_storage(tensor))
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.live:
+            return
+        self.live[key] = 0
+        weakref.finalize(storage, self._free, key)
+        self._resized(key, storage.nbytes())
+
+    def _free(self, key: int) -> None:
+        self.total -= self.live.pop(key, 0)
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        self.total += nbytes - self.live[key]
+        self.live[key] = nbytes
+        if self.total > self.peak:
+            self.peak = self.total
+            if self.peak > self._kinds_at * (1 + self.regrain):
+                self._read_kinds()
+
+    def _read_kinds(self) -> None:
+        self._kinds_at = self.peak
+        live = self.live.keys()
+        grads = {_storage(p.grad)._cdata for p in self.parameters if p.grad is not None} - self._parameter_keys
+        kinds = {
+            "parameters": self._parameter_keys & live,
+            "gradients": grads & live,
+            "optimizer state": self._state_keys - grads & live,
+        }
+        self.peak_kinds = {kind: sum(self.live[key] for key in keys) for kind, keys in kinds.items()}
+        self.peak_kinds["activations and temporaries"] = self.total - sum(self.peak_kinds.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            # A DTensor's own storage stands for its global shape: its local tensor is counted by the local op
+            # that made it. Meta tensors are DTensor's shape arithmetic.
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor) and tensor.device.type != "meta":
+                self._add(tensor.untyped_storage())
+        return out
+
+    def __enter__(self):
+        memory = self
+
+        def resize(storage: torch.UntypedStorage, size: int):
+            result = memory._resize(storage, size)
+            memory._add(storage)  # one allocated before the step (FSDP2's gathered parameters): counted from now
+            memory._resized(storage._cdata, storage.nbytes())
+            return result
+
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage of a tensor, or of a DTensor's local part (read without dispatching an op)."""
+    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+
+def _steps(
+    model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig, vocab_size: int, fake: FakeTensorMode
+) -> dict[str, Any]:
+    size, count = plan.micro_batching()
+    trail = _ModuleTrail(model.module)
+    tally = CollectiveTally()
+    with fake:
+        tokens = torch.zeros((size * count, config.train.seq_len + 1), dtype=torch.long)
+        micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)]
+        for step in range(config.dry_run.steps):
+            last = step == config.dry_run.steps - 1  # optimizer state exists from the first step on
+            memory = LiveMemory(model.module, model.optimizer) if last else contextlib.nullcontext()
+            with memory, tally if last else contextlib.nullcontext():
+                try:
+                    model.forward_backward(micro_batches)
+                    model.clip_grad_norm(config.optim.grad_clip)
+                    model.optimizer.step()
+                    model.optimizer.zero_grad(set_to_none=True)
+                except Exception as error:
+                    raise ConfigError(
+                        f"the layout fails on rank {config.dry_run.rank} in {trail.where()}: {first_line(error)}"
+                    ) from error
+    assert isinstance(memory, LiveMemory)
+    return {"peak": memory.peak, "kinds": memory.peak_kinds, "calls": dict(tally.calls), "bytes": dict(tally.bytes)}
+
+
+def _planned(config: DryRunRootConfig, plan: ParallelPlan, model: ParallelModel, vocab_size: int) -> dict[str, Any]:
+    """The planner's numbers for this rank, with the sizes llmtrain holds (as llmtrain.bench.layout_memory)."""
+    world = config.dry_run.world_size
+    candidate = describe_layout(config.parallel, world)
+    machine = machine_for(config, world, min(ranks_per_node(), world), bf16=True)
+    cost = layout_cost(candidate, workload_for(config, vocab_size, llmtrain_state_bytes(config, True)), machine)
+    memory, traffic = cost.ranks[0], cost.traffic[0]
+    return {
+        "parameters": memory.parameters,
+        "gradients": memory.gradients,
+        "optimizer state": memory.optimizer,
+        "activations and temporaries": memory.activations + memory.gathered,
+        "bytes": dict(traffic.bytes),
+        "calls": dict(traffic.calls),
+    }
+
+
+def report(result: dict[str, Any], config: DryRunRootConfig) -> str:
+    d = config.dry_run
+    unit, scale = ("GiB", GIB) if result["peak"] >= GIB else ("MiB", MIB)
+    planned = result["planned"]
+    lines = [
+        f"dry run   rank {d.rank} of {d.world_size}: {result['layout']}; {result['precision']}; "
+        f"{d.steps} steps in {result['seconds']:.1f} s (fake tensors, fake process group)",
+        "",
+        f"{f'memory at the step peak ({unit})':32}{'measured':>10}{'planned':>10}",
+    ]
+    for kind, nbytes in result["kinds"].items():
+        lines.append(f"  {kind:30}{nbytes / scale:10.2f}{planned[kind] / scale:10.2f}")
+    planned_total = sum(planned[kind] for kind in result["kinds"])
+    lines.append(f"  {'peak':30}{result['peak'] / scale:10.2f}{planned_total / scale:10.2f}")
+    lines += ["", f"{f'collectives in the step ({unit})':32}{'calls':>10}{'measured':>10}{'planned':>10}"]
+    for op in sorted(set(result["calls"]) | set(planned["bytes"])):
+        calls, nbytes = result["calls"].get(op, 0), result["bytes"].get(op, 0)
+        lines.append(f"  {op:30}{calls:10d}{nbytes / scale:10.3f}{planned['bytes'].get(op, 0) / scale:10.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Keys (key=default and what it accepts; below it, what it does):")
+        own = {f"dry_run.{f.name}" for f in dataclasses.fields(DryRunConfig)}
+        print(keys_help(_composed([]), DryRunRootConfig, only=own))
+        print("Training's keys: python train.py --help")
+        return
+    with exits_on_run_error():
+        config = _checked(_composed(argv), argv)
+        result = dry_run(config)
+    print(report(result, config))
+    if config.dry_run.output:
+        write_json_atomic(config.dry_run.output, result)
+        print(f"results: {config.dry_run.output}")
+
+
+if __name__ == "__main__":
+    with closed_pipe_is_quiet():
+        main(sys.argv[1:])
