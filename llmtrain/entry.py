@@ -58,6 +58,22 @@ def run_entry(main: Callable[[], None], schema: type) -> None:
         sys.exit(ConfigError.exit_code)
 
 
+def compose_or_refuse(name: str, overrides: list[str], schema: type) -> Any:
+    """The config conf/<name>.yaml composed with `overrides`, for a command that is not a @hydra.main entry point
+    (python -m llmtrain.evaluate, llmtrain.tools.dry_run); a composition error is a ConfigError of one line, its
+    keys named from `schema`."""
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.config import CONF_DIR, register_schemas
+
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(name, overrides=overrides)
+    except Exception as error:
+        raise ConfigError(composition_error_line(error, schema)) from None
+
+
 def composition_error_line(error: BaseException, schema: type) -> str:
     """One line for an error raised while Hydra composed the config or created the run directory."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException

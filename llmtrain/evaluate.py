@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 from omegaconf import OmegaConf
 
-from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help, register_schemas
+from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help
 from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, first_line
 from llmtrain.launch_env import launch_rank
 
@@ -35,17 +35,9 @@ if TYPE_CHECKING:
 
 def _composed(overrides: list[str]):
     """The evaluation config of these overrides; a composition error is one line and exit 2, like train.py's."""
-    from hydra import compose, initialize_config_dir
+    from llmtrain.entry import compose_or_refuse
 
-    from llmtrain.config import CONF_DIR
-    from llmtrain.entry import composition_error_line
-
-    register_schemas()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return compose("evaluate", overrides=overrides)
-    except Exception as error:
-        raise ConfigError(composition_error_line(error, EvaluateRootConfig)) from None
+    return compose_or_refuse("evaluate", overrides, EvaluateRootConfig)
 
 
 def _checked(cfg) -> EvaluateRootConfig:

@@ -183,15 +183,15 @@ def test_sigterm_saves_the_current_step_and_exits_with_the_requeue_code(tmp_path
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_and_no_restart_trains_on(tmp_path, cache_dir):
     """SIGUSR1 to one of the 2 workers train.py started: both save the same step and exit 75. The launcher may
-    restart them twice (parallel.max_restarts=2), but a restart after a stop must not train on past the
-    checkpoint: each leaves at once with 75, which reaches the caller (the batch script that requeues)."""
+    restart them (parallel.max_restarts=1), but a restart after a stop must not train on past the checkpoint: it
+    leaves at once with 75, which reaches the caller (the batch script that requeues)."""
     process, run_dir = start_run(
         tmp_path,
         cache_dir,
         *PARITY,
         "parallel=ddp",
         "parallel.nproc=2",
-        "parallel.max_restarts=2",
+        "parallel.max_restarts=1",
         nproc=0,
         ranks=2,
         env=arm(step_seconds="0.5"),
@@ -202,7 +202,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_and_no_restart_tr
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGUSR1)  # one worker only, as a node-local signal would
     assert process.wait(timeout=300) == PREEMPTED_EXIT, run_stderr(run_dir)[-3000:]
-    assert run_stderr(run_dir).count("not restarted, as the run had ended on purpose (exit 75)") == 2
+    assert run_stderr(run_dir).count("not restarted, as the run had ended on purpose (exit 75)") == 1
     steps = steps_logged(run_dir)
     assert [Path(p).name for p in complete_checkpoints(str(run_dir / "checkpoints"))] == [f"step-{steps:08d}"]
     assert not (run_dir / "summary.json").exists()

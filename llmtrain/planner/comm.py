@@ -117,7 +117,14 @@ def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matr
 
 
 def tensor_parallel_traffic(
-    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
+    candidate: Candidate,
+    cfg: GPTConfig,
+    held: Holding,
+    rows: int,
+    seq_len: int,
+    k: int,
+    sizes: StateBytes,
+    recompute: str = "none",
 ) -> Traffic:
     d, traffic = candidate.degrees, Traffic()
     if d.tp == 1:
@@ -130,10 +137,15 @@ def tensor_parallel_traffic(
     # reduce-scatter), so its two reduce-scatters (or, without, its two all-reduces) are not made.
     mixture_reduces = held.mixtures * k * (2 * cfg.moe.top_k + 2 * int(cfg.moe.shared_experts > 0))
     traffic.add("all_reduce", mixture_reduces * activation, mixture_reduces)
+    # What backward's recomputation communicates again (model/recompute.py): `full` reruns each block's forward,
+    # its two gathers in and two reductions out; `selective` keeps the reductions' outputs but not the gathered
+    # inputs, which the matmuls' backward needs, so each block gathers its two inputs again.
+    regathers = 2 * held.blocks * k if recompute != "none" else 0
+    rereduces = 2 * held.blocks * k if recompute == "full" else 0
     if candidate.sequence_parallel:
-        traffic.add("all_gather", exchanges * activation, exchanges)
+        traffic.add("all_gather", (exchanges + regathers) * activation, exchanges + regathers)
         exchanges -= 2 * held.mixtures * k
-        traffic.add("reduce_scatter", exchanges * activation, exchanges)
+        traffic.add("reduce_scatter", (exchanges + rereduces) * activation, exchanges + rereduces)
         # replicated weights used on sequence shards: their partial gradients are summed once per step
         norms = 2 * held.blocks + int(held.last)
         norm_tensors = 1 + int(bias and cfg.norm == "layernorm")
@@ -142,7 +154,7 @@ def tensor_parallel_traffic(
         traffic.add("all_reduce", replicated * sizes.grad, norms * norm_tensors + positions)
     else:
         exchanges -= 2 * held.mixtures * k
-        traffic.add("all_reduce", exchanges * activation, exchanges)
+        traffic.add("all_reduce", (exchanges + rereduces) * activation, exchanges + rereduces)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
         traffic.add("all_reduce", 3 * rows * seq_len // d.cp * 4 * k, 3 * k)
     return traffic

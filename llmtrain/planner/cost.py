@@ -180,7 +180,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, recompute, work.sizes)
         ranks.append(RankMemory(*states, acts))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
-        tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
+        tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes, recompute)
         muon_dp, muon_tp = Traffic(), Traffic()
         if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
             muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)

@@ -143,6 +143,10 @@ class LayerTerms:
 
     replicated: float = 10.0
     split: float = 24.0
+    # What model/recompute.py's selective policy keeps, per 16-bit element of s·b·h: the column-parallel matmuls'
+    # outputs and the attention's (q, k and v, SDPA's output, the MLP's d_ff-wide inputs), which tensor
+    # parallelism splits. GPT-2: 1 + 2 + 1 + 4 = 8.
+    selective_split: float = 8.0
 
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
@@ -152,7 +156,12 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     keeps only the input: then this overestimates by 4)."""
     mlp = (8 if cfg.mlp == "swiglu" else 4) * cfg.hidden / cfg.d_model
     norms = 4.0 if cfg.norm == "rmsnorm" else 0.0
-    return LayerTerms(replicated=10.0 + norms, split=4 + 4 * cfg.kv_heads / cfg.n_head + mlp)
+    mlp_inputs = (2 if cfg.mlp == "swiglu" else 1) * cfg.hidden / cfg.d_model  # the gate's and the up projection's
+    return LayerTerms(
+        replicated=10.0 + norms,
+        split=4 + 4 * cfg.kv_heads / cfg.n_head + mlp,
+        selective_split=2 + 2 * cfg.kv_heads / cfg.n_head + mlp_inputs,
+    )
 
 
 def layer_activations(
@@ -166,10 +175,19 @@ def layer_activations(
     scores_stored: bool,
     terms: LayerTerms = LayerTerms(),
 ) -> float:
-    """Korthikanti's bytes per layer and micro-batch (16-bit activations)."""
+    """Bytes per layer and micro-batch (16-bit activations): Korthikanti's count without recomputation and for
+    `full` (the block's input); for `selective`, what llmtrain's policy keeps (model/recompute.py): the block's
+    input, the column-parallel and attention outputs (`terms.selective_split`, split by t), and per projection
+    back to the residual stream (the attention's and the MLP's) one whole-width output (the matmul's partial sum,
+    reduced in place without sequence parallelism), plus with sequence parallelism its reduce-scatter's 1/t, which
+    the policy keeps so that backward does not communicate again. Held to the dry run (tests/test_planner.py)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
-    scores = 5 * a * s / h if scores_stored and recompute == "none" else 0.0
+    if recompute == "selective":
+        residual = 1 / t if sequence_parallel else 1.0
+        reduced = 2 / t if sequence_parallel and t > 1 else 0.0
+        return 2 * s * b * h * (residual + terms.selective_split / t + 2 + reduced)
+    scores = 5 * a * s / h if scores_stored else 0.0
     if sequence_parallel or t == 1:
         return s * b * h * (terms.replicated + terms.split + scores) / t
     return s * b * h * (terms.replicated + (terms.split + scores) / t)

@@ -18,7 +18,8 @@ What it does not do yet, and why: the tensors are fake CPU tensors under the CUD
 (`train.precision=auto` becomes bf16), not fake CUDA ones: on a CPU-only build of torch, Python's tensor indexing
 asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp, ddp_tp) is C++ that reads tensor
 memory, and torch's pipelining decides its shape exchange from a tensor's value (`.item()`), which fake tensors do
-not have: those layouts are refused, as is a mixture of experts (its routing sizes depend on values).
+not have: those layouts are refused, as are expert parallelism (its all-to-all's split sizes are values),
+8-bit optimizer state (its scales are values) and FSDP's CPU offload (host and device are one here).
 """
 
 from __future__ import annotations
@@ -46,12 +47,11 @@ from llmtrain.config import (
     RootConfig,
     check_domains,
     keys_help,
-    register_schemas,
     validate,
 )
+from llmtrain.entry import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
 from llmtrain.job import build_parallel_model
-from llmtrain.launch_env import ranks_per_node
 from llmtrain.model import ParameterInit
 from llmtrain.model.materialize import allocate
 from llmtrain.parallel.parallel_model import ParallelModel
@@ -63,26 +63,16 @@ from llmtrain.runtime import Runtime
 from llmtrain.train.report import write_json_atomic
 
 MIB, GIB = 2**20, 2**30
+# What a model that takes its vocabulary from the tokenizer (model.vocab_size=null) is sized for here: GPT-2's
+# tokenizer's 50,257, which the model pads to 50,304; a dry run reads no tokenizer.
+GPT2_VOCABULARY = 50257
 # The layouts whose data parallelism is DDP's C++ reducer, which reads tensor memory (catalog names).
 _DDP_LAYOUTS = ("ddp", "ddp_tp")
 
 
-def _composed(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from llmtrain.config import CONF_DIR
-    from llmtrain.entry import composition_error_line
-
-    register_schemas()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return compose("dry_run", overrides=overrides)
-    except Exception as error:
-        raise ConfigError(composition_error_line(error, DryRunRootConfig)) from None
-
-
-def _checked(cfg, overrides: list[str]) -> DryRunRootConfig:
+def dry_run_config(overrides: list[str]) -> DryRunRootConfig:
     """The config as train.py would run it on dry_run.world_size ranks, with the CUDA run's precision."""
+    cfg = compose_or_refuse("dry_run", overrides, DryRunRootConfig)
     check_domains(cfg, DryRunRootConfig)
     validate(OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RootConfig)]))  # training's rules
     config = cast(DryRunRootConfig, OmegaConf.to_object(cfg))
@@ -106,10 +96,22 @@ def _refuse_what_fake_tensors_cannot_run(plan: ParallelPlan, config: DryRunRootC
             f"parallel={plan.name} cannot be dry-run yet: torch's pipelining agrees on its shape exchange from a "
             f"tensor's value, which fake tensors do not have; dry-run the layout without pp"
         )
-    if config.model.moe.num_experts > 1:
+    if config.optim.state_bits != 32:
         raise ConfigError(
-            "a mixture of experts cannot be dry-run yet: how many tokens each expert gets is a value, which fake "
-            "tensors do not have; dry-run its dense counterpart (model.moe.num_experts=1)"
+            f"optim.state_bits={config.optim.state_bits} cannot be dry-run yet: its block scales are computed "
+            f"from values, which fake tensors do not have; dry-run optim.state_bits=32 (8-bit moments take a "
+            f"quarter of its optimizer state, plus one fp32 scale per block)"
+        )
+    if config.parallel.cpu_offload:
+        raise ConfigError(
+            "parallel.cpu_offload=true cannot be dry-run: the dry run's fake tensors are host tensors, so it cannot "
+            "tell host memory from the device's; dry-run parallel.cpu_offload=false (the device then holds what "
+            "it reports as parameters, gradients and optimizer state on top of the rest)"
+        )
+    if plan.degrees.ep > 1:
+        raise ConfigError(
+            f"parallel.ep={plan.degrees.ep} cannot be dry-run yet: the expert all-to-all's split sizes are values, "
+            f"which fake tensors do not have; dry-run parallel.ep=1 (the experts' weights sharded by FSDP instead)"
         )
 
 
@@ -167,14 +169,23 @@ class _ModuleTrail:
         return self.stack[-1] if self.stack and self.stack[-1] else "the model's top level"
 
 
-def fake_materializer(fake: FakeTensorMode):
-    """Parameters allocated as fake tensors of `fake`, without values (a dry run's steps read none)."""
+class FakeFromAllocation:
+    """Fake tensors from the moment the model is allocated to the end of the run: a materializer that enters
+    `mode` (once) and allocates the laid-out model without values (a dry run's steps read none), so that what the
+    build makes from the parameters afterwards (ZeRO-1's flat buffers, the optimizer) is fake too. The layout
+    itself runs before, with real tensors: the device meshes it derives are built from their values."""
 
-    def allocate_fake(model: nn.Module, device: torch.device, init: ParameterInit) -> None:
-        with fake:
-            allocate(model, device)
+    def __init__(self, mode: FakeTensorMode, stack: contextlib.ExitStack):
+        self.mode, self.stack, self.entered = mode, stack, False
 
-    return allocate_fake
+    def __call__(self, model: nn.Module, device: torch.device, init: ParameterInit) -> None:
+        self.enter()
+        allocate(model, device)
+
+    def enter(self) -> None:
+        if not self.entered:
+            self.stack.enter_context(self.mode)
+            self.entered = True
 
 
 def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
@@ -188,15 +199,17 @@ def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
     started = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        runtime = Runtime(rank, world, rank % ranks_per_node(), torch.device("cpu"), "dry-run")
-        vocab_size = config.model.vocab_size or 50304
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        model = build_parallel_model(config, runtime, vocab_size, materializer=fake_materializer(fake))
-        measured = _steps(model, plan, config, vocab_size, fake)
+        runtime = Runtime(rank, world, rank % config.hardware.gpus_per_node, torch.device("cpu"), "dry-run")
+        vocab_size = config.model.vocab_size or GPT2_VOCABULARY
+        with contextlib.ExitStack() as stack:
+            fake = FakeFromAllocation(FakeTensorMode(allow_non_fake_inputs=True), stack)
+            model = build_parallel_model(config, runtime, vocab_size, materializer=fake)
+            fake.enter()  # a model without parameters to allocate
+            measured = _steps(model, plan, config)
     finally:
         dist.destroy_process_group()
     measured["seconds"] = time.perf_counter() - started
-    measured["planned"] = _planned(config, plan, model, vocab_size)
+    measured["planned"] = _planned(config, vocab_size)
     measured["layout"] = model.plan.describe()
     measured["precision"] = model.precision_description
     return measured
@@ -288,37 +301,36 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
     return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
 
 
-def _steps(
-    model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig, vocab_size: int, fake: FakeTensorMode
-) -> dict[str, Any]:
+def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig) -> dict[str, Any]:
+    """The training steps, in the fake mode the build entered."""
     size, count = plan.micro_batching()
     trail = _ModuleTrail(model.module)
     tally = CollectiveTally()
-    with fake:
-        tokens = torch.zeros((size * count, config.train.seq_len + 1), dtype=torch.long)
-        micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)]
-        for step in range(config.dry_run.steps):
-            last = step == config.dry_run.steps - 1  # optimizer state exists from the first step on
-            memory = LiveMemory(model.module, model.optimizer) if last else contextlib.nullcontext()
-            with memory, tally if last else contextlib.nullcontext():
-                try:
-                    model.forward_backward(micro_batches)
-                    model.clip_grad_norm(config.optim.grad_clip)
-                    model.optimizer.step()
-                    model.optimizer.zero_grad(set_to_none=True)
-                except Exception as error:
-                    raise ConfigError(
-                        f"the layout fails on rank {config.dry_run.rank} in {trail.where()}: {first_line(error)}"
-                    ) from error
+    tokens = torch.zeros((size * count, config.train.seq_len + 1), dtype=torch.long)
+    micro_batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(size)]
+    for step in range(config.dry_run.steps):
+        last = step == config.dry_run.steps - 1  # optimizer state exists from the first step on
+        memory = LiveMemory(model.module, model.optimizer) if last else contextlib.nullcontext()
+        with memory, tally if last else contextlib.nullcontext():
+            try:
+                model.forward_backward(micro_batches)
+                model.clip_grad_norm(config.optim.grad_clip)
+                model.optimizer.step()
+                model.optimizer.zero_grad(set_to_none=True)
+            except Exception as error:
+                raise ConfigError(
+                    f"the layout fails on rank {config.dry_run.rank} in {trail.where()}: {first_line(error)}"
+                ) from error
     assert isinstance(memory, LiveMemory)
     return {"peak": memory.peak, "kinds": memory.peak_kinds, "calls": dict(tally.calls), "bytes": dict(tally.bytes)}
 
 
-def _planned(config: DryRunRootConfig, plan: ParallelPlan, model: ParallelModel, vocab_size: int) -> dict[str, Any]:
-    """The planner's numbers for this rank, with the sizes llmtrain holds (as llmtrain.bench.layout_memory)."""
+def _planned(config: DryRunRootConfig, vocab_size: int) -> dict[str, Any]:
+    """The planner's numbers for this rank, with the sizes llmtrain holds (as llmtrain.bench.layout_memory), on
+    nodes of hardware.gpus_per_node ranks."""
     world = config.dry_run.world_size
     candidate = describe_layout(config.parallel, world)
-    machine = machine_for(config, world, min(ranks_per_node(), world), bf16=True)
+    machine = machine_for(config, world, min(config.hardware.gpus_per_node, world), bf16=True)
     cost = layout_cost(candidate, workload_for(config, vocab_size, llmtrain_state_bytes(config, True)), machine)
     memory, traffic = cost.ranks[0], cost.traffic[0]
     return {
@@ -357,11 +369,11 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         print("Keys (key=default and what it accepts; below it, what it does):")
         own = {f"dry_run.{f.name}" for f in dataclasses.fields(DryRunConfig)}
-        print(keys_help(_composed([]), DryRunRootConfig, only=own))
+        print(keys_help(compose_or_refuse("dry_run", [], DryRunRootConfig), DryRunRootConfig, only=own))
         print("Training's keys: python train.py --help")
         return
     with exits_on_run_error():
-        config = _checked(_composed(argv), argv)
+        config = dry_run_config(argv)
         result = dry_run(config)
     print(report(result, config))
     if config.dry_run.output:

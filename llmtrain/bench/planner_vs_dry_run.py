@@ -1,0 +1,122 @@
+"""The planner's per-rank memory and traffic beside the dry run's, over a grid of layouts x families x
+recomputation x world sizes (llmtrain/tools/dry_run.py: training's own build and steps on fake tensors).
+
+    python -m llmtrain.bench.planner_vs_dry_run                  # the grid below, a table of measured / planned
+    python -m llmtrain.bench.planner_vs_dry_run --quick out.json # the part tests/test_planner.py holds the planner to
+
+Each row is one dry run (rank 0 of the world size); the columns are the planner's error per kind of memory at the
+step's peak (parameters, gradients, optimizer state, activations and temporaries, the peak) and per collective's
+bytes, as planned / measured - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from llmtrain.errors import closed_pipe_is_quiet
+from llmtrain.tools.dry_run import dry_run, dry_run_config
+
+KINDS = ("parameters", "gradients", "optimizer state", "activations and temporaries")
+# Models whose activations outweigh their states at these shapes: GPT-2's family (learned positions, LayerNorm,
+# GELU, multi-head) and Llama's (rotary positions, RMSNorm, SwiGLU, grouped-query attention).
+FAMILIES = {
+    "gpt2": ["model=tiny", "model.d_model=256", "model.n_head=8"],
+    "llama": ["model=llama-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
+}
+SHAPE = ["model.n_layer=4", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
+LAYOUTS = {
+    "fsdp": ["parallel=fsdp"],
+    "zero2": ["parallel=zero2"],
+    "hsdp": ["parallel=hsdp", "parallel.dp_shard=2"],
+    "fsdp_tp": ["parallel=fsdp_tp", "parallel.tp=2"],
+    "fsdp_tp no sp": ["parallel=fsdp_tp", "parallel.tp=2", "parallel.sequence_parallel=false"],
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    layout: str
+    family: str
+    recompute: str
+    world_size: int
+
+    def overrides(self) -> list[str]:
+        batch = 2 * self.world_size  # one micro-batch of 2 rows per data-parallel rank, or more
+        return [
+            *LAYOUTS[self.layout],
+            *FAMILIES[self.family],
+            *SHAPE,
+            f"train.batch_size={batch}",
+            f"train.activation_checkpointing={self.recompute}",
+            f"dry_run.world_size={self.world_size}",
+        ]
+
+
+def grid(quick: bool) -> list[Point]:
+    if quick:  # every layout on Llama's family, GPT-2's on one
+        return [Point("fsdp", "gpt2", "selective", 4)] + [Point(layout, "llama", "selective", 4) for layout in LAYOUTS]
+    recomputes, worlds = ("none", "selective", "full"), (4, 64)
+    return [Point(*p) for p in _product(list(LAYOUTS), list(FAMILIES), recomputes, worlds)]
+
+
+def _product(*axes: Any) -> list[tuple]:
+    rows: list[tuple] = [()]
+    for axis in axes:
+        rows = [(*row, value) for row in rows for value in axis]
+    return rows
+
+
+def compare(point: Point) -> dict[str, Any]:
+    result = dry_run(dry_run_config(point.overrides()))
+    planned = result["planned"]
+    errors = {kind: _error(planned[kind], result["kinds"][kind]) for kind in KINDS}
+    errors["peak"] = _error(sum(planned[kind] for kind in KINDS), result["peak"])
+    for op, nbytes in result["bytes"].items():
+        errors[op] = _error(planned["bytes"].get(op, 0), nbytes)
+    return {
+        "point": point.__dict__,
+        "errors": errors,
+        "measured": result["kinds"],
+        "measured_bytes": result["bytes"],
+        "planned": planned,
+    }
+
+
+def _error(planned: float, measured: float) -> float:
+    """planned / measured - 1; 0 when both are under a KiB."""
+    if measured < 1024:
+        return 0.0 if planned < 1024 else float("inf")
+    return planned / measured - 1
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = [*KINDS, "peak", "all_gather", "reduce_scatter", "all_reduce"]
+    short = {"optimizer state": "optimizer", "activations and temporaries": "activations"}
+    lines = [
+        f"{'layout':14}{'family':8}{'recompute':11}{'ranks':>6}" + "".join(f"{short.get(c, c):>16}" for c in columns)
+    ]
+    for row in rows:
+        p, e = row["point"], row["errors"]
+        cells = "".join(f"{e[c]:+16.1%}" if c in e else f"{'':>16}" for c in columns)
+        lines.append(f"{p['layout']:14}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{cells}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.bench.planner_vs_dry_run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the small grid the tests run")
+    parser.add_argument("output", nargs="?", help="also write every row as JSON here")
+    args = parser.parse_args()
+    rows = [compare(point) for point in grid(args.quick)]
+    print(table(rows))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    with closed_pipe_is_quiet():
+        main()
