@@ -671,6 +671,13 @@ class HardwareConfig:
         positive(),
         "dense bf16 TFLOP/s (fp32 accumulate) per device; null: unknown (CPUs)",
     )
+    mfu: float = key(
+        0.4,
+        Number(low=0, high=1, low_open=True),
+        "fraction of `peak_tflops` a transformer's training compute reaches here, recomputation included (the "
+        "planner's predicted step times); a100x8's and h100x8's are the median of published runs "
+        "([planner.md](planner.md#held-to-published-runs))",
+    )
     peer_to_peer: bool = key(
         True,
         Flag(),
@@ -713,11 +720,6 @@ class PlanConfig:
         "a `comm_bench.csv` whose measured bus bandwidths replace the hardware's link numbers; null: the planner "
         "tool uses the hardware's, and `parallel=auto` on more than one rank times the machine's collectives at start "
         "(a few seconds, cached in `data.cache_dir/links/` per host, world size and device)",
-    )
-    mfu: float = key(
-        0.4,
-        Number(low=0, high=1, low_open=True),
-        "fraction of `hardware.peak_tflops` the compute is assumed to reach (predicted step times)",
     )
     reserved_gib: float = key(
         1.0,
@@ -865,7 +867,11 @@ def schema_keys(schema: type) -> tuple[tuple[str, Domain | None], ...]:
 
 
 # Keys an earlier version had -> their names now: a config that still sets one is told the new name.
-RENAMED_KEYS = {"parallel.strategy": "parallel.layout", "optim.schedule": "optim.lr_schedule"}
+RENAMED_KEYS = {
+    "parallel.strategy": "parallel.layout",
+    "optim.schedule": "optim.lr_schedule",
+    "plan.mfu": "hardware.mfu",
+}
 
 
 def unknown_key_line(name: str, keys: list[str]) -> str:

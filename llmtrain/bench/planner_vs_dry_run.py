@@ -56,8 +56,9 @@ class Point:
 
 
 def grid(quick: bool) -> list[Point]:
-    if quick:  # every layout on Llama's family, GPT-2's on one
-        return [Point("fsdp", "gpt2", "selective", 4)] + [Point(layout, "llama", "selective", 4) for layout in LAYOUTS]
+    if quick:  # GPT-2's family on fsdp; Llama's where tensor parallelism splits it (with and without sp) and on hsdp
+        layouts = ("hsdp", "fsdp_tp", "fsdp_tp no sp")
+        return [Point("fsdp", "gpt2", "selective", 4)] + [Point(layout, "llama", "selective", 4) for layout in layouts]
     recomputes, worlds = ("none", "selective", "full"), (4, 64)
     return [Point(*p) for p in _product(list(LAYOUTS), list(FAMILIES), recomputes, worlds)]
 

@@ -2,7 +2,7 @@
 
 Step time = compute + pipeline bubble + the communication nothing hides:
 - compute: the model's training FLOPs per token (6N + attention, llmtrain/model/gpt.py; 8N-equivalent with full
-  recompute) x the rank's tokens / (peak x plan.mfu); a CPU without a listed peak is timed with a matmul;
+  recompute) x the rank's tokens / (peak x hardware.mfu); a CPU without a listed peak is timed with a matmul;
 - bubble: (pp - 1)/m of the compute for GPipe and 1F1B, divided by the virtual stages when interleaved, and by
   another 3 for the zero-bubble schedules (their backward splits fill most of it);
 - communication (links.py): DDP's and FSDP's gradient and parameter traffic overlaps the compute and costs only

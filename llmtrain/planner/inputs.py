@@ -77,7 +77,7 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
         memory_bytes=memory_gib * GIB,
         reserved_bytes=cfg.plan.reserved_gib * GIB,
         peak_flops=peak,
-        mfu=cfg.plan.mfu,
+        mfu=cfg.hardware.mfu,
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
     )
 
