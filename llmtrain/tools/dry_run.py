@@ -153,10 +153,9 @@ class _ModuleTrail:
 
     def __init__(self, module: nn.Module):
         self.stack: list[str] = []
-        self.hooks = []
         for name, sub in module.named_modules():
-            self.hooks.append(sub.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
-            self.hooks.append(sub.register_forward_hook(lambda *_: self._leave()))
+            sub.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
+            sub.register_forward_hook(lambda *_: self._leave())
 
     def _enter(self, name: str) -> None:
         self.stack.append(name)
