@@ -37,9 +37,7 @@ from llmtrain.launch_env import ranks_per_node
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
-from llmtrain.planner.candidates import describe_layout
-from llmtrain.planner.cost import layout_cost
-from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.auto import configured_cost
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.memory import MemoryPeak, held_bytes, peak_since_reset, reset_peak, tensor_bytes
@@ -48,9 +46,7 @@ from llmtrain.train.memory import MemoryPeak, held_bytes, peak_since_reset, rese
 def predicted(cfg, model: ParallelModel, runtime: Runtime, vocab_size: int) -> dict[str, Any]:
     """The planner's numbers for this rank (its pipeline rank's), with the sizes llmtrain holds."""
     bf16 = uses_bf16(cfg.train.precision, runtime.device)
-    candidate = describe_layout(cfg.parallel, runtime.world_size)
-    machine = machine_for(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), bf16)
-    plan = layout_cost(candidate, workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16)), machine)
+    plan = configured_cost(cfg, runtime.world_size, min(ranks_per_node(), runtime.world_size), vocab_size, bf16)
     pp_rank = model.mesh.device_mesh.get_local_rank("pp") if model.plan.degrees.pp > 1 else 0
     memory = plan.ranks[pp_rank]
     return {

@@ -12,6 +12,7 @@ bytes, as planned / measured - 1.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -60,14 +61,7 @@ def grid(quick: bool) -> list[Point]:
         layouts = ("hsdp", "fsdp_tp", "fsdp_tp no sp")
         return [Point("fsdp", "gpt2", "selective", 4)] + [Point(layout, "llama", "selective", 4) for layout in layouts]
     recomputes, worlds = ("none", "selective", "full"), (4, 64)
-    return [Point(*p) for p in _product(list(LAYOUTS), list(FAMILIES), recomputes, worlds)]
-
-
-def _product(*axes: Any) -> list[tuple]:
-    rows: list[tuple] = [()]
-    for axis in axes:
-        rows = [(*row, value) for row in rows for value in axis]
-    return rows
+    return [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds)]
 
 
 def compare(point: Point) -> dict[str, Any]:

@@ -19,9 +19,7 @@ from omegaconf import OmegaConf
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import meta_model, num_parameters
-from llmtrain.planner.candidates import describe_layout
-from llmtrain.planner.cost import layout_cost
-from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.auto import configured_cost
 from llmtrain.planner.published import MPT_VOCABULARY, PUBLISHED_RUNS, SOURCE, PublishedRun
 from llmtrain.tools import compose_config
 
@@ -39,10 +37,8 @@ class Prediction:
 
 def predict(run: PublishedRun) -> Prediction:
     config = cast(RootConfig, OmegaConf.to_object(compose_config(run.overrides())))
-    candidate = describe_layout(config.parallel, run.gpus)
-    machine = machine_for(config, run.gpus, min(config.hardware.gpus_per_node, run.gpus), bf16=True)
-    cost = layout_cost(candidate, workload_for(config, MPT_VOCABULARY, llmtrain_state_bytes(config, True)), machine)
-    step = cost.compute_s + cost.bubble_s + cost.exposed_comm_s
+    ranks_per_node = min(config.hardware.gpus_per_node, run.gpus)
+    step = configured_cost(config, run.gpus, ranks_per_node, MPT_VOCABULARY, bf16=True).step_time_s
     parameters = num_parameters(meta_model(config.model, MPT_VOCABULARY))
     return Prediction(run, run.batch * run.seq_len / step / run.gpus, parameters)
 

@@ -33,8 +33,13 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 def retie(model: nn.Module, groups: list[list[str]]) -> None:
     for first, *others in groups:
         for name in others:
-            module_name, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(module_name), attribute, model.get_parameter(first))
+            setattr(*_owner(model, name), model.get_parameter(first))
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding the parameter `name` and the attribute it has there."""
+    module_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(module_name), attribute
 
 
 @torch.no_grad()
@@ -65,8 +70,8 @@ def allocate(model: nn.Module, device: torch.device) -> None:
     tied = tied_groups(model)
     for _, *others in tied:
         for name in others:
-            module_name, _, attribute = name.rpartition(".")
-            model.get_submodule(module_name)._parameters[attribute] = None
+            module, attribute = _owner(model, name)
+            module._parameters[attribute] = None
     model.to_empty(device=device)
     retie(model, tied)
 

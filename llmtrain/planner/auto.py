@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
-from llmtrain.planner.cost import GIB, Decision, choose, layout_cost
+from llmtrain.planner.cost import GIB, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 
 
@@ -60,13 +60,18 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
     return AutoLayout(resolved, chosen.train_values(), summary)
 
 
+def configured_cost(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool) -> LayoutCost:
+    """The planner's memory, traffic and step time for the layout `cfg` configures, with the sizes llmtrain holds."""
+    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
+    machine = machine_for(cfg, world_size, ranks_per_node, bf16)
+    return layout_cost(describe_layout(cfg.parallel, world_size), work, machine)
+
+
 def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool) -> dict:
     """What the planner predicts for the run's own layout, for the end summary to set beside what happened: a
     machine that is not what its hardware config says (a PCIe card without peer-to-peer, a slow link) shows as a
     step much slower than predicted."""
-    work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
-    machine = machine_for(cfg, world_size, ranks_per_node, bf16)
-    plan = layout_cost(describe_layout(cfg.parallel, world_size), work, machine)
+    plan = configured_cost(cfg, world_size, ranks_per_node, vocab_size, bf16)
     return {
         "step_s": plan.step_time_s,
         "peak_gib_per_rank": plan.heaviest.total / GIB,

@@ -56,9 +56,7 @@ from llmtrain.model import ParameterInit
 from llmtrain.model.materialize import allocate
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.plan import ParallelPlan, check_layout
-from llmtrain.planner.candidates import describe_layout
-from llmtrain.planner.cost import layout_cost
-from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.auto import configured_cost
 from llmtrain.runtime import Runtime
 from llmtrain.train.report import write_json_atomic
 
@@ -328,9 +326,7 @@ def _planned(config: DryRunRootConfig, vocab_size: int) -> dict[str, Any]:
     """The planner's numbers for this rank, with the sizes llmtrain holds (as llmtrain.bench.layout_memory), on
     nodes of hardware.gpus_per_node ranks."""
     world = config.dry_run.world_size
-    candidate = describe_layout(config.parallel, world)
-    machine = machine_for(config, world, min(config.hardware.gpus_per_node, world), bf16=True)
-    cost = layout_cost(candidate, workload_for(config, vocab_size, llmtrain_state_bytes(config, True)), machine)
+    cost = configured_cost(config, world, min(config.hardware.gpus_per_node, world), vocab_size, bf16=True)
     memory, traffic = cost.ranks[0], cost.traffic[0]
     return {
         "parameters": memory.parameters,
