@@ -67,6 +67,12 @@ class LayoutSpec:
     def mechanism(self) -> DataParallelSpec:
         return DATA_PARALLEL[self.data_parallel]
 
+    def fsdp_shards(self, data_parallel_ranks: int) -> bool:
+        """Whether FSDP lays the model out over `data_parallel_ranks` (dp x cp) ranks: where the mechanism shards
+        parameters, inside a pipeline only over more than one rank (FSDP over one rank gathers nothing). Its bf16
+        compute then comes from FSDP's gathered copies; elsewhere from autocast, whose residual adds stay fp32."""
+        return self.mechanism.sharding == "parameters" and (not self.pipeline or data_parallel_ranks > 1)
+
     @property
     def dims(self) -> tuple[str, ...]:
         """The mesh dimensions it may split over: a degree above 1 on any other is refused. A pipeline carries any

@@ -4,9 +4,9 @@ recomputation x world sizes (llmtrain/tools/dry_run.py: training's own build and
     python -m llmtrain.bench.planner_vs_dry_run                  # the grid below, a table of measured / planned
     python -m llmtrain.bench.planner_vs_dry_run --quick out.json # the part tests/test_planner.py holds the planner to
 
-Each row is one dry run (rank 0 of the world size); the columns are the planner's error per kind of memory at the
-step's peak (parameters, gradients, optimizer state, activations and temporaries, the peak) and per collective's
-bytes, as planned / measured - 1.
+Each row is one dry run (rank 0 of the world size, and for pipelines also the last rank); the columns are the
+planner's error per kind of memory at the step's peak (parameters, gradients, optimizer state, activations and
+temporaries, the peak) and per collective's bytes, as planned / measured - 1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtrain.errors import closed_pipe_is_quiet
@@ -27,13 +27,17 @@ FAMILIES = {
     "gpt2": ["model=tiny", "model.d_model=256", "model.n_head=8"],
     "llama": ["model=llama-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
 }
-SHAPE = ["model.n_layer=4", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
+SHAPE_LAYERS = 4
+SHAPE = [f"model.n_layer={SHAPE_LAYERS}", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
 LAYOUTS = {
     "fsdp": ["parallel=fsdp"],
     "zero2": ["parallel=zero2"],
     "hsdp": ["parallel=hsdp", "parallel.dp_shard=2"],
     "fsdp_tp": ["parallel=fsdp_tp", "parallel.tp=2"],
     "fsdp_tp no sp": ["parallel=fsdp_tp", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    "pp gpipe": ["parallel=pp", "parallel.pp_schedule=gpipe"],
+    "pp_fsdp": ["parallel=pp_fsdp", "parallel.pp=2"],
+    "3d": ["parallel=3d", "parallel.pp=2", "parallel.tp=2"],
 }
 
 
@@ -43,6 +47,7 @@ class Point:
     family: str
     recompute: str
     world_size: int
+    rank: int = 0  # a pipeline's first stage holds the most micro-batches in flight, its last the logits
 
     def overrides(self) -> list[str]:
         batch = 2 * self.world_size  # one micro-batch of 2 rows per data-parallel rank, or more
@@ -53,15 +58,23 @@ class Point:
             f"train.batch_size={batch}",
             f"train.activation_checkpointing={self.recompute}",
             f"dry_run.world_size={self.world_size}",
+            f"dry_run.rank={self.rank}",
         ]
 
 
 def grid(quick: bool) -> list[Point]:
-    if quick:  # GPT-2's family on fsdp; Llama's where tensor parallelism splits it (with and without sp) and on hsdp
+    if quick:  # GPT-2's family on fsdp; Llama's where tensor parallelism splits it (with and without sp), on hsdp,
+        # and pipelined in 3-D at both ends of the pipeline
         layouts = ("hsdp", "fsdp_tp", "fsdp_tp no sp")
-        return [Point("fsdp", "gpt2", "selective", 4)] + [Point(layout, "llama", "selective", 4) for layout in layouts]
+        return [
+            Point("fsdp", "gpt2", "selective", 4),
+            *(Point(layout, "llama", "selective", 4) for layout in layouts),
+            *(Point("3d", "llama", "selective", 8, rank) for rank in (0, 7)),
+        ]
     recomputes, worlds = ("none", "selective", "full"), (4, 64)
-    return [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds)]
+    points = [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds)]
+    points = [p for p in points if p.layout != "pp gpipe" or p.world_size <= SHAPE_LAYERS]  # a stage per rank
+    return points + [replace(p, rank=p.world_size - 1) for p in points if "pp" in p.layout or p.layout == "3d"]
 
 
 def compare(point: Point) -> dict[str, Any]:
@@ -91,12 +104,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     columns = [*KINDS, "peak", "all_gather", "reduce_scatter", "all_reduce"]
     short = {"optimizer state": "optimizer", "activations and temporaries": "activations"}
     lines = [
-        f"{'layout':14}{'family':8}{'recompute':11}{'ranks':>6}" + "".join(f"{short.get(c, c):>16}" for c in columns)
+        f"{'layout':14}{'family':8}{'recompute':11}{'ranks':>6}{'rank':>6}"
+        + "".join(f"{short.get(c, c):>16}" for c in columns)
     ]
     for row in rows:
         p, e = row["point"], row["errors"]
         cells = "".join(f"{e[c]:+16.1%}" if c in e else f"{'':>16}" for c in columns)
-        lines.append(f"{p['layout']:14}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{cells}")
+        lines.append(f"{p['layout']:14}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{p['rank']:6d}{cells}")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
             f"parallel.cpu_offload=true moves FSDP's shards from a GPU into host memory, but this run is on "
             f"{device.type}, where they are in host memory already: set parallel.cpu_offload=false"
         )
-    sharded = spec.mechanism.sharding == "parameters" and (not spec.pipeline or d.dp * d.cp > 1)
+    sharded = spec.fsdp_shards(d.dp * d.cp)
     fsdp: dict = {}
     if sharded:
         fsdp.update(

@@ -93,6 +93,9 @@ class ParallelModel:
         if steps.float8 is not None and steps.float8.fsdp_all_gather:
             self._precompute_float8_scales = precompute_scales_after_step(self.optimizer, self.module)
         fsdp_mixed_precision = steps.fsdp_mesh is not None and steps.param_dtype is not None
+        # Between blocks (what pipeline stages send): bf16 where FSDP gathers bf16 weights; autocast's residual
+        # adds keep fp32.
+        self.residual_dtype = torch.bfloat16 if fsdp_mixed_precision else torch.float32
         self.precision, self.precision_description = precision_policy(runtime.device, bf16, fsdp_mixed_precision)
         if steps.float8 is not None:
             self.precision_description += "; " + float8_summary(steps.float8, self.module)
@@ -100,6 +103,11 @@ class ParallelModel:
     @property
     def name(self) -> str:
         return self.plan.name
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """This rank's stages and their schedule, where the plan pipelines."""
+        return self._pipeline
 
     # -- one step -------------------------------------------------------------------------------------------
     def _context_shard(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,8 @@ def pipeline_traffic(
         return traffic
     style = schedule_spec(candidate.pp_schedule).style
     n_stages = d.pp * candidate.pp_stages_per_rank
-    activation = rows * seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * sizes.compute
+    residual_bytes = sizes.compute if candidate.spec.fsdp_shards(d.dp * d.cp) else 4
+    activation = rows * seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * residual_bytes
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     for stage in stages:
         if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:

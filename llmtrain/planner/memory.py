@@ -234,7 +234,13 @@ def activations(
     if recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
         total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
     total *= sizes.compute / 2
-    if held.last:
+    if held.last:  # the logits, and the loss's fp32 copy, of each micro-batch the last stage holds
         vocab_split = d.tp if candidate.loss_parallel else 1
-        total += s * b * gpt.padded_vocab_size * (sizes.compute + 4) / vocab_split
+        logits_in_flight = microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
+        total += logits_in_flight * s * b * gpt.padded_vocab_size * (sizes.compute + 4) / vocab_split
+    if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):
+        # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
+        # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state
+        # counted as gradients) exist only once that buffer is reduced, so the buffer adds the rest.
+        total += held.trainable * 4 * (1 - 1 / d.dp_shard_cp)
     return total

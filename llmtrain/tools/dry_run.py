@@ -14,12 +14,16 @@ step is measured: the rank's peak memory by kind (LiveMemory below) and every co
 what the planner predicts for the same layout. A layout that would crash (a shape that does not split, a dtype
 mix) ends in one line naming the module and the error, exit 2.
 
+Pipelines run their schedule as rank r's stages would: every message to or from another rank is a collective of
+the fake group, and the shapes torch's stages would agree on over the group at the first step are given to them
+from the plan (a fake group carries no values).
+
 What it does not do yet, and why: the tensors are fake CPU tensors under the CUDA run's precision policy
 (`train.precision=auto` becomes bf16), not fake CUDA ones: on a CPU-only build of torch, Python's tensor indexing
 asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp, ddp_tp) is C++ that reads tensor
-memory, and torch's pipelining decides its shape exchange from a tensor's value (`.item()`), which fake tensors do
-not have: those layouts are refused, as are expert parallelism (its all-to-all's split sizes are values),
-8-bit optimizer state (its scales are values) and FSDP's CPU offload (host and device are one here).
+memory: those layouts are refused, as are expert parallelism (its all-to-all's split sizes are values), 8-bit
+optimizer state (its scales are values), the hand-written 1f1b_reference schedule (its shape headers are values)
+and FSDP's CPU offload (host and device are one here).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -52,7 +57,7 @@ from llmtrain.config import (
 from llmtrain.entry import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
 from llmtrain.job import build_parallel_model
-from llmtrain.model import ParameterInit
+from llmtrain.model import GPT, ParameterInit
 from llmtrain.model.materialize import allocate
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.plan import ParallelPlan, check_layout
@@ -89,10 +94,10 @@ def _refuse_what_fake_tensors_cannot_run(plan: ParallelPlan, config: DryRunRootC
             f"parallel={plan.name} cannot be dry-run: DDP's reducer reads tensor memory, which fake tensors do not "
             f"have; dry-run parallel=zero1 (the same model states and traffic but a sharded optimizer) instead"
         )
-    if plan.pipelined:
+    if plan.pipelined and plan.parallel.pp_schedule == "1f1b_reference":
         raise ConfigError(
-            f"parallel={plan.name} cannot be dry-run yet: torch's pipelining agrees on its shape exchange from a "
-            f"tensor's value, which fake tensors do not have; dry-run the layout without pp"
+            "parallel.pp_schedule=1f1b_reference cannot be dry-run: its messages' shapes travel as values, which "
+            "fake tensors do not have; dry-run parallel.pp_schedule=1f1b (torch's, the same messages and memory)"
         )
     if config.optim.state_bits != 32:
         raise ConfigError(
@@ -202,14 +207,51 @@ def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
             fake = FakeFromAllocation(FakeTensorMode(allow_non_fake_inputs=True), stack)
             model = build_parallel_model(config, runtime, vocab_size, materializer=fake)
             fake.enter()  # a model without parameters to allocate
+            _answer_the_pipeline_vote(model, config)
             measured = _steps(model, plan, config)
     finally:
         dist.destroy_process_group()
+        # DTensor caches the layouts of its ops by mesh shape, naming the groups of the mesh that made them: a
+        # later dry run in this process has meshes of the same shapes over new groups.
+        _clear_sharding_prop_cache()
     measured["seconds"] = time.perf_counter() - started
-    measured["planned"] = _planned(config, vocab_size)
+    pp_rank = model.pipeline.rank if model.pipeline is not None else 0
+    measured["planned"] = _planned(config, vocab_size, pp_rank)
+    measured["pp_rank"] = pp_rank
     measured["layout"] = model.plan.describe()
     measured["precision"] = model.precision_description
     return measured
+
+
+def _answer_the_pipeline_vote(model: ParallelModel, config: DryRunRootConfig) -> None:
+    """On its first step, torch's pipelining votes over the pp group whether every stage knows the shapes of its
+    messages (a vote read with `.item()`) and, where one does not, sends them over (pickled): values, which a fake
+    process group does not carry. The dry run gives each of this rank's stages its shapes, as the plan fixes them
+    (a micro-batch of tokens into the first stage; the residual stream, cut by context and sequence parallelism,
+    between stages; logits out of the last), and answers the vote for every stage: known."""
+    pipeline = model.pipeline
+    if pipeline is None:
+        return
+    from torch.distributed.pipelining._utils import InferenceMode, extract_tensor_metas
+
+    plan, schedule = model.plan, pipeline.schedule
+    size, _ = plan.micro_batching()
+    sequence = config.train.seq_len // plan.degrees.cp
+    residual_sequence = sequence // plan.degrees.tp if plan.parallel.sequence_parallel else sequence
+    tokens = torch.empty((size, sequence), dtype=torch.long, device="meta")
+    width, dtype = config.model.d_model, model.residual_dtype
+    residual = torch.empty((size, residual_sequence, width), dtype=dtype, device="meta", requires_grad=True)
+    logits = torch.empty((size, sequence, cast(GPT, pipeline.part).cfg.padded_vocab_size), dtype=dtype, device="meta")
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        stage._user_meta.inputs = extract_tensor_metas((tokens if stage.is_first else residual,))
+        stage._user_meta.outputs = extract_tensor_metas((logits if stage.is_last else residual,))
+
+    def static(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = static
 
 
 class LiveMemory(TorchDispatchMode):
@@ -322,12 +364,12 @@ def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig) -
     return {"peak": memory.peak, "kinds": memory.peak_kinds, "calls": dict(tally.calls), "bytes": dict(tally.bytes)}
 
 
-def _planned(config: DryRunRootConfig, vocab_size: int) -> dict[str, Any]:
-    """The planner's numbers for this rank, with the sizes llmtrain holds (as llmtrain.bench.layout_memory), on
-    nodes of hardware.gpus_per_node ranks."""
+def _planned(config: DryRunRootConfig, vocab_size: int, pp_rank: int) -> dict[str, Any]:
+    """The planner's numbers for a rank at pipeline position `pp_rank`, with the sizes llmtrain holds (as
+    llmtrain.bench.layout_memory), on nodes of hardware.gpus_per_node ranks."""
     world = config.dry_run.world_size
     cost = configured_cost(config, world, min(config.hardware.gpus_per_node, world), vocab_size, bf16=True)
-    memory, traffic = cost.ranks[0], cost.traffic[0]
+    memory, traffic = cost.ranks[pp_rank], cost.traffic[pp_rank]
     return {
         "parameters": memory.parameters,
         "gradients": memory.gradients,

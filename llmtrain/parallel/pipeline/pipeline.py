@@ -62,9 +62,11 @@ class Pipeline:
         self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(self.rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline(runtime.device)
+        # Before the stages are allocated: a dry run's materializer turns every tensor made after it fake, and the
+        # groups are read from the mesh's values.
+        self.tied_group = self._tied_embedding_group()
         self.part, self.stages = self._cut(model, steps, init_device, init, materializer)
         self.tied_parameters = self.part.tied_parameters
-        self.tied_group = self._tied_embedding_group()
         self.schedule = self._build_schedule()
 
     # -- construction ---------------------------------------------------------------------------------------
