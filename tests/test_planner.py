@@ -25,7 +25,7 @@ from llmtrain.planner.candidates import Candidate, enumerate_candidates
 from llmtrain.planner.cost import GIB, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
 from llmtrain.planner.links import Links
-from llmtrain.planner.memory import StateBytes, in_flight_microbatches, layer_activations
+from llmtrain.planner.memory import StateBytes, gradient_being_reduced, in_flight_microbatches, layer_activations
 from llmtrain.planner.shapes import holding, whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools import plan as plan_tool
@@ -143,13 +143,16 @@ def test_layer_terms_count_what_a_block_saves_for_backward(preset):
 
 
 def test_context_parallel_divides_activations_and_adds_the_ring():
-    """cp 2 beside fsdp on the same 4 ranks: half the tokens' activations per rank (logits included), states
-    sharded over all 4 ranks either way, and the ring's sends and receives; the command line selects it."""
-    fsdp, _, _ = _plan(FOUR_RANKS["fsdp"], "model=llama-tiny", "train.seq_len=256")
+    """cp 2 beside fsdp on the same 4 ranks: half the tokens' activations per rank (logits included; FSDP's
+    gradient being reduced is the same), states sharded over all 4 ranks either way, and the ring's sends and
+    receives; the command line selects it."""
+    fsdp, work, _ = _plan(FOUR_RANKS["fsdp"], "model=llama-tiny", "train.seq_len=256")
     cp = Candidate("fsdp", Degrees(dp_shard=2, cp=2))
     ring, _, _ = _plan(cp, "model=llama-tiny", "train.seq_len=256")
+    reduced = gradient_being_reduced(cp, holding(work.gpt), work.sizes)
+    assert reduced == gradient_being_reduced(FOUR_RANKS["fsdp"], holding(work.gpt), work.sizes) > 0
     # a micro-batch of the same rows (twice as many of them per rank: dp 2, not 4), half the tokens of each
-    assert ring.heaviest.activations == pytest.approx(fsdp.heaviest.activations / 2, rel=1e-6)
+    assert ring.heaviest.activations - reduced == pytest.approx((fsdp.heaviest.activations - reduced) / 2, rel=1e-6)
     assert ring.heaviest.model_states == pytest.approx(fsdp.heaviest.model_states, rel=1e-6)
     assert ring.traffic[0].bytes["send"] == ring.traffic[0].bytes["recv"] > 0 and "send" not in fsdp.traffic[0].bytes
     assert "parallel.cp=2" in cp.command_line()

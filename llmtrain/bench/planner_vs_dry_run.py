@@ -26,6 +26,7 @@ KINDS = ("parameters", "gradients", "optimizer state", "activations and temporar
 FAMILIES = {
     "gpt2": ["model=tiny", "model.d_model=256", "model.n_head=8"],
     "llama": ["model=llama-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
+    "mixtral": ["model=mixtral-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
 }
 SHAPE_LAYERS = 4
 SHAPE = [f"model.n_layer={SHAPE_LAYERS}", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
@@ -38,6 +39,7 @@ LAYOUTS = {
     "pp gpipe": ["parallel=pp", "parallel.pp_schedule=gpipe"],
     "pp_fsdp": ["parallel=pp_fsdp", "parallel.pp=2"],
     "3d": ["parallel=3d", "parallel.pp=2", "parallel.tp=2"],
+    "fsdp ep2": ["parallel=fsdp", "parallel.ep=2"],
 }
 
 
@@ -64,17 +66,27 @@ class Point:
 
 def grid(quick: bool) -> list[Point]:
     if quick:  # GPT-2's family on fsdp; Llama's where tensor parallelism splits it (with and without sp), on hsdp,
-        # and pipelined in 3-D at both ends of the pipeline
+        # and pipelined in 3-D at both ends of the pipeline; Mixtral's experts over 2 ranks
         layouts = ("hsdp", "fsdp_tp", "fsdp_tp no sp")
         return [
             Point("fsdp", "gpt2", "selective", 4),
             *(Point(layout, "llama", "selective", 4) for layout in layouts),
             *(Point("3d", "llama", "selective", 8, rank) for rank in (0, 7)),
+            Point("fsdp ep2", "mixtral", "none", 4),
         ]
     recomputes, worlds = ("none", "selective", "full"), (4, 64)
-    points = [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds)]
-    points = [p for p in points if p.layout != "pp gpipe" or p.world_size <= SHAPE_LAYERS]  # a stage per rank
+    points = [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds) if _runs(Point(*p))]
     return points + [replace(p, rank=p.world_size - 1) for p in points if "pp" in p.layout or p.layout == "3d"]
+
+
+def _runs(point: Point) -> bool:
+    """What the harness accepts: a pipeline stage per rank at least; experts (only Mixtral's family has them)
+    spread over ranks only without selective recomputation."""
+    if point.layout == "pp gpipe":
+        return point.world_size <= SHAPE_LAYERS
+    if "ep" in point.layout:
+        return point.family == "mixtral" and point.recompute != "selective"
+    return True
 
 
 def compare(point: Point) -> dict[str, Any]:

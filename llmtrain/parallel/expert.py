@@ -47,12 +47,8 @@ class AllToAllDispatch:
     def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         local = len(counts) // self.size
         received_counts = funcol.all_to_all_single(counts, None, None, self.group)
-        # (source rank, local expert) -> slots. The split sizes of both exchanges are read on the host together
-        # (the exchanges take them as lists): the block's one sync. Everything else stays on the device.
-        from_source = received_counts.view(self.size, local)
-        sizes = torch.cat([counts.view(self.size, local).sum(dim=1), from_source.sum(dim=1)]).tolist()
-        split_send, split_received = sizes[: self.size], sizes[self.size :]
-
+        from_source = received_counts.view(self.size, local)  # (source rank, local expert) -> slots
+        split_send, split_received = self.split_sizes(rows, counts.view(self.size, local), from_source)
         received = funcol.all_to_all_single_autograd(rows, split_received, split_send, self.group)
         expert_of_row = torch.arange(local, device=rows.device).repeat(self.size)
         expert_of_row = expert_of_row.repeat_interleave(from_source.flatten(), output_size=sum(split_received))
@@ -60,6 +56,16 @@ class AllToAllDispatch:
         outputs = experts(received[by_expert], from_source.sum(dim=0))
         outputs = outputs[by_expert.argsort()]
         return funcol.all_to_all_single_autograd(outputs, split_send, split_received, self.group)
+
+    def split_sizes(
+        self, rows: torch.Tensor, to_rank: torch.Tensor, from_rank: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
+        """The slots this rank sends to each rank and receives from each, from the (rank, local expert) counts of
+        its routed `rows` (ordered by destination) and of those it receives. The
+        split sizes of both exchanges are read on the host together (the exchanges take them as lists): the
+        block's one sync. Everything else stays on the device."""
+        sizes = torch.cat([to_rank.sum(dim=1), from_rank.sum(dim=1)]).tolist()
+        return sizes[: self.size], sizes[self.size :]
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:

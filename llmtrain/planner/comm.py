@@ -88,8 +88,10 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: St
         if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
             traffic.add("all_reduce", grads * sizes.grad * times, units * times)
             return traffic
-        # Under expert parallelism FSDP gathers and reduces only this rank's 1/ep of the experts.
-        not_here = held.experts - held.experts // d.ep
+        # Under expert parallelism FSDP gathers and reduces only this rank's 1/ep of the experts, and none where
+        # ep takes every sharded rank (the experts' FSDP then spans one rank).
+        experts_sharded = held.experts // d.ep if d.dp_shard_cp > d.ep else 0
+        not_here = held.experts - experts_sharded
         gathers = 2 if candidate.gathers_twice else 1
         gathered = (params - not_here) * gathers - (held.root if gathers == 2 else 0)
         traffic.add("all_gather", gathered * sizes.gathered(held) * times, (units * gathers - (gathers - 1)) * times)
@@ -202,14 +204,24 @@ def context_parallel_traffic(
 
 
 def expert_parallel_traffic(
-    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
+    candidate: Candidate,
+    cfg: GPTConfig,
+    held: Holding,
+    rows: int,
+    seq_len: int,
+    k: int,
+    sizes: StateBytes,
+    recompute: str,
 ) -> Traffic:
     """The all-to-alls of expert parallelism per step: the send buffers (the bytes a rank's slots occupy, of which
-    (ep-1)/ep leave it when routing is even)."""
+    (ep-1)/ep leave it when routing is even). Per mixture and micro-batch, forward exchanges the counts, then the
+    slots there and back, and backward the slots' gradients both ways; full recomputation runs forward's again."""
     d, traffic, m = candidate.degrees, Traffic(), cfg.moe
     if d.ep == 1 or not held.mixtures:
         return traffic
     slots = m.top_k * rows * (seq_len // d.cp) * cfg.d_model * sizes.compute
     exchanges = held.mixtures * k
-    traffic.add("all_to_all", exchanges * (4 * slots + m.num_experts * 8), exchanges * 5)  # counts are int64
+    forwards = 2 if recompute == "full" else 1
+    calls, sent = 3 * forwards + 2, 2 * forwards + 2
+    traffic.add("all_to_all", exchanges * (sent * slots + forwards * m.num_experts * 8), exchanges * calls)  # int64
     return traffic

@@ -186,7 +186,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
             muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)
         pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
         ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
-        experts = expert_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
+        experts = expert_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes, recompute)
         traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts).merge(muon_dp).merge(muon_tp))
         rank_dp = sum(
             _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))

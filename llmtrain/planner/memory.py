@@ -178,14 +178,15 @@ def layer_activations(
     """Bytes per layer and micro-batch (16-bit activations): Korthikanti's count without recomputation and for
     `full` (the block's input); for `selective`, what llmtrain's policy keeps (model/recompute.py): the block's
     input, the column-parallel and attention outputs (`terms.selective_split`, split by t), and per projection
-    back to the residual stream (the attention's and the MLP's) one whole-width output (the matmul's partial sum,
-    reduced in place without sequence parallelism), plus with sequence parallelism its reduce-scatter's 1/t, which
-    the policy keeps so that backward does not communicate again. Held to the dry run (tests/test_planner.py)."""
+    back to the residual stream (the attention's and the MLP's) one whole-width output (the matmul's partial sum)
+    and, under tensor parallelism, its reduction, which the policy keeps so that backward does not communicate
+    again: the reduce-scatter's 1/t with sequence parallelism, the all-reduce's whole width without (a functional
+    collective: a new tensor beside the partial sum). Held to the dry run (tests/test_planner.py)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
     if recompute == "selective":
         residual = 1 / t if sequence_parallel else 1.0
-        reduced = 2 / t if sequence_parallel and t > 1 else 0.0
+        reduced = (2 / t if sequence_parallel else 2.0) if t > 1 else 0.0
         return 2 * s * b * h * (residual + terms.selective_split / t + 2 + reduced)
     scores = 5 * a * s / h if scores_stored else 0.0
     if sequence_parallel or t == 1:
@@ -243,4 +244,12 @@ def activations(
         # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state
         # counted as gradients) exist only once that buffer is reduced, so the buffer adds the rest.
         total += held.trainable * 4 * (1 - 1 / d.dp_shard_cp)
-    return total
+    return total + gradient_being_reduced(candidate, held, sizes)
+
+
+def gradient_being_reduced(candidate: Candidate, held: Holding, sizes: StateBytes) -> float:
+    """FSDP's unit being reduced: its gradient in the compute dtype and, where that is not fp32, the fp32 copy the
+    reduce-scatter takes. A temporary of every token count, beside the activations."""
+    if candidate.sharding not in ("parameters", "gradients"):
+        return 0.0
+    return held.largest_unit * (sizes.compute + (4 if sizes.compute != 4 else 0))

@@ -20,8 +20,8 @@ from the plan (a fake group carries no values).
 
 What it does not do yet, and why: the tensors are fake CPU tensors under the CUDA run's precision policy
 (`train.precision=auto` becomes bf16), not fake CUDA ones: on a CPU-only build of torch, Python's tensor indexing
-asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp, ddp_tp) is C++ that reads tensor
-memory: those layouts are refused, as are expert parallelism (its all-to-all's split sizes are values), 8-bit
+asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp) is C++ that makes and reads tensors
+of its own: that layout is refused, as are expert parallelism (its all-to-all's split sizes are values), 8-bit
 optimizer state (its scales are values), the hand-written 1f1b_reference schedule (its shape headers are values)
 and FSDP's CPU offload (host and device are one here).
 """
@@ -59,6 +59,8 @@ from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_erro
 from llmtrain.job import build_parallel_model
 from llmtrain.model import GPT, ParameterInit
 from llmtrain.model.materialize import allocate
+from llmtrain.model.moe import MoE
+from llmtrain.parallel.expert import AllToAllDispatch
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.plan import ParallelPlan, check_layout
 from llmtrain.planner.auto import configured_cost
@@ -69,8 +71,6 @@ MIB, GIB = 2**20, 2**30
 # What a model that takes its vocabulary from the tokenizer (model.vocab_size=null) is sized for here: GPT-2's
 # tokenizer's 50,257, which the model pads to 50,304; a dry run reads no tokenizer.
 GPT2_VOCABULARY = 50257
-# The layouts whose data parallelism is DDP's C++ reducer, which reads tensor memory (catalog names).
-_DDP_LAYOUTS = ("ddp", "ddp_tp")
 
 
 def dry_run_config(overrides: list[str]) -> DryRunRootConfig:
@@ -89,10 +89,11 @@ def dry_run_config(overrides: list[str]) -> DryRunRootConfig:
 
 
 def _refuse_what_fake_tensors_cannot_run(plan: ParallelPlan, config: DryRunRootConfig) -> None:
-    if plan.name in _DDP_LAYOUTS:
+    if plan.spec.data_parallel == "ddp":
         raise ConfigError(
-            f"parallel={plan.name} cannot be dry-run: DDP's reducer reads tensor memory, which fake tensors do not "
-            f"have; dry-run parallel=zero1 (the same model states and traffic but a sharded optimizer) instead"
+            f"parallel={plan.name} cannot be dry-run: DistributedDataParallel's C++ reducer makes and reads tensors "
+            f"of its own, which are fake here and hold no values; dry-run parallel=zero1 (the same traffic and "
+            f"gradients, the optimizer state sharded) or parallel=ddp_tp parallel.tp=1 (DDP's semantics on FSDP2)"
         )
     if plan.pipelined and plan.parallel.pp_schedule == "1f1b_reference":
         raise ConfigError(
@@ -110,11 +111,6 @@ def _refuse_what_fake_tensors_cannot_run(plan: ParallelPlan, config: DryRunRootC
             "parallel.cpu_offload=true cannot be dry-run: the dry run's fake tensors are host tensors, so it cannot "
             "tell host memory from the device's; dry-run parallel.cpu_offload=false (the device then holds what "
             "it reports as parameters, gradients and optimizer state on top of the rest)"
-        )
-    if plan.degrees.ep > 1:
-        raise ConfigError(
-            f"parallel.ep={plan.degrees.ep} cannot be dry-run yet: the expert all-to-all's split sizes are values, "
-            f"which fake tensors do not have; dry-run parallel.ep=1 (the experts' weights sharded by FSDP instead)"
         )
 
 
@@ -146,7 +142,7 @@ def _op_name(name: str) -> str:
     """A c10d op's name as the planner's traffic names it (allgather_, _allgather_base_, all_gather_into_tensor ->
     all_gather)."""
     bare = name.strip("_").replace("_coalesced", "").replace("_base", "").replace("_into_tensor", "")
-    bare = bare.replace("_tensor", "")
+    bare = bare.replace("_tensor", "").replace("_single", "")
     return {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(bare, bare)
 
 
@@ -208,6 +204,7 @@ def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
             model = build_parallel_model(config, runtime, vocab_size, materializer=fake)
             fake.enter()  # a model without parameters to allocate
             _answer_the_pipeline_vote(model, config)
+            _route_evenly(model.module)
             measured = _steps(model, plan, config)
     finally:
         dist.destroy_process_group()
@@ -221,6 +218,25 @@ def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
     measured["layout"] = model.plan.describe()
     measured["precision"] = model.precision_description
     return measured
+
+
+class EvenAllToAll(AllToAllDispatch):
+    """Expert parallelism's exchange with the split sizes of an even routing: every rank sends each rank an equal
+    share of its slots, and receives as much (a fake group carries no counts to read them from). An even router
+    is what the load-balancing loss aims at; a skewed one makes the receiving ranks' buffers larger."""
+
+    def split_sizes(
+        self, rows: torch.Tensor, to_rank: torch.Tensor, from_rank: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
+        share, left = divmod(len(rows), self.size)
+        sizes = [share + (rank < left) for rank in range(self.size)]
+        return sizes, sizes
+
+
+def _route_evenly(module: nn.Module) -> None:
+    for block in module.modules():
+        if isinstance(block, MoE) and isinstance(block.dispatch, AllToAllDispatch):
+            block.dispatch = EvenAllToAll(block.dispatch.group)
 
 
 def _answer_the_pipeline_vote(model: ParallelModel, config: DryRunRootConfig) -> None:
@@ -312,10 +328,11 @@ class LiveMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            # A DTensor's own storage stands for its global shape: its local tensor is counted by the local op
-            # that made it. Meta tensors are DTensor's shape arithmetic.
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor) and tensor.device.type != "meta":
-                self._add(tensor.untyped_storage())
+            # A DTensor's own storage stands for its global shape; its local tensor, made by a local op that runs
+            # while this mode is set aside (inside the DTensor op), is what it holds. Meta tensors are DTensor's
+            # shape arithmetic.
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                self._add(_storage(tensor))
         return out
 
     def __enter__(self):
