@@ -796,7 +796,12 @@ class EvaluateRootConfig(RootConfig):
 @dataclass
 class DryRunConfig:
     world_size: int = key(8, at_least(1), "the job's ranks, e.g. 1024: one process stands in for one of them")
-    rank: int = key(0, at_least(0), "which rank to be (its pipeline stage, its place in the mesh); below world_size")
+    rank: Optional[int] = key(
+        None,
+        at_least(0),
+        "which rank to be (its pipeline stage, its place in the mesh), below world_size; null: the first rank of "
+        "each pipeline stage, one after another (one rank when the layout does not pipeline)",
+    )
     steps: int = key(
         2, at_least(2), "training steps to run; the last is measured (the first also allocates optimizer state)"
     )

@@ -286,7 +286,10 @@ def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     for row in layouts.values():
         sizes = row["per_rank_bytes"]
         assert set(sizes) == {"parameters", "gradients", "optimizer", "gathered", "activations", "total"}
-        assert math.isclose(sum(v for k, v in sizes.items() if k != "total"), sizes["total"], abs_tol=8)
+        # the parts, or with one micro-batch per step the larger of gradients and activations, which replace each
+        # other in backward
+        parts, overlap = sum(v for k, v in sizes.items() if k != "total"), min(sizes["gradients"], sizes["activations"])
+        assert any(math.isclose(sizes["total"], total, abs_tol=8) for total in (parts, parts - overlap))
         assert row["comm_bytes_per_step"] > 0 and row["step_time_s"] > 0 and row["max_parameters"] > 0
     assert plan["pick"] in layouts and layouts[plan["pick"]]["fits"]
     assert f"pick: {plan['pick']}" in printed

@@ -60,7 +60,6 @@ class Point:
             f"train.batch_size={batch}",
             f"train.activation_checkpointing={self.recompute}",
             f"dry_run.world_size={self.world_size}",
-            f"dry_run.rank={self.rank}",
         ]
 
 
@@ -90,10 +89,10 @@ def _runs(point: Point) -> bool:
 
 
 def compare(point: Point) -> dict[str, Any]:
-    result = dry_run(dry_run_config(point.overrides()))
+    result = dry_run(dry_run_config(point.overrides()), point.rank)
     planned = result["planned"]
     errors = {kind: _error(planned[kind], result["kinds"][kind]) for kind in KINDS}
-    errors["peak"] = _error(sum(planned[kind] for kind in KINDS), result["peak"])
+    errors["peak"] = _error(planned["peak"], result["peak"])
     for op, nbytes in result["bytes"].items():
         errors[op] = _error(planned["bytes"].get(op, 0), nbytes)
     return {

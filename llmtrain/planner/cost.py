@@ -178,7 +178,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks, d.ep)
         states = model_states(c, _scaled(held, factor), work.sizes)
         acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, recompute, work.sizes)
-        ranks.append(RankMemory(*states, acts))
+        ranks.append(RankMemory(*states, acts, gradients_replace_activations=k == 1 and d.pp == 1))
         dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
         tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes, recompute)
         muon_dp, muon_tp = Traffic(), Traffic()

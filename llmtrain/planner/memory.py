@@ -70,6 +70,9 @@ class RankMemory:
     optimizer: float
     gathered: float
     activations: float
+    # One micro-batch per step: backward frees the activations as it makes the gradients, so the peak holds the
+    # larger of the two, not both (with more, the first micro-batch's gradients wait beside the next one's).
+    gradients_replace_activations: bool = False
 
     @property
     def model_states(self) -> float:
@@ -77,6 +80,8 @@ class RankMemory:
 
     @property
     def total(self) -> float:
+        if self.gradients_replace_activations:
+            return self.parameters + self.optimizer + self.gathered + max(self.gradients, self.activations)
         return self.model_states + self.gathered + self.activations
 
     def as_dict(self) -> dict[str, float]:
@@ -235,10 +240,14 @@ def activations(
     if recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
         total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
     total *= sizes.compute / 2
-    if held.last:  # the logits, and the loss's fp32 copy, of each micro-batch the last stage holds
+    if held.last:
+        # Per micro-batch in flight, the loss keeps its fp32 log-probabilities, and a pipeline's last stage also
+        # the logits it returned; backward adds two fp32 gradients of that size (the log-probabilities' and the
+        # logits').
         vocab_split = d.tp if candidate.loss_parallel else 1
         logits_in_flight = microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
-        total += logits_in_flight * s * b * gpt.padded_vocab_size * (sizes.compute + 4) / vocab_split
+        kept = 4 + (sizes.compute if d.pp > 1 else 0)
+        total += (logits_in_flight * kept + 2 * 4) * s * b * gpt.padded_vocab_size / vocab_split
     if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):
         # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
         # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state

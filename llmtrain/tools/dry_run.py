@@ -2,11 +2,12 @@
 layout on one CPU before the queue does. Examples:
 
     python -m llmtrain.tools.dry_run parallel=fsdp model=gpt2 dry_run.world_size=64
-    python -m llmtrain.tools.dry_run parallel=fsdp_tp parallel.tp=8 model=llama3.2-1b model.n_layer=80 \\
-        model.d_model=8192 model.n_head=64 model.n_kv_head=8 model.d_ff=28672 train.seq_len=4096 \\
-        train.batch_size=1024 train.micro_batch_size=1 dry_run.world_size=1024 dry_run.rank=517
+    python -m llmtrain.tools.dry_run parallel=3d parallel.pp=8 parallel.tp=8 model=llama3.2-1b model.n_layer=80 \\
+        model.d_model=8192 model.n_head=64 model.n_kv_head=8 model.d_ff=28672 model.tie_embeddings=false \\
+        train.seq_len=4096 train.batch_size=1024 train.micro_batch_size=1 dry_run.world_size=1024 dry_run.rank=517
 
-One process stands in for rank r of an N-rank job. It joins a fake process group of N ranks (torch's `fake`
+One process stands in for rank r of an N-rank job (without dry_run.rank, for the first rank of each pipeline
+stage in turn: the ranks whose memory and traffic differ). It joins a fake process group of N ranks (torch's `fake`
 backend: every collective returns at once), lays the model out with training's own code (ParallelModel: the
 mesh, FSDP2, DTensor tensor parallelism, the optimizer), allocates its parameters as fake tensors (shapes, dtypes
 and devices, no memory) and runs `dry_run.steps` training steps: forward, backward, clipping, optimizer. The last
@@ -14,14 +15,15 @@ step is measured: the rank's peak memory by kind (LiveMemory below) and every co
 what the planner predicts for the same layout. A layout that would crash (a shape that does not split, a dtype
 mix) ends in one line naming the module and the error, exit 2.
 
-Pipelines run their schedule as rank r's stages would: every message to or from another rank is a collective of
-the fake group, and the shapes torch's stages would agree on over the group at the first step are given to them
-from the plan (a fake group carries no values).
+A fake group carries no values, so where a layout reads one that another rank sent, the dry run answers as the
+plan implies: pipelines run their schedule as rank r's stages would, every message to or from another rank a
+collective of the fake group, their stages given the message shapes torch's would agree on at the first step;
+expert parallelism's all-to-alls split the tokens as an even router would (what its balancing loss aims at).
 
 What it does not do yet, and why: the tensors are fake CPU tensors under the CUDA run's precision policy
 (`train.precision=auto` becomes bf16), not fake CUDA ones: on a CPU-only build of torch, Python's tensor indexing
 asks for a CUDA device guard that does not exist. DDP's reducer (parallel=ddp) is C++ that makes and reads tensors
-of its own: that layout is refused, as are expert parallelism (its all-to-all's split sizes are values), 8-bit
+of its own: that layout is refused (dry-run zero1, or ddp_tp with tp 1: DDP's semantics on FSDP2), as are 8-bit
 optimizer state (its scales are values), the hand-written 1f1b_reference schedule (its shape headers are values)
 and FSDP's CPU offload (host and device are one here).
 """
@@ -80,7 +82,7 @@ def dry_run_config(overrides: list[str]) -> DryRunRootConfig:
     validate(OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RootConfig)]))  # training's rules
     config = cast(DryRunRootConfig, OmegaConf.to_object(cfg))
     world, rank = config.dry_run.world_size, config.dry_run.rank
-    if rank >= world:
+    if rank is not None and rank >= world:
         raise ConfigError(f"dry_run.rank={rank} is not a rank of dry_run.world_size={world}: set it below {world}")
     check_layout(config, [o for o in overrides if not o.startswith("dry_run.")], world)
     if config.train.precision == "auto":  # what `auto` is on CUDA, the run this one stands in for
@@ -186,12 +188,22 @@ class FakeFromAllocation:
             self.entered = True
 
 
-def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
-    """Build the layout as rank dry_run.rank of dry_run.world_size and run its steps; what the last one held and
-    sent, and the planner's prediction."""
+def ranks_to_run(config: DryRunRootConfig) -> list[int]:
+    """dry_run.rank, or the first rank of each pipeline stage (the outermost mesh dimension): the ranks whose
+    memory and traffic differ. Within a stage, tensor, expert and data-parallel positions hold equal shares."""
+    if config.dry_run.rank is not None:
+        return [config.dry_run.rank]
+    world = config.dry_run.world_size
+    pp = ParallelPlan.of(config.parallel, config.train, config.model, world).degrees.pp
+    return [stage * (world // pp) for stage in range(pp)]
+
+
+def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
+    """Build the layout as `rank` of dry_run.world_size and run its steps; what the last one held and sent, and
+    the planner's prediction."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world, rank = config.dry_run.world_size, config.dry_run.rank
+    world = config.dry_run.world_size
     plan = ParallelPlan.of(config.parallel, config.train, config.model, world)
     _refuse_what_fake_tensors_cannot_run(plan, config)
     started = time.perf_counter()
@@ -205,13 +217,13 @@ def dry_run(config: DryRunRootConfig) -> dict[str, Any]:
             fake.enter()  # a model without parameters to allocate
             _answer_the_pipeline_vote(model, config)
             _route_evenly(model.module)
-            measured = _steps(model, plan, config)
+            measured = _steps(model, plan, config, rank)
     finally:
         dist.destroy_process_group()
         # DTensor caches the layouts of its ops by mesh shape, naming the groups of the mesh that made them: a
         # later dry run in this process has meshes of the same shapes over new groups.
         _clear_sharding_prop_cache()
-    measured["seconds"] = time.perf_counter() - started
+    measured["rank"], measured["seconds"] = rank, time.perf_counter() - started
     pp_rank = model.pipeline.rank if model.pipeline is not None else 0
     measured["planned"] = _planned(config, vocab_size, pp_rank)
     measured["pp_rank"] = pp_rank
@@ -357,7 +369,7 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
     return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
 
 
-def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig) -> dict[str, Any]:
+def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig, rank: int) -> dict[str, Any]:
     """The training steps, in the fake mode the build entered."""
     size, count = plan.micro_batching()
     trail = _ModuleTrail(model.module)
@@ -374,9 +386,7 @@ def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig) -
                 model.optimizer.step()
                 model.optimizer.zero_grad(set_to_none=True)
             except Exception as error:
-                raise ConfigError(
-                    f"the layout fails on rank {config.dry_run.rank} in {trail.where()}: {first_line(error)}"
-                ) from error
+                raise ConfigError(f"the layout fails on rank {rank} in {trail.where()}: {first_line(error)}") from error
     assert isinstance(memory, LiveMemory)
     return {"peak": memory.peak, "kinds": memory.peak_kinds, "calls": dict(tally.calls), "bytes": dict(tally.bytes)}
 
@@ -392,30 +402,47 @@ def _planned(config: DryRunRootConfig, vocab_size: int, pp_rank: int) -> dict[st
         "gradients": memory.gradients,
         "optimizer state": memory.optimizer,
         "activations and temporaries": memory.activations + memory.gathered,
+        "peak": memory.total,
         "bytes": dict(traffic.bytes),
         "calls": dict(traffic.calls),
     }
 
 
-def report(result: dict[str, Any], config: DryRunRootConfig) -> str:
-    d = config.dry_run
-    unit, scale = ("GiB", GIB) if result["peak"] >= GIB else ("MiB", MIB)
-    planned = result["planned"]
+def report(results: list[dict[str, Any]], config: DryRunRootConfig) -> str:
+    """One row per rank: its memory at the step's peak by kind, then its collectives, as measured / planned."""
+    d, first = config.dry_run, results[0]
+    unit, scale = ("GiB", GIB) if max(r["peak"] for r in results) >= GIB else ("MiB", MIB)
+    ranks = "rank" if len(results) == 1 else f"{len(results)} ranks (the first of each pipeline stage)"
     lines = [
-        f"dry run   rank {d.rank} of {d.world_size}: {result['layout']}; {result['precision']}; "
-        f"{d.steps} steps in {result['seconds']:.1f} s (fake tensors, fake process group)",
+        f"dry run   {ranks} of {d.world_size}: {first['layout']}; {first['precision']}; {d.steps} steps each, in "
+        f"{sum(r['seconds'] for r in results):.1f} s (fake tensors, fake process group)",
         "",
-        f"{f'memory at the step peak ({unit})':32}{'measured':>10}{'planned':>10}",
+        f"memory at the step peak ({unit}), measured / planned",
+        f"{'rank':>6}{'stage':>6}" + "".join(f"{_SHORT.get(kind, kind):>18}" for kind in [*first["kinds"], "peak"]),
     ]
-    for kind, nbytes in result["kinds"].items():
-        lines.append(f"  {kind:30}{nbytes / scale:10.2f}{planned[kind] / scale:10.2f}")
-    planned_total = sum(planned[kind] for kind in result["kinds"])
-    lines.append(f"  {'peak':30}{result['peak'] / scale:10.2f}{planned_total / scale:10.2f}")
-    lines += ["", f"{f'collectives in the step ({unit})':32}{'calls':>10}{'measured':>10}{'planned':>10}"]
-    for op in sorted(set(result["calls"]) | set(planned["bytes"])):
-        calls, nbytes = result["calls"].get(op, 0), result["bytes"].get(op, 0)
-        lines.append(f"  {op:30}{calls:10d}{nbytes / scale:10.3f}{planned['bytes'].get(op, 0) / scale:10.3f}")
+    for r in results:
+        planned = r["planned"]
+        pairs = [(r["kinds"][kind], planned[kind]) for kind in first["kinds"]]
+        pairs.append((r["peak"], planned["peak"]))
+        lines.append(f"{r['rank']:6d}{r['pp_rank']:6d}" + "".join(_cell(m, p, scale, 2) for m, p in pairs))
+    ops = sorted({op for r in results for op in [*r["calls"], *r["planned"]["bytes"]]})
+    lines += ["", f"collectives in the step ({unit}), measured / planned, and the calls measured"]
+    lines.append(f"{'rank':>6}{'stage':>6}" + "".join(f"{op:>24}" for op in ops))
+    for r in results:
+        cells = "".join(
+            _cell(r["bytes"].get(op, 0), r["planned"]["bytes"].get(op, 0), scale, 3, r["calls"].get(op, 0))
+            for op in ops
+        )
+        lines.append(f"{r['rank']:6d}{r['pp_rank']:6d}{cells}")
     return "\n".join(lines)
+
+
+_SHORT = {"optimizer state": "optimizer", "activations and temporaries": "activations+temp"}
+
+
+def _cell(measured: float, planned: float, scale: int, digits: int, calls: int | None = None) -> str:
+    text = f"{measured / scale:.{digits}f} / {planned / scale:.{digits}f}"
+    return f"{text} ({calls})".rjust(24) if calls is not None else text.rjust(18)
 
 
 def main(argv: list[str]) -> None:
@@ -428,10 +455,15 @@ def main(argv: list[str]) -> None:
         return
     with exits_on_run_error():
         config = dry_run_config(argv)
-        result = dry_run(config)
-    print(report(result, config))
+        ranks = ranks_to_run(config)
+        results: list[dict[str, Any]] = []
+        for rank in ranks:
+            if len(ranks) > 1:
+                print(f"dry-running rank {rank} ({len(results) + 1} of {len(ranks)})", file=sys.stderr, flush=True)
+            results.append(dry_run(config, rank))
+    print(report(results, config))
     if config.dry_run.output:
-        write_json_atomic(config.dry_run.output, result)
+        write_json_atomic(config.dry_run.output, {"ranks": results})
         print(f"results: {config.dry_run.output}")
 
 

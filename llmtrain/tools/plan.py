@@ -112,7 +112,11 @@ def format_table(plans: list[LayoutCost], facts: dict[str, Any]) -> str:
     columns = ("layout", "params", "grads", "optim", "gathered", "activ", "total", "fits", "comm/step", "step s",
                "max params", "+activ")  # fmt: skip
     lines = [head, *([f"note: {facts['batch_note']}"] if "batch_note" in facts else [])]
-    lines += ["GiB per rank (heaviest pipeline rank):", "  ".join(f"{c:>10}" for c in columns)]
+    lines += [
+        "GiB per rank (heaviest pipeline rank; with one micro-batch per step the total counts the larger of grads and "
+        "activ, which backward trades for each other):",
+        "  ".join(f"{c:>10}" for c in columns),
+    ]
     for p in plans:
         m = p.heaviest
         cells = [p.name, *(f"{v / GIB:.2f}" for v in (m.parameters, m.gradients, m.optimizer, m.gathered,

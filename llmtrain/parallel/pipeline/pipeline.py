@@ -138,10 +138,12 @@ class Pipeline:
         the whole pipeline."""
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
+        # torch's schedules would otherwise keep every micro-batch's logits on the last stage to return them
+        outputs = {} if isinstance(self.schedule, Reference1F1B) else {"return_outputs": False}
         if 0 in self.stage_indices:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            self.schedule.step(inputs, target=targets, losses=losses, **outputs)
         else:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=targets, losses=losses, **outputs)
         self._sum_tied_gradients()
         mean = torch.stack([full_tensor(loss) for loss in losses]).mean() if losses else None
         return self.share(mean if mean is not None else torch.zeros((), device=self.runtime.device))
