@@ -419,3 +419,18 @@ def test_the_planner_is_held_to_published_runs():
     errors = [abs(p.error) for p in predictions]
     assert max(errors) < 0.40, [(p.run.model, p.run.hardware, p.run.seq_len, round(p.error, 3)) for p in predictions]
     assert sorted(errors)[len(errors) // 2] < 0.15
+
+
+@pytest.mark.slow
+def test_the_planner_is_held_to_published_memory():
+    """torchtitan's published Llama 3.1 runs (8B on 8 and 128 H100s with FSDP, with context parallelism up to 256K
+    tokens, 70B with FSDP and tensor parallelism on 256), each planned as llmtrain runs it: memory per GPU and
+    tokens/s/GPU within 40% of the published for every run, 25% at the median (measured today: memory median
+    20.8%, worst +35.4% on 128 GPUs, where the published figure is the allocator's reserved bytes of torchtitan's
+    code; tokens median 18.0%, worst +37.1%)."""
+    from llmtrain.bench.published_runs import predict_llama
+    from llmtrain.planner.published import PUBLISHED_LLAMA_RUNS
+
+    predictions = [predict_llama(run) for run in PUBLISHED_LLAMA_RUNS]
+    for errors in ([abs(p.memory_error) for p in predictions], [abs(p.tokens_error) for p in predictions]):
+        assert max(errors) < 0.40 and sorted(errors)[len(errors) // 2] < 0.25, errors

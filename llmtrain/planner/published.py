@@ -1,13 +1,21 @@
-"""Published measurements of real training runs, each as llmtrain would run it: what the planner's step times are
-checked against (llmtrain/bench/published_runs.py, tests/test_planner.py) and what its efficiencies are
-calibrated from (`hardware.mfu` of a100x8 and h100x8: the median HFU of each machine's rows below).
+"""Published measurements of real training runs, each as llmtrain would run it: what the planner's step times and
+memory are checked against (llmtrain/bench/published_runs.py, tests/test_planner.py) and what its efficiencies
+are calibrated from (`hardware.mfu` of a100x8 and h100x8: the median HFU of each machine's MPT rows below).
 
-Source: MosaicML's llm-foundry, scripts/train/benchmarking/README.md ("MPT Training Benchmarks"), the tables
+Throughput. Source: MosaicML's llm-foundry, scripts/train/benchmarking/README.md ("MPT Training Benchmarks"), the tables
 "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": MPT models (GPT-2's block: biases,
 LayerNorm, GELU at 4 x d_model, learned positions, a tied head, vocabulary 50,368) trained with FSDP FULL_SHARD in
 bf16, each row a global batch, micro-batch, sequence length, GPU count, activation checkpointing on or off, and the
 measured tokens per second per GPU, MFU and HFU. Their parameter counts (NumParams) are the shapes' exactly. The
 rows here span every model size, short and long sequences, one node and eight, with and without checkpointing.
+
+Memory and throughput. Source: torchtitan's benchmarks/llama3_h100_202412_torchtitan.md ("performance benchmarks
+... at the end of 2024"): Llama 3.1 8B and 70B on H100s of 95 GiB (HBM2e, at 500 W, below the SXM part's peak)
+with FSDP, context parallelism and tensor parallelism, bf16, sequences of 8K (torchtitan's default) to 256K, each
+row a layout, local batch, activation checkpointing, torch.compile and float8 on or off, and the measured
+tokens per second per GPU and memory per GPU (the largest over the GPUs of the CUDA allocator's reserved bytes,
+which exceed the tensors' by its cache). Rows with asynchronous tensor parallelism, which llmtrain does not have,
+are left out.
 """
 
 from __future__ import annotations
@@ -80,4 +88,67 @@ PUBLISHED_RUNS = (
     PublishedRun("13b", "a100x8", 8, 2048, 2, 48, False, 2262, 0.5957, 12853954560),
     PublishedRun("30b", "a100x8", 8, 2048, 3, 504, True, 916, 0.7374, 29975214080),
     PublishedRun("70b", "a100x8", 64, 2048, 8, 2048, True, 410, 0.7110, 64862437376),
+)
+
+TORCHTITAN_SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+LLAMA31_VOCABULARY = 128256
+# Llama 3.1's sizes: (n_layer, d_model, n_head, n_kv_head, d_ff).
+LLAMA31_SHAPES = {"8b": (32, 4096, 32, 8, 14336), "70b": (80, 8192, 64, 8, 28672)}
+
+
+@dataclass(frozen=True)
+class PublishedLlamaRun:
+    model: str  # a LLAMA31_SHAPES name
+    gpus: int
+    layout: tuple[str, ...]  # llmtrain's parallel overrides for torchtitan's layout
+    data_parallel: int  # the ranks the global batch is split over (torchtitan's FSDP degree)
+    seq_len: int
+    local_batch: int  # sequences per data-parallel rank per step, one micro-batch
+    checkpointing: str  # llmtrain's train.activation_checkpointing for torchtitan's (selective op, full)
+    compile: bool
+    float8: bool  # torchtitan's tensorwise float8 on the blocks' Linear layers
+    tokens_per_gpu: float  # measured tokens per second per GPU
+    memory_gib: float  # measured peak reserved memory per GPU
+
+    def overrides(self) -> list[str]:
+        n_layer, d_model, n_head, n_kv_head, d_ff = LLAMA31_SHAPES[self.model]
+        return [
+            "model=llama3.2-1b",
+            f"model.n_layer={n_layer}",
+            f"model.d_model={d_model}",
+            f"model.n_head={n_head}",
+            f"model.n_kv_head={n_kv_head}",
+            f"model.d_ff={d_ff}",
+            "model.tie_embeddings=false",
+            f"model.vocab_size={LLAMA31_VOCABULARY}",
+            f"model.max_seq_len={self.seq_len}",
+            f"train.seq_len={self.seq_len}",
+            f"train.batch_size={self.local_batch * self.data_parallel}",
+            f"train.micro_batch_size={self.local_batch}",
+            f"train.activation_checkpointing={self.checkpointing}",
+            f"train.compile={str(self.compile).lower()}",
+            f"train.float8={'tensorwise' if self.float8 else 'none'}",
+            "train.precision=bf16",
+            "hardware=h100x8",
+            "hardware.device_memory_gib=95",
+            f"hardware.nodes={max(1, self.gpus // 8)}",
+            *self.layout,
+        ]
+
+
+_FSDP, _CP = ("parallel=fsdp",), "parallel.cp"
+# model, GPUs, layout, data-parallel ranks, sequence, local batch, checkpointing, compile, float8, tokens/s/GPU,
+# memory GiB: tables 1-4 as published (table 4's 2-D row without async TP; tables 5 and 6 use it throughout)
+PUBLISHED_LLAMA_RUNS = (
+    PublishedLlamaRun("8b", 8, _FSDP, 8, 8192, 2, "selective", False, False, 5762, 82.4),
+    PublishedLlamaRun("8b", 8, _FSDP, 8, 8192, 2, "selective", True, False, 6667, 77.0),
+    PublishedLlamaRun("8b", 8, _FSDP, 8, 8192, 2, "selective", True, True, 8532, 76.8),
+    PublishedLlamaRun("8b", 8, _FSDP, 8, 32768, 1, "full", True, True, 3890, 83.9),
+    PublishedLlamaRun("8b", 8, (*_FSDP, f"{_CP}=2"), 4, 65536, 1, "full", True, True, 2540, 84.2),
+    PublishedLlamaRun("8b", 8, (*_FSDP, f"{_CP}=4"), 2, 131072, 1, "full", True, True, 1071, 84.0),
+    PublishedLlamaRun("8b", 8, (*_FSDP, f"{_CP}=8"), 1, 262144, 1, "full", True, True, 548, 84.5),
+    PublishedLlamaRun("8b", 128, _FSDP, 128, 8192, 2, "selective", False, False, 5605, 67.0),
+    PublishedLlamaRun("8b", 128, _FSDP, 128, 8192, 2, "selective", True, False, 6514, 62.0),
+    PublishedLlamaRun("8b", 128, _FSDP, 128, 8192, 2, "selective", True, True, 8380, 61.8),
+    PublishedLlamaRun("70b", 256, ("parallel=fsdp_tp", "parallel.tp=8"), 32, 8192, 16, "full", True, True, 829, 71.9),
 )
