@@ -412,7 +412,7 @@ def report(results: list[dict[str, Any]], config: DryRunRootConfig) -> str:
     """One row per rank: its memory at the step's peak by kind, then its collectives, as measured / planned."""
     d, first = config.dry_run, results[0]
     unit, scale = ("GiB", GIB) if max(r["peak"] for r in results) >= GIB else ("MiB", MIB)
-    ranks = "rank" if len(results) == 1 else f"{len(results)} ranks (the first of each pipeline stage)"
+    ranks = f"rank {first['rank']}" if len(results) == 1 else f"{len(results)} ranks (the first of each pipeline stage)"
     lines = [
         f"dry run   {ranks} of {d.world_size}: {first['layout']}; {first['precision']}; {d.steps} steps each, in "
         f"{sum(r['seconds'] for r in results):.1f} s (fake tensors, fake process group)",
@@ -427,7 +427,7 @@ def report(results: list[dict[str, Any]], config: DryRunRootConfig) -> str:
         lines.append(f"{r['rank']:6d}{r['pp_rank']:6d}" + "".join(_cell(m, p, scale, 2) for m, p in pairs))
     ops = sorted({op for r in results for op in [*r["calls"], *r["planned"]["bytes"]]})
     lines += ["", f"collectives in the step ({unit}), measured / planned, and the calls measured"]
-    lines.append(f"{'rank':>6}{'stage':>6}" + "".join(f"{op:>24}" for op in ops))
+    lines.append(f"{'rank':>6}{'stage':>6}" + "".join(f"{op:>27}" for op in ops))
     for r in results:
         cells = "".join(
             _cell(r["bytes"].get(op, 0), r["planned"]["bytes"].get(op, 0), scale, 3, r["calls"].get(op, 0))
@@ -442,7 +442,7 @@ _SHORT = {"optimizer state": "optimizer", "activations and temporaries": "activa
 
 def _cell(measured: float, planned: float, scale: int, digits: int, calls: int | None = None) -> str:
     text = f"{measured / scale:.{digits}f} / {planned / scale:.{digits}f}"
-    return f"{text} ({calls})".rjust(24) if calls is not None else text.rjust(18)
+    return f"{text} ({calls})".rjust(27) if calls is not None else text.rjust(18)
 
 
 def main(argv: list[str]) -> None:
