@@ -340,6 +340,8 @@ TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the
 # planner turns it up in this order when a layout does not fit.
 RECOMPUTE_MODES = ("none", "selective", "full")
+# train.attention (llmtrain/model/documents.py): over the whole packed window, or within each packed document.
+ATTENTION_MODES = ("causal", "document")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # optim.lr_schedule (llmtrain/optim/lr_schedule.py describes each).

@@ -536,6 +536,14 @@ class TrainConfig:
         "data-parallel ranks)",
     )
     seq_len: int = key(128, at_least(1), "tokens per sequence, at most `model.max_seq_len`")
+    attention: str = key(
+        "causal",
+        OneOf(catalog.ATTENTION_MODES),
+        "`causal`: every token attends to all before it in its packed window, across documents; `document`: only "
+        "to those of its own document (a document ends at the tokenizer's end-of-text token), with positions "
+        "restarting at each document: FlexAttention on CUDA, SDPA with a mask on CPU, the ring under context "
+        "parallelism (`model/documents.py`)",
+    )
     eval_every: int = key(50, at_least(0), "validate every N steps and at the last step; 0 disables")
     eval_batches: int = key(
         2,

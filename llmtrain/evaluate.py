@@ -140,17 +140,18 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
     t = config.train
     # The plan's checks read train.seq_len (a row is at most the model's length) and a batch every layout divides.
     train = dataclasses.replace(t, seq_len=gpt_cfg.max_seq_len, batch_size=t.micro_batch_size * runtime.world_size)
+    hf_tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
     model = build_parallel_model(
         dataclasses.replace(config, model=model_group_of(gpt_cfg, config.model), train=train),
         runtime,
         gpt_cfg.vocab_size,
+        eos_id=hf_tokenizer.eos_token_id,
     )
     check_model_matches(checkpoint, gpt_cfg)  # the shape went through the model group and back unchanged
     state = model_weights_state(model)
     load_checkpoint(checkpoint, state.values, runtime.distributed)
     load_model_weights_state(model, state)
     model.module.eval()
-    hf_tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
     tokenizer = FastTokenizer(hf_tokenizer, eos_id=hf_tokenizer.eos_token_id, vocab_size=len(hf_tokenizer))
     return LiveModel(model, tokenizer, gpt_cfg.max_seq_len, t.micro_batch_size, show_progress=runtime.is_main)
 

@@ -221,10 +221,15 @@ def _plan(runtime: Runtime) -> str:
 
 
 def build_parallel_model(
-    config: RootConfig | DictConfig, runtime: Runtime, vocab_size: int, materializer: Materializer = materialize
+    config: RootConfig | DictConfig,
+    runtime: Runtime,
+    vocab_size: int,
+    materializer: Materializer = materialize,
+    eos_id: int | None = None,
 ) -> ParallelModel:
     """The model of `config` laid out on this rank with its optimizer, as training builds it (for tools and tests
-    that run steps of their own; a dry run allocates it with a `materializer` of its own)."""
+    that run steps of their own; a dry run allocates it with a `materializer` of its own). `eos_id`: the
+    tokenizer's end-of-text token (needed with train.attention=document)."""
     if isinstance(config, DictConfig):
         config = cast(RootConfig, OmegaConf.to_object(config))
     plan = ParallelPlan.of(config.parallel, config.train, config.model, runtime.world_size)
@@ -235,6 +240,7 @@ def build_parallel_model(
         runtime,
         meta_model(config.model, vocab_size, config.train.activation_checkpointing),
         materializer,
+        eos_id,
     )
 
 
@@ -245,10 +251,11 @@ def _laid_out(
     runtime: Runtime,
     meta: GPT,
     materializer: Materializer = materialize,
+    eos_id: int | None = None,
 ) -> ParallelModel:
     """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
     init = initial_weights(config.model, meta, config.seed)
-    return ParallelModel(plan, mesh, runtime, meta, init, config.optim, materializer)
+    return ParallelModel(plan, mesh, runtime, meta, init, config.optim, materializer, eos_id)
 
 
 def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:
@@ -305,7 +312,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with MemoryPeak(runtime.device) as build:
-            model = _laid_out(config, plan, mesh, runtime, meta)
+            model = _laid_out(config, plan, mesh, runtime, meta, eos_id=tokenizer.eos_id)
         held = held_bytes(model.module, model.optimizer, config.optim)
         memory = _memory_summary(runtime, held, build.bytes)
         lr_schedule = build_lr_schedule(model.optimizer, t.steps, config.optim)

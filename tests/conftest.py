@@ -48,6 +48,12 @@ from llmtrain.tools.compare_runs import METRICS, compare
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
+# Short documents (the first lines of the standard library's docstrings, 47 characters on average), so that most
+# windows of the layout tests hold several packed documents, and the overrides that train on them within each one
+# (train.attention=document; tests/test_documents.py).
+DOCUMENT_CORPUS = TESTS / "data" / "short_documents.jsonl"
+DOCUMENTS = f"data=local data.path={DOCUMENT_CORPUS} data.tokenizer.kind=byte train.attention=document"
+
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
 FAST = [
     "train.device=cpu",

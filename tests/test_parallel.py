@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     BF16,
+    DOCUMENTS,
     PARITY,
     assert_console_quiet,
     assert_matches_single,
@@ -61,6 +62,12 @@ LAYOUTS = {
         f"{BF16} parallel=fsdp parallel.reduce_once_per_step=true",
         f"{BF16} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
         f"{BF16} parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
+        # packed documents that never see each other (test_documents.py): masks and per-document positions through
+        # compiled recomputed blocks, sequence-parallel position lookups, every pipeline stage, bf16
+        f"{DOCUMENTS} parallel=fsdp train.activation_checkpointing=selective train.compile=true",
+        f"{DOCUMENTS} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
+        f"{DOCUMENTS} parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
+        f"{DOCUMENTS} {BF16} parallel=ddp",
     ],
     4: [
         "parallel=hsdp parallel.dp_shard=2",
@@ -84,6 +91,8 @@ LAYOUTS = {
         f"model=moe-tiny {BF16} parallel=fsdp parallel.ep=2",
         f"model=mixtral-tiny {BF16} parallel=fsdp_tp parallel.tp=2",
         f"model=mixtral-tiny {BF16} parallel=pp parallel.pp_schedule=1f1b",
+        f"{DOCUMENTS} parallel=3d",
+        f"model=llama-tiny {DOCUMENTS} parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",
     ],
 }
 

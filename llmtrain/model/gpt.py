@@ -17,6 +17,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch import nn
 
 from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.documents import PackedDocuments, document_attention, visible, whole_window_documents
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
@@ -96,8 +98,14 @@ class WholeSequence:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return torch.arange(t, device=device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+    def documents(self, starts: torch.Tensor) -> PackedDocuments:
+        """Packed documents (model/documents.py) from where each position's document starts (batch, t)."""
+        return whole_window_documents(starts)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments | None = None
+    ) -> torch.Tensor:
+        return causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents)
 
 
 # The dtypes in which CUDA's flash kernel runs, the one fused kernel that takes fewer key/value heads than queries.
@@ -133,7 +141,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
+        """`documents`: the packed documents the attention stays within (None: causal over the whole window)."""
         q, k, v = (
             rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
@@ -141,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         if self.rope is not None:
             # Recomputed per call rather than cached: a few head_dim x t elements, made on the device (a cache
             # would be a buffer that meta-device construction and every layout would have to carry).
-            positions = self.sequence.positions(q.shape[2], q.device)
+            positions = self.sequence.positions(q.shape[2], q.device) if documents is None else documents.positions
             cos, sin = rotation(positions, frequencies(self.head_dim, *self.rope, device=q.device))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.training and self.attn_dropout.p > 0:
@@ -149,12 +158,15 @@ class CausalSelfAttention(nn.Module):
             # draws its own mask, which would depend on how heads are split across ranks. Hence its own key.
             if q.shape[1] != k.shape[1]:
                 k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
-            t = q.shape[2]
-            future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-            scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(future, float("-inf"))
+            index = torch.arange(q.shape[2], device=q.device)
+            if documents is None:
+                seen = index[None, :] <= index[:, None]
+            else:
+                seen = visible(documents.starts, index, index)
+            scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(~seen, float("-inf"))
             y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
         else:
-            y = self.sequence.attention(q, k, v)
+            y = self.sequence.attention(q, k, v, documents)
         return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
@@ -202,11 +214,11 @@ class Block(nn.Module):
         self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
         self.recompute = recompute  # what backward recomputes (train.activation_checkpointing, model/recompute.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recomputed(self._residual, self.recompute, x)
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
+        return recomputed(partial(self._residual, documents=documents), self.recompute, x)
 
-    def _residual(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def _residual(self, x: torch.Tensor, documents: PackedDocuments | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents=documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -257,16 +269,20 @@ class GPT(LayeredModel):
                 # tensor parallelism shards it with the head's rows.
                 self.lm_head.bias.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
-        stream (batch, seq, d_model) instead, and a part without the head returns it."""
+        stream (batch, seq, d_model) instead, and a part without the head returns it. `documents`: where the
+        packed document of each position starts (batch, seq; model/documents.py), or None for causal attention over
+        the whole window."""
+        packed = None if documents is None else self.sequence.documents(documents)
         if self.tok_emb is not None and self.emb_dropout is not None:
             embedded = self.tok_emb(x)
             if self.pos_emb is not None:
-                embedded = embedded + self.pos_emb(self.sequence.positions(x.shape[1], x.device))
+                positions = self.sequence.positions(x.shape[1], x.device) if packed is None else packed.positions
+                embedded = embedded + self.pos_emb(positions)
             x = self.emb_dropout(embedded)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, documents=packed)
         if self.lm_head is None or self.norm is None:
             return x
         return self.lm_head(self.norm(x))

@@ -42,8 +42,12 @@ def frequencies(
 
 
 def rotation(positions: torch.Tensor, frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles of `positions` (t,), (t, head_dim): shared by the queries and keys of all heads."""
-    angles = torch.outer(positions.float(), frequencies).repeat(1, 2)
+    """cos and sin of the angles of `positions`, (t, head_dim) for positions (t,), shared by every row and head; or
+    (batch, 1, t, head_dim) for positions (batch, t), each row's own (packed documents, model/documents.py)."""
+    angles = positions.float()[..., None] * frequencies
+    angles = torch.cat([angles, angles], dim=-1)
+    if positions.ndim == 2:
+        angles = angles[:, None]
     return angles.cos(), angles.sin()
 
 

@@ -17,16 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.documents import PackedDocuments
 from llmtrain.parallel.family import family_of
-from llmtrain.parallel.ring_attention import ring_attention
-
-
-def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
-    """The positions cp rank `rank` holds: chunk `rank` and chunk 2·cp-1-rank of 2·cp equal chunks."""
-    chunk = seq_len // (2 * cp)
-    early = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    late = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([early, late])
+from llmtrain.parallel.ring_attention import ring_attention, zigzag_positions
 
 
 def shard_tokens(tokens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -44,6 +37,11 @@ class ContextShard:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return zigzag_positions(t * self.cp, self.cp, self.rank, device)
 
+    def documents(self, starts: torch.Tensor) -> PackedDocuments:
+        """Packed documents of this rank's positions (`starts`: where each one's document starts in the window);
+        the ring builds each block's mask from them (ring_attention.BlockMasks)."""
+        return PackedDocuments(starts, self.positions(starts.shape[1], starts.device) - starts, starts)
+
     @property
     def parts(self) -> int:
         return self.cp
@@ -54,8 +52,10 @@ class ContextShard:
         dist.all_reduce(counts, group=self.group)
         return counts
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group)
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments | None = None
+    ) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, None if documents is None else documents.starts)
 
 
 def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
+from llmtrain.errors import ConfigError
 from llmtrain.model import (
     LayeredModel,
     Materializer,
@@ -27,6 +28,7 @@ from llmtrain.model import (
     cross_entropy_loss,
     materialize,
 )
+from llmtrain.model.documents import document_starts
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.data_parallel import DataParallel
@@ -69,8 +71,12 @@ class ParallelModel:
         init: ParameterInit,
         optim: OptimConfig,
         materializer: Materializer = materialize,
+        eos_id: int | None = None,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
+        if plan.train.attention == "document" and eos_id is None:
+            raise ConfigError("train.attention=document: no end-of-text token to find documents by; use a tokenizer")
+        self._separator = eos_id if plan.train.attention == "document" else None
         steps = layout_steps(plan, mesh, runtime.device)
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
@@ -115,6 +121,14 @@ class ParallelModel:
         cp = self.mesh.cp_mesh
         return tokens if cp is None else shard_tokens(tokens, cp.size(), cp.get_local_rank())
 
+    def _documents(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward's `documents` keyword for whole windows `tokens` (batch, seq): where the packed document of
+        each position this rank holds starts (model/documents.py); nothing under causal attention."""
+        if self._separator is None:
+            return {}
+        starts = self._context_shard(document_starts(tokens, self._separator))
+        return {"documents": starts.to(self.runtime.device)}
+
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
         return loss_context(self.plan.degrees.tp, self.plan.parallel.loss_parallel)
@@ -123,10 +137,11 @@ class ParallelModel:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
         if self._pipeline is not None:
             device = self.runtime.device
-            inputs = self._context_shard(torch.cat([x for x, _ in micro_batches])).to(device)
+            whole = torch.cat([x for x, _ in micro_batches])
+            inputs = self._context_shard(whole).to(device)
             targets = self._context_shard(torch.cat([y for _, y in micro_batches])).to(device)
             with self.loss_context(), self.precision():
-                mean = self._pipeline.forward_backward(inputs, targets)
+                mean = self._pipeline.forward_backward(inputs, targets, self._documents(whole))
         else:
             mean = self._accumulate(micro_batches)
         self._data_parallel.after_backward(self.optimizer)
@@ -135,11 +150,13 @@ class ParallelModel:
     def _accumulate(self, micro_batches: MicroBatches) -> torch.Tensor:
         device, count = self.runtime.device, len(micro_batches)
         total = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            inputs, targets = self._context_shard(inputs), self._context_shard(targets)
+        for i, (whole, targets) in enumerate(micro_batches):
+            documents = self._documents(whole)
+            inputs, targets = self._context_shard(whole), self._context_shard(targets)
             with self._data_parallel.accumulating(self.module, i == count - 1), self.loss_context():
                 with self.precision(), auxiliary_loss_scale(1 / count):
-                    loss = cross_entropy_loss(self.module(inputs.to(device)), targets.to(device))
+                    logits = self.module(inputs.to(device), **documents)
+                    loss = cross_entropy_loss(logits, targets.to(device))
                 (loss / count).backward()
             total += full_tensor(loss.detach())
         return total / count
@@ -171,10 +188,12 @@ class ParallelModel:
         device, results = self.runtime.device, []
         with self.precision(), self.loss_context():
             if self._pipeline is not None:
-                return self._pipeline.forward_only(micro_batches, statistic, self._context_shard)
-            for inputs, targets in micro_batches:
-                inputs, targets = self._context_shard(inputs), self._context_shard(targets)
-                results.append(full_tensor(statistic(self.module(inputs.to(device)), targets.to(device))))
+                return self._pipeline.forward_only(micro_batches, statistic, self._context_shard, self._documents)
+            for whole, targets in micro_batches:
+                documents = self._documents(whole)
+                inputs, targets = self._context_shard(whole), self._context_shard(targets)
+                logits = self.module(inputs.to(device), **documents)
+                results.append(full_tensor(statistic(logits, targets.to(device))))
         return results
 
     def expert_load(self) -> torch.Tensor | None:

@@ -22,6 +22,11 @@ block's contribution below 1/256 of the sum is lost); the keys and values themse
 Transfers overlap compute: the next block's send/receive is posted (as one group, so NCCL pairs them: see
 pipeline/p2p.py) before this block is computed, and waited for after.
 
+Packed documents (train.attention=document, model/documents.py) mask each block further: every rank knows where
+the document of each of its queries starts (a window position) and which window positions the block it holds came
+from (the source rank's zigzag chunks), so it builds the block's mask itself and nothing more travels. The cases
+above still cut what causality rules out; the document mask removes the rest.
+
 The ring is one custom operator (`torch.ops.llmtrain.ring_attention`, its backward another): torch.compile keeps
 the block around it in one graph, and the selective recomputation policy (model/recompute.py) saves its output
 rather than replaying the ring's transfers in backward.
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
+from llmtrain.model.documents import visible
 from llmtrain.parallel.attention_blocks import block_attention, block_attention_backward
 
 
@@ -127,45 +133,82 @@ def _halves(x: torch.Tensor) -> tuple[slice, slice]:
     return slice(0, c), slice(c, 2 * c)
 
 
-def _block_source(ring: Ring, step: int) -> int:
-    """Whose keys and values this rank holds at `step`, relative to itself: 0 its own, -1 an earlier rank's (only
-    their early chunk is seen), 1 a later rank's (seen only by this rank's late chunk of queries)."""
-    source = (ring.rank - step) % ring.size
-    return (source > ring.rank) - (source < ring.rank)
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions cp rank `rank` holds: chunk `rank` and chunk 2·cp-1-rank of 2·cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    early = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    late = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([early, late])
 
 
-def _forward_step(q, k, v, source: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Fold the block of `source` (_block_source) into this rank's (out, lse): the zigzag cases of the module
-    doc."""
+@dataclass(frozen=True)
+class HeldBlock:
+    """The keys and values a rank holds at one step of the ring: whose they are, relative to itself (`source`: 0
+    its own, -1 an earlier rank's, only whose early chunk it sees; 1 a later rank's, seen only by its late chunk of
+    queries), and with packed documents (`starts`, (batch, 2c): where the document of each of its queries starts in
+    the window; None: causal attention only) the mask of any part of the block."""
+
+    ring: Ring
+    holder: int  # the rank of the group whose keys these are
+    starts: torch.Tensor | None
+
+    @classmethod
+    def at(cls, ring: Ring, step: int, starts: torch.Tensor | None) -> HeldBlock:
+        return cls(ring, (ring.rank - step) % ring.size, starts)
+
+    @property
+    def source(self) -> int:
+        return (self.holder > self.ring.rank) - (self.holder < self.ring.rank)
+
+    @property
+    def causal(self) -> bool:
+        """The fused kernel's own causal mask applies (this rank's own keys, no documents)."""
+        return self.source == 0 and self.starts is None
+
+    def mask(self, rows: slice, keys: slice) -> torch.Tensor | None:
+        """The document mask of this rank's queries `rows` over the block's keys `keys` (None without documents)."""
+        if self.starts is None:
+            return None
+        t, size = self.starts.shape[1], self.ring.size
+        queries = zigzag_positions(t * size, size, self.ring.rank, self.starts.device)[rows]
+        held = zigzag_positions(t * size, size, self.holder, self.starts.device)[keys]
+        return visible(self.starts[:, rows], queries, held)
+
+
+def _forward_step(q, k, v, block: HeldBlock, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold `block` into this rank's (out, lse): the zigzag cases of the module doc."""
     early, late = _halves(q)
-    if source == 0:
-        merge_block(out, lse, *block_attention(q, k, v, causal=True))
-    elif source < 0:
-        merge_block(out, lse, *block_attention(q, k[..., early, :], v[..., early, :], causal=False))
+    whole = slice(None)
+    if block.source == 0:
+        merge_block(out, lse, *block_attention(q, k, v, block.causal, block.mask(whole, whole)))
+    elif block.source < 0:
+        result = block_attention(q, k[..., early, :], v[..., early, :], False, block.mask(whole, early))
+        merge_block(out, lse, *result)
     else:
-        merge_block(out[..., late, :], lse[..., late], *block_attention(q[..., late, :], k, v, causal=False))
+        result = block_attention(q[..., late, :], k, v, False, block.mask(late, whole))
+        merge_block(out[..., late, :], lse[..., late], *result)
 
 
-def _backward_step(q, k, v, out_grad, out, lse, source: int, dq: torch.Tensor, dkv: torch.Tensor) -> None:
-    """Add this rank's queries' gradient from the block of `source` (_block_source) to dq (fp32) and the block's
-    key and value gradients to dkv (fp32, stacked)."""
+def _backward_step(q, k, v, out_grad, out, lse, block: HeldBlock, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+    """Add this rank's queries' gradient from `block` to dq (fp32) and the block's key and value gradients to dkv
+    (fp32, stacked)."""
     early, late = _halves(q)
-    if source == 0:
-        dq_block, dk, dv = block_attention_backward(out_grad, q, k, v, out, lse, causal=True)
+    whole = slice(None)
+    if block.source == 0:
+        dq_block, dk, dv = block_attention_backward(out_grad, q, k, v, out, lse, block.causal, block.mask(whole, whole))
         dq.add_(dq_block)
         dkv[0].add_(dk)
         dkv[1].add_(dv)
-    elif source < 0:
+    elif block.source < 0:
         dq_block, dk, dv = block_attention_backward(
-            out_grad, q, k[..., early, :], v[..., early, :], out, lse, causal=False
+            out_grad, q, k[..., early, :], v[..., early, :], out, lse, False, block.mask(whole, early)
         )
         dq.add_(dq_block)
         dkv[0][..., early, :].add_(dk)
         dkv[1][..., early, :].add_(dv)
     else:
-        dq_block, dk, dv = block_attention_backward(
-            out_grad[..., late, :], q[..., late, :], k, v, out[..., late, :], lse[..., late], causal=False
-        )
+        rows = (out_grad[..., late, :], q[..., late, :], k, v, out[..., late, :], lse[..., late])
+        dq_block, dk, dv = block_attention_backward(*rows, False, block.mask(late, whole))
         dq[..., late, :].add_(dq_block)
         dkv[0].add_(dk)
         dkv[1].add_(dv)
@@ -173,7 +216,7 @@ def _backward_step(q, k, v, out_grad, out, lse, source: int, dq: torch.Tensor, d
 
 @torch.library.custom_op("llmtrain::ring_attention", mutates_args=())
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = Ring(_resolve_process_group(GroupName(group_name)))
     out = torch.zeros(q.shape, dtype=_merged_dtype(q), device=q.device)
@@ -182,7 +225,7 @@ def _ring_forward(
     for step in range(ring.size):
         incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
         with RING_TIMES.interval("compute", q.device):
-            _forward_step(q, kv[0], kv[1], _block_source(ring, step), out, lse)
+            _forward_step(q, kv[0], kv[1], HeldBlock.at(ring, step, starts), out, lse)
         _wait(works, q.device)
         if incoming is not None:
             kv = incoming
@@ -190,7 +233,9 @@ def _ring_forward(
 
 
 @_ring_forward.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_merged_dtype(q))  # contiguous, as the real ones
 
 
@@ -202,6 +247,7 @@ def _ring_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    starts: torch.Tensor | None,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = Ring(_resolve_process_group(GroupName(group_name)))
@@ -215,7 +261,7 @@ def _ring_backward(
         incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
         dkv = torch.zeros(kv.shape, dtype=_merged_dtype(q), device=kv.device)
         with RING_TIMES.interval("compute", q.device):
-            _backward_step(q, kv[0], kv[1], out_grad, out, lse, _block_source(ring, step), dq, dkv)
+            _backward_step(q, kv[0], kv[1], out_grad, out, lse, HeldBlock.at(ring, step, starts), dq, dkv)
         if travelling is not None:
             _wait(travelling_works, q.device)
             dkv += travelling
@@ -229,28 +275,35 @@ def _ring_backward(
 
 
 @_ring_backward.register_fake
-def _(out_grad, q, k, v, out, lse, group_name):
+def _(out_grad, q, k, v, out, lse, starts, group_name):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, group_name = inputs
+    q, k, v, starts, group_name = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, starts)
     ctx.group_name = group_name
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, out_grad: torch.Tensor, _lse_grad: torch.Tensor | None):
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*_ring_backward(out_grad, q, k, v, out, lse, ctx.group_name), None)
+    q, k, v, out, lse, starts = ctx.saved_tensors
+    return (*_ring_backward(out_grad, q, k, v, out, lse, starts, ctx.group_name), None, None)
 
 
 torch.library.register_autograd("llmtrain::ring_attention", _backward, setup_context=_setup_context)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries (batch, heads, 2c, head_dim) over the whole sequence's keys
-    and values (batch, kv_heads, 2c, head_dim on each rank of `group`)."""
-    out, _ = torch.ops.llmtrain.ring_attention(q, k, v, group.group_name)
+    and values (batch, kv_heads, 2c, head_dim on each rank of `group`); with `starts` (batch, 2c: where each query's
+    packed document starts in the window), within each query's document only."""
+    out, _ = torch.ops.llmtrain.ring_attention(q, k, v, starts, group.group_name)
     return out

@@ -83,12 +83,13 @@ class SplitDropout(ParallelStyle):
 
 class ChunkPositions(ParallelStyle):
     """Under sequence parallelism the position embedding keeps replicated weights (a DTensor, so the partial
-    gradients of the ranks' sequence chunks are summed) and each rank looks up its own chunk of positions."""
+    gradients of the ranks' sequence chunks are summed) and each rank looks up its own chunk of positions (the last
+    dimension: (t,) positions, or (batch, t) within packed documents)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def positions_chunk(_module, inputs, mesh):
             positions = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
-            return (positions.redistribute(mesh, [Shard(0)]),)
+            return (positions.redistribute(mesh, [Shard(positions.ndim - 1)]),)
 
         return distribute_module(
             module, device_mesh, input_fn=positions_chunk, output_fn=lambda _module, output, _mesh: output.to_local()

@@ -132,18 +132,21 @@ class Pipeline:
         return mine
 
     # -- one step -------------------------------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """One step's micro-batches (this rank's part of each sequence, on the device) through the schedule; the
         tied copies' gradients summed; the mean micro-batch loss, computed on the last stage's rank and shared with
-        the whole pipeline."""
+        the whole pipeline. `documents`: the stages' `documents` keyword for the whole step (split into micro-batches
+        as the inputs are; every stage gets its own), or none."""
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
         # torch's schedules would otherwise keep every micro-batch's logits on the last stage to return them
         outputs = {} if isinstance(self.schedule, Reference1F1B) else {"return_outputs": False}
         if 0 in self.stage_indices:
-            self.schedule.step(inputs, target=targets, losses=losses, **outputs)
+            self.schedule.step(inputs, target=targets, losses=losses, **outputs, **documents)
         else:
-            self.schedule.step(target=targets, losses=losses, **outputs)
+            self.schedule.step(target=targets, losses=losses, **outputs, **documents)
         self._sum_tied_gradients()
         mean = torch.stack([full_tensor(loss) for loss in losses]).mean() if losses else None
         return self.share(mean if mean is not None else torch.zeros((), device=self.runtime.device))
@@ -165,9 +168,14 @@ class Pipeline:
                 dist.all_reduce(grads[0], group=self.tied_group)
 
     def forward_only(
-        self, micro_batches: MicroBatches, statistic: Statistic, shard: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        micro_batches: MicroBatches,
+        statistic: Statistic,
+        shard: Callable[[torch.Tensor], torch.Tensor],
+        documents_of: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     ) -> list[torch.Tensor]:
-        """`statistic` of each micro-batch (`shard`: this rank's part of a sequence) on the last stage's rank ([]
+        """`statistic` of each micro-batch (`shard`: this rank's part of a sequence; `documents_of`: the stages'
+        `documents` keyword for whole windows) on the last stage's rank ([]
         elsewhere), by forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1,
         ..., its stages in increasing order, receiving each input from the previous stage's rank and sending each
         output on. Every rank goes through (micro-batch, stage) in the same order, so the k-th message between two
@@ -182,6 +190,7 @@ class Pipeline:
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
             inputs, targets = shard(whole_inputs), shard(whole_targets)
+            documents = documents_of(whole_inputs)
             carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
             for stage, module in stages:
                 if stage == 0:
@@ -195,7 +204,7 @@ class Pipeline:
                     shape, dtype = received[stage]
                     x = torch.empty([len(inputs), *shape[1:]], dtype=dtype, device=device)
                     exchange([dist.P2POp(dist.irecv, x, previous, self.group)])
-                output, carried = module(x), None
+                output, carried = module(x, **documents), None
                 if stage == last:
                     results.append(full_tensor(statistic(output, targets.to(device))))
                 elif stage + 1 in self.stage_indices:

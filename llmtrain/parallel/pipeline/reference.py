@@ -52,10 +52,19 @@ class Reference1F1B:
         self.device = device
         self.timeline = timeline
 
-    def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor, losses: list[torch.Tensor]) -> None:
+    def step(
+        self,
+        inputs: torch.Tensor | None = None,
+        *,
+        target: torch.Tensor,
+        losses: list[torch.Tensor],
+        documents: torch.Tensor | None = None,
+    ) -> None:
         """One optimizer step's forward and backward over the m micro-batches of `inputs` (first stage) and
-        `target` (last stage); the last stage appends each micro-batch's loss to `losses`."""
+        `target` (last stage); the last stage appends each micro-batch's loss to `losses`. `documents`: where each
+        position's packed document starts (every stage; model/documents.py), or None."""
         self.inputs = inputs.tensor_split(self.m) if inputs is not None else ()
+        self.documents = documents.tensor_split(self.m) if documents is not None else None
         self.targets = target.tensor_split(self.m) if self.is_last else ()
         # micro-batch -> (the input activation received, None on the first stage; the output or loss)
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -98,7 +107,8 @@ class Reference1F1B:
     def _forward(self, i: int, losses: list[torch.Tensor]) -> list[dist.P2POp]:
         received = self.received.pop(i).requires_grad_() if not self.is_first else None
         with self.timeline.record("F", self.stage, i):
-            output = self.module(self.inputs[i] if received is None else received)
+            documents = {} if self.documents is None else {"documents": self.documents[i]}
+            output = self.module(self.inputs[i] if received is None else received, **documents)
             if self.is_last:
                 output = self.loss_fn(output, self.targets[i])
                 losses.append(output.detach())

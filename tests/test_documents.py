@@ -1,0 +1,125 @@
+"""Packed documents that never see each other (train.attention=document, llmtrain/model/documents.py): the
+boundaries read from the end-of-text tokens, the property itself (a token after a boundary gets the logits it gets
+when its document is fed alone, for both families, on every kernel path one process has), and that the mask
+matters on the corpus the layouts are tested on. Every layout's parity with one process under the mask:
+tests/test_parallel.py and tests/test_context_parallel.py (DOCUMENTS); the ring's blocks: test_context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import DOCUMENT_CORPUS, LOSS_RTOL
+from torch.nn.attention.flex_attention import create_block_mask
+
+from llmtrain.data.packing import pack_windows, tokenize_documents
+from llmtrain.data.tokenizers import ByteTokenizer
+from llmtrain.model import GPT, GPTConfig, cross_entropy_loss
+from llmtrain.model.documents import (
+    document_attention,
+    document_starts,
+    flex_document_attention,
+    visible,
+    whole_window_documents,
+)
+
+EOS = 0
+GPT2_STYLE = GPTConfig(vocab_size=50, n_layer=2, n_head=4, d_model=32, max_seq_len=32)
+LLAMA_STYLE = GPTConfig(
+    vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32, norm="rmsnorm",
+    position="rope", mlp="swiglu", bias=False, tie_embeddings=False,
+)  # fmt: skip
+
+
+def _model(cfg: GPTConfig) -> GPT:
+    model = GPT(cfg)
+    model.init_weights(0)
+    return model.eval()
+
+
+def test_documents_start_at_the_window_and_after_each_end_of_text():
+    tokens = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9], [EOS, 1, 2, 3, 4, 5, 6, EOS]])
+    assert document_starts(tokens, EOS).tolist() == [[0, 0, 0, 3, 3, 5, 6, 6], [0, 1, 1, 1, 1, 1, 1, 1]]
+    starts = document_starts(tokens, EOS)
+    index = torch.arange(8)
+    seen = visible(starts, index, index)[0, 0]
+    assert seen[4].tolist() == [False, False, False, True, True, False, False, False]  # the end-of-text token's own
+    assert seen[7].tolist() == [False] * 6 + [True, True]
+    assert whole_window_documents(starts).positions[0].tolist() == [0, 1, 2, 0, 1, 0, 0, 1]
+
+
+@pytest.mark.parametrize("cfg", [GPT2_STYLE, LLAMA_STYLE], ids=["learned positions", "rotary, grouped-query"])
+def test_a_token_after_a_boundary_gets_the_logits_of_its_document_alone(cfg):
+    """Three documents packed in one window: each one's logits under the document mask are those of the document
+    fed by itself (same positions, same keys), within fp32 kernel rounding; under causal attention the later ones'
+    are not (the feature off fails this test)."""
+    model = _model(cfg)
+    generator = torch.Generator().manual_seed(1)
+    lengths = (7, 12, 9)
+    documents = [torch.cat([torch.randint(1, cfg.vocab_size, (n - 1,), generator=generator), torch.tensor([EOS])])
+                 for n in lengths]  # fmt: skip
+    window = torch.cat(documents)[None]
+    with torch.no_grad():
+        masked = model(window, documents=document_starts(window, EOS))
+        causal = model(window)
+        alone = [model(document[None]) for document in documents]
+    begin = 0
+    for n, expected in zip(lengths, alone):
+        torch.testing.assert_close(masked[:, begin : begin + n], expected, rtol=0, atol=2e-6)
+        begin += n
+    assert (causal[:, lengths[0] :] - masked[:, lengths[0] :]).abs().max() > 1e-2
+
+
+def test_attention_dropouts_explicit_path_keeps_to_the_documents():
+    """Training with attention dropout computes the scores itself (model/gpt.py); at p -> 0 it is the fused
+    path: the same document mask."""
+    cfg = GPTConfig(**{**GPT2_STYLE.__dict__, "attention_dropout": 1e-12})
+    model = _model(cfg)
+    window = torch.tensor([[3, 4, 5, EOS, 6, 7, 8, 9, EOS, 10, 11]])
+    starts = document_starts(window, EOS)
+    with torch.no_grad():
+        fused = model(window, documents=starts)
+        explicit = model.train()(window, documents=starts)
+    torch.testing.assert_close(explicit, fused, rtol=0, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attentions_forward_matches_the_sdpa_path_on_cpu():
+    """CUDA's kernel (FlexAttention under a block mask from the same starts), run here uncompiled (its forward runs
+    on CPU, its backward does not), against the CPU path: multi-head and grouped-query."""
+    generator = torch.Generator().manual_seed(0)
+    b, t, d = 2, 64, 16
+    starts = document_starts(torch.randint(6, (b, t), generator=generator), EOS)
+
+    def same_document(batch, head, q_index, kv_index):
+        return (kv_index >= starts[batch, q_index]) & (kv_index <= q_index)
+
+    block_mask = create_block_mask(same_document, b, None, t, t, device="cpu")
+    documents = whole_window_documents(starts)
+    for kv_heads in (4, 2):
+        q = torch.randn(b, 4, t, d, generator=generator)
+        k, v = (torch.randn(b, kv_heads, t, d, generator=generator) for _ in range(2))
+        torch.testing.assert_close(
+            flex_document_attention(q, k, v, block_mask), document_attention(q, k, v, documents), rtol=0, atol=1e-5
+        )
+
+
+def test_on_the_layouts_test_corpus_the_mask_moves_the_loss_far_beyond_their_tolerance():
+    """The parity tests under the mask (DOCUMENTS in test_parallel.py / test_context_parallel.py) hold fp32 losses
+    to LOSS_RTOL; on their corpus and windows a layout that ignored the mask would be off by more than 10 times that
+    already at initialisation (measured: 2.5e-4 of the loss; the gradients differ more). bf16's bound (2^-8) would
+    not see it: the fp32 layouts are the ones that prove the mask."""
+    tokenizer = ByteTokenizer()
+    texts = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()[:200]]
+    windows = torch.from_numpy(np.stack(list(pack_windows(tokenize_documents(texts, tokenizer), 33))[:16]))
+    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, d_model=64, max_seq_len=32)
+    model = _model(cfg)
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    with torch.no_grad():
+        masked = cross_entropy_loss(model(inputs, documents=document_starts(inputs, tokenizer.eos_id)), targets)
+        causal = cross_entropy_loss(model(inputs), targets)
+    assert (document_starts(inputs, tokenizer.eos_id) > 0).float().mean() > 0.2  # a quarter follow a boundary
+    assert abs(masked - causal) > 10 * LOSS_RTOL * causal
