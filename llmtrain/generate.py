@@ -5,6 +5,9 @@
 
 Tokens are drawn one at a time from softmax(logits / temperature) restricted to the top-k (temperature 0: the
 most likely token), from the last max_seq_len tokens of context, until max-new-tokens or the end-of-text token.
+The continuation attends within its own document: a prompt holding end-of-text tokens (an empty one is one) is read
+as packed documents are in training with train.attention=document (llmtrain/model/documents.py), so nothing before
+the last one is seen and positions restart after it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from llmtrain.errors import closed_pipe_is_quiet, exits_on_run_error
 from llmtrain.model import GPT, materialize
+from llmtrain.model.documents import document_starts
 
 
 def load_for_sampling(path: str):
@@ -48,7 +52,8 @@ def sample(
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-model.cfg.max_seq_len :]])
-        logits = model(context)[0, -1, : model.cfg.vocab_size].float()
+        documents = None if eos_id is None else document_starts(context, eos_id)
+        logits = model(context, documents=documents)[0, -1, : model.cfg.vocab_size].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:

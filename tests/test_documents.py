@@ -123,3 +123,14 @@ def test_on_the_layouts_test_corpus_the_mask_moves_the_loss_far_beyond_their_tol
         causal = cross_entropy_loss(model(inputs), targets)
     assert (document_starts(inputs, tokenizer.eos_id) > 0).float().mean() > 0.2  # a quarter follow a boundary
     assert abs(masked - causal) > 10 * LOSS_RTOL * causal
+
+
+def test_generation_continues_the_prompts_last_document_alone():
+    """A prompt that holds an earlier document and its end-of-text token: the greedy continuation is that of its
+    last document by itself (llmtrain.generate reads the prompt as packed documents)."""
+    from llmtrain.generate import sample
+
+    model = _model(GPT2_STYLE)
+    earlier, last = [7, 8, 9, 10, EOS], [11, 12, 13]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "top_k": 0, "eos_id": EOS, "generator": torch.Generator()}
+    assert sample(model, earlier + last, **greedy) == sample(model, last, **greedy)

@@ -1,7 +1,10 @@
 """Ring attention's kernels on this device, without a ring: a causal sequence cut into two blocks of keys, each
 block through the fused kernel ring attention calls (attention_blocks.py: flash for bf16, memory-efficient for
 fp32 on CUDA; the CPU flash kernel), the partial outputs merged by their log-sum-exps (ring_attention.merge_block),
-and each block's backward from the merged output; against SDPA over the whole sequence and its autograd.
+and each block's backward from the merged output; against SDPA over the whole sequence and its autograd. Then the
+same within packed documents (train.attention=document): the blocks under their document masks (on CUDA the
+memory-efficient kernel with an additive bias, in both dtypes), and the whole-window kernel one process runs
+(FlexAttention, compiled, on CUDA; SDPA with a mask elsewhere), each against SDPA under the same mask.
 
     python -m llmtrain.tools.ring_kernel_check [--device cuda]
 
@@ -14,6 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from llmtrain.model.documents import document_attention, document_starts, visible, whole_window_documents
 from llmtrain.parallel.attention_blocks import block_attention, block_attention_backward
 from llmtrain.parallel.ring_attention import merge_block
 
@@ -26,27 +30,51 @@ def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
 
 
-def blocks_against_sdpa(device: torch.device, dtype: torch.dtype, seq: int = 256) -> dict[str, float]:
-    """Max relative differences of the blocked output and of the q, k, v gradients to SDPA's."""
+def _documents(device: torch.device, seq: int) -> torch.Tensor:
+    """Where each position's document starts, for two windows of documents 1 to ~40 tokens long."""
+    generator = torch.Generator().manual_seed(1)
+    return document_starts(torch.randint(12, (2, seq), generator=generator), separator=0).to(device)
+
+
+def _inputs(device: torch.device, dtype: torch.dtype, seq: int) -> list[torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(0)
-    q, k, v, out_grad = (torch.randn(2, 4, seq, 64, device=device, dtype=dtype, generator=generator) for _ in range(4))
+    return [torch.randn(2, 4, seq, 64, device=device, dtype=dtype, generator=generator) for _ in range(4)]
+
+
+def _sdpa(q, k, v, out_grad, mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """SDPA's output and its q, k, v gradients: causal, or under `mask`."""
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    attended = F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], is_causal=True)
+    attended = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=mask is None)
     attended.backward(out_grad)
-    reference = attended.detach()
+    return attended.detach(), [leaf.grad for leaf in leaves if leaf.grad is not None]
+
+
+def blocks_against_sdpa(device: torch.device, dtype: torch.dtype, documents: bool, seq: int = 256) -> dict[str, float]:
+    """Max relative differences of the blocked output and of the q, k, v gradients to SDPA's."""
+    q, k, v, out_grad = _inputs(device, dtype, seq)
+    starts = _documents(device, seq) if documents else None
+    index = torch.arange(seq, device=device)
+    reference, expected = _sdpa(q, k, v, out_grad, None if starts is None else visible(starts, index, index))
 
     early, late = slice(0, seq // 2), slice(seq // 2, seq)
     merged = torch.promote_types(dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=merged, device=device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=merged, device=device)
-    # (query rows, key block, causal): the early queries see their own block; the late ones all of the early block
-    # and their own causally
-    blocks = [(early, early, True), (late, early, False), (late, late, True)]
+    # (query rows, key block, causal): the early queries see their own block; the late ones their own causally and
+    # all of the early block. Each row's own block first, as the ring merges: under a document mask it is the one
+    # block no query is blind to.
+    blocks = [(early, early, True), (late, late, True), (late, early, False)]
+
+    def mask(rows: slice, keys: slice) -> torch.Tensor | None:
+        return None if starts is None else visible(starts[:, rows], index[rows], index[keys])
+
     for rows, keys, causal in blocks:
         merge_block(
             out[..., rows, :],
             lse[..., rows],
-            *block_attention(q[..., rows, :], k[..., keys, :], v[..., keys, :], causal),
+            *block_attention(
+                q[..., rows, :], k[..., keys, :], v[..., keys, :], causal and starts is None, mask(rows, keys)
+            ),
         )
     out_in_dtype = out.to(dtype)
     grads = [torch.zeros(x.shape, dtype=merged, device=device) for x in (q, k, v)]
@@ -58,15 +86,31 @@ def blocks_against_sdpa(device: torch.device, dtype: torch.dtype, seq: int = 256
             v[..., keys, :].contiguous(),
             out_in_dtype[..., rows, :].contiguous(),
             lse[..., rows].contiguous(),
-            causal,
+            causal and starts is None,
+            mask(rows, keys),
         )
         grads[0][..., rows, :] += dq
         grads[1][..., keys, :] += dk
         grads[2][..., keys, :] += dv
     differences = {"output": _relative(out, reference)}
-    for name, ours, leaf in zip(("dq", "dk", "dv"), grads, leaves):
+    for name, ours, grad in zip(("dq", "dk", "dv"), grads, expected):
+        differences[name] = _relative(ours, grad)
+    return differences
+
+
+def document_kernel_against_sdpa(device: torch.device, dtype: torch.dtype, seq: int = 256) -> dict[str, float]:
+    """Max relative differences of the whole-window document kernel's output and gradients to SDPA's."""
+    q, k, v, out_grad = _inputs(device, dtype, seq)
+    starts = _documents(device, seq)
+    index = torch.arange(seq, device=device)
+    reference, expected = _sdpa(q, k, v, out_grad, visible(starts, index, index))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    attended = document_attention(*leaves, whole_window_documents(starts))
+    attended.backward(out_grad)
+    differences = {"output": _relative(attended.detach(), reference)}
+    for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, expected):
         assert leaf.grad is not None
-        differences[name] = _relative(ours, leaf.grad)
+        differences[name] = _relative(leaf.grad, grad)
     return differences
 
 
@@ -75,12 +119,21 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(parser.parse_args().device)
     failed = False
-    for dtype, tolerance in TOLERANCE.items():
-        differences = blocks_against_sdpa(device, dtype)
+    cases = [
+        (what, dtype, check)
+        for what, check in (
+            ("", lambda dtype: blocks_against_sdpa(device, dtype, documents=False)),
+            (" documents", lambda dtype: blocks_against_sdpa(device, dtype, documents=True)),
+            (" document kernel", lambda dtype: document_kernel_against_sdpa(device, dtype)),
+        )
+        for dtype in TOLERANCE
+    ]
+    for what, dtype, check in cases:
+        differences = check(dtype)
         worst = max(differences.values())
-        failed |= worst > tolerance
+        failed |= worst > TOLERANCE[dtype]
         shown = ", ".join(f"{name} {value:.1e}" for name, value in differences.items())
-        print(f"{str(dtype).removeprefix('torch.')}: {shown} (tolerance {tolerance:.0e})")
+        print(f"{str(dtype).removeprefix('torch.')}{what}: {shown} (tolerance {TOLERANCE[dtype]:.0e})")
     raise SystemExit(1 if failed else 0)
 
 
