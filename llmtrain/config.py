@@ -544,6 +544,13 @@ class TrainConfig:
         "restarting at each document: FlexAttention on CUDA, SDPA with a mask on CPU, the ring under context "
         "parallelism (`model/documents.py`)",
     )
+    score_after_eos: bool = key(
+        True,
+        Flag(),
+        "score the prediction made at each end-of-text token (the next packed document's first token); `false`: "
+        "leave it out of the loss, whose mean is then over the scored targets of the whole global batch. Under "
+        "`train.attention=document` nothing that position sees is of the document it would predict",
+    )
     eval_every: int = key(50, at_least(0), "validate every N steps and at the last step; 0 disables")
     eval_batches: int = key(
         2,

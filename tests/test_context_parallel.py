@@ -124,8 +124,9 @@ LAYOUTS = [
     "model=llama-tiny parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     "model=llama-tiny parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
     "model=llama-tiny parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
-    # packed documents that never see each other: the ring masks each block by the documents of its queries
-    f"{DOCUMENTS} parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
+    # packed documents that never see each other: the ring masks each block by the documents of its queries; with
+    # the predictions at end-of-text unscored, ranks holding different counts of scored targets
+    f"{DOCUMENTS} train.score_after_eos=false parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     f"model=llama-tiny {DOCUMENTS} parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
     f"{DOCUMENTS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
 ]

@@ -12,11 +12,13 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DOCUMENT_CORPUS, LOSS_RTOL
 from torch.nn.attention.flex_attention import create_block_mask
 
 from llmtrain.data.packing import pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import ByteTokenizer
+from llmtrain.job import build_parallel_model
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss
 from llmtrain.model.documents import (
     document_attention,
@@ -25,8 +27,11 @@ from llmtrain.model.documents import (
     visible,
     whole_window_documents,
 )
+from llmtrain.runtime import Runtime
+from llmtrain.tools import compose_config
 
 EOS = 0
+ONE_PROCESS = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
 GPT2_STYLE = GPTConfig(vocab_size=50, n_layer=2, n_head=4, d_model=32, max_seq_len=32)
 LLAMA_STYLE = GPTConfig(
     vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32, norm="rmsnorm",
@@ -134,3 +139,25 @@ def test_generation_continues_the_prompts_last_document_alone():
     earlier, last = [7, 8, 9, 10, EOS], [11, 12, 13]
     greedy = {"max_new_tokens": 6, "temperature": 0, "top_k": 0, "eos_id": EOS, "generator": torch.Generator()}
     assert sample(model, earlier + last, **greedy) == sample(model, last, **greedy)
+
+
+def test_an_unscored_target_is_left_out_of_one_mean_over_the_whole_batch():
+    """train.score_after_eos=false: the prediction made at each end-of-text token is not scored, and the loss is
+    the mean over the scored targets of all micro-batches together (not a mean of micro-batch means, which would
+    weigh a micro-batch with fewer scored targets more: layouts that cut the batch differently would disagree).
+    With it on, every target counts."""
+    config = compose_config(
+        ["model=tiny", "train.device=cpu", "train.seq_len=16", "train.batch_size=2", "train.micro_batch_size=1"]
+    )
+    eos, vocab = 256, 257
+    windows = torch.randint(0, vocab - 1, (2, 17), generator=torch.Generator().manual_seed(0))
+    windows[0, [2, 5, 9, 11]] = eos  # four unscored targets in the first row, none in the second
+    micro_batches = [(row[None, :-1], row[None, 1:]) for row in windows]
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    for scored_after_eos in (True, False):
+        config.train.score_after_eos = scored_after_eos
+        model = build_parallel_model(config, ONE_PROCESS, vocab, eos_id=eos)
+        with torch.no_grad():
+            losses = F.cross_entropy(model.module(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+        kept = torch.ones_like(losses, dtype=torch.bool) if scored_after_eos else inputs.flatten() != eos
+        torch.testing.assert_close(model.evaluate(micro_batches), losses[kept].mean(), rtol=1e-6, atol=0)

@@ -16,6 +16,7 @@ from llmtrain.model.gpt import (
     flops_per_token,
     num_parameters,
     seeded_init,
+    summed_cross_entropy,
 )
 from llmtrain.model.materialize import Materializer, ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
@@ -93,6 +94,7 @@ __all__ = [
     "auxiliary_loss_scale",
     "build_model",
     "cross_entropy_loss",
+    "summed_cross_entropy",
     "flops_per_token",
     "gpt_config",
     "initial_weights",

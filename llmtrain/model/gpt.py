@@ -360,6 +360,12 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the scored positions (targets other than scoring.UNSCORED, F.cross_entropy's
+    ignore_index), in fp32: training scales it by the global batch's count of scored targets."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT

@@ -25,11 +25,11 @@ from llmtrain.model import (
     Materializer,
     ParameterInit,
     auxiliary_loss_scale,
-    cross_entropy_loss,
     materialize,
+    summed_cross_entropy,
 )
 from llmtrain.model.documents import document_starts
-from llmtrain.model.scoring import RowStatistic
+from llmtrain.model.scoring import UNSCORED, RowStatistic
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.data_parallel import DataParallel
 from llmtrain.parallel.float8 import float8_summary, precompute_scales_after_step
@@ -74,9 +74,10 @@ class ParallelModel:
         eos_id: int | None = None,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
-        if plan.train.attention == "document" and eos_id is None:
+        if eos_id is None and (plan.train.attention == "document" or not plan.train.score_after_eos):
             raise ConfigError("train.attention=document: no end-of-text token to find documents by; use a tokenizer")
         self._separator = eos_id if plan.train.attention == "document" else None
+        self._unscored_input = None if plan.train.score_after_eos else eos_id
         steps = layout_steps(plan, mesh, runtime.device)
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
@@ -129,19 +130,41 @@ class ParallelModel:
         starts = self._context_shard(document_starts(tokens, self._separator))
         return {"documents": starts.to(self.runtime.device)}
 
+    def _scored(self, micro_batches: MicroBatches) -> MicroBatches:
+        """The micro-batches with the target at each end-of-text token unscored where train.score_after_eos is off."""
+        if self._unscored_input is None:
+            return micro_batches
+        return [(x, y.masked_fill(x == self._unscored_input, UNSCORED)) for x, y in micro_batches]
+
+    def _loss_scale(self, micro_batches: MicroBatches, pieces: int) -> float | torch.Tensor:
+        """What a micro-batch's summed loss (over this rank's scored targets) is multiplied by so that the means the
+        layout then takes, over `pieces` micro-batches and over the data- and context-parallel ranks (of losses,
+        and of gradients by DDP / FSDP), give the mean over every scored target of the global batch: those ranks
+        x pieces / the global batch's scored targets. Known without communication when every target is scored;
+        otherwise the counts (of whole rows, the same on each context-parallel rank) are summed over the
+        data-parallel ranks, on the device, without a host read."""
+        ranks = self.plan.dp_size * self.plan.degrees.cp * pieces
+        if self._unscored_input is None:
+            return ranks / (sum(targets.numel() for _, targets in micro_batches) * self.plan.dp_size)
+        counts = [(targets != UNSCORED).sum() for _, targets in micro_batches]
+        scored = sum_over(torch.stack(counts).sum().to(self.runtime.device, torch.float32), self.mesh.dp_mesh)
+        return ranks / scored.clamp(min=1)
+
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
         return loss_context(self.plan.degrees.tp, self.plan.parallel.loss_parallel)
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """Accumulate gradients of the mean loss over this rank's micro-batches; return that mean (detached)."""
+        micro_batches = self._scored(micro_batches)
         if self._pipeline is not None:
             device = self.runtime.device
             whole = torch.cat([x for x, _ in micro_batches])
             inputs = self._context_shard(whole).to(device)
             targets = self._context_shard(torch.cat([y for _, y in micro_batches])).to(device)
+            scale = self._loss_scale(micro_batches, self.plan.microbatches)
             with self.loss_context(), self.precision():
-                mean = self._pipeline.forward_backward(inputs, targets, self._documents(whole))
+                mean = self._pipeline.forward_backward(inputs, targets, self._documents(whole), scale)
         else:
             mean = self._accumulate(micro_batches)
         self._data_parallel.after_backward(self.optimizer)
@@ -149,6 +172,7 @@ class ParallelModel:
 
     def _accumulate(self, micro_batches: MicroBatches) -> torch.Tensor:
         device, count = self.runtime.device, len(micro_batches)
+        scale = self._loss_scale(micro_batches, count)
         total = torch.zeros((), device=device)
         for i, (whole, targets) in enumerate(micro_batches):
             documents = self._documents(whole)
@@ -156,7 +180,7 @@ class ParallelModel:
             with self._data_parallel.accumulating(self.module, i == count - 1), self.loss_context():
                 with self.precision(), auxiliary_loss_scale(1 / count):
                     logits = self.module(inputs.to(device), **documents)
-                    loss = cross_entropy_loss(logits, targets.to(device))
+                    loss = summed_cross_entropy(logits, targets.to(device)) * scale
                 (loss / count).backward()
             total += full_tensor(loss.detach())
         return total / count
@@ -164,7 +188,9 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean loss over this rank's micro-batches, without gradients."""
-        means = self._forward_only(micro_batches, cross_entropy_loss)
+        micro_batches = self._scored(micro_batches)
+        scale = self._loss_scale(micro_batches, len(micro_batches))
+        means = self._forward_only(micro_batches, lambda logits, targets: summed_cross_entropy(logits, targets) * scale)
         mean = torch.stack(means).mean() if means else torch.zeros((), device=self.runtime.device)
         if self._pipeline is not None:
             mean = self._pipeline.share(mean)

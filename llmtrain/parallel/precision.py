@@ -23,7 +23,7 @@ def precision_policy(device: torch.device, bf16: bool, fsdp_mixed_precision: boo
       compute in bf16, and reduces gradients in fp32 into fp32 weights; no autocast on top, which would cast again
       (and left the residual stream bf16 under FSDP but fp32 elsewhere, two policies in one harness);
     - bf16 elsewhere: autocast, bf16 matmuls over fp32 weights.
-    Losses are computed in fp32 either way (model.cross_entropy_loss)."""
+    Losses are computed in fp32 either way (model.summed_cross_entropy)."""
     if not bf16:
         return contextlib.nullcontext, "fp32"
     if fsdp_mixed_precision:

@@ -44,7 +44,8 @@ def _inputs(device: torch.device, dtype: torch.dtype, seq: int) -> list[torch.Te
 def _sdpa(q, k, v, out_grad, mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """SDPA's output and its q, k, v gradients: causal, or under `mask`."""
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    attended = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=mask is None)
+    query, key, value = leaves
+    attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None)
     attended.backward(out_grad)
     return attended.detach(), [leaf.grad for leaf in leaves if leaf.grad is not None]
 
@@ -105,7 +106,7 @@ def document_kernel_against_sdpa(device: torch.device, dtype: torch.dtype, seq: 
     index = torch.arange(seq, device=device)
     reference, expected = _sdpa(q, k, v, out_grad, visible(starts, index, index))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    attended = document_attention(*leaves, whole_window_documents(starts))
+    attended = document_attention(leaves[0], leaves[1], leaves[2], whole_window_documents(starts))
     attended.backward(out_grad)
     differences = {"output": _relative(attended.detach(), reference)}
     for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, expected):

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, Materializer, ParameterInit, cross_entropy_loss, materialize
+from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize, summed_cross_entropy
 from llmtrain.parallel.family import family_of
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
 from llmtrain.parallel.mesh import RankMesh
@@ -62,6 +62,9 @@ class Pipeline:
         self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
         self.stage_indices = rank_stages(self.rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style)
         self.timeline = Timeline(runtime.device)
+        # The factor of this step's summed micro-batch losses (ParallelModel._loss_scale), set by forward_backward:
+        # the schedule calls the loss with what torch passes it alone.
+        self._loss_scale: float | torch.Tensor = 1.0
         # Before the stages are allocated: a dry run's materializer turns every tensor made after it fake, and the
         # groups are read from the mesh's values.
         self.tied_group = self._tied_embedding_group()
@@ -103,7 +106,7 @@ class Pipeline:
         schedule_class = torch_schedule(self.spec)
         if schedule_class is None:
             return Reference1F1B(
-                self.stages[0], self.rank, self.n_stages, self.group, m, cross_entropy_loss, device, self.timeline
+                self.stages[0], self.rank, self.n_stages, self.group, m, self._loss, device, self.timeline
             )
         stages = [
             TimedStage(module, stage, self.n_stages, device, group=self.group, timeline=self.timeline)
@@ -111,8 +114,8 @@ class Pipeline:
         ]
         try:
             if self.spec.stages_per_rank == "one":
-                return schedule_class(stages[0], m, loss_fn=cross_entropy_loss)
-            return schedule_class(stages, m, loss_fn=cross_entropy_loss)
+                return schedule_class(stages[0], m, loss_fn=self._loss)
+            return schedule_class(stages, m, loss_fn=self._loss)
         except ValueError as error:  # torch's own conditions beyond those validate_schedule checks
             raise ConfigError(
                 f"parallel.pp_schedule={self.plan.parallel.pp_schedule} with parallel.microbatches={m}: {error}"
@@ -132,13 +135,22 @@ class Pipeline:
         return mine
 
     # -- one step -------------------------------------------------------------------------------------------
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return summed_cross_entropy(logits, targets) * self._loss_scale
+
     def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, documents: dict[str, torch.Tensor]
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        documents: dict[str, torch.Tensor],
+        loss_scale: float | torch.Tensor,
     ) -> torch.Tensor:
         """One step's micro-batches (this rank's part of each sequence, on the device) through the schedule; the
         tied copies' gradients summed; the mean micro-batch loss, computed on the last stage's rank and shared with
         the whole pipeline. `documents`: the stages' `documents` keyword for the whole step (split into micro-batches
-        as the inputs are; every stage gets its own), or none."""
+        as the inputs are; every stage gets its own), or none. `loss_scale`: each micro-batch's summed loss is
+        multiplied by it (ParallelModel._loss_scale)."""
+        self._loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
         # torch's schedules would otherwise keep every micro-batch's logits on the last stage to return them
