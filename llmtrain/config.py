@@ -206,6 +206,13 @@ class ModelConfig:
     )
     tie_embeddings: bool = key(True, Flag(), "the LM head shares the token embedding's weights")
     norm_eps: float = key(1e-5, positive(), "epsilon of the norms")
+    sliding_window: Optional[list[int]] = key(
+        None,
+        ListOf(at_least(0)),
+        "attention windows, one per block in turn and repeated over the blocks: a block attends to each query's "
+        "last N keys (0: all of them), e.g. `[1024,1024,1024,0]` (three local blocks, one global); within "
+        "`train.attention=document`'s documents too; null: every block global (`model/documents.py`)",
+    )
     moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
 
 

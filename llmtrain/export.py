@@ -24,6 +24,11 @@ def export(checkpoint: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
+    if any(model.cfg.sliding_window):
+        raise ConfigError(
+            f"model.sliding_window={list(model.cfg.sliding_window)}: the transformers classes it would export to "
+            f"(GPT-2, Llama, Mixtral) attend over the whole context in every block, so they would compute another model"
+        )
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
     family = family_of(model.cfg)
     hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, tokenizer.eos_token_id))

@@ -53,6 +53,8 @@ TESTS = Path(__file__).resolve().parent
 # (train.attention=document; tests/test_documents.py).
 DOCUMENT_CORPUS = TESTS / "data" / "short_documents.jsonl"
 DOCUMENTS = f"data=local data.path={DOCUMENT_CORPUS} data.tokenizer.kind=byte train.attention=document"
+# ... with the predictions at end-of-text unscored and every second block attending to a sliding window of 8 keys
+UNSCORED_WINDOWED = "train.score_after_eos=false model.sliding_window=[8,0]"
 
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
 FAST = [

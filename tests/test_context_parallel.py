@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DOCUMENTS, REPO, assert_matches_single, json_lines, layout_group, python, torchrun
+from conftest import (
+    DOCUMENTS,
+    REPO,
+    UNSCORED_WINDOWED,
+    assert_matches_single,
+    json_lines,
+    layout_group,
+    python,
+    torchrun,
+)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from llmtrain.errors import ConfigError
@@ -24,12 +33,13 @@ from llmtrain.plan import check_context_parallel
 @pytest.mark.slow  # four processes' imports: ~20 s on two cores
 def test_ring_attention_equals_full_causal_attention(tmp_path):
     """Outputs and the gradients of q, k and v, each rank's zigzag shard against the same rows of one process's
-    fused attention in fp64, at cp 4 and 2, multi-head and grouped-query, causal and within packed documents (one
-    process's SDPA under the document mask): the ring in fp64 within 1e-10, in bf16 within 0.05 (one process's
-    fused attention in bf16 is 0.016 off the fp64 reference here; the ring, merging in fp32, up to 0.02)."""
+    fused attention in fp64, at cp 4 and 2, multi-head and grouped-query, causal, within packed documents and
+    within them over sliding windows (one process's SDPA under the same mask): the ring in fp64 within 1e-10, in bf16
+    within 0.05 (one process's fused attention in bf16 is 0.016 off the fp64 reference here; the ring, merging in fp32,
+    up to 0.02)."""
     torchrun(4, str(Path(__file__).with_name("ring_worker.py")), str(tmp_path))
     found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
-    assert all(len(cases) == 16 for cases in found)
+    assert all(len(cases) == 24 for cases in found)
     for dtype, tolerance in (("float64", 1e-10), ("bfloat16", 0.05)):
         errors = [error for cases in found for case, error in cases.items() if case.endswith(dtype)]
         assert max(errors) < tolerance, found
@@ -76,11 +86,13 @@ def test_selective_recomputation_keeps_the_ring_whole_and_never_replays_it(one_r
 def test_the_ring_operator_passes_torchs_operator_checks(one_rank_group):
     """Its fake (shape-only) version matches the real outputs' shapes and strides for the non-contiguous q, k, v
     a model hands it, its autograd registration is sound, and torch.compile can trace it: what a compiled block
-    around the ring relies on. Causal, and within packed documents (where each query's document starts)."""
+    around the ring relies on. Causal, within packed documents (where each query's document starts), and with a
+    sliding window of 8 keys."""
     q, k, v = (torch.randn(2, 32, 4, 16).transpose(1, 2).requires_grad_() for _ in range(3))
     starts = torch.tensor([0] * 10 + [10] * 22).expand(2, 32)
-    for documents in (None, starts):
-        torch.library.opcheck(torch.ops.llmtrain.ring_attention, (q, k, v, documents, one_rank_group.group_name))
+    for documents, window in ((None, 0), (starts, 0), (starts, 8)):
+        arguments = (q, k, v, documents, window, one_rank_group.group_name)
+        torch.library.opcheck(torch.ops.llmtrain.ring_attention, arguments)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
@@ -125,8 +137,8 @@ LAYOUTS = [
     "model=llama-tiny parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
     "model=llama-tiny parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     # packed documents that never see each other: the ring masks each block by the documents of its queries; with
-    # the predictions at end-of-text unscored, ranks holding different counts of scored targets
-    f"{DOCUMENTS} train.score_after_eos=false parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
+    # the predictions at end-of-text unscored, ranks holding different counts of scored targets, and sliding windows
+    f"{DOCUMENTS} {UNSCORED_WINDOWED} parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     f"model=llama-tiny {DOCUMENTS} parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
     f"{DOCUMENTS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
 ]

@@ -7,13 +7,15 @@ tests/test_parallel.py and tests/test_context_parallel.py (DOCUMENTS); the ring'
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DOCUMENT_CORPUS, LOSS_RTOL
+from conftest import DOCUMENT_CORPUS, LOSS_RTOL, REPO, python
 from torch.nn.attention.flex_attention import create_block_mask
 
 from llmtrain.data.packing import pack_windows, tokenize_documents
@@ -108,7 +110,10 @@ def test_flex_attentions_forward_matches_the_sdpa_path_on_cpu():
         q = torch.randn(b, 4, t, d, generator=generator)
         k, v = (torch.randn(b, kv_heads, t, d, generator=generator) for _ in range(2))
         torch.testing.assert_close(
-            flex_document_attention(q, k, v, block_mask), document_attention(q, k, v, documents), rtol=0, atol=1e-5
+            flex_document_attention(q, k, v, block_mask),
+            document_attention(q, k, v, documents.masks[None]),
+            rtol=0,
+            atol=1e-5,
         )
 
 
@@ -161,3 +166,45 @@ def test_an_unscored_target_is_left_out_of_one_mean_over_the_whole_batch():
             losses = F.cross_entropy(model.module(inputs).flatten(0, 1), targets.flatten(), reduction="none")
         kept = torch.ones_like(losses, dtype=torch.bool) if scored_after_eos else inputs.flatten() != eos
         torch.testing.assert_close(model.evaluate(micro_batches), losses[kept].mean(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("cfg", [GPT2_STYLE, LLAMA_STYLE], ids=["learned positions", "rotary, grouped-query"])
+def test_sliding_windows_reach_exactly_as_far_as_their_blocks_stack(cfg):
+    """model.sliding_window=[4, 3]: block 0 sees a query's last 4 keys, block 1 its last 3, so a token reaches the
+    logits of positions at most 3 + 2 = 5 after it, and no further; a window of 0 is the whole context."""
+    model = _model(dataclasses.replace(cfg, sliding_window=(4, 3)))
+    assert [block.attn.window for block in model.blocks.values()] == [4, 3]
+    tokens = torch.randint(1, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    changed = tokens.clone()
+    changed[0, 3] = (changed[0, 3] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        moved = (model(changed) - model(tokens)).abs().amax(-1)[0]
+    assert (moved[3:9] > 1e-4).all() and (moved[9:] == 0).all() and (moved[:3] == 0).all()
+    whole = _model(dataclasses.replace(cfg, sliding_window=(0,)))
+    with torch.no_grad():
+        torch.testing.assert_close(whole(tokens), _model(cfg)(tokens), rtol=0, atol=2e-6)
+
+
+def test_a_sliding_window_stays_within_its_document():
+    """With documents, a window never reaches across a boundary: the second document's logits are those it gets
+    alone under the same windows."""
+    model = _model(dataclasses.replace(GPT2_STYLE, sliding_window=(3, 0)))
+    first, second = torch.tensor([5, 6, 7, 8, EOS]), torch.tensor([9, 10, 11, 12, 13, 14])
+    window = torch.cat([first, second])[None]
+    with torch.no_grad():
+        packed = model(window, documents=document_starts(window, EOS))
+        torch.testing.assert_close(packed[:, 5:], model(second[None]), rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow  # a train.py run and an export: ~10 s
+def test_a_windowed_run_trains_end_to_end_and_refuses_an_export_that_would_compute_another_model(train, tmp_path):
+    run = train(f"data.path={DOCUMENT_CORPUS}", "data=local", "data.tokenizer.kind=byte", "train.attention=document",
+                "train.score_after_eos=false", "model.sliding_window=[8,0]", "train.steps=3")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.metrics[-1]["loss"] < run.metrics[0]["loss"]
+    done = subprocess.run(
+        [python(), "-m", "llmtrain.export", str(run.run_dir), str(tmp_path / "exported")],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0 and not (tmp_path / "exported").exists()
+    assert "model.sliding_window=[8, 0]: the transformers classes" in done.stderr.strip().splitlines()[-1]

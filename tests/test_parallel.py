@@ -9,6 +9,7 @@ from conftest import (
     BF16,
     DOCUMENTS,
     PARITY,
+    UNSCORED_WINDOWED,
     assert_console_quiet,
     assert_matches_single,
     assert_parity,
@@ -65,10 +66,11 @@ LAYOUTS = {
         # packed documents that never see each other (test_documents.py): masks and per-document positions through
         # compiled recomputed blocks, sequence-parallel position lookups, every pipeline stage, bf16; with the
         # predictions at end-of-text unscored, one mean over the batch's scored targets however it is cut (tp's
-        # micro-batches of 8 against one process's of 2; pipeline micro-batches)
+        # micro-batches of 8 against one process's of 2; pipeline micro-batches), over sliding windows in every
+        # second block
         f"{DOCUMENTS} parallel=fsdp train.activation_checkpointing=selective train.compile=true",
-        f"{DOCUMENTS} train.score_after_eos=false parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
-        f"{DOCUMENTS} train.score_after_eos=false parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
+        f"{DOCUMENTS} {UNSCORED_WINDOWED} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
+        f"{DOCUMENTS} {UNSCORED_WINDOWED} parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
         f"{DOCUMENTS} {BF16} parallel=ddp",
     ],
     4: [

@@ -81,7 +81,7 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
         if f.default is not dataclasses.MISSING
     }
     saved = {**defaults, **read_meta(path)["model"]}
-    ours = dataclasses.asdict(gpt_cfg)
+    ours = json.loads(json.dumps(dataclasses.asdict(gpt_cfg)))  # as meta.json holds it (tuples as lists)
     differences = [
         f"model.{key}={ours.get(key)} (checkpoint: {saved.get(key)})"
         for key in sorted(set(saved) | set(ours))

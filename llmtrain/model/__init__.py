@@ -30,6 +30,7 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         "vocab_size": model_cfg.vocab_size or vocab_size,
         "rope_scaling": rope_scaling(model_cfg.rope_scaling),
         "moe": MoEConfig(**{f.name: getattr(model_cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)}),
+        "sliding_window": tuple(model_cfg.sliding_window or ()),
     }
     return GPTConfig(
         **{f.name: resolved.get(f.name, getattr(model_cfg, f.name)) for f in dataclasses.fields(GPTConfig)}
@@ -42,6 +43,7 @@ def model_group_of(gpt_cfg: GPTConfig, model_cfg):
     scaling = gpt_cfg.rope_scaling
     shape = {f.name: getattr(gpt_cfg, f.name) for f in dataclasses.fields(GPTConfig)}
     shape["moe"] = dataclasses.replace(model_cfg.moe, **dataclasses.asdict(gpt_cfg.moe))
+    shape["sliding_window"] = list(gpt_cfg.sliding_window) or None
     shape["rope_scaling"] = (
         dataclasses.replace(model_cfg.rope_scaling, type="none")
         if scaling is None

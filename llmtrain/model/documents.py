@@ -1,4 +1,4 @@
-"""Packed documents that never see each other (`train.attention=document`).
+"""Packed documents that never see each other (`train.attention=document`), and sliding attention windows.
 
 Packing (llmtrain/data/packing.py) concatenates documents, each ended by the end-of-text token, and cuts the stream
 into windows; with plain causal attention a token after a boundary attends to the unrelated documents before it.
@@ -14,13 +14,16 @@ The kernel each device runs it on:
   - CUDA: FlexAttention (`torch.nn.attention.flex_attention`, compiled), whose block mask skips the blocks no
     document reaches, so a window of short documents costs attention within each document only;
   - elsewhere: SDPA with the mask as a (batch, 1, t, t) tensor: FlexAttention has no backward on CPU.
-Both compute softmax attention over the same visible keys; tests/test_documents.py holds the FlexAttention forward
-to the SDPA path on CPU, and `llmtrain.tools.gpu_check` its forward and backward on the GPU.
+A sliding window (model.sliding_window: a window per block, as nanochat's and modded-nanogpt's short and long ones)
+narrows the same mask to each query's last `window` keys, with or without documents (without, the whole window is
+one document). Both kernels compute softmax attention over the same visible keys; tests/test_documents.py holds
+the FlexAttention forward to the SDPA path on CPU, and `llmtrain.tools.gpu_check` its forward and backward on the
+GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
@@ -38,40 +41,47 @@ def document_starts(tokens: torch.Tensor, separator: int) -> torch.Tensor:
     return torch.where(after_separator, index, 0).cummax(dim=1).values
 
 
-def visible(starts: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def visible(starts: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """(batch, 1, queries, keys) bool: which keys (window positions `keys`) each query (window positions `queries`,
-    its document starting at `starts` (batch, queries)) attends to: those of its own document, up to itself."""
-    keys = keys[None, None, :]
-    return ((keys >= starts[:, :, None]) & (keys <= queries[None, :, None]))[:, None]
+    its document starting at `starts` (batch, queries)) attends to: those of its own document, up to itself, and
+    with a sliding `window` only the last `window` of them (itself included)."""
+    keys, queries = keys[None, None, :], queries[None, :, None]
+    seen = (keys >= starts[:, :, None]) & (keys <= queries)
+    if window is not None:
+        seen &= keys > queries - window
+    return seen[:, None]
 
 
 @dataclass(frozen=True)
 class PackedDocuments:
-    """What one forward over packed documents needs, made once per forward by the model's sequence layout
-    (gpt.WholeSequence or context parallelism's shard) from the starts of the positions it holds: each position
-    within its document, and the attention mask in the form the layout's kernel takes."""
+    """What attention within packed documents (or sliding windows, model.sliding_window) needs in one forward,
+    made once per forward by the model's sequence layout (gpt.WholeSequence or context parallelism's shard) from
+    the starts of the positions it holds: each position within its document, and per attention window of the
+    model's blocks (None: the whole document) the mask in the form the layout's kernel takes."""
 
     starts: torch.Tensor  # (batch, t): where each held position's document starts in the window
     positions: torch.Tensor  # (batch, t): each held position's place within its document
-    mask: Any  # the kernel's mask: a bool tensor (SDPA), a BlockMask (FlexAttention), or the starts (ring)
+    masks: dict[int | None, Any]  # window -> a bool tensor (SDPA), a BlockMask (FlexAttention), the starts (ring)
 
 
-def whole_window_documents(starts: torch.Tensor) -> PackedDocuments:
-    """The documents of whole windows (no context parallelism), the mask made for this device's kernel."""
+def whole_window_documents(starts: torch.Tensor, windows: Iterable[int | None] = (None,)) -> PackedDocuments:
+    """The documents of whole windows (no context parallelism), a mask per attention window made for this
+    device's kernel."""
     t = starts.shape[1]
     index = torch.arange(t, device=starts.device)
     if starts.device.type == "cuda":
-        mask: Any = _block_mask(starts)
+        masks = {window: _block_mask(starts, window) for window in windows}
     else:
-        mask = visible(starts, index, index)
-    return PackedDocuments(starts, index - starts, mask)
+        masks = {window: visible(starts, index, index, window) for window in windows}
+    return PackedDocuments(starts, index - starts, masks)
 
 
-def _block_mask(starts: torch.Tensor) -> Any:
+def _block_mask(starts: torch.Tensor, window: int | None) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_index, kv_index):
-        return (kv_index >= starts[b, q_index]) & (kv_index <= q_index)
+        seen = (kv_index >= starts[b, q_index]) & (kv_index <= q_index)
+        return seen if window is None else seen & (q_index - kv_index < window)
 
     batch, t = starts.shape
     return create_block_mask(same_document_causal, batch, None, t, t, device=starts.device)
@@ -96,11 +106,11 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask, enable_gqa=grouped))
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
-    """Attention within each packed document on this device's kernel (the module doc). Grouped-query keys and
-    values are repeated for SDPA: its fused CPU kernel takes a mask but not fewer key heads."""
-    if not isinstance(documents.mask, torch.Tensor):
-        return flex_document_attention(q, k, v, documents.mask)
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """Attention under one of PackedDocuments.masks on this device's kernel (the module doc). Grouped-query keys
+    and values are repeated for SDPA: its fused CPU kernel takes a mask but not fewer key heads."""
+    if not isinstance(mask, torch.Tensor):
+        return flex_document_attention(q, k, v, mask)
     if q.shape[1] != k.shape[1]:
         k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

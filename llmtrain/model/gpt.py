@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,14 +56,28 @@ class GPTConfig:
     tie_embeddings: bool = True  # the LM head is the token embedding
     norm_eps: float = 1e-5
     moe: MoEConfig = MoEConfig()  # mixture-of-experts blocks (llmtrain/model/moe.py); none by default
+    # Attention windows, one per block in turn, the pattern repeated over the blocks (0: the whole context; ():
+    # every block global). model/documents.py masks each block's attention to its query's last `window` keys.
+    sliding_window: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
         """The config a checkpoint's meta.json holds (dataclasses.asdict of one)."""
         scaling, moe = fields.get("rope_scaling"), fields.get("moe")
         return cls(
-            **{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None, "moe": MoEConfig(**(moe or {}))}
+            **{
+                **fields,
+                "rope_scaling": RopeScaling(**scaling) if scaling else None,
+                "moe": MoEConfig(**(moe or {})),
+                "sliding_window": tuple(fields.get("sliding_window", ())),
+            }
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """Block `layer`'s attention window in keys; None: the whole context."""
+        if not self.sliding_window:
+            return None
+        return self.sliding_window[layer % len(self.sliding_window)] or None
 
     @property
     def hidden(self) -> int:
@@ -98,14 +112,20 @@ class WholeSequence:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return torch.arange(t, device=device)
 
-    def documents(self, starts: torch.Tensor) -> PackedDocuments:
-        """Packed documents (model/documents.py) from where each position's document starts (batch, t)."""
-        return whole_window_documents(starts)
+    def documents(self, starts: torch.Tensor, windows: Iterable[int | None]) -> PackedDocuments:
+        """Packed documents (model/documents.py) from where each position's document starts (batch, t), with a
+        mask for each of the attention `windows`."""
+        return whole_window_documents(starts, windows)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: PackedDocuments | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents)
+        return causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents.masks[window])
 
 
 # The dtypes in which CUDA's flash kernel runs, the one fused kernel that takes fewer key/value heads than queries.
@@ -128,8 +148,9 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention, or grouped-query attention when the model has fewer key/value heads (each serves
     n_head / n_kv_head consecutive query heads, so a tensor-parallel rank's query heads find their keys on it)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # attention to the last `window` keys (None: all)
         self.head_dim = cfg.d_model // cfg.n_head
         self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.position == "rope" else None
         kv_width = cfg.kv_heads * self.head_dim
@@ -162,11 +183,11 @@ class CausalSelfAttention(nn.Module):
             if documents is None:
                 seen = index[None, :] <= index[:, None]
             else:
-                seen = visible(documents.starts, index, index)
+                seen = visible(documents.starts, index, index, self.window)
             scores = (q @ k.transpose(-2, -1) / self.head_dim**0.5).masked_fill(~seen, float("-inf"))
             y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
         else:
-            y = self.sequence.attention(q, k, v, documents)
+            y = self.sequence.attention(q, k, v, documents, self.window)
         return self.resid_dropout(self.out_proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
@@ -209,7 +230,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, index: int, recompute: str = "none"):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, cfg.window_of(index))
         self.mlp_norm = make_norm(cfg)
         self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
         self.recompute = recompute  # what backward recomputes (train.activation_checkpointing, model/recompute.py)
@@ -274,7 +295,10 @@ class GPT(LayeredModel):
         stream (batch, seq, d_model) instead, and a part without the head returns it. `documents`: where the
         packed document of each position starts (batch, seq; model/documents.py), or None for causal attention over
         the whole window."""
-        packed = None if documents is None else self.sequence.documents(documents)
+        windows = {self.cfg.window_of(int(name)) for name in self.blocks}
+        if documents is None and windows != {None}:  # sliding windows over one document: the whole window
+            documents = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        packed = None if documents is None else self.sequence.documents(documents, windows)
         if self.tok_emb is not None and self.emb_dropout is not None:
             embedded = self.tok_emb(x)
             if self.pos_emb is not None:
@@ -369,14 +393,16 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
-    and torchtitan count the same). N excludes what is a lookup rather than a matmul: the position embedding, and
-    the token embedding when the head does not share it. Every weight is counted as it is (SwiGLU's three
+    and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
+    excludes what is a lookup rather than a matmul: the position embedding, and the token embedding when the head
+    does not share it. Every weight is counted as it is (SwiGLU's three
     matrices, grouped-query attention's narrower key and value projections). In a mixture of experts a token
     meets only its top_k routed experts: N counts the active parameters (the others are left out)."""
     lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         lookups += cfg.padded_vocab_size * cfg.d_model
-    return 6 * (n_params - lookups - inactive_expert_parameters(cfg)) + 12 * cfg.n_layer * cfg.d_model * seq_len
+    keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
+    return 6 * (n_params - lookups - inactive_expert_parameters(cfg)) + 12 * cfg.d_model * keys
 
 
 def inactive_expert_parameters(cfg: GPTConfig) -> int:

@@ -12,6 +12,8 @@ dp_shard x cp, as torchtitan does).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,10 +39,11 @@ class ContextShard:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return zigzag_positions(t * self.cp, self.cp, self.rank, device)
 
-    def documents(self, starts: torch.Tensor) -> PackedDocuments:
+    def documents(self, starts: torch.Tensor, windows: Iterable[int | None]) -> PackedDocuments:
         """Packed documents of this rank's positions (`starts`: where each one's document starts in the window);
-        the ring builds each block's mask from them (ring_attention.BlockMasks)."""
-        return PackedDocuments(starts, self.positions(starts.shape[1], starts.device) - starts, starts)
+        the ring builds each block's mask from them and the attention window (ring_attention.HeldBlock)."""
+        positions = self.positions(starts.shape[1], starts.device) - starts
+        return PackedDocuments(starts, positions, dict.fromkeys(windows, starts))
 
     @property
     def parts(self) -> int:
@@ -53,9 +56,14 @@ class ContextShard:
         return counts
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: PackedDocuments | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, None if documents is None else documents.starts)
+        return ring_attention(q, k, v, self.group, None if documents is None else documents.starts, window)
 
 
 def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:

@@ -146,15 +146,16 @@ class HeldBlock:
     """The keys and values a rank holds at one step of the ring: whose they are, relative to itself (`source`: 0
     its own, -1 an earlier rank's, only whose early chunk it sees; 1 a later rank's, seen only by its late chunk of
     queries), and with packed documents (`starts`, (batch, 2c): where the document of each of its queries starts in
-    the window; None: causal attention only) the mask of any part of the block."""
+    the window; None: causal attention only) and a sliding `window` the mask of any part of the block."""
 
     ring: Ring
     holder: int  # the rank of the group whose keys these are
     starts: torch.Tensor | None
+    window: int | None  # a sliding attention window (model.sliding_window): a query sees its last `window` keys
 
     @classmethod
-    def at(cls, ring: Ring, step: int, starts: torch.Tensor | None) -> HeldBlock:
-        return cls(ring, (ring.rank - step) % ring.size, starts)
+    def at(cls, ring: Ring, step: int, starts: torch.Tensor | None, window: int | None) -> HeldBlock:
+        return cls(ring, (ring.rank - step) % ring.size, starts, window)
 
     @property
     def source(self) -> int:
@@ -172,7 +173,7 @@ class HeldBlock:
         t, size = self.starts.shape[1], self.ring.size
         queries = zigzag_positions(t * size, size, self.ring.rank, self.starts.device)[rows]
         held = zigzag_positions(t * size, size, self.holder, self.starts.device)[keys]
-        return visible(self.starts[:, rows], queries, held)
+        return visible(self.starts[:, rows], queries, held, self.window)
 
 
 def _forward_step(q, k, v, block: HeldBlock, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -216,7 +217,7 @@ def _backward_step(q, k, v, out_grad, out, lse, block: HeldBlock, dq: torch.Tens
 
 @torch.library.custom_op("llmtrain::ring_attention", mutates_args=())
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group_name: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, window: int, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = Ring(_resolve_process_group(GroupName(group_name)))
     out = torch.zeros(q.shape, dtype=_merged_dtype(q), device=q.device)
@@ -225,7 +226,7 @@ def _ring_forward(
     for step in range(ring.size):
         incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
         with RING_TIMES.interval("compute", q.device):
-            _forward_step(q, kv[0], kv[1], HeldBlock.at(ring, step, starts), out, lse)
+            _forward_step(q, kv[0], kv[1], HeldBlock.at(ring, step, starts, window or None), out, lse)
         _wait(works, q.device)
         if incoming is not None:
             kv = incoming
@@ -234,7 +235,7 @@ def _ring_forward(
 
 @_ring_forward.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group_name: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, window: int, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_merged_dtype(q))  # contiguous, as the real ones
 
@@ -248,6 +249,7 @@ def _ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     starts: torch.Tensor | None,
+    window: int,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = Ring(_resolve_process_group(GroupName(group_name)))
@@ -261,7 +263,8 @@ def _ring_backward(
         incoming, works = ring.start(kv) if step < ring.size - 1 else (None, [])
         dkv = torch.zeros(kv.shape, dtype=_merged_dtype(q), device=kv.device)
         with RING_TIMES.interval("compute", q.device):
-            _backward_step(q, kv[0], kv[1], out_grad, out, lse, HeldBlock.at(ring, step, starts), dq, dkv)
+            block = HeldBlock.at(ring, step, starts, window or None)
+            _backward_step(q, kv[0], kv[1], out_grad, out, lse, block, dq, dkv)
         if travelling is not None:
             _wait(travelling_works, q.device)
             dkv += travelling
@@ -275,21 +278,21 @@ def _ring_backward(
 
 
 @_ring_backward.register_fake
-def _(out_grad, q, k, v, out, lse, starts, group_name):
+def _(out_grad, q, k, v, out, lse, starts, window, group_name):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, starts, group_name = inputs
+    q, k, v, starts, window, group_name = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, starts)
-    ctx.group_name = group_name
+    ctx.window, ctx.group_name = window, group_name
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, out_grad: torch.Tensor, _lse_grad: torch.Tensor | None):
     q, k, v, out, lse, starts = ctx.saved_tensors
-    return (*_ring_backward(out_grad, q, k, v, out, lse, starts, ctx.group_name), None, None)
+    return (*_ring_backward(out_grad, q, k, v, out, lse, starts, ctx.window, ctx.group_name), None, None, None)
 
 
 torch.library.register_autograd("llmtrain::ring_attention", _backward, setup_context=_setup_context)
@@ -301,9 +304,11 @@ def ring_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup,
     starts: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries (batch, heads, 2c, head_dim) over the whole sequence's keys
     and values (batch, kv_heads, 2c, head_dim on each rank of `group`); with `starts` (batch, 2c: where each query's
-    packed document starts in the window), within each query's document only."""
-    out, _ = torch.ops.llmtrain.ring_attention(q, k, v, starts, group.group_name)
+    packed document starts in the window), within each query's document only, and with a `window` (which needs
+    `starts`) over each query's last `window` keys of it."""
+    out, _ = torch.ops.llmtrain.ring_attention(q, k, v, starts, window or 0, group.group_name)
     return out

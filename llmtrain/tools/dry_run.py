@@ -213,7 +213,8 @@ def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
         vocab_size = config.model.vocab_size or GPT2_VOCABULARY
         with contextlib.ExitStack() as stack:
             fake = FakeFromAllocation(FakeTensorMode(allow_non_fake_inputs=True), stack)
-            model = build_parallel_model(config, runtime, vocab_size, materializer=fake)
+            # the last id ends documents (train.attention=document): the steps' tokens are made up anyway
+            model = build_parallel_model(config, runtime, vocab_size, materializer=fake, eos_id=vocab_size - 1)
             fake.enter()  # a model without parameters to allocate
             _answer_the_pipeline_vote(model, config)
             _route_evenly(model.module)

@@ -26,6 +26,7 @@ Rows, in order (tolerances are on the per-step training loss, max relative diffe
                          train.attention=document on FlexAttention, eager and compiled blocks: within 3% of bf16
                          and of compiled none (few of the corpus's windows cross a document boundary); tokens/s
                          against theirs is the mask's cost
+  windows compiled       model.sliding_window=[128,128,128,0] on FlexAttention: trains, no skipped step
   muon, moe eager        Muon's Newton-Schulz in bf16; 8 experts in every second block, one grouped GEMM each
   fsdp float8 save/resume  float8 FSDP checkpoints every 5 steps, a new run resumes from step 5: steps 6-10 within
                          1e-3 of the first run's (the float8 scales recomputed from the loaded weights)
@@ -135,6 +136,8 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
             reference="compiled none",
             tolerance=0.03,
         ),
+        # sliding windows in three blocks of four (FlexAttention's windowed block mask): trains, no skipped step
+        Check("windows compiled", ["model.sliding_window=[128,128,128,0]", "train.compile=true"]),
         # Muon with its Newton-Schulz iterations in bf16: trains, no skipped step; tokens/s against bf16's is what
         # its update costs on this GPU
         Check("muon", ["optim=muon"]),

@@ -106,7 +106,7 @@ def document_kernel_against_sdpa(device: torch.device, dtype: torch.dtype, seq: 
     index = torch.arange(seq, device=device)
     reference, expected = _sdpa(q, k, v, out_grad, visible(starts, index, index))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    attended = document_attention(leaves[0], leaves[1], leaves[2], whole_window_documents(starts))
+    attended = document_attention(leaves[0], leaves[1], leaves[2], whole_window_documents(starts).masks[None])
     attended.backward(out_grad)
     differences = {"output": _relative(attended.detach(), reference)}
     for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, expected):
