@@ -84,7 +84,8 @@ def _block_mask(starts: torch.Tensor, window: int | None) -> Any:
         return seen if window is None else seen & (q_index - kv_index < window)
 
     batch, t = starts.shape
-    return create_block_mask(same_document_causal, batch, None, t, t, device=starts.device)
+    # compiled, it evaluates the mask block by block instead of materialising (batch, t, t) booleans
+    return create_block_mask(same_document_causal, batch, None, t, t, device=starts.device, _compile=True)
 
 
 @cache

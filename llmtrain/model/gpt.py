@@ -395,9 +395,10 @@ def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
     and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
     excludes what is a lookup rather than a matmul: the position embedding, and the token embedding when the head
-    does not share it. Every weight is counted as it is (SwiGLU's three
-    matrices, grouped-query attention's narrower key and value projections). In a mixture of experts a token
-    meets only its top_k routed experts: N counts the active parameters (the others are left out)."""
+    does not share it. Every weight is counted as it is (SwiGLU's three matrices, grouped-query attention's
+    narrower key and value projections). In a mixture of experts a token meets only its top_k routed experts: N
+    counts the active parameters (the others are left out). Packed documents (train.attention=document) are not
+    counted shorter: the FLOPs are those of the window, as MFU's convention is."""
     lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         lookups += cfg.padded_vocab_size * cfg.d_model

@@ -74,8 +74,12 @@ class ParallelModel:
         eos_id: int | None = None,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
-        if eos_id is None and (plan.train.attention == "document" or not plan.train.score_after_eos):
-            raise ConfigError("train.attention=document: no end-of-text token to find documents by; use a tokenizer")
+        needs_eos = "train.attention=document" if plan.train.attention == "document" else None
+        needs_eos = needs_eos or (None if plan.train.score_after_eos else "train.score_after_eos=false")
+        if eos_id is None and needs_eos:
+            raise ConfigError(
+                f"{needs_eos}: no end-of-text token to find documents by; build the model with a tokenizer"
+            )
         self._separator = eos_id if plan.train.attention == "document" else None
         self._unscored_input = None if plan.train.score_after_eos else eos_id
         steps = layout_steps(plan, mesh, runtime.device)
