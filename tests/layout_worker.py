@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain.job import build_training
+from llmtrain.model.scoring import SUMMED_LOSSES, UNSCORED
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
@@ -66,6 +67,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
     finally:
         parts.data.close()
         adapter = adapter_answers(parts) if parts.config.eval.tasks else None
+    gap = boundary_gap(parts) if parts.config.train.attention == "document" else None
     curves = {
         "holdings": holdings(parts, runtime, computed_in, last_step_began),
         "precision": parts.model.precision_description,
@@ -75,8 +77,30 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         "val_losses": [r["val_loss"] for r in records if "val_loss" in r],
         "tasks": {key: value for key, value in records[-1].items() if key.count("/") == 2},  # eval.tasks' scores
         "val_bpb": records[-1].get("val_bpb"),
+        "boundary_gap": gap,
     }
     return curves, parts.model.full_state_dict()
+
+
+def boundary_gap(parts) -> float:
+    """Under train.attention=document, the property itself as this layout computes it: a document read after another
+    one in a window and the same document read alone at a window's start, their summed losses over the same
+    (context, target) pairs of that document (the other targets unscored; llmtrain/model/scoring.py); the relative
+    difference of the two (0 up to the kernels' rounding; causal attention would make them differ)."""
+    seq_len, eos = parts.config.train.seq_len, parts.data.tokenizer.eos_id
+    generator = torch.Generator().manual_seed(0)
+    before = seq_len // 3
+    first, second = (torch.randint(0, eos, (n,), generator=generator) for n in (before - 1, seq_len + 1 - before))
+    after_another = torch.cat([first, torch.tensor([eos]), second])
+    alone = torch.cat([second, torch.randint(0, eos, (before,), generator=generator)])
+    rows = torch.stack([after_another, alone])
+    inputs, targets = rows[:, :-1], torch.full((2, seq_len), UNSCORED)
+    scored = len(second) - 1  # each position of `second` but its last predicts the next token of `second`
+    targets[0, before : before + scored] = second[1:]
+    targets[1, :scored] = second[1:]
+    parts.model.module.eval()
+    sums = parts.model.row_sums([(inputs, targets)], SUMMED_LOSSES)[:, 0]
+    return float((sums[0] - sums[1]).abs() / sums[1])
 
 
 def holdings(parts, runtime: Runtime, computed_in: set[str], last_step_began: int) -> dict:
