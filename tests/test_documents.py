@@ -1,8 +1,10 @@
 """Packed documents that never see each other (train.attention=document, llmtrain/model/documents.py): the
 boundaries read from the end-of-text tokens, the property itself (a token after a boundary gets the logits it gets
-when its document is fed alone, for both families, on every kernel path one process has), and that the mask
-matters on the corpus the layouts are tested on. Every layout's parity with one process under the mask:
-tests/test_parallel.py and tests/test_context_parallel.py (DOCUMENTS); the ring's blocks: test_context_parallel.py.
+when its document is fed alone, for both families, on every kernel path one process has), that the mask matters on
+the corpus the layouts are tested on, the unscored prediction at end-of-text in one mean over the batch, sliding
+windows (model.sliding_window), and generation. Every layout's parity with one process under the mask, and the
+property through each layout's own forward (layout_worker.boundary_gap): tests/test_parallel.py and
+tests/test_context_parallel.py (DOCUMENTS); the ring's blocks: test_context_parallel.py.
 """
 
 from __future__ import annotations
