@@ -210,3 +210,16 @@ def test_a_windowed_run_trains_end_to_end_and_refuses_an_export_that_would_compu
     )  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "exported").exists()
     assert "model.sliding_window=[8, 0]: the transformers classes" in done.stderr.strip().splitlines()[-1]
+
+
+def test_selective_recomputation_keeps_flex_attentions_output():
+    """On CUDA the document mask runs in FlexAttention, a higher-order operator (no overload packet): the selective
+    policy saves it as it saves SDPA's kernels, rather than failing on it or replaying it in backward. (FlexAttention
+    refuses gradients on CPU, so the policy is asked directly.)"""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from llmtrain.model.recompute import _save_expensive
+
+    assert _save_expensive(None, torch.ops.higher_order.flex_attention) == CheckpointPolicy.MUST_SAVE
+    assert _save_expensive(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _save_expensive(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -35,12 +35,20 @@ SAVED_BY_SELECTIVE = frozenset(
         "_c10d_functional::reduce_scatter_tensor",
         "_c10d_functional::all_to_all_single",
         "llmtrain::ring_attention",
+        "higher_order::flex_attention",  # train.attention=document and sliding windows on CUDA (model/documents.py)
     }
 )
 
 
+def _qualified_name(op) -> str:
+    """An operator's qualified name; a higher-order operator (FlexAttention's, which has no overload packet) by
+    its own name under `higher_order::`."""
+    packet = getattr(op, "overloadpacket", None)
+    return packet._qualified_op_name if packet is not None else f"higher_order::{op.name()}"
+
+
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op.overloadpacket._qualified_op_name in SAVED_BY_SELECTIVE:
+    if _qualified_name(op) in SAVED_BY_SELECTIVE:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
