@@ -308,7 +308,9 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries (batch, heads, 2c, head_dim) over the whole sequence's keys
     and values (batch, kv_heads, 2c, head_dim on each rank of `group`); with `starts` (batch, 2c: where each query's
-    packed document starts in the window), within each query's document only, and with a `window` (which needs
-    `starts`) over each query's last `window` keys of it."""
+    packed document starts in the window), within each query's document only, and with a `window` over each query's
+    last `window` keys of it."""
+    if window is not None and starts is None:  # one document: the whole window
+        starts = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long, device=q.device)
     out, _ = torch.ops.llmtrain.ring_attention(q, k, v, starts, window or 0, group.group_name)
     return out
