@@ -342,6 +342,17 @@ TOKENIZER_KINDS = ("byte", "bpe", "hf")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # train.attention (llmtrain/model/documents.py): over the whole packed window, or within each packed document.
 ATTENTION_MODES = ("causal", "document")
+# model.lora.targets: the projections low-rank adapters can sit beside (llmtrain/model/lora.py), by their attribute
+# names, with the names Hugging Face's Llama and PEFT give them.
+LORA_TARGETS = {
+    "q_proj": "q_proj",
+    "k_proj": "k_proj",
+    "v_proj": "v_proj",
+    "out_proj": "o_proj",
+    "fc_gate": "gate_proj",
+    "fc_in": "up_proj",
+    "fc_out": "down_proj",
+}
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # optim.lr_schedule (llmtrain/optim/lr_schedule.py describes each).

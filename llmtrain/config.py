@@ -121,6 +121,26 @@ class MoEGroupConfig:
     z_loss_coef: float = key(0.0, Number(low=0), "ST-MoE router z-loss, coef · mean(logsumexp(router logits)²)")
 
 
+@dataclass
+class LoRAGroupConfig:
+    """Low-rank adapters (llmtrain/model/lora.py): rank 0 trains every parameter."""
+
+    rank: int = key(
+        0,
+        at_least(0),
+        "low-rank adapters of this rank beside each targeted projection, the rest of the model frozen (no gradients, "
+        "no optimizer state; bf16 where FSDP gathers bf16); 0 trains every parameter. 8 to 64 is usual",
+    )
+    alpha: float = key(16.0, positive(), "the adapters' update is scaled by alpha / rank (PEFT's `lora_alpha`)")
+    dropout: float = key(0.0, fraction(), "dropout on each adapter's input (PEFT's `lora_dropout`)")
+    targets: list[str] = key(
+        list(catalog.LORA_TARGETS),
+        ListOf(OneOf(tuple(catalog.LORA_TARGETS))),
+        "the projections adapted: `q_proj k_proj v_proj out_proj` (attention), `fc_gate fc_in fc_out` (the MLP; "
+        "Hugging Face's Llama calls them `o_proj gate_proj up_proj down_proj`); all of them by default",
+    )
+
+
 def mlp_width(d_model: int, d_ff: int | None, mlp: str) -> int:
     """The MLP's hidden width: `d_ff`, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU: the same
     parameter count). The one rule the model, the plan's checks and the planner read."""
@@ -214,6 +234,7 @@ class ModelConfig:
         "`train.attention=document`'s documents too; null: every block global (`model/documents.py`)",
     )
     moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
+    lora: LoRAGroupConfig = field(default_factory=LoRAGroupConfig)
 
 
 @dataclass
@@ -1025,12 +1046,23 @@ def validate(cfg) -> None:
         )
     if t.float8 != "none":
         require_extra("torchao", f"train.float8={t.float8}", "fp8")
+    validate_lora(cfg)
     if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
         raise ConfigError(
             f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
             f"within 1..{t.steps}"
         )
     validate_data(cfg.data)
+
+
+def validate_lora(cfg) -> None:
+    """Low-rank adapters against the settings that would undo them."""
+    rank, float8 = cfg.model.lora.rank, cfg.train.float8
+    if rank and float8 != "none":
+        raise ConfigError(
+            f"train.float8={float8} with model.lora.rank={rank}: float8 layers would replace the adapted ones; set "
+            f"train.float8=none to train adapters"
+        )
 
 
 def validate_optim(optim) -> None:

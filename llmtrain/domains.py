@@ -322,8 +322,11 @@ def _source_problem(entry: dict, names: list[str]) -> str | None:
 
 def key(default: Any, domain: Domain, doc: str) -> Any:
     """A config key, declared once: its default, its domain and a one-line doc (read back by config.schema_keys;
-    --help and docs/config.md are generated from them)."""
-    return field(default=default, metadata={"domain": domain, "doc": doc})
+    --help and docs/config.md are generated from them). A list default is copied for each config made."""
+    metadata = {"domain": domain, "doc": doc}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _number(value: float) -> str:

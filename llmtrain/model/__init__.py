@@ -18,6 +18,7 @@ from llmtrain.model.gpt import (
     seeded_init,
     summed_cross_entropy,
 )
+from llmtrain.model.lora import LoRAConfig, is_adapter
 from llmtrain.model.materialize import Materializer, ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
 from llmtrain.model.rope import RopeScaling
@@ -31,6 +32,9 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         "rope_scaling": rope_scaling(model_cfg.rope_scaling),
         "moe": MoEConfig(**{f.name: getattr(model_cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)}),
         "sliding_window": tuple(model_cfg.sliding_window or ()),
+        "lora": LoRAConfig(
+            model_cfg.lora.rank, model_cfg.lora.alpha, model_cfg.lora.dropout, tuple(model_cfg.lora.targets)
+        ),
     }
     return GPTConfig(
         **{f.name: resolved.get(f.name, getattr(model_cfg, f.name)) for f in dataclasses.fields(GPTConfig)}
@@ -44,6 +48,10 @@ def model_group_of(gpt_cfg: GPTConfig, model_cfg):
     shape = {f.name: getattr(gpt_cfg, f.name) for f in dataclasses.fields(GPTConfig)}
     shape["moe"] = dataclasses.replace(model_cfg.moe, **dataclasses.asdict(gpt_cfg.moe))
     shape["sliding_window"] = list(gpt_cfg.sliding_window) or None
+    lora = gpt_cfg.lora
+    shape["lora"] = dataclasses.replace(
+        model_cfg.lora, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)
+    )
     shape["rope_scaling"] = (
         dataclasses.replace(model_cfg.rope_scaling, type="none")
         if scaling is None
@@ -71,12 +79,18 @@ def meta_model(model_cfg, vocab_size: int, recompute: str = "none") -> GPT:
 
 
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
-    """Where the initial weights come from: the GPT-2 at model.init_from (read tensor by tensor), else `seed`."""
-    if model_cfg.init_from:
-        from llmtrain.model.hf import hf_weights
+    """Where the initial weights come from: the model at model.init_from (read tensor by tensor; its low-rank
+    adapters from `seed`), else `seed`."""
+    if not model_cfg.init_from:
+        return seeded_init(model, seed)
+    from llmtrain.model.hf import hf_weights
 
-        return hf_weights(model_cfg.init_from, model.cfg)
-    return seeded_init(model, seed)
+    pretrained, seeded = hf_weights(model_cfg.init_from, model.cfg), seeded_init(model, seed)
+
+    def init(name: str, full: torch.Tensor) -> None:  # adapters are new: drawn from the seed
+        (seeded if is_adapter(name) else pretrained)(name, full)
+
+    return init
 
 
 def build_model(model_cfg, vocab_size: int, seed: int, recompute: str = "none") -> GPT:

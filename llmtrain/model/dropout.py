@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,15 @@ def keep_mask(
     return (z & 0xFFFFFFFF) >= int(p * 2**32)
 
 
+def _split_of(x: DTensor) -> Split | None:
+    """The chunk of the whole tensor a DTensor on a one-dimensional mesh holds (None: all of it)."""
+    placement = x.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    mesh = x.device_mesh
+    return Split(dim=placement.dim % x.ndim, rank=mesh.get_local_rank(), parts=mesh.size())
+
+
 class Dropout(nn.Module):
     def __init__(self, p: float):
         super().__init__()
@@ -76,6 +86,10 @@ class Dropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         seed = torch.randint(0, 2**62, ())
+        if isinstance(x, DTensor):  # inside a tensor-parallel layer (a low-rank adapter's input): its own chunk
+            local, split = x.to_local(), _split_of(x)
+            dropped = local * keep_mask(local.shape, self.p, seed, split, local.device) / (1 - self.p)
+            return DTensor.from_local(dropped, x.device_mesh, x.placements, run_check=False)
         return x * keep_mask(x.shape, self.p, seed, self.split, x.device) / (1 - self.p)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.documents import PackedDocuments, document_attention, visible, whole_window_documents
 from llmtrain.model.dropout import Dropout
+from llmtrain.model.lora import ADAPTERS, LoRAConfig, freeze_base, init_adapter, linear
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
 from llmtrain.model.recompute import recomputed
@@ -59,17 +60,19 @@ class GPTConfig:
     # Attention windows, one per block in turn, the pattern repeated over the blocks (0: the whole context; ():
     # every block global). model/documents.py masks each block's attention to its query's last `window` keys.
     sliding_window: tuple[int, ...] = ()
+    lora: LoRAConfig = LoRAConfig()  # low-rank adapters on the projections it targets, the rest frozen (model/lora.py)
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
         """The config a checkpoint's meta.json holds (dataclasses.asdict of one)."""
-        scaling, moe = fields.get("rope_scaling"), fields.get("moe")
+        scaling, moe, lora = fields.get("rope_scaling"), fields.get("moe"), fields.get("lora") or {}
         return cls(
             **{
                 **fields,
                 "rope_scaling": RopeScaling(**scaling) if scaling else None,
                 "moe": MoEConfig(**(moe or {})),
                 "sliding_window": tuple(fields.get("sliding_window", ())),
+                "lora": LoRAConfig(**{**lora, "targets": tuple(lora.get("targets", ()))}),
             }
         )
 
@@ -154,10 +157,10 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_head
         self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.position == "rope" else None
         kv_width = cfg.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.q_proj = linear(cfg.d_model, cfg.d_model, cfg.bias, cfg.lora, "q_proj")
+        self.k_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "k_proj")
+        self.v_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "v_proj")
+        self.out_proj = linear(cfg.d_model, cfg.d_model, cfg.bias, cfg.lora, "out_proj")
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
@@ -197,9 +200,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
         hidden = hidden or cfg.hidden
-        self.fc_in = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
-        self.fc_gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
-        self.fc_out = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.fc_in = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_in")
+        self.fc_gate = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_gate") if cfg.mlp == "swiglu" else None
+        self.fc_out = linear(hidden, cfg.d_model, cfg.bias, cfg.lora, "fc_out")
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,6 +292,8 @@ class GPT(LayeredModel):
                 # softmax and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that
                 # tensor parallelism shards it with the head's rows.
                 self.lm_head.bias.requires_grad_(False)
+        if cfg.lora.enabled:
+            freeze_base(self)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
@@ -333,10 +338,12 @@ class GPT(LayeredModel):
     def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill `full`, the whole (unsplit) tensor of parameter `name`, with its GPT-2 initial value: N(0, 0.02)
         for matrices and embeddings, scaled by 1/sqrt(2 n_layer) on the residual projections, LayerNorm at
-        identity, biases zero; the padded head's bias is the vocabulary mask."""
+        identity, biases zero; the padded head's bias is the vocabulary mask; adapters as model/lora.py starts them."""
         module_name, _, kind = name.rpartition(".")
         module = self.get_submodule(module_name)
-        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        if kind in ADAPTERS:
+            init_adapter(kind, full, generator)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             full.fill_(1.0 if kind == "weight" else 0.0)
         elif isinstance(module, Experts):
             full.normal_(mean=0.0, std=expert_init_std(kind, self.cfg.n_layer), generator=generator)

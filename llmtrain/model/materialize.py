@@ -47,7 +47,8 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
     """Set every parameter of `model` (plain tensors or DTensor shards, on any device) from `init`, one whole
     tensor at a time."""
     for name, param in model.named_parameters():
-        full = torch.empty(param.shape, dtype=param.dtype)
+        # drawn (or read) in fp32 at least: a weight held in bf16 gets the rounding of the fp32 value it would be
+        full = torch.empty(param.shape, dtype=torch.promote_types(param.dtype, torch.float32))
         init(name, full)
         if isinstance(param, DTensor):
             # Every rank drew the same whole tensor; each keeps its block without communicating. The block comes

@@ -149,9 +149,9 @@ def float8_tensor_parallel_plan(model: nn.Module, plan: dict[str, ParallelStyle]
 
     result: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
-        if type(style) is ColwiseParallel and converted(name):
+        if isinstance(style, ColwiseParallel) and converted(name):
             style = Float8ColwiseParallel(**_layouts(style))
-        elif type(style) is RowwiseParallel and converted(name):
+        elif isinstance(style, RowwiseParallel) and converted(name):
             style = Float8RowwiseParallel(**_layouts(style))
         elif type(style) is PrepareModuleInput and _feeds_only_float8(model.get_submodule(name), Float8Linear):
             style = PrepareFloat8ModuleInput(

@@ -44,6 +44,8 @@ def apply_fsdp(
     parallelism, `experts` = (mesh, data-parallel size): each mixture's experts first become a unit of their own
     over that mesh, dividing their gradients by the whole data-parallel size (expert.py says why)."""
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if param_dtype is not None:
+        hold_frozen_in(model, param_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
 
     def shard(modules: nn.Module | list[nn.Module], on: DeviceMesh, reshard: bool) -> None:
@@ -82,6 +84,15 @@ def apply_fsdp(
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """A frozen weight (the base beside low-rank adapters) is only ever read as FSDP gathers it: held in that dtype,
+    its shard takes half the memory and its all-gather casts nothing (FSDP wants one dtype among the trainable
+    parameters alone). Set in place, so tied parameters stay one."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            param.data = param.data.to(dtype)
 
 
 def experts_placement(

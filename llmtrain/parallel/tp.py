@@ -15,6 +15,9 @@ With sequence parallelism the activations between the pairs (LayerNorms, residua
 along the sequence: each all-reduce becomes an all-gather into the pair and a reduce-scatter out of it, the same
 bytes on the wire, while LayerNorm inputs and residuals shrink t times.
 
+A linear layer with low-rank adapters (model/lora.py) splits them the way its weight is split (`AdaptedColwise`,
+`AdaptedRowwise`), so the update is computed on the same shards as the base and needs no communication of its own.
+
 A mixture-of-experts block splits every expert like the dense MLP, by hidden units (each rank holds a 1/t slice of
 all experts). Routing is replicated: every rank routes the same tokens the same way, so the router needs no plan,
 and only the experts' input and output cross the tensor-parallel boundary (`SplitExperts`: Megatron's f and g).
@@ -31,7 +34,7 @@ from typing import cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -57,10 +60,16 @@ def apply_tensor_parallel(
     """`plan` (its family's, llmtrain/parallel/family.py) over `tp_mesh`; `float8_styles`: the model's float8
     layers get torchao's float8 styles (float8.py)."""
     tied = tied_groups(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, float8_tensor_parallel_plan(model, plan) if float8_styles else plan)
     # parallelize_module gives each module its own DTensor parameter; tied ones share one placement (the
     # embedding and the head are both split by vocabulary rows), so the tie is restored as it was.
     retie(model, tied)
+    # and some of torch's styles (SequenceParallel's norms) make every new parameter trainable: what was frozen
+    # (the base beside low-rank adapters) stays frozen.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def loss_context(tp: int, loss_parallel_on: bool) -> AbstractContextManager:
@@ -96,6 +105,34 @@ class ChunkPositions(ParallelStyle):
         )
 
 
+def _distribute_parameters(
+    module: nn.Module, device_mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
+) -> None:
+    """Each of `module`'s own parameters named in `placements` as a DTensor placed so, keeping its requires_grad."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        split = distribute_tensor(param, device_mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+
+
+class AdaptedColwise(ColwiseParallel):
+    """ColwiseParallel that also splits a layer's low-rank adapters: B by output rows like the weight, A whole, so
+    each rank computes its own output columns' update from the whole input (a plain nn.Linear splits as with
+    ColwiseParallel)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placements = {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)}
+        _distribute_parameters(module, device_mesh, placements, self.src_data_rank)
+
+
+class AdaptedRowwise(RowwiseParallel):
+    """RowwiseParallel that also splits a layer's low-rank adapters: A by input columns like the weight, B whole, so
+    the update is a partial sum reduced with the base's, in the layer's one all-reduce (or reduce-scatter)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placements = {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1), "lora_b": Replicate()}
+        _distribute_parameters(module, device_mesh, placements, self.src_data_rank)
+
+
 # The experts' hidden-unit dimension in each stacked weight: (E, d, f) for w_in and w_gate, (E, f, d) for w_out.
 EXPERT_HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}
 
@@ -121,9 +158,9 @@ def _mixture_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     experts; under sequence parallelism the sequence is gathered in and each rank keeps its chunk out."""
     plan: dict[str, ParallelStyle] = {
         "mlp.experts": SplitExperts(),
-        "mlp.shared.fc_in": ColwiseParallel(),
-        "mlp.shared.fc_gate": ColwiseParallel(),
-        "mlp.shared.fc_out": RowwiseParallel(),
+        "mlp.shared.fc_in": AdaptedColwise(),
+        "mlp.shared.fc_gate": AdaptedColwise(),
+        "mlp.shared.fc_out": AdaptedRowwise(),
     }
     if sequence_parallel:
         plan["mlp"] = PrepareModuleInputOutput(
@@ -154,30 +191,30 @@ def _dense_block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         )
         return {
             "attn": share_input,
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.out_proj": RowwiseParallel(),
+            "attn.q_proj": AdaptedColwise(),
+            "attn.k_proj": AdaptedColwise(),
+            "attn.v_proj": AdaptedColwise(),
+            "attn.out_proj": AdaptedRowwise(),
             "attn.attn_dropout": SplitDropout(dim=1),
-            "mlp.fc_in": ColwiseParallel(),
-            "mlp.fc_gate": ColwiseParallel(),
-            "mlp.fc_out": RowwiseParallel(),
+            "mlp.fc_in": AdaptedColwise(),
+            "mlp.fc_gate": AdaptedColwise(),
+            "mlp.fc_out": AdaptedRowwise(),
         }
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "attn_norm": SequenceParallel(),
         "attn": gather_sequence,
-        "attn.q_proj": ColwiseParallel(),
-        "attn.k_proj": ColwiseParallel(),
-        "attn.v_proj": ColwiseParallel(),
-        "attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "attn.q_proj": AdaptedColwise(),
+        "attn.k_proj": AdaptedColwise(),
+        "attn.v_proj": AdaptedColwise(),
+        "attn.out_proj": AdaptedRowwise(output_layouts=Shard(1)),
         "attn.attn_dropout": SplitDropout(dim=1),
         "attn.resid_dropout": SplitDropout(dim=1),
         "mlp_norm": SequenceParallel(),
         "mlp": gather_sequence,
-        "mlp.fc_in": ColwiseParallel(),
-        "mlp.fc_gate": ColwiseParallel(),
-        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.fc_in": AdaptedColwise(),
+        "mlp.fc_gate": AdaptedColwise(),
+        "mlp.fc_out": AdaptedRowwise(output_layouts=Shard(1)),
         "mlp.dropout": SplitDropout(dim=1),
     }
 

@@ -171,7 +171,10 @@ class Pipeline:
     def _sum_tied_gradients(self) -> None:
         held = {name for name, _ in self.part.named_parameters()}
         for tied, source in self.tied_parameters.items():
-            grads = [_local_grad(self.part.get_parameter(name)) for name in (source, tied) if name in held]
+            copies = [self.part.get_parameter(name) for name in (source, tied) if name in held]
+            if not all(copy.requires_grad for copy in copies):  # frozen beside low-rank adapters: no gradients
+                continue
+            grads = [_local_grad(copy) for copy in copies]
             if len(grads) == 2:
                 total = grads[0] + grads[1]
                 for grad in grads:

@@ -1,0 +1,76 @@
+"""Low-rank adapters (llmtrain/model/lora.py): what trains, what stays, and the layer they add up to. Their layouts
+are in test_parallel.py's groups, their checkpoints and exports below."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmtrain.config import validate
+from llmtrain.errors import ConfigError
+from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, num_parameters
+from llmtrain.model.lora import LoRAConfig, LoRALinear, is_adapter
+from llmtrain.optim import build_optimizer
+from llmtrain.tools import compose_config
+
+LLAMA = GPTConfig(
+    vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=16, bias=False, norm="rmsnorm", position="rope",
+    mlp="swiglu", n_kv_head=2,
+)  # fmt: skip
+ADAPTED = dataclasses.replace(LLAMA, lora=LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "fc_out")))
+
+
+def _model(cfg: GPTConfig) -> GPT:
+    model = GPT(cfg)
+    model.init_weights(0)
+    return model
+
+
+def test_only_the_targeted_projections_get_adapters_and_only_they_train():
+    model = _model(ADAPTED)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable == {
+        f"blocks.{i}.{module}.{adapter}"
+        for i in range(2)
+        for module in ("attn.q_proj", "attn.v_proj", "mlp.fc_out")
+        for adapter in ("lora_a", "lora_b")
+    }
+    assert all(is_adapter(name) for name in trainable)
+    # rank x (in + out) per adapted projection: q 32+32, v 32+16 (two of four heads' keys), fc_out 128+32
+    assert num_parameters(model) == 2 * 4 * (64 + 48 + 160)
+    # the base keeps its names: the same parameters as the model without adapters, plus the adapters
+    base = {name for name, _ in _model(LLAMA).named_parameters()}
+    assert {name for name, _ in model.named_parameters()} == base | trainable
+
+
+def test_an_adapted_model_starts_as_its_base_and_steps_move_only_the_adapters():
+    base, adapted = _model(LLAMA), _model(ADAPTED)
+    tokens = torch.randint(0, 97, (2, 12))
+    torch.testing.assert_close(adapted(tokens), base(tokens), rtol=0, atol=0)  # B starts at zero
+    before = {name: param.detach().clone() for name, param in adapted.named_parameters()}
+    optimizer = build_optimizer(adapted, compose_config(["model=tiny"]).optim)
+    for _ in range(3):
+        cross_entropy_loss(adapted(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, param in adapted.named_parameters():
+        moved = not torch.equal(param, before[name])
+        assert moved == is_adapter(name), name
+        assert param.grad is None
+
+
+def test_an_adapted_layer_computes_its_merged_weight():
+    layer = LoRALinear(8, 6, True, LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",)))
+    torch.nn.init.normal_(layer.lora_a)
+    torch.nn.init.normal_(layer.lora_b)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.merged_weight(), layer.bias))
+
+
+def test_float8_with_adapters_is_refused_in_one_line():
+    pytest.importorskip("torchao")
+    cfg = compose_config(["model=tiny", "model.lora.rank=4", "train.float8=tensorwise"])
+    with pytest.raises(ConfigError, match="train.float8=tensorwise with model.lora.rank=4"):
+        validate(cfg)
