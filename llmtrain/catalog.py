@@ -334,7 +334,7 @@ ADAMW_MOMENTS = 2
 MOMENT_BYTES: dict[int, float] = {32: 4.0, 8: 1.0 + 4 / 256}
 # data.source: where the text comes from (llmtrain/data/sources.py), or prepared token stores (data/prepared.py,
 # data/mixture.py).
-DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix")
+DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft")
 # data.tokenizer.kind (llmtrain/data/tokenizers.py describes each).
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the

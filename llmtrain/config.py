@@ -264,15 +264,19 @@ class DataConfig:
     source: str = key(
         MISSING,
         OneOf(catalog.DATA_SOURCES),
-        "`stdlib`, `local`, `hf`, `prepared` or `mix`: set by the `data` option",
+        "`stdlib`, `local`, `hf`, `prepared`, `mix` or `sft` (conversations for fine-tuning, `data/sft.py`): set by "
+        "the `data` option",
     )
     path: Optional[str] = key(
         None,
         ExistingPath("glob"),
         "`local`: a file, a folder (searched recursively) or a glob of `.txt`, `.jsonl`, `.parquet`; `prepared`: the "
-        "directory `llmtrain.data.prepare` wrote",
+        "directory `llmtrain.data.prepare` wrote; `sft`: `.jsonl` / `.parquet` conversations (`messages` or "
+        "`prompt` + `response`)",
     )
-    name: Optional[str] = key(None, Text(), "`hf`: the dataset's name on the hub (e.g. `HuggingFaceFW/fineweb-edu`)")
+    name: Optional[str] = key(
+        None, Text(), "`hf` (and `sft` without a `path`): the dataset's name on the hub (`HuggingFaceFW/fineweb-edu`)"
+    )
     subset: Optional[str] = key(None, Text(), "`hf`: the dataset's configuration on the hub (e.g. `sample-10BT`)")
     split: str = key("train", Text(), "`hf`: the split to train on")
     val_split: Optional[str] = key(
@@ -283,7 +287,8 @@ class DataConfig:
     val_path: Optional[str] = key(
         None,
         ExistingPath("glob"),
-        "`local`: validation files (a file, a folder or a glob); null holds out `val_fraction` of the text",
+        "`local` and `sft`: validation files (a file, a folder or a glob); null holds out `val_fraction` of the text "
+        "(of the conversations, for `sft`)",
     )
     val_fraction: float = key(
         0.02,
@@ -1096,7 +1101,7 @@ def validate_data(d) -> None:
     if d.source in ("local", "prepared") and not d.path:
         what = "<file, folder or glob>" if d.source == "local" else "<directory written by llmtrain.data.prepare>"
         raise ConfigError(f"data.path is not set: data={d.source} needs data.path={what}")
-    if d.source == "local":
+    if d.source in ("local", "sft") and d.path:
         _check_local_files("data.path", d.path)
         if d.val_path is not None:
             _check_local_files("data.val_path", d.val_path)
@@ -1114,6 +1119,7 @@ def validate_data(d) -> None:
         raise ConfigError(f"data.sources is for data=mix (data={d.source}): choose data=mix or unset data.sources")
     if d.source == "hf" and not d.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
+    _validate_conversations(d)
     if reads_prepared_stores(d):
         return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
     if d.tokenizer.kind is None:
@@ -1123,6 +1129,21 @@ def validate_data(d) -> None:
     if d.tokenizer.kind == "bpe" and (d.tokenizer.vocab_size or 0) < 512:
         raise ConfigError(
             f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: use at least 512"
+        )
+
+
+def _validate_conversations(d) -> None:
+    """data=sft: conversations from files or the hub, rendered by a transformers tokenizer's chat template."""
+    if d.source != "sft":
+        return
+    if not d.path and not d.name:
+        raise ConfigError(
+            "data=sft needs conversations: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
+        )
+    if d.tokenizer.kind != "hf":
+        raise ConfigError(
+            f"data.tokenizer.kind={d.tokenizer.kind}: data=sft renders conversations with a chat template, which only "
+            f"a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's directory>"
         )
 
 

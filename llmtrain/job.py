@@ -22,6 +22,7 @@ from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (
     RunCheckpoints,
     RunIdentity,
+    check_base_matches,
     check_model_matches,
     check_optimizer_matches,
     read_data_position,
@@ -36,11 +37,13 @@ from llmtrain.launch_env import launch_rank
 from llmtrain.model import (
     GPT,
     Materializer,
+    base_of,
     flops_per_token,
     initial_weights,
     materialize,
     meta_model,
     num_parameters,
+    trainable_parameters,
 )
 from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.mesh import RankMesh
@@ -252,10 +255,12 @@ def _laid_out(
     meta: GPT,
     materializer: Materializer = materialize,
     eos_id: int | None = None,
+    masked_targets: bool = False,
 ) -> ParallelModel:
-    """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part."""
+    """The layout applied to the meta-device `meta`; then each rank allocates and initialises only its part
+    (`masked_targets`: the data leaves some targets untrained, Data.masks_targets)."""
     init = initial_weights(config.model, meta, config.seed)
-    return ParallelModel(plan, mesh, runtime, meta, init, config.optim, materializer, eos_id)
+    return ParallelModel(plan, mesh, runtime, meta, init, config.optim, materializer, eos_id, masked_targets)
 
 
 def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Components:
@@ -296,8 +301,10 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     gpt_cfg = meta.cfg
     checkpoint_dir = os.path.abspath(os.path.expanduser(config.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
     resume = _agreed(runtime, resume_path(config.checkpoint, checkpoint_dir, runtime.is_main))
+    base = base_of(config.model, config.seed) if gpt_cfg.lora.enabled else None
     if resume:
         check_model_matches(resume, gpt_cfg)
+        check_base_matches(resume, base)
         check_optimizer_matches(resume, config.optim)
     data = build_data(
         config.data,
@@ -308,11 +315,14 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         val_slice if t.eval_every > 0 else None,
         read_data_position(resume) if resume else None,
         steps=t.steps,
+        packs_documents=t.attention == "document",
     )
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with MemoryPeak(runtime.device) as build:
-            model = _laid_out(config, plan, mesh, runtime, meta, eos_id=tokenizer.eos_id)
+            model = _laid_out(
+                config, plan, mesh, runtime, meta, eos_id=tokenizer.eos_id, masked_targets=data.masks_targets
+            )
         held = held_bytes(model.module, model.optimizer, config.optim)
         memory = _memory_summary(runtime, held, build.bytes)
         lr_schedule = build_lr_schedule(model.optimizer, t.steps, config.optim)
@@ -325,6 +335,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             gpt_cfg,
             config.optim,
             RunIdentity(os.path.abspath(run_dir), wandb_id),
+            base,
         )
         point = checkpoints.restore(resume) if resume else None
         parts = Components(
@@ -339,7 +350,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             checkpoints=checkpoints,
             state=LoopState(step=point.step, records=list(point.records)) if point else LoopState(),
             n_params=n_params,
-            model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len),
+            n_trainable=trainable_parameters(meta) if gpt_cfg.lora.enabled else n_params,
+            model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len, trainable_parameters(meta)),
             wandb_id=wandb_id,
             tasks=[read_task(path, data.tokenizer, t.seq_len, config.eval.limit) for path in config.eval.tasks or []],
         )

@@ -244,7 +244,9 @@ def test_model_directories_llmtrain_cannot_import_say_why(tmp_path):
     )  # fmt: skip
     with pytest.raises(ConfigError, match="holds a gpt2 model but the model config is a llama: choose a gpt2 preset"):
         hf_weights(str(files["no_weights"]), llama)
-    with pytest.raises(ConfigError, match="holds neither model.safetensors nor pytorch_model.bin"):
+    with pytest.raises(
+        ConfigError, match="holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    ):
         hf_weights(str(files["no_weights"]), gpt2)
 
 

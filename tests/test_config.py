@@ -34,6 +34,7 @@ REQUIRED = {
     "data=hf": ["data.name=roneneldan/TinyStories"],
     "data=prepared": ["data.path={tmp}"],
     "data=mix": ["data.sources=[{{name:web,path:{tmp},weight:1}}]"],
+    "data=sft": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2"],
 }
 
 register_schemas()
@@ -47,6 +48,7 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("override", [f"{g}={o}" for g, options in GROUPS.items() for o in options])
 def test_every_option_composes_and_validates(override, tmp_path):
     (tmp_path / "corpus.txt").write_text("some text")
+    (tmp_path / "corpus.jsonl").write_text('{"prompt": "Hi", "response": "Hello"}\n')
     (tmp_path / "manifest.json").write_text("{}")  # what marks a prepared store before it is read
     extra = [o.format(tmp=tmp_path) for o in REQUIRED.get(override, [])]
     if override.startswith("model=") and override != "model=tiny":
@@ -124,7 +126,7 @@ def _leaves(node, prefix: str = "") -> dict:
     leaves = {}
     for key in node:
         value = "???" if OmegaConf.is_missing(node, key) else node[key]
-        if OmegaConf.is_config(value):
+        if OmegaConf.is_dict(value):
             leaves.update(_leaves(value, f"{prefix}{key}."))
         else:
             leaves[f"{prefix}{key}"] = value

@@ -10,7 +10,7 @@ import torch
 
 from llmtrain.config import validate
 from llmtrain.errors import ConfigError
-from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, num_parameters
+from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, trainable_parameters
 from llmtrain.model.lora import LoRAConfig, LoRALinear, is_adapter
 from llmtrain.optim import build_optimizer
 from llmtrain.tools import compose_config
@@ -39,7 +39,7 @@ def test_only_the_targeted_projections_get_adapters_and_only_they_train():
     }
     assert all(is_adapter(name) for name in trainable)
     # rank x (in + out) per adapted projection: q 32+32, v 32+16 (two of four heads' keys), fc_out 128+32
-    assert num_parameters(model) == 2 * 4 * (64 + 48 + 160)
+    assert trainable_parameters(model) == 2 * 4 * (64 + 48 + 160)
     # the base keeps its names: the same parameters as the model without adapters, plus the adapters
     base = {name for name, _ in _model(LLAMA).named_parameters()}
     assert {name for name, _ in model.named_parameters()} == base | trainable

@@ -8,8 +8,10 @@ import torch
 
 from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, read_meta
 from llmtrain.errors import ConfigError
-from llmtrain.model import GPT, GPTConfig
-from llmtrain.model.materialize import allocate
+from llmtrain.model import GPT, GPTConfig, ParameterInit, pretrained_or_seeded
+from llmtrain.model.hf_files import local_hf_directory, weights_fingerprint
+from llmtrain.model.lora import is_adapter
+from llmtrain.model.materialize import allocate, write_parameters
 
 
 def find_checkpoint(path: str) -> str:
@@ -28,11 +30,32 @@ def find_checkpoint(path: str) -> str:
 
 
 def load_checkpoint_model(path: str) -> GPT:
-    """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards)."""
+    """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards); with low-rank
+    adapters, the base its meta.json names (read again, and checked against the fingerprint it recorded) under the
+    adapters it holds."""
+    meta = read_meta(path)
     with torch.device("meta"):
-        model = GPT(GPTConfig.from_dict(read_meta(path)["model"]))
-    allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter
+        model = GPT(GPTConfig.from_dict(meta["model"]))
+    allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter it holds
+    if model.cfg.lora.enabled:
+        write_parameters(model, _base_weights(path, model, meta["base"]))
     # In place, into the parameters; a tied one is stored as (and is) its source (llmtrain/checkpoint/state.py).
-    weights = {name: tensor for name, tensor in model.state_dict().items() if name not in model.tied_parameters}
+    weights = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name not in model.tied_parameters and (is_adapter(name) or not model.cfg.lora.enabled)
+    }
     load_checkpoint(path, {"model": weights}, distributed=False)
     return model.eval()
+
+
+def _base_weights(path: str, model: GPT, base: dict) -> ParameterInit:
+    init_from = base.get("init_from")
+    if init_from:
+        directory = local_hf_directory(init_from)
+        if weights_fingerprint(directory) != base["fingerprint"]:
+            raise ConfigError(
+                f"checkpoint {path} holds low-rank adapters of {init_from} with weights {base['fingerprint']}, but "
+                f"{directory} now holds other weights: restore the base the adapters were trained on"
+            )
+    return pretrained_or_seeded(init_from, model, base.get("seed", 0))

@@ -2,14 +2,19 @@
 names (so a checkpoint saved under one layout loads under any other), with every tied parameter stored once.
 
 A tied parameter (the LM head's weight is the embedding matrix: one tensor in one model, equal copies on two
-pipeline stages) is stored under its source's names and handed back to every parameter that uses it on load."""
+pipeline stages) is stored under its source's names and handed back to every parameter that uses it on load.
+
+A model with low-rank adapters stores the adapters alone: its frozen base is what the run started from (its
+checkpoints name it, training.py), and is loaded from there, not from every checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from llmtrain.model.lora import is_adapter
 from llmtrain.parallel.parallel_model import ParallelModel
 
 
@@ -20,13 +25,16 @@ class CheckpointState:
 
     values: dict[str, dict]
     stored_as: dict[str, dict[str, list[str]]]
+    kept: dict[str, Any] = field(default_factory=dict)  # model state not stored: the frozen base's, as it is
 
 
-def checkpoint_state(model: ParallelModel) -> CheckpointState:
+def checkpoint_state(model: ParallelModel, adapters_only: bool = False) -> CheckpointState:
     """`model`'s state as this rank holds it (DTensor shards where sharded), each tied parameter folded into its
-    source."""
+    source; `adapters_only`: of the weights, the low-rank adapters alone."""
     model_state, optimizer_state = model.model_and_optimizer_state()
-    state = CheckpointState({}, {})
+    kept = {key: value for key, value in model_state.items() if adapters_only and not is_adapter(key)}
+    model_state = {key: value for key, value in model_state.items() if key not in kept}
+    state = CheckpointState({}, {}, kept)
     for part, values in (("model", model_state), ("optimizer", optimizer_state)):
         state.values[part], state.stored_as[part] = _store_tied_once(values, model.tied_parameters)
     return state
@@ -37,7 +45,7 @@ def load_checkpoint_state(model: ParallelModel, state: CheckpointState) -> None:
     model_state, optimizer_state = (
         _restore_tied(state.values[part], state.stored_as[part]) for part in ("model", "optimizer")
     )
-    model.load_model_and_optimizer_state(model_state, optimizer_state)
+    model.load_model_and_optimizer_state({**state.kept, **model_state}, optimizer_state)
 
 
 def model_weights_state(model: ParallelModel) -> CheckpointState:

@@ -94,6 +94,28 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
         )
 
 
+def check_base_matches(path: str, base: dict[str, Any] | None) -> None:
+    """A one-line ConfigError when the checkpoint's low-rank adapters adapt another base than this run's."""
+    saved = read_meta(path).get("base")
+    if base is None or saved is None or saved == base:
+        return
+    fix = (
+        f"model.init_from={saved['init_from']}"
+        if saved.get("init_from")
+        else f"seed={saved.get('seed')} and no model.init_from"
+    )
+    raise ConfigError(
+        f"checkpoint {path} holds low-rank adapters of another base ({_described(saved)}) than this run's "
+        f"({_described(base)}): resume with {fix}, or set checkpoint.resume=none"
+    )
+
+
+def _described(base: dict[str, Any]) -> str:
+    if base.get("init_from"):
+        return f"{base['init_from']}, weights {base['fingerprint']}"
+    return f"drawn from seed {base.get('seed')}"
+
+
 def check_optimizer_matches(path: str, optim: OptimConfig) -> None:
     """A one-line ConfigError when the checkpoint's optimizer state is another optimizer's (its moments would not
     fit this one's), or another `optim.state_bits`'s (the moments are stored in fp32 either way, but the two
@@ -164,8 +186,12 @@ class RunCheckpoints:
         gpt_cfg: GPTConfig,
         optim: OptimConfig,
         run: RunIdentity,
+        base: dict[str, Any] | None = None,
     ):
+        """`base`: what the model's low-rank adapters adapt (model.base_of), when it has some: its checkpoints then
+        hold the adapters alone and name the base."""
         self.manager = manager
+        self.base = base
         self.model, self.lr_schedule = model, lr_schedule
         self.data = data
         self.gpt_cfg = gpt_cfg
@@ -187,10 +213,11 @@ class RunCheckpoints:
             "schedule": json_numbers(self.lr_schedule.state_dict()),
             "run_dir": self.run.run_dir,
             "wandb_run_id": self.run.wandb_id,
+            **({"base": self.base} if self.base is not None else {}),
         }
         self.manager.save(
             step,
-            checkpoint_state(self.model).values,
+            checkpoint_state(self.model, adapters_only=self.base is not None).values,
             meta,
             self.data.train.state_dict(),
             self._write_tokenizer,
@@ -208,7 +235,7 @@ class RunCheckpoints:
         self.manager.wait()
 
     def restore(self, path: str) -> ResumePoint:
-        state = checkpoint_state(self.model)
+        state = checkpoint_state(self.model, adapters_only=self.base is not None)
         load_checkpoint(path, state.values, self.runtime.distributed)
         load_checkpoint_state(self.model, state)
         meta = read_meta(path)
@@ -222,6 +249,7 @@ class RunCheckpoints:
 
 __all__ = [
     "RunCheckpoints",
+    "check_base_matches",
     "check_model_matches",
     "check_optimizer_matches",
     "read_data_position",

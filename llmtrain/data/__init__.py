@@ -39,6 +39,7 @@ class Data:
     train: Prefetched
     validation: list[ValidationSet]  # empty when eval is disabled
     description: str  # for the start summary
+    masks_targets: bool = False  # some tokens are context only, their targets untrained (fine-tuning, packing.py)
 
     def close(self) -> None:
         self.train.close()
@@ -95,10 +96,14 @@ def build_data(
     val_slice: RankSlice | None,
     position: dict | None = None,
     steps: int = 0,
+    packs_documents: bool = False,
 ) -> Data:
     """This rank's training batches (global batches of train_slice.batch_size windows of seq_len + 1 tokens in
     the order `seed` gives, at `position` when resuming) and its rows of the validation set(s); `steps`, the run's
-    length, goes into a mixture's description (the epochs it implies)."""
+    length, goes into a mixture's description (the epochs it implies); `packs_documents` (train.attention=document):
+    conversations share windows."""
+    if data_cfg.source == "sft":
+        return _conversations(data_cfg, tokenizer, seq_len, seed, train_slice, val_slice, position, packs_documents)
     if data_cfg.source == "mix":
         return _mixture(data_cfg, tokenizer, seq_len, seed, train_slice, val_slice, position, steps)
     if data_cfg.source == "prepared":
@@ -160,6 +165,45 @@ def _mixture(
             )
         validation = [ValidationSet(s.name, s.weight, rows[s.name]) for s in sources if s.name in rows]
     return Data(tokenizer, Prefetched(batches), validation, describe_mixture(sources, batches, steps))
+
+
+def _conversations(
+    data_cfg: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    train_slice: RankSlice,
+    val_slice: RankSlice | None,
+    position: dict | None,
+    packed: bool,
+) -> Data:
+    """build_data for data=sft: the conversations tokenised with their assistant's tokens marked, in windows."""
+    from llmtrain.data.sft import ConversationBatches, Conversations, chat_template_of, read_conversations, tokenized
+
+    backend = chat_template_of(tokenizer, data_cfg.tokenizer.name)
+
+    def conversations(split: str) -> Conversations:
+        marked = tokenized(read_conversations(data_cfg, split), tokenizer, backend, f"{split} conversations")
+        return Conversations.of(marked, seq_len + 1, tokenizer.eos_id, packed)
+
+    train = conversations(TRAIN)
+    if not train.tokens:
+        raise ConfigError("data=sft found no training conversations: check data.path / data.name and data.val_fraction")
+    validation = []
+    if val_slice is not None:
+        held_out = conversations(VALIDATION)
+        rows = held_out.windows(range(len(held_out.tokens)))
+        if len(rows) < val_slice.batch_size:
+            raise ConfigError(
+                f"the held-out conversations fill {len(rows)} windows of {seq_len + 1} tokens, {val_slice.batch_size} "
+                f"needed (train.eval_batches x train.batch_size): lower train.eval_batches, raise data.val_fraction "
+                f"or name validation conversations with data.val_path"
+            )
+        validation = [ValidationSet(None, 1.0, val_slice.rows(rows[: val_slice.batch_size]))]
+    windows = "packed with document masking" if packed else "one per window"
+    description = f"sft: {train.describe()}, {windows}; trained on the assistant's tokens"
+    batches = ConversationBatches(train, seed, train_slice, position)
+    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True)
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:

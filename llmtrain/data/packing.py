@@ -3,6 +3,10 @@
 Documents are tokenised in small batches, each followed by the end-of-text token, concatenated into one token
 stream and cut into non-overlapping windows of `seq_len + 1` tokens (inputs are the first seq_len, targets the
 last seq_len). Nothing is padded, so every position of every window is a real next-token target.
+
+Fine-tuning windows (sft.py) also hold tokens that are context only, whose prediction is not trained (a prompt's,
+padding): such a token is stored as its bitwise complement, a negative number (`untrained`), so a window stays one
+int64 array wherever it goes; `window_tokens` reads the ids back.
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from llmtrain.data.tokenizers import Tokenizer
+
+
+def untrained(tokens: np.ndarray) -> np.ndarray:
+    """`tokens` marked context only: what predicts them is not trained (stored as ~id, a negative number)."""
+    return ~tokens
+
+
+def window_tokens(rows: np.ndarray) -> np.ndarray:
+    """The token ids of windows, whether or not they hold untrained tokens."""
+    return np.where(rows < 0, ~rows, rows)
 
 
 def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, batch_docs: int = 64) -> Iterator[np.ndarray]:

@@ -23,6 +23,7 @@ from datasets import IterableDataset
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
+from llmtrain.model.scoring import UNSCORED
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,11 @@ class RankSlice:
         mine = torch.from_numpy(np.ascontiguousarray(rows))
         if device is not None and device.type == "cuda":
             mine = mine.pin_memory().to(device, non_blocking=True)
-        return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
+        # A token stored negative is context only (packing.untrained): its id is ~value, and what predicts it is not
+        # scored. On the device, without a host read.
+        tokens = torch.where(mine < 0, ~mine, mine)
+        targets = torch.where(mine[:, 1:] < 0, UNSCORED, mine[:, 1:])
+        return list(zip(tokens[:, :-1].split(self.micro_batch_size), targets.split(self.micro_batch_size)))
 
 
 class TrainingWindows:

@@ -17,6 +17,7 @@ from llmtrain.model.gpt import (
     num_parameters,
     seeded_init,
     summed_cross_entropy,
+    trainable_parameters,
 )
 from llmtrain.model.lora import LoRAConfig, is_adapter
 from llmtrain.model.materialize import Materializer, ParameterInit, materialize
@@ -81,11 +82,30 @@ def meta_model(model_cfg, vocab_size: int, recompute: str = "none") -> GPT:
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
     """Where the initial weights come from: the model at model.init_from (read tensor by tensor; its low-rank
     adapters from `seed`), else `seed`."""
+    return pretrained_or_seeded(model_cfg.init_from, model, seed)
+
+
+def base_of(model_cfg, seed: int) -> dict[str, Any]:
+    """The base a model with low-rank adapters adapts, as its checkpoints name it: model.init_from with a
+    fingerprint of its weights, or the run's seed, from which an untrained base is drawn."""
     if not model_cfg.init_from:
+        return {"init_from": None, "seed": seed}
+    from llmtrain.model.hf_files import local_hf_directory, weights_fingerprint
+
+    return {
+        "init_from": model_cfg.init_from,
+        "fingerprint": weights_fingerprint(local_hf_directory(model_cfg.init_from)),
+    }
+
+
+def pretrained_or_seeded(init_from: str | None, model: GPT, seed: int) -> ParameterInit:
+    """The weights of the Hugging Face model `init_from` (with low-rank adapters drawn from `seed`), or all from
+    `seed`."""
+    if not init_from:
         return seeded_init(model, seed)
     from llmtrain.model.hf import hf_weights
 
-    pretrained, seeded = hf_weights(model_cfg.init_from, model.cfg), seeded_init(model, seed)
+    pretrained, seeded = hf_weights(init_from, model.cfg), seeded_init(model, seed)
 
     def init(name: str, full: torch.Tensor) -> None:  # adapters are new: drawn from the seed
         (seeded if is_adapter(name) else pretrained)(name, full)
@@ -118,4 +138,7 @@ __all__ = [
     "meta_model",
     "model_group_of",
     "num_parameters",
+    "pretrained_or_seeded",
+    "base_of",
+    "trainable_parameters",
 ]

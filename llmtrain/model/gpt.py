@@ -382,7 +382,13 @@ def vocabulary_mask(cfg: GPTConfig) -> torch.Tensor:
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Distinct trainable parameters (a tied weight counts once; the frozen vocabulary mask not at all)."""
+    """Distinct parameters, frozen ones too (a tied weight counts once; the padded head's bias, a fixed vocabulary
+    mask rather than a weight, not at all)."""
+    return sum(p.numel() for name, p in model.named_parameters() if not name.endswith("lm_head.bias"))
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    """Distinct parameters that train: all of num_parameters, or the low-rank adapters alone (model/lora.py)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -397,7 +403,7 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int | None = None) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
     score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
     and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
@@ -405,12 +411,15 @@ def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     does not share it. Every weight is counted as it is (SwiGLU's three matrices, grouped-query attention's
     narrower key and value projections). In a mixture of experts a token meets only its top_k routed experts: N
     counts the active parameters (the others are left out). Packed documents (train.attention=document) are not
-    counted shorter: the FLOPs are those of the window, as MFU's convention is."""
+    counted shorter: the FLOPs are those of the window, as MFU's convention is. With low-rank adapters (`trainable`
+    of the N) a frozen weight's gradient is never computed: 4 per frozen weight, 6 per adapter weight."""
     lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         lookups += cfg.padded_vocab_size * cfg.d_model
     keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
-    return 6 * (n_params - lookups - inactive_expert_parameters(cfg)) + 12 * cfg.d_model * keys
+    matmuls = n_params - lookups - inactive_expert_parameters(cfg)
+    frozen = matmuls - trainable if cfg.lora.enabled and trainable is not None else 0
+    return 6 * matmuls - 2 * frozen + 12 * cfg.d_model * keys
 
 
 def inactive_expert_parameters(cfg: GPTConfig) -> int:

@@ -4,8 +4,11 @@ rank ever holds the whole checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,14 +23,37 @@ def local_hf_directory(path: str) -> str:
 
     from llmtrain.hub import from_hub
 
-    patterns = ["config.json", "*.safetensors", "pytorch_model.bin"]
+    patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
     return from_hub("model.init_from", path, lambda: snapshot_download(path, allow_patterns=patterns))
 
 
+# The bytes read from each end of each weights file for a fingerprint: enough to tell two trainings of one shape
+# apart (a base model from its instruct version), a few milliseconds for any size of model.
+FINGERPRINT_BYTES = 1 << 16
+
+
+def weights_fingerprint(directory: str) -> str:
+    """A short hash that tells one model's weights from another's without reading them all: its config.json and,
+    for each weights file, its name, size and the bytes at both ends."""
+    digest = hashlib.sha256()
+    names = sorted(f for f in os.listdir(directory) if f == "config.json" or f.endswith((".safetensors", ".bin")))
+    for name in names:
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            f.seek(max(size - FINGERPRINT_BYTES, 0))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor]]:
-    """(names, read) of the weights a Hugging Face directory holds: model.safetensors memory-mapped, or an older
-    pytorch_model.bin pickle, memory-mapped; each tensor is read when asked for."""
+    """(names, read) of the weights a Hugging Face directory holds: model.safetensors (or the shards its
+    model.safetensors.index.json lists) memory-mapped, or an older pytorch_model.bin pickle, memory-mapped; each
+    tensor is read when asked for."""
     safetensors_file = os.path.join(directory, "model.safetensors")
+    index_file = os.path.join(directory, "model.safetensors.index.json")
     pickle_file = os.path.join(directory, "pytorch_model.bin")
     try:
         if os.path.isfile(safetensors_file):
@@ -35,6 +61,8 @@ def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor
 
             handle = safe_open(safetensors_file, framework="pt")
             return set(handle.keys()), handle.get_tensor
+        if os.path.isfile(index_file):
+            return _sharded_safetensors(directory, index_file)
         if os.path.isfile(pickle_file):
             state = torch.load(pickle_file, map_location="cpu", mmap=True, weights_only=True)
             return set(state), state.__getitem__
@@ -44,6 +72,24 @@ def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor
             f"file is damaged or incomplete; download it again"
         ) from None
     raise ConfigError(
-        f"model.init_from={directory} holds neither model.safetensors nor pytorch_model.bin (weights split over "
-        f"several files are not read yet): save the model as one file (save_pretrained(max_shard_size='100GB'))"
+        f"model.init_from={directory} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin: "
+        f"point it at a directory save_pretrained wrote"
     )
+
+
+def _sharded_safetensors(directory: str, index_file: str) -> tuple[set[str], Callable[[str], torch.Tensor]]:
+    """A model saved in several safetensors files: each opened (memory-mapped) the first time one of its tensors
+    is read."""
+    from safetensors import safe_open
+
+    with open(index_file, encoding="utf-8") as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    handles: dict[str, Any] = {}
+
+    def read(name: str) -> torch.Tensor:
+        file = weight_map[name]
+        if file not in handles:
+            handles[file] = safe_open(os.path.join(directory, file), framework="pt")
+        return handles[file].get_tensor(name)
+
+    return set(weight_map), read

@@ -72,6 +72,7 @@ class ParallelModel:
         optim: OptimConfig,
         materializer: Materializer = materialize,
         eos_id: int | None = None,
+        masked_targets: bool = False,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
         needs_eos = "train.attention=document" if plan.train.attention == "document" else None
@@ -82,6 +83,9 @@ class ParallelModel:
             )
         self._separator = eos_id if plan.train.attention == "document" else None
         self._unscored_input = None if plan.train.score_after_eos else eos_id
+        # Whether some targets may be unscored, so the loss's denominator is counted: at end-of-text tokens, or
+        # wherever the data says (`masked_targets`: fine-tuning trains the assistant's tokens alone).
+        self._counts_scored = masked_targets or self._unscored_input is not None
         steps = layout_steps(plan, mesh, runtime.device)
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
@@ -148,7 +152,7 @@ class ParallelModel:
         otherwise the counts (of whole rows, the same on each context-parallel rank) are summed over the
         data-parallel ranks, on the device, without a host read."""
         ranks = self.plan.dp_size * self.plan.degrees.cp * pieces
-        if self._unscored_input is None:
+        if not self._counts_scored:
             return ranks / (sum(targets.numel() for _, targets in micro_batches) * self.plan.dp_size)
         counts = [(targets != UNSCORED).sum() for _, targets in micro_batches]
         scored = sum_over(torch.stack(counts).sum().to(self.runtime.device, torch.float32), self.mesh.dp_mesh)

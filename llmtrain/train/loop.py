@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,6 +75,7 @@ class Components:
     checkpoints: Checkpoints
     state: LoopState
     n_params: int
+    n_trainable: int  # n_params, or the low-rank adapters' alone
     model_flops: float  # per token
     wandb_id: str | None  # the W&B run this job continues (rank 0)
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
@@ -139,7 +141,11 @@ class Trainer:
         if not self._data.validation:
             return []
         lengths = token_byte_lengths(self._data.tokenizer)
-        mine = [float(lengths[v.rows[:, 1:]].sum()) / max(v.rows[:, 1:].size, 1) for v in self._data.validation]
+        mine = []
+        for validation in self._data.validation:
+            targets = validation.rows[:, 1:]
+            scored = targets[targets >= 0]  # fine-tuning scores the assistant's tokens alone (data/packing.py)
+            mine.append(float(lengths[scored].sum()) / max(scored.size, 1))
         return self.model.reduce_mean(torch.tensor(mine, device=self._runtime.device)).tolist()
 
     def validate(self) -> dict[str, float]:
@@ -184,7 +190,8 @@ class Trainer:
 
     def _step(self, started: float) -> dict[str, Any]:
         begin_step_memory(self._runtime.device)
-        micro_batches = self._train_slice.micro_batches(self._data.train.next(), self._runtime.device)
+        rows = self._data.train.next()
+        micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
         self._mark("forward/backward")
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
         loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
@@ -199,8 +206,9 @@ class Trainer:
         ranks_seconds = self._stragglers.gathered(self.state.step + 1) if self._stragglers is not None else None
         self._mark("reading the step's results")
         extra = [value for value in (load, ranks_seconds) if value is not None]
-        scalars = [full_tensor(loss), grad_norm, agreed, *extra]
-        loss_value, norm_value, agreed_value, *extra_values = torch.cat(
+        trained = self._trained_tokens(rows)
+        scalars = [full_tensor(loss), grad_norm, agreed, trained, *extra]
+        loss_value, norm_value, agreed_value, trained_value, *extra_values = torch.cat(
             [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
         # A step's time runs from the step before's read to this one's: the device is waited for only here, so the
@@ -238,10 +246,20 @@ class Trainer:
         if self._watchdog is not None:
             self._watchdog.observe_step(seconds)
         tokens = self._train.batch_size * self._train.seq_len
+        if self._data.masks_targets:
+            record["trained_tokens"] = round(trained_value)
         record["tokens_per_s"] = tokens / seconds
         record["mfu"] = mfu(tokens / seconds / self._runtime.world_size, self._flops_per_token, self._peak)
         self.state.train_seconds += seconds
         return record
+
+    def _trained_tokens(self, rows: np.ndarray) -> torch.Tensor:
+        """Collective where the data marks untrained targets: the targets trained in this step's global batch
+        (counted on the host from this rank's rows, summed over the data-parallel ranks on the device); else 0."""
+        if not self._data.masks_targets:
+            return torch.zeros((), device=self._runtime.device)
+        mine = torch.full((), float((rows[:, 1:] >= 0).sum()), device=self._runtime.device)
+        return self.model.reduce_mean(mine) * self.model.plan.dp_size
 
     def _agreed_flag(self) -> torch.Tensor:
         """Collective: what every rank does after this step, agreed in one MAX all-reduce read with the step's

@@ -23,6 +23,11 @@ def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, ru
     padding = gpt.padding_parameters
     tokens_per_step = t.batch_size * t.seq_len
     padded = f" (+{padding:,} vocabulary padding)" if padding else ""
+    if parts.n_trainable != parts.n_params:
+        lora = gpt.lora
+        padded += f", {parts.n_trainable:,} of them trained: low-rank adapters of rank {lora.rank} on " + " ".join(
+            lora.targets
+        )
     return "\n".join(
         [
             f"model     {m.name}: {parts.n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
@@ -69,6 +74,8 @@ def end_summary(
         "train_seconds": train_seconds,
         "wall_seconds": wall_seconds,
     }
+    if any("trained_tokens" in r for r in records):  # fine-tuning: the targets trained, of the tokens seen
+        summary["trained_tokens"] = sum(r.get("trained_tokens", 0) for r in records)
     scored = [r for r in records if "eval/seconds" in r]
     if scored:  # eval.tasks: the last scores, and what all the evaluations took
         summary["tasks"] = {key[5:]: value for key, value in scored[-1].items() if key.count("/") == 2}
@@ -85,7 +92,9 @@ def end_summary(
 def format_end_summary(summary: dict[str, Any]) -> str:
     val = summary["final_val_loss"]
     lines = [
-        f"done      {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s",
+        f"done      {summary['steps']} steps, {summary['tokens']:,} tokens"
+        + (f" ({summary['trained_tokens']:,} of them trained)" if "trained_tokens" in summary else "")
+        + f" in {summary['wall_seconds']:.1f} s",
         f"loss      {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
         + (f" (val {val:.4f})" if val is not None else "")
         + (f", {summary['final_val_bpb']:.4f} bits per byte" if summary.get("final_val_bpb") else ""),
