@@ -6,6 +6,10 @@ weights, config.json and the tokenizer files, which
     python -m llmtrain.export outputs/<run>/checkpoints/step-00000300 exported/
     python -m llmtrain.export outputs/<run> exported/        # the run's latest complete checkpoint
 
+A model fine-tuned with low-rank adapters (model.lora) is exported merged (each adapted weight W + alpha/rank BA),
+and its adapters alone in PEFT's format in exported/adapter/ (Llama and Mixtral: GPT-2's are merged only), for
+`peft.PeftModel.from_pretrained(<the base>, "exported/adapter")`.
+
 The reverse: train from GPT-2, Llama or Mixtral weights in this format with `model.init_from=<directory or hub name>`.
 """
 
@@ -14,9 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
 from llmtrain.model.hf import family_of
+from llmtrain.model.hf_peft import PEFT_FAMILIES, merged, save_peft_adapter
 
 
 def export(checkpoint: str, out_dir: str) -> None:
@@ -24,6 +30,10 @@ def export(checkpoint: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
+    if model.cfg.lora.enabled:
+        if family_of(model.cfg).model_type in PEFT_FAMILIES:
+            save_peft_adapter(model, read_meta(checkpoint)["base"]["init_from"], os.path.join(out_dir, "adapter"))
+        model = merged(model)
     if any(model.cfg.sliding_window):
         raise ConfigError(
             f"model.sliding_window={list(model.cfg.sliding_window)}: the transformers classes it would export to "

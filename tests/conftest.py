@@ -91,13 +91,6 @@ def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Pa
     return directory / "tokenizer", path
 
 
-@pytest.fixture(scope="session")
-def chat_data(tmp_path_factory) -> str:
-    """The overrides that fine-tune on write_chat_data's conversations with its tokenizer."""
-    tokenizer, conversations = write_chat_data(tmp_path_factory.mktemp("chat"))
-    return f"data=sft data.path={conversations} data.tokenizer.name={tokenizer}"
-
-
 # Small enough for a 2-core CI machine; every test run of train.py starts from these.
 FAST = [
     "train.device=cpu",

@@ -89,10 +89,15 @@ def boundary_gap(parts) -> float:
     difference of the two (0 up to the kernels' rounding; causal attention would make them differ)."""
     seq_len, eos = parts.config.train.seq_len, parts.data.tokenizer.eos_id
     generator = torch.Generator().manual_seed(0)
+
+    def text(n: int) -> torch.Tensor:  # tokens other than end-of-text
+        drawn = torch.randint(0, parts.data.tokenizer.vocab_size - 1, (n,), generator=generator)
+        return drawn + (drawn >= eos)
+
     before = seq_len // 3
-    first, second = (torch.randint(0, eos, (n,), generator=generator) for n in (before - 1, seq_len + 1 - before))
+    first, second = text(before - 1), text(seq_len + 1 - before)
     after_another = torch.cat([first, torch.tensor([eos]), second])
-    alone = torch.cat([second, torch.randint(0, eos, (before,), generator=generator)])
+    alone = torch.cat([second, text(before)])
     rows = torch.stack([after_another, alone])
     inputs, targets = rows[:, :-1], torch.full((2, seq_len), UNSCORED)
     scored = len(second) - 1  # each position of `second` but its last predicts the next token of `second`
