@@ -74,3 +74,28 @@ def test_float8_with_adapters_is_refused_in_one_line():
     cfg = compose_config(["model=tiny", "model.lora.rank=4", "train.float8=tensorwise"])
     with pytest.raises(ConfigError, match="train.float8=tensorwise with model.lora.rank=4"):
         validate(cfg)
+
+
+def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it():
+    """What one process holds of a model with adapters (fp32 weights, gradients and AdamW's moments for the
+    adapters alone), measured on the built model, is what the planner counts from the config."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.job import build_parallel_model
+    from llmtrain.plan import Degrees
+    from llmtrain.planner.candidates import Candidate
+    from llmtrain.planner.inputs import llmtrain_state_bytes
+    from llmtrain.planner.memory import model_states
+    from llmtrain.planner.shapes import holding
+    from llmtrain.runtime import Runtime
+    from llmtrain.train.memory import held_bytes
+
+    config = OmegaConf.to_object(compose_config(["model=llama-tiny", "model.lora.rank=4", "parallel=single"]))
+    one_process = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+    model = build_parallel_model(config, one_process, 257)
+    measured = held_bytes(model.module, model.optimizer, config.optim)
+    held = holding(model.module.cfg)
+    assert held.trainable == trainable_parameters(model.module) and held.trainable < held.total / 20
+    sizes = llmtrain_state_bytes(config, bf16=False)
+    params, grads, optimizer, _ = model_states(Candidate("single", Degrees()), held, sizes)
+    assert (params, grads, optimizer) == (measured.params, measured.grads, measured.optimizer)

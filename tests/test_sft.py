@@ -193,7 +193,7 @@ def test_adapters_resume_exactly_name_their_base_and_load_into_peft(train, tmp_p
     """A run that fine-tunes a Hugging Face Llama with adapters: resumed from its checkpoint it repeats itself;
     resumed on another base it stops in one line; exported, its adapters put onto the base by PEFT (the referee)
     and its merged model compute llmtrain's logits."""
-    from peft import PeftModel
+    peft_module = pytest.importorskip("peft")  # the `peft` extra: installed by CI
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from llmtrain.checkpoint.offline import load_checkpoint_model
@@ -229,7 +229,7 @@ def test_adapters_resume_exactly_name_their_base_and_load_into_peft(train, tmp_p
     ids = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ours(ids)[..., :vocab]
-        peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), out / "adapter").eval()
+        peft = peft_module.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), out / "adapter").eval()
         merged = AutoModelForCausalLM.from_pretrained(out).eval()
         for theirs in (peft, merged):
             torch.testing.assert_close(theirs(ids).logits, expected, atol=2e-5, rtol=1e-4)

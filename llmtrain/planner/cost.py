@@ -138,6 +138,7 @@ def _scaled(held: Holding, factor: float) -> Holding:
         root=round(held.root * factor),
         largest_unit=round(held.largest_unit * factor),
         matrices=round(held.matrices * factor),
+        largest_reduced=round(held.largest_reduced * factor),
     )
 
 

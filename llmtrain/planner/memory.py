@@ -106,7 +106,9 @@ def updated_parameters(candidate: Candidate, held: Holding) -> float:
 def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tuple[float, float, float, float]:
     """(parameters, gradients, optimizer, gathered) bytes of one rank holding `held`."""
     n = candidate.degrees.dp_shard_cp if candidate.sharding != "optimizer" else candidate.degrees.dp
-    params, trainable = held.total * sizes.param, held.trainable
+    # FSDP holds a frozen weight (the base beside low-rank adapters) as it gathers it, in the compute dtype
+    frozen = sizes.compute if candidate.sharding in ("gradients", "parameters") else sizes.param
+    params, trainable = held.trainable * sizes.param + held.frozen * min(frozen, sizes.param), held.trainable
     optimizer = 0.0 if sizes.optimizer_on_host else sizes.optimizer_bytes(trainable, held.matrices)
     sharding = candidate.sharding
     if sharding == "none":
@@ -261,4 +263,4 @@ def gradient_being_reduced(candidate: Candidate, held: Holding, sizes: StateByte
     reduce-scatter takes. A temporary of every token count, beside the activations."""
     if candidate.sharding not in ("parameters", "gradients"):
         return 0.0
-    return held.largest_unit * (sizes.compute + (4 if sizes.compute != 4 else 0))
+    return held.largest_reduced * (sizes.compute + (4 if sizes.compute != 4 else 0))

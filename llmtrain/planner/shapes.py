@@ -35,6 +35,7 @@ class Holding:
     experts: int = 0  # of trainable: the routed experts' elements (all E experts; a rank gathers experts / ep)
     mixtures: int = 0  # mixture-of-experts blocks held
     matrices: int = 0  # of trainable: the blocks' weight matrices (what Muon updates; the rest is AdamW's)
+    largest_reduced: int = 0  # the most trainable elements of one FSDP unit: the largest gradient reduced at once
 
     @property
     def total(self) -> int:
@@ -78,6 +79,28 @@ def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
         up = 2 if cfg.mlp == "swiglu" else 1
         vectors += bias * up * f // tp + bias * h
     return block_parameters(cfg, tp, index) - vectors
+
+
+def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
+    adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
+    columns beside a row-parallel one); the routed experts have none."""
+    lora, m, h = cfg.lora, cfg.moe, cfg.d_model
+    if not lora.enabled:
+        return 0
+    kv = cfg.kv_heads * (h // cfg.n_head)
+    f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
+    # projection -> (in, out, column-parallel)
+    shapes = {"q_proj": (h, h, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (h, h, False)}
+    if f:
+        shapes.update(fc_in=(h, f, True), fc_out=(f, h, False))
+        if cfg.mlp == "swiglu":
+            shapes["fc_gate"] = (h, f, True)
+    return sum(
+        lora.rank * ((n_in + n_out // tp) if column else (n_in // tp + n_out))
+        for name, (n_in, n_out, column) in shapes.items()
+        if name in lora.targets
+    )
 
 
 def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
@@ -124,12 +147,19 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
     if last:
         head, frozen = head_parameters(cfg, tp, own_weight=pp > 1)
         root_trainable += head
-    per_block = [block_parameters(cfg, tp, i) for i in indices]
+    adapters = [block_adapters(cfg, tp, i) for i in indices]
+    per_block = [block_parameters(cfg, tp, i) + adapter for i, adapter in zip(indices, adapters)]
     experts = [expert_parameters(cfg, tp, i) for i in indices]
     gathered_blocks = [block - share + share // ep for block, share in zip(per_block, experts)]
     root = root_trainable + frozen
+    trainable = sum(per_block) + root_trainable
+    matrices = sum(block_matrices(cfg, tp, i) for i in indices) + sum(adapters)
+    largest_reduced = max([*gathered_blocks, root_trainable])
+    if cfg.lora.enabled:  # the adapters alone train; the base is frozen, experts included
+        frozen, trainable, matrices = frozen + trainable - sum(adapters), sum(adapters), sum(adapters)
+        experts, largest_reduced = [0], max(adapters, default=0)
     return Holding(
-        trainable=sum(per_block) + root_trainable,
+        trainable=trainable,
         frozen=frozen,
         root=root,
         largest_unit=max([*gathered_blocks, root]),
@@ -138,5 +168,6 @@ def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_p
         last=last,
         experts=sum(experts),
         mixtures=sum(1 for i in indices if cfg.moe.is_moe_block(i)),
-        matrices=sum(block_matrices(cfg, tp, i) for i in indices),
+        matrices=matrices,
+        largest_reduced=largest_reduced,
     )
