@@ -29,6 +29,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import GPT, GPTConfig, summed_cross_entropy
 from llmtrain.model.scoring import UNSCORED
 from llmtrain.tools import compose_config
+from llmtrain.tools.stdlib_conversations import conversations as stdlib_conversations
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +236,15 @@ def test_adapters_resume_exactly_name_their_base_and_load_into_peft(train, tmp_p
             torch.testing.assert_close(theirs(ids).logits, expected, atol=2e-5, rtol=1e-4)
     assert (expected - LlamaForCausalLM.from_pretrained(base).eval()(ids).logits).abs().max() > 1e-3  # they moved it
     assert load_saved_tokenizer(str(out), "hf", 0, vocab).decode([5]) != ""
+
+
+def test_the_offline_conversation_file_is_one_sft_reads(chat, tmp_path):
+    """llmtrain.tools.stdlib_conversations (the recipe's data): questions about the stdlib, answered by docstrings,
+    some with a follow-up, every one a conversation data=sft renders and trains."""
+    cfg, tokenizer, backend = chat
+    cfg = copy.deepcopy(cfg)
+    cfg.path, cfg.val_fraction = _jsonl(tmp_path / "chats.jsonl", *stdlib_conversations(60)), 0.01
+    conversations = read_conversations(cfg, "train") + read_conversations(cfg, "validation")
+    assert len(conversations) == 60 and sum(len(c) == 4 for c in conversations) == 20
+    assert all(c[0]["content"].startswith("What does the ") for c in conversations)
+    assert all((tokens >= 0).any() for tokens in tokenized(conversations, tokenizer, backend, "train"))

@@ -48,15 +48,18 @@ def load_checkpoint_state(model: ParallelModel, state: CheckpointState) -> None:
     model.load_model_and_optimizer_state({**state.kept, **model_state}, optimizer_state)
 
 
-def model_weights_state(model: ParallelModel) -> CheckpointState:
+def model_weights_state(model: ParallelModel, adapters_only: bool = False) -> CheckpointState:
     """The model's part of checkpoint_state alone, for evaluation."""
-    values, stored_as = _store_tied_once(model.model_state(), model.tied_parameters)
-    return CheckpointState({"model": values}, {"model": stored_as})
+    model_state = model.model_state()
+    kept = {key: value for key, value in model_state.items() if adapters_only and not is_adapter(key)}
+    weights = {key: value for key, value in model_state.items() if key not in kept}
+    values, stored_as = _store_tied_once(weights, model.tied_parameters)
+    return CheckpointState({"model": values}, {"model": stored_as}, kept)
 
 
 def load_model_weights_state(model: ParallelModel, state: CheckpointState) -> None:
     """Put a `model_weights_state` whose values DCP has filled back into the model."""
-    model.load_model_state(_restore_tied(state.values["model"], state.stored_as["model"]))
+    model.load_model_state({**state.kept, **_restore_tied(state.values["model"], state.stored_as["model"])})
 
 
 def _store_tied_once(values: dict, tied: dict[str, str]) -> tuple[dict, dict[str, list[str]]]:
