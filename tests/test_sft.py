@@ -145,8 +145,8 @@ LORA = "model.lora.rank=4"
 # Fine-tuning a Llama with adapters on every projection, against one process: adapters split as their base matrix
 # under tensor and sequence parallelism (adapter dropout, whose masks are the unsplit tensor's, there: one
 # data-parallel replica), the frozen base held in bf16 by FSDP, a frozen tied embedding across pipeline stages
-# (no gradient to sum), and full fine-tuning on the same masked targets; packed under document masking, and one
-# conversation to a window under causal attention.
+# (no gradient to sum), packed conversations split over a context-parallel ring, and full fine-tuning on the same
+# masked targets; packed under document masking, and one conversation to a window under causal attention.
 SFT_LAYOUTS = {
     2: [
         f"{LORA} model.lora.dropout=0.1 parallel=tp parallel.sequence_parallel=true",
@@ -155,7 +155,7 @@ SFT_LAYOUTS = {
         f"{LORA} train.attention=causal parallel=zero1",
         "parallel=ddp",
     ],
-    4: [f"{LORA} parallel=3d"],
+    4: [f"{LORA} parallel=3d", f"{LORA} parallel=fsdp parallel.cp=2"],
 }
 
 

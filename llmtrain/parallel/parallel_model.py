@@ -112,6 +112,9 @@ class ParallelModel:
         # adds keep fp32.
         self.residual_dtype = torch.bfloat16 if fsdp_mixed_precision else torch.float32
         self.precision, self.precision_description = precision_policy(runtime.device, bf16, fsdp_mixed_precision)
+        frozen = [param for param in self.module.parameters() if not param.requires_grad and param.ndim == 2]
+        if frozen and all(param.dtype == torch.bfloat16 for param in frozen):
+            self.precision_description += "; the frozen base held in bf16"
         if steps.float8 is not None:
             self.precision_description += "; " + float8_summary(steps.float8, self.module)
 
