@@ -321,7 +321,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         n_params = num_parameters(meta) - gpt_cfg.padding_parameters
         with MemoryPeak(runtime.device) as build:
             model = _laid_out(
-                config, plan, mesh, runtime, meta, eos_id=tokenizer.eos_id, masked_targets=data.masks_targets
+                config, plan, mesh, runtime, meta, eos_id=data.document_separator, masked_targets=data.masks_targets
             )
         held = held_bytes(model.module, model.optimizer, config.optim)
         memory = _memory_summary(runtime, held, build.bytes)

@@ -57,7 +57,8 @@ DOCUMENTS = f"data=local data.path={DOCUMENT_CORPUS} data.tokenizer.kind=byte tr
 UNSCORED_WINDOWED = "train.score_after_eos=false model.sliding_window=[8,0]"
 
 # A ChatML template, as SmolLM2's: each turn between <|im_start|>role and <|im_end|>; the assistant's prompt opens
-# one more. Its end-of-text token, which separates packed conversations, is none of these.
+# one more. As in SmolLM2-Instruct, the tokenizer's end-of-text is <|im_end|>, which ends every turn: packed
+# conversations are separated by another special token, <|endoftext|> (data/sft.py, packing_separator).
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -70,12 +71,12 @@ def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Pa
     written as prompt/response pairs. (tokenizer directory, conversations file)."""
     from transformers import PreTrainedTokenizerFast
 
-    from llmtrain.data.tokenizers import EOS_TOKEN, train_bpe
+    from llmtrain.data.tokenizers import train_bpe
 
     lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
     backend = train_bpe(lines, 512)
     backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory / "tokenizer")
     records = []

@@ -87,7 +87,7 @@ def boundary_gap(parts) -> float:
     one in a window and the same document read alone at a window's start, their summed losses over the same
     (context, target) pairs of that document (the other targets unscored; llmtrain/model/scoring.py); the relative
     difference of the two (0 up to the kernels' rounding; causal attention would make them differ)."""
-    seq_len, eos = parts.config.train.seq_len, parts.data.tokenizer.eos_id
+    seq_len, eos = parts.config.train.seq_len, parts.data.document_separator
     generator = torch.Generator().manual_seed(0)
 
     def text(n: int) -> torch.Tensor:  # tokens other than end-of-text

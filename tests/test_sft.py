@@ -21,7 +21,9 @@ from llmtrain.data.sft import (
     ConversationBatches,
     Conversations,
     chat_template_of,
+    packing_separator,
     read_conversations,
+    special_tokens,
     tokenized,
 )
 from llmtrain.data.tokenizers import load_tokenizer
@@ -57,11 +59,13 @@ def test_the_assistants_turns_are_trained_and_nothing_else(chat):
 def test_conversations_fill_windows_whole_and_resume_where_they_were(chat):
     cfg, tokenizer, backend = chat
     marked = tokenized(read_conversations(cfg, "train"), tokenizer, backend, "train")
-    packed = Conversations.of(marked, 257, tokenizer.eos_id, packed=True)
+    separator = packing_separator(marked, special_tokens(tokenizer, backend))
+    assert backend.convert_ids_to_tokens(separator) == "<|endoftext|>"  # end-of-text, <|im_end|>, ends every turn
+    packed = Conversations.of(marked, 257, separator, packed=True)
     windows = packed.epoch(seed=3, epoch=0)
     tokens = window_tokens(windows)
-    # every conversation once, whole, each ended by the end-of-text token; the rest padding, never trained
-    ends = (tokens == tokenizer.eos_id) & (windows < 0)
+    # every conversation once, whole, each ended by the separator; the rest padding, never trained
+    ends = (tokens == separator) & (windows < 0)
     starts = sorted(tuple(window_tokens(t[:-1])) for t in packed.tokens)
     found = []
     for row, row_ends in zip(tokens, ends):
@@ -72,7 +76,7 @@ def test_conversations_fill_windows_whole_and_resume_where_they_were(chat):
             start = end + 1
     assert sorted(found) == starts and packed.cut == 0
     assert len(windows) < len(marked) / 1.5  # several to a window
-    one_each = Conversations.of(marked, 257, tokenizer.eos_id, packed=False).epoch(seed=3, epoch=0)
+    one_each = Conversations.of(marked, 257, separator, packed=False).epoch(seed=3, epoch=0)
     assert len(one_each) == len(marked)
     # batch k is the same whether the run got there or resumed there, across an epoch's end
     rank_slice = RankSlice(batch_size=32, micro_batch_size=4, dp_rank=1, dp_size=2)
@@ -90,7 +94,8 @@ def test_a_prompt_tokens_target_never_contributes(chat):
     prompt's (or padding), non-zero at every assistant target."""
     cfg, tokenizer, backend = chat
     marked = tokenized(read_conversations(cfg, "train")[:40], tokenizer, backend, "train")
-    windows = Conversations.of(marked, 129, tokenizer.eos_id, packed=True).windows(range(len(marked)))[:4]
+    separator = packing_separator(marked, special_tokens(tokenizer, backend))
+    windows = Conversations.of(marked, 129, separator, packed=True).windows(range(len(marked)))[:4]
     [(inputs, targets)] = RankSlice(4, 4, 0, 1).micro_batches(windows)
     assert torch.equal(inputs, torch.from_numpy(window_tokens(windows[:, :-1])))
     trained = torch.from_numpy(windows[:, 1:] >= 0)
@@ -131,13 +136,25 @@ def test_bad_conversations_are_named_by_file_and_line(chat, tmp_path):
         backend.chat_template = template
 
 
-def test_an_end_of_text_token_inside_conversations_cannot_separate_them(chat):
+def test_packed_conversations_are_separated_by_a_special_token_none_of_them_holds(chat):
+    """The tokenizer's end-of-text when no conversation holds it; else the next special token (SmolLM2-Instruct's
+    and Llama 3 Instruct's templates end every turn with their end-of-text, and leave <|endoftext|> or
+    <|end_of_text|> free); else one line."""
     cfg, tokenizer, backend = chat
     marked = tokenized(read_conversations(cfg, "train")[:5], tokenizer, backend, "train")
-    marked[2] = np.append(marked[2], tokenizer.eos_id)
-    with pytest.raises(ConfigError, match=r"end-of-text token \(id \d+\) occurs inside conversations"):
-        Conversations.of(marked, 257, tokenizer.eos_id, packed=True)
-    Conversations.of(marked, 257, tokenizer.eos_id, packed=False)  # one to a window: no separator needed
+    eos, endoftext = tokenizer.eos_id, backend.convert_tokens_to_ids("<|endoftext|>")
+    specials = special_tokens(tokenizer, backend)
+    assert specials[0] == eos and packing_separator(marked, specials) == endoftext
+    assert packing_separator(marked[:0], specials) == eos
+    marked[2] = np.append(marked[2], endoftext)  # held by a conversation too
+    unused = min(set(range(tokenizer.vocab_size)) - set(np.concatenate([window_tokens(t) for t in marked]).tolist()))
+    assert packing_separator(marked, [eos, endoftext, unused]) == unused
+    with pytest.raises(ConfigError, match=r"every special token of the tokenizer \(2, end-of-text id \d+ first\)"):
+        packing_separator(marked, [eos, endoftext])
+    rows = [row.tolist() for row in Conversations.of(marked, 1025, unused, packed=True).windows(range(5))]
+    for tokens in marked:  # each whole in a window, ended by the separator (untrained)
+        run = [*tokens.tolist(), ~unused]
+        assert any(row[i : i + len(run)] == run for row in rows for i in range(len(row)))
 
 
 # -- fine-tuning with low-rank adapters under the layouts -----------------------------------------------------------

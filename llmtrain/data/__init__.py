@@ -40,6 +40,12 @@ class Data:
     validation: list[ValidationSet]  # empty when eval is disabled
     description: str  # for the start summary
     masks_targets: bool = False  # some tokens are context only, their targets untrained (fine-tuning, packing.py)
+    separator: int | None = None  # the token between packed documents where it is not the tokenizer's end-of-text
+
+    @property
+    def document_separator(self) -> int:
+        """The token after which a packed document ends (model/documents.py)."""
+        return self.tokenizer.eos_id if self.separator is None else self.separator
 
     def close(self) -> None:
         self.train.close()
@@ -178,20 +184,22 @@ def _conversations(
     packed: bool,
 ) -> Data:
     """build_data for data=sft: the conversations tokenised with their assistant's tokens marked, in windows."""
-    from llmtrain.data.sft import ConversationBatches, Conversations, chat_template_of, read_conversations, tokenized
+    from llmtrain.data import sft
 
-    backend = chat_template_of(tokenizer, data_cfg.tokenizer.name)
-
-    def conversations(split: str) -> Conversations:
-        marked = tokenized(read_conversations(data_cfg, split), tokenizer, backend, f"{split} conversations")
-        return Conversations.of(marked, seq_len + 1, tokenizer.eos_id, packed)
-
-    train = conversations(TRAIN)
-    if not train.tokens:
+    backend = sft.chat_template_of(tokenizer, data_cfg.tokenizer.name)
+    splits = [TRAIN, VALIDATION] if val_slice is not None else [TRAIN]
+    marked = {
+        split: sft.tokenized(sft.read_conversations(data_cfg, split), tokenizer, backend, f"{split} conversations")
+        for split in splits
+    }
+    if not marked[TRAIN]:
         raise ConfigError("data=sft found no training conversations: check data.path / data.name and data.val_fraction")
+    every = [tokens for split in splits for tokens in marked[split]]
+    separator = sft.packing_separator(every, sft.special_tokens(tokenizer, backend)) if packed else tokenizer.eos_id
+    train = sft.Conversations.of(marked[TRAIN], seq_len + 1, separator, packed)
     validation = []
     if val_slice is not None:
-        held_out = conversations(VALIDATION)
+        held_out = sft.Conversations.of(marked[VALIDATION], seq_len + 1, separator, packed)
         rows = held_out.windows(range(len(held_out.tokens)))
         if len(rows) < val_slice.batch_size:
             raise ConfigError(
@@ -200,10 +208,10 @@ def _conversations(
                 f"or name validation conversations with data.val_path"
             )
         validation = [ValidationSet(None, 1.0, val_slice.rows(rows[: val_slice.batch_size]))]
-    windows = "packed with document masking" if packed else "one per window"
+    windows = f"packed with document masking, each ended by token {separator}" if packed else "one per window"
     description = f"sft: {train.describe()}, {windows}; trained on the assistant's tokens"
-    batches = ConversationBatches(train, seed, train_slice, position)
-    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True)
+    batches = sft.ConversationBatches(train, seed, train_slice, position)
+    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, separator=separator)
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:

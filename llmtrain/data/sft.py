@@ -200,13 +200,7 @@ class Conversations:
     @classmethod
     def of(cls, marked: list[np.ndarray], window: int, separator: int, packed: bool) -> Conversations:
         """`marked` conversations (`tokenized`) in windows of `window` tokens; `packed`: several to a window, each
-        ended by `separator` (the end-of-text token), which must then occur in none of them."""
-        if packed and any((window_tokens(t) == separator).any() for t in marked):
-            raise ConfigError(
-                f"the tokenizer's end-of-text token (id {separator}) occurs inside conversations (the chat template "
-                f"writes it), so it cannot separate packed ones: set train.attention=causal (one conversation per "
-                f"window)"
-            )
+        ended by `separator` (`packing_separator`), which occurs in none of them."""
         ended = [np.append(t, untrained(np.int64(separator))) if packed else t for t in marked]
         cut = [t for t in ended if len(t) > window]
         cut_trained = sum(int((t[window:] >= 0).sum()) for t in cut)
@@ -241,6 +235,29 @@ class Conversations:
                 f"{self.cut_trained:,} trained tokens (raise train.seq_len to keep them)"
             )
         return line
+
+
+def special_tokens(tokenizer: Tokenizer, backend) -> list[int]:
+    """The tokenizer's end-of-text token, then its other special tokens in id order: the candidates to separate
+    packed conversations."""
+    specials = sorted(i for i, token in backend.added_tokens_decoder.items() if token.special)
+    return [tokenizer.eos_id, *(i for i in specials if i != tokenizer.eos_id)]
+
+
+def packing_separator(marked: list[np.ndarray], candidates: list[int]) -> int:
+    """The first of `candidates` that no conversation holds: the token that ends each packed conversation, so that
+    none attends to the next (model/documents.py finds documents by it). A chat template that ends every turn with
+    the tokenizer's end-of-text (Llama 3 Instruct's `<|eot_id|>`) leaves another special token free (its
+    `<|end_of_text|>`)."""
+    held = set(np.unique(np.concatenate([window_tokens(t) for t in marked])).tolist()) if marked else set()
+    free = [token for token in candidates if token not in held]
+    if not free:
+        raise ConfigError(
+            f"every special token of the tokenizer ({len(candidates)}, end-of-text id {candidates[0]} first) occurs "
+            f"inside conversations, so none can separate packed ones: set train.attention=causal (one conversation "
+            f"per window)"
+        )
+    return free[0]
 
 
 class ConversationBatches:
