@@ -208,7 +208,8 @@ def _conversations(
                 f"or name validation conversations with data.val_path"
             )
         validation = [ValidationSet(None, 1.0, val_slice.rows(rows[: val_slice.batch_size]))]
-    windows = f"packed with document masking, each ended by token {separator}" if packed else "one per window"
+    ended = f"{backend.convert_ids_to_tokens(separator)} (id {separator})"
+    windows = f"packed with document masking, each ended by {ended}" if packed else "one per window"
     description = f"sft: {train.describe()}, {windows}; trained on the assistant's tokens"
     batches = sft.ConversationBatches(train, seed, train_slice, position)
     return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, separator=separator)
