@@ -95,9 +95,12 @@ def check_model_matches(path: str, gpt_cfg: GPTConfig) -> None:
 
 
 def check_base_matches(path: str, base: dict[str, Any] | None) -> None:
-    """A one-line ConfigError when the checkpoint's low-rank adapters adapt another base than this run's."""
+    """A one-line ConfigError when the checkpoint's low-rank adapters adapt another base than this run's (the same
+    weights under another path, a hub name for a local copy, are the same base)."""
     saved = read_meta(path).get("base")
     if base is None or saved is None or saved == base:
+        return
+    if saved.get("fingerprint") and saved.get("fingerprint") == base.get("fingerprint"):
         return
     fix = (
         f"model.init_from={saved['init_from']}"
