@@ -318,7 +318,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         packs_documents=t.attention == "document",
     )
     try:  # the data's reading thread is stopped on the way out of a failed build
-        n_params = num_parameters(meta) - gpt_cfg.padding_parameters
+        n_params, trainable = num_parameters(meta) - gpt_cfg.padding_parameters, trainable_parameters(meta)
         with MemoryPeak(runtime.device) as build:
             model = _laid_out(
                 config, plan, mesh, runtime, meta, eos_id=data.document_separator, masked_targets=data.masks_targets
@@ -350,8 +350,8 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
             checkpoints=checkpoints,
             state=LoopState(step=point.step, records=list(point.records)) if point else LoopState(),
             n_params=n_params,
-            n_trainable=trainable_parameters(meta) if gpt_cfg.lora.enabled else n_params,
-            model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len, trainable_parameters(meta)),
+            n_trainable=trainable if gpt_cfg.lora.enabled else n_params,
+            model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len, trainable),
             wandb_id=wandb_id,
             tasks=[read_task(path, data.tokenizer, t.seq_len, config.eval.limit) for path in config.eval.tasks or []],
         )

@@ -32,8 +32,7 @@ def checkpoint_state(model: ParallelModel, adapters_only: bool = False) -> Check
     """`model`'s state as this rank holds it (DTensor shards where sharded), each tied parameter folded into its
     source; `adapters_only`: of the weights, the low-rank adapters alone."""
     model_state, optimizer_state = model.model_and_optimizer_state()
-    kept = {key: value for key, value in model_state.items() if adapters_only and not is_adapter(key)}
-    model_state = {key: value for key, value in model_state.items() if key not in kept}
+    model_state, kept = _stored_and_kept(model_state, adapters_only)
     state = CheckpointState({}, {}, kept)
     for part, values in (("model", model_state), ("optimizer", optimizer_state)):
         state.values[part], state.stored_as[part] = _store_tied_once(values, model.tied_parameters)
@@ -50,9 +49,7 @@ def load_checkpoint_state(model: ParallelModel, state: CheckpointState) -> None:
 
 def model_weights_state(model: ParallelModel, adapters_only: bool = False) -> CheckpointState:
     """The model's part of checkpoint_state alone, for evaluation."""
-    model_state = model.model_state()
-    kept = {key: value for key, value in model_state.items() if adapters_only and not is_adapter(key)}
-    weights = {key: value for key, value in model_state.items() if key not in kept}
+    weights, kept = _stored_and_kept(model.model_state(), adapters_only)
     values, stored_as = _store_tied_once(weights, model.tied_parameters)
     return CheckpointState({"model": values}, {"model": stored_as}, kept)
 
@@ -60,6 +57,13 @@ def model_weights_state(model: ParallelModel, adapters_only: bool = False) -> Ch
 def load_model_weights_state(model: ParallelModel, state: CheckpointState) -> None:
     """Put a `model_weights_state` whose values DCP has filled back into the model."""
     model.load_model_state({**state.kept, **_restore_tied(state.values["model"], state.stored_as["model"])})
+
+
+def _stored_and_kept(model_state: dict, adapters_only: bool) -> tuple[dict, dict]:
+    """(what a checkpoint stores, what it leaves as the model holds it): everything, or the low-rank adapters
+    alone beside the frozen base."""
+    kept = {key: value for key, value in model_state.items() if adapters_only and not is_adapter(key)}
+    return {key: value for key, value in model_state.items() if key not in kept}, kept
 
 
 def _store_tied_once(values: dict, tied: dict[str, str]) -> tuple[dict, dict[str, list[str]]]:
