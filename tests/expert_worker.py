@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from llmtrain.differences import largest
 from llmtrain.model.moe import Experts, MoE, MoEConfig
 from llmtrain.parallel.expert import AllToAllDispatch
 from llmtrain.runtime import init_runtime
@@ -69,7 +70,7 @@ def largest_error(ep: int, group: dist.ProcessGroup, skewed: bool) -> float:
         got = getattr(split.experts, name).grad
         got = got if got is not None else torch.zeros_like(summed[mine])
         errors.append((got - summed[mine]).abs().max())
-    return max(error.item() for error in errors)
+    return largest(error.item() for error in errors)
 
 
 def main(out_dir: str) -> None:

@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmtrain"
 # Bottom to top: a module of layer k imports modules of layers <= k. A module run as a command (one with an
 # `if __name__ == "__main__":` block) is in the top layer wherever it lives.
 LAYERS = [
-    {"errors", "faults", "optional", "catalog", "domains", "launch_env", "config", "plan", "hub", "runtime", "run_dir"},
+    {"errors", "faults", "optional", "catalog", "domains", "launch_env", "config", "plan", "hub", "runtime", "run_dir"}
+    | {"releases", "differences"},
     {"model", "data", "optim"},
     {"parallel"},
     {"planner", "checkpoint"},

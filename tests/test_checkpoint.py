@@ -54,11 +54,11 @@ from llmtrain.checkpoint.manager import (
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.checkpoint.training import logged_records, resume_path
 from llmtrain.config import CheckpointConfig
+from llmtrain.differences import max_relative_difference
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError
 from llmtrain.faults import arm
 from llmtrain.runtime import Runtime
 from llmtrain.tools import upgrade_checkpoint
-from llmtrain.tools.compare_runs import max_relative_difference
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from llmtrain.checkpoint.final import save_final_model
-from llmtrain.tools.compare_runs import compare, max_relative_difference, max_weight_difference
+from llmtrain.differences import max_relative_difference
+from llmtrain.tools.compare_runs import compare, max_weight_difference
 
 NAN, INF = float("nan"), float("inf")
 

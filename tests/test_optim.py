@@ -164,3 +164,46 @@ def test_one_precision_policy_fsdp_casts_where_it_applies_autocast_elsewhere():
         contextlib.nullcontext,
         "fp32",
     )
+
+
+def _on_claimed_cuda(model: torch.nn.Module) -> None:
+    """Replace `model`'s parameters, in place, by fake tensors that claim a CUDA device (inside a FakeTensorMode),
+    each with a gradient: where an optimizer creates its state is then visible on a host without a GPU, which a
+    CPU run hides (the host's tensors are on the host's device)."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                claimed = torch.nn.Parameter(torch.empty(param.shape, device="cuda"))
+                claimed.grad = torch.ones(param.shape, device="cuda")
+                module._parameters[name] = claimed
+
+
+def _devices(optimizer: torch.optim.Optimizer) -> dict[str, set[torch.device]]:
+    """Each parameter's device -> the devices of its optimizer state's tensors."""
+    found: dict[str, set[torch.device]] = {}
+    for param, state in optimizer.state.items():
+        held = {value.device for value in state.values() if isinstance(value, torch.Tensor)}
+        found.setdefault(str(param.device), set()).update(held)
+    return found
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_every_optimizers_state_lives_where_its_kernel_needs_it(name):
+    """Parameters claiming CUDA (fake tensors): every state tensor of AdamW and of both Muon groups lies on its
+    parameter's device, as the fused CUDA kernel demands (Muon's AdamW groups once kept a host step count, which
+    crashed on the first H200 step). ZeRO-1's slices create theirs with the same `adamw_state`; fake CUDA tensors
+    cannot be copied into (a CPU build has no CUDA device guard), so its flat buffers are not built here. Offload
+    pins host memory, which needs CUDA itself, and keeps its state on the host by design; torchao's 8-bit AdamW
+    reads a value in its step, which fake tensors cannot give (both ran on the H200 without a placement error)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    optim_cfg = OmegaConf.to_object(compose_config([f"optim={name}"])).optim
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=16, max_seq_len=8))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _on_claimed_cuda(model)
+        optimizer = build_optimizer(model, optim_cfg, device=torch.device("cuda"))
+        optimizer.step()
+        optimizer.step()
+    assert _devices(optimizer) == {"cuda:0": {torch.device("cuda", 0)}}
+    if name == "muon":
+        assert {group["muon"] for group in optimizer.param_groups} == {True, False}

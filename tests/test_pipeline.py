@@ -13,13 +13,13 @@ from conftest import LOSS_RTOL, PARAM_ATOL, PIPELINE, assert_parity, layout_plan
 from pipeline_worker import STEPS
 
 from llmtrain.catalog import SCHEDULES
+from llmtrain.differences import max_relative_difference, within
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
 from llmtrain.parallel.family import gpt_pipeline_part, gpt_stage_view
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.plan import stage_layers, validate_schedule
 from llmtrain.tools import compose_config
-from llmtrain.tools.compare_runs import max_relative_difference
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 
@@ -139,8 +139,8 @@ def test_every_schedule_matches_the_unsplit_model(pp, microbatches, tmp_path):
             (r["norms"], r["reference_norms"]),
             ([r["validation"]], [r["reference_validation"]]),
         ):
-            assert max_relative_difference(ours, reference) <= LOSS_RTOL, (schedule, r)
-        assert r["same_names"] and r["weight_difference"] <= PARAM_ATOL, (schedule, r)
+            assert within(max_relative_difference(ours, reference), LOSS_RTOL), (schedule, r)
+        assert r["same_names"] and within(r["weight_difference"], PARAM_ATOL), (schedule, r)
         assert (tmp_path / schedule / "pipeline.png").stat().st_size > 10_000
     # Activations alive at once: GPipe holds every micro-batch, 1F1B at most pp - rank on rank `rank`.
     assert results["gpipe"]["peak_in_flight"] == [microbatches] * pp

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path, load_checkpoint
 from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
+from llmtrain.differences import largest, tensor_difference
 from llmtrain.job import build_parallel_model
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.zero import ZeroOneAdamW
@@ -109,13 +110,12 @@ def main(out_dir: str, model_overrides: str) -> None:
         state = checkpoint_state(unsplit)
         load_checkpoint(sync, state.values, distributed=False)
         load_checkpoint_state(unsplit, state)
-        worst = 0.0
-        for name, param in unsplit.module.named_parameters():
-            if not param.requires_grad:  # the head's frozen padding mask has no optimizer state
-                continue
-            restored = unsplit.optimizer.state[param]
-            for key in ("exp_avg", "exp_avg_sq"):
-                worst = max(worst, (restored[key] - moments[f"{name}.{key}"]).abs().max().item())
+        worst = largest(
+            tensor_difference(unsplit.optimizer.state[param][key], moments[f"{name}.{key}"])
+            for name, param in unsplit.module.named_parameters()
+            if param.requires_grad  # the head's frozen padding mask has no optimizer state
+            for key in ("exp_avg", "exp_avg_sq")
+        )
         steps = {float(s["step"]) for s in unsplit.optimizer.state.values()}
         sizes = [p.numel() * p.element_size() for p in unsplit.module.parameters()]
         results = {

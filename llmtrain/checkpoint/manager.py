@@ -51,6 +51,7 @@ from llmtrain.checkpoint.safe_load import (
     write_data_position,
 )
 from llmtrain.errors import CheckpointWriteError, ConfigError, first_line
+from llmtrain.releases import stager_outlives_a_save
 from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
@@ -237,6 +238,7 @@ class CheckpointManager:
         # interleave with the training step's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if use_async and runtime.distributed else None
         self._stager = DefaultStager(staging_options(runtime.device)) if use_async else None
+        self._stager_outlives_a_save = stager_outlives_a_save()
 
     def save(
         self,
@@ -268,13 +270,19 @@ class CheckpointManager:
                     state,
                     storage_writer=_Writer(tmp, step),
                     process_group=self._group,
-                    async_stager=self._stager,
+                    async_stager=self._stager_for_this_save(),
                     no_dist=not self.runtime.distributed,
                 )
                 self._pending = (cast(Future, future), tmp, final)
                 return
             dcp.save(state, storage_writer=_Writer(tmp, step), no_dist=not self.runtime.distributed)
         self._finish(tmp, final)
+
+    def _stager_for_this_save(self) -> DefaultStager:
+        """The stager kept between saves, or a new one where a stager serves one save only (releases.py)."""
+        if not self._stager_outlives_a_save:
+            self._stager = DefaultStager(staging_options(self.runtime.device))
+        return cast(DefaultStager, self._stager)
 
     @contextmanager
     def _write_failure(self, tmp: str) -> Iterator[None]:

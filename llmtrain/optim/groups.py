@@ -42,6 +42,18 @@ def refuse_inherited_fusion(optimizer: torch.optim.Optimizer) -> None:
             group["fused"] = fused_for(group["params"])
 
 
+def adamw_state(state: dict, param: Tensor, fused: bool) -> dict:
+    """`param`'s AdamW `state` (filled in place) as torch.optim.AdamW keeps it: zero moments beside the parameter
+    and a step count where there are none yet, the count beside the parameter for the fused kernel (which refuses a
+    host count beside GPU tensors, and a checkpoint's load may leave it on the host) and on the host otherwise."""
+    if not state:
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    step = state.get("step", torch.zeros(()))
+    state["step"] = step.to(device=param.device if fused else "cpu", dtype=torch.float32)
+    return state
+
+
 def adamw_update(
     group: dict,
     params: list[Tensor],

@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from llmtrain.optim.groups import adamw_options, adamw_update
+from llmtrain.optim.groups import adamw_options, adamw_state, adamw_update, fused_for
 from llmtrain.optim.whole_matrices import orthogonalize
 
 # The quintic's coefficients (Keller Jordan's, as torch.optim.Muon's): the steepest slope at zero that still maps
@@ -79,13 +79,9 @@ class Muon(torch.optim.Optimizer):
                 (self._muon_step if group["muon"] else self._adamw_step)(group, params)
 
     def _adamw_step(self, group: dict, params: list[Tensor]) -> None:
-        for param in params:
-            state = self.state[param]
-            if not state:  # as torch.optim.AdamW starts, so that a checkpoint of either loads into the other's form
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        states = [self.state[param] for param in params]
+        # as torch.optim.AdamW keeps its state, so that a checkpoint of either loads into the other's form
+        fused = fused_for(params)
+        states = [adamw_state(self.state[param], param, fused) for param in params]
         adamw_update(
             group,
             params,

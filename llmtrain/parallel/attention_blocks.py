@@ -23,6 +23,10 @@ block changes nothing (the CPU kernel reports 0 for such a row).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +57,88 @@ def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return bias.expand(mask.shape[0], q.shape[1], *mask.shape[2:])
 
 
+@dataclass(frozen=True)
+class CudaAttentionOps:
+    """CUDA's fused attention kernels, in aten's signatures: torch's own, or their arithmetic emulated in plain
+    torch (kernel_emulation.py), which runs anywhere."""
+
+    flash: Callable[..., Any] = aten._scaled_dot_product_flash_attention
+    flash_backward: Callable[..., Any] = aten._scaled_dot_product_flash_attention_backward
+    efficient: Callable[..., Any] = aten._scaled_dot_product_efficient_attention
+    efficient_backward: Callable[..., Any] = aten._scaled_dot_product_efficient_attention_backward
+
+
+class HostKernels:
+    """The CPU's flash kernel (fp32 and bf16), what SDPA itself runs on CPU; it takes a bias."""
+
+    def forward(self, q, k, v, causal: bool, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
+        return out, lse
+
+    def backward(self, out_grad, q, k, v, out, lse, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+        return list(
+            aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                out_grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias
+            )
+        )
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """Flash attention for bf16/fp16 blocks without a bias; the memory-efficient kernel for fp32 (flash has none)
+    and for a block with a bias (flash takes none)."""
+
+    ops: CudaAttentionOps = CudaAttentionOps()
+
+    def forward(self, q, k, v, causal: bool, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.dtype in (torch.bfloat16, torch.float16) and bias is None:
+            out, lse, *_ = self.ops.flash(q, k, v, 0.0, causal)
+            return out, lse
+        out, lse, *_ = self.ops.efficient(q, k, v, bias, True, 0.0, causal)
+        return out, lse[..., : q.shape[-2]]
+
+    def backward(self, out_grad, q, k, v, out, lse, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+        if q.dtype in (torch.bfloat16, torch.float16) and bias is None:
+            unused = torch.empty(2, dtype=torch.uint64, device=q.device)
+            rows, keys = q.shape[-2], k.shape[-2]
+            return list(
+                self.ops.flash_backward(
+                    out_grad, q, k, v, out, lse, None, None, rows, keys, 0.0, causal, unused, unused[0]
+                )
+            )
+        padded = lse.new_zeros(*lse.shape[:-1], _efficient_lse_rows(q.shape[-2]))
+        padded[..., : q.shape[-2]] = lse
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        # The kernel's bf16/fp16 backward computes rowsum(dO * O) itself and reads `out` at a row stride of
+        # heads x head_dim, the layout its own forward writes ((batch, rows, heads, dim) in memory), whatever the
+        # tensor's strides say; a merged output laid out (batch, heads, rows, dim) was read at the wrong rows and,
+        # for the later heads, past its end: NaN in dq and dk (kernel_emulation.py emulates the read).
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        dq, dk, dv, _ = self.ops.efficient_backward(
+            out_grad, q, k, v, bias, out, padded, unused, unused, 0.0, [True, True, True, False], causal
+        )
+        return [dq, dk, dv]
+
+
+# The kernels each device type runs; `kernels_for` answers with an emulation where one is in force.
+KERNELS: dict[str, HostKernels | CudaKernels] = {"cpu": HostKernels(), "cuda": CudaKernels()}
+_EMULATED: dict[str, HostKernels | CudaKernels] = {}
+
+
+def kernels_for(device: torch.device) -> HostKernels | CudaKernels:
+    return _EMULATED.get(device.type) or KERNELS[device.type]
+
+
+@contextmanager
+def running_on(device_type: str, kernels: HostKernels | CudaKernels) -> Iterator[None]:
+    """Within this block, tensors on `device_type` go through `kernels` (another device's kernels, emulated)."""
+    _EMULATED[device_type] = kernels
+    try:
+        yield
+    finally:
+        del _EMULATED[device_type]
+
+
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +147,7 @@ def block_attention(
     `mask` (batch, 1, rows, keys), bool: which keys each query sees (instead of `causal`)."""
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     bias = None if mask is None else _bias(mask, q)
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
-    elif q.dtype in (torch.bfloat16, torch.float16) and bias is None:
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-    else:
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal)
-        lse = lse[..., : q.shape[-2]]
+    out, lse = kernels_for(q.device).forward(q, k, v, causal, bias)
     if mask is not None:
         blind = ~mask.any(-1)  # (batch, 1, rows): queries that see no key here
         out = out.masked_fill(blind[..., None], 0.0)
@@ -89,23 +169,6 @@ def block_attention_backward(
     probabilities are normalised by once every block is merged); `mask` as block_attention's."""
     kv_heads = k.shape[1]
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    lse = lse.contiguous()
     bias = None if mask is None else _bias(mask, q)
-    if q.device.type == "cpu":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            out_grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias
-        )
-    elif q.dtype in (torch.bfloat16, torch.float16) and bias is None:
-        unused = torch.empty(2, dtype=torch.uint64, device=q.device)
-        rows, keys = q.shape[-2], k.shape[-2]
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            out_grad, q, k, v, out, lse, None, None, rows, keys, 0.0, causal, unused, unused[0]
-        )
-    else:
-        padded = lse.new_zeros(*lse.shape[:-1], _efficient_lse_rows(q.shape[-2]))
-        padded[..., : q.shape[-2]] = lse
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            out_grad, q, k, v, bias, out, padded, unused, unused, 0.0, [True, True, True, False], causal
-        )
+    dq, dk, dv = kernels_for(q.device).backward(out_grad, q, k, v, out, lse.contiguous(), causal, bias)
     return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llmtrain.optim import Muon, adamw_options, param_groups
-from llmtrain.optim.groups import FUSED
+from llmtrain.optim.groups import FUSED, adamw_state
 from llmtrain.runtime import all_gather_single, reduce_scatter_single
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
@@ -118,11 +118,7 @@ class ZeroOneShards:
             if group.get("muon"):
                 state.update(momentum_buffer=torch.zeros_like(bucket.shard))
             else:
-                state.update(
-                    step=torch.tensor(0.0),
-                    exp_avg=torch.zeros_like(bucket.shard),
-                    exp_avg_sq=torch.zeros_like(bucket.shard),
-                )
+                adamw_state(state, bucket.shard, FUSED)
         return state
 
     def _pieces(self, bucket: FlatBucket) -> Iterator[tuple[nn.Parameter, int, list[tuple[int, slice, slice]]]]:

@@ -11,13 +11,13 @@ infinite one the other side does not match (the padded vocabulary's -inf mask ma
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 import torch
 
 from llmtrain.checkpoint import load_final_model
+from llmtrain.differences import largest, max_relative_difference, tensor_difference
 from llmtrain.errors import closed_pipe_is_quiet
 
 METRICS = ("loss", "val_loss", "grad_norm")
@@ -28,37 +28,12 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def relative_difference(x: float, y: float) -> float:
-    """|x - y| / |y| (|x - y| where y is 0); infinite when either is not finite, so a NaN or an overflow on either
-    side fails every tolerance (Python's max would drop a NaN that does not come first)."""
-    if not (math.isfinite(x) and math.isfinite(y)):
-        return math.inf
-    return abs(x - y) / abs(y) if y else abs(x - y)
-
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
-        raise ValueError(f"different number of values: {len(a)} vs {len(b)}")
-    return max((relative_difference(x, y) for x, y in zip(a, b)), default=0.0)
-
-
 def max_weight_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference of any weight. Infinite when either side holds a NaN, or an infinity the
-    other does not hold in the same place (the padded vocabulary's -inf mask, on both, is equal)."""
+    """The largest absolute difference of any weight (differences.tensor_difference: infinite for a NaN on either
+    side, or an infinity the other side does not hold in the same place)."""
     if weights.keys() != reference.keys():
         raise ValueError(f"different parameters: {sorted(weights.keys() ^ reference.keys())}")
-    worst = 0.0
-    for name, expected in reference.items():
-        got, expected = weights[name].float(), expected.float()
-        if bool(torch.isnan(got).any()) or bool(torch.isnan(expected).any()):
-            return math.inf
-        infinite = torch.isinf(got) | torch.isinf(expected)
-        if not torch.equal(got[infinite], expected[infinite]):
-            return math.inf
-        finite = ~infinite
-        if bool(finite.any()):
-            worst = max(worst, float((got[finite] - expected[finite]).abs().max()))
-    return worst
+    return largest(tensor_difference(weights[name], expected) for name, expected in reference.items())
 
 
 def compare(run_dir: str, reference_dir: str) -> dict[str, float]:

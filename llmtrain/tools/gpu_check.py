@@ -73,9 +73,10 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.catalog import SCHEDULES
+from llmtrain.differences import max_relative_difference, within
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.parallel.float8 import FP8_CAPABILITY
-from llmtrain.tools.compare_runs import max_relative_difference, read_metrics
+from llmtrain.tools.compare_runs import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MIN_ROW_SECONDS = 20  # a row started with less of the budget left would be cut before it shows anything
@@ -346,7 +347,7 @@ def compare_losses(row: Row, check: Check, losses: dict[str, list[dict[str, Any]
     if check.resume_from:
         steps = [s for s in steps if s > 5]
     row.difference = max_relative_difference([ours[s] for s in steps], [theirs[s] for s in steps])
-    if row.difference > check.tolerance:
+    if not within(row.difference, check.tolerance):
         row.status = "FAIL"
         row.notes.append(f"loss differs from {check.reference} by {row.difference:.2%} > {check.tolerance:.2%}")
 
