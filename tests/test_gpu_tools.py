@@ -41,8 +41,8 @@ def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
     assert rows["host syncs"]["final_loss"] < rows["host syncs"]["first_loss"]
     assert "host reads [1], device syncs [0]" in rows["host syncs"]["notes"][0]  # no CUDA here: nothing syncs
     notes = rows["ring kernels"]["notes"]
-    assert "bfloat16: output" in notes[0] and "float32: output" in notes[1]
-    assert "bfloat16 documents: output" in notes[2] and "float32 document kernel: output" in notes[5]
+    assert "bfloat16: output" in notes[0] and "float32: output" in notes[4]
+    assert "bfloat16 halves: output" in notes[2] and "float32 document kernel: output" in notes[7]
     assert re.search(r"^fsdp float8 resume +\| ok ", done.stdout, re.MULTILINE)
 
 
