@@ -731,6 +731,12 @@ class HardwareConfig:
         Flag(),
         "devices reach each other directly (NVLink, PCIe P2P) rather than through host memory",
     )
+    device_name: Optional[str] = key(
+        None,
+        Text(),
+        "part of the name torch gives the device this describes (`torch.cuda.get_device_name()`, e.g. `H200`): a "
+        "run on such a GPU plans with this config whatever `hardware` says; null: no GPU (cpu)",
+    )
 
 
 @dataclass

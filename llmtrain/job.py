@@ -29,7 +29,7 @@ from llmtrain.checkpoint.training import (
     resume_path,
     wandb_run_id,
 )
-from llmtrain.config import RootConfig, WandbConfig
+from llmtrain.config import HardwareConfig, RootConfig, WandbConfig
 from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
@@ -269,8 +269,15 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     checkpoint being resumed), and the start summary logged."""
     tokenizer = build_tokenizer(config.data, runtime.is_main, runtime.barrier)
     _check_vocab(config, tokenizer.vocab_size)
+    hardware = _device_hardware(config, runtime)
+    if isinstance(hardware, HardwareConfig) and hardware is not config.hardware:
+        if runtime.is_main:
+            log.info(f"hardware  {hardware.name} (conf/hardware/{hardware.name}.yaml), the config of this run's device")
+        config = dataclasses.replace(config, hardware=hardware)
     auto = None
     if config.parallel.layout == AUTO:
+        if isinstance(hardware, str):
+            raise ConfigError(f"parallel=auto cannot plan for this device: {hardware}")
         if config.plan.measured is None and runtime.world_size > 1:  # measure first: the links this machine has
             measured = _measured_links(config, runtime)
             config = dataclasses.replace(config, plan=dataclasses.replace(config.plan, measured=measured))
@@ -372,7 +379,7 @@ def _measured_links(config: RootConfig, runtime: Runtime) -> str:
     from llmtrain.launch_env import ranks_per_node
     from llmtrain.planner.probe import probe_links
 
-    device = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+    device = _device_name(runtime.device)
     name = f"{socket.gethostname()}-{runtime.world_size}x-{ranks_per_node()}pernode-{device}".replace(" ", "_")
     path = os.path.join(os.path.expanduser(config.data.cache_dir), "links", f"{name}.csv")
     path, cached = _agreed(runtime, (path, os.path.exists(path)) if runtime.is_main else None)
@@ -400,10 +407,26 @@ def _auto_layout(config: RootConfig, runtime: Runtime, vocab_size: int):
         return error
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _device_hardware(config: RootConfig, runtime: Runtime) -> HardwareConfig | str:
+    """The hardware config of the device this run is on, or why there is none (llmtrain/planner/hardware.py)."""
+    from llmtrain.planner.hardware import hardware_for_device
+
+    return hardware_for_device(config.hardware, runtime.device.type, _device_name(runtime.device))
+
+
 def _prediction(config: RootConfig, runtime: Runtime, vocab_size: int) -> dict:
-    """The planner's prediction for this run's layout (rank 0; the hardware config's links, or plan.measured)."""
+    """The planner's prediction for this run's layout on its device (rank 0; the hardware config's links, or
+    plan.measured), or why there is none."""
     from llmtrain.launch_env import ranks_per_node
     from llmtrain.planner.auto import prediction
+
+    hardware = _device_hardware(config, runtime)
+    if isinstance(hardware, str):
+        return {"unavailable": hardware}
 
     bf16 = uses_bf16(config.train.precision, runtime.device)
     per_node = min(ranks_per_node(), runtime.world_size)

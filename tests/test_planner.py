@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
@@ -434,3 +435,44 @@ def test_the_planner_is_held_to_published_memory():
     predictions = [predict_llama(run) for run in PUBLISHED_LLAMA_RUNS]
     for errors in ([abs(p.memory_error) for p in predictions], [abs(p.tokens_error) for p in predictions]):
         assert max(errors) < 0.40 and sorted(errors)[len(errors) // 2] < 0.25, errors
+
+
+def _hardware(overrides: list[str]):
+    return OmegaConf.to_object(_composed(*overrides)).hardware
+
+
+@pytest.mark.parametrize(
+    "device_name, expected",
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100x8"),
+        ("NVIDIA A100-SXM4-80GB", "a100x8"),
+        ("NVIDIA GeForce RTX 4080", "rtx4080x4"),
+        ("NVIDIA GeForce RTX 4080 SUPER", "rtx4080x4"),
+    ],
+)
+def test_a_gpu_run_plans_for_the_gpu_it_is_on(device_name, expected):
+    """The first H200 run's end summary planned for `cpu` (the default): 23.5 s predicted for a 0.044 s step. A run
+    on a GPU plans with the config that names its card, whatever `hardware` was left at or set to; on a CPU the
+    configured hardware stands."""
+    from llmtrain.planner.hardware import hardware_for_device
+
+    default = _hardware(["hardware=cpu"])
+    found = hardware_for_device(default, "cuda", device_name)
+    assert not isinstance(found, str) and found.name == expected
+    assert hardware_for_device(_hardware([f"hardware={expected}"]), "cuda", device_name).name == expected
+    other = _hardware(["hardware=h200" if expected != "h200" else "hardware=rtx4080x4"])
+    assert hardware_for_device(other, "cuda", device_name).name == expected
+    assert hardware_for_device(default, "cpu", "cpu") is default
+
+
+def test_an_unknown_gpu_gets_its_name_and_no_prediction():
+    from llmtrain.planner.hardware import hardware_for_device
+    from llmtrain.train.report import end_summary, format_end_summary
+
+    found = hardware_for_device(_hardware([]), "cuda", "NVIDIA B300 SXM6 AC")
+    assert isinstance(found, str) and found.startswith("no hardware config describes NVIDIA B300 SXM6 AC: add ")
+    records = [{"step": s, "loss": 3.0, "tokens_per_s": 100.0, "lr": 1e-3} for s in (1, 2)]
+    summary = end_summary(records, tokens_per_step=100, train_seconds=2.0, wall_seconds=3.0)
+    summary["predicted"] = {"unavailable": found}
+    assert f"planner   no prediction: {found}" in format_end_summary(summary).splitlines()

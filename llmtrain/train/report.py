@@ -115,7 +115,9 @@ def format_end_summary(summary: dict[str, Any]) -> str:
                 else ""
             )
         )
-    if "predicted" in summary:
+    if "unavailable" in summary.get("predicted", {}):
+        lines.append(f"planner   no prediction: {summary['predicted']['unavailable']}")
+    elif "predicted" in summary:
         p, measured = summary["predicted"], summary["tokens"] / summary["steps"] / summary["tokens_per_s"]
         memory = f" (measured {summary['peak_memory_gib']:.2f})" if "peak_memory_gib" in summary else ""
         lines.append(
