@@ -216,6 +216,7 @@ def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
         torch.save({}, path / "data.pt")
 
 
+@pytest.mark.releases
 def test_async_saves_reuse_their_staging_buffers_and_write_each_steps_values(tmp_path):
     """The stager keeps its host copies between saves: the second save must refill them, not write the first's."""
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")

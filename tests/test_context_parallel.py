@@ -48,6 +48,7 @@ def test_ring_attention_equals_full_causal_attention(tmp_path):
         assert within(largest(errors), tolerance), found
 
 
+@pytest.mark.releases
 def test_selective_recomputation_keeps_the_ring_whole_and_never_replays_it(one_rank_group):
     """Under the selective policy the ring is one saved operator: nothing inside it (no score block) is recorded,
     backward does not run its forward (and its transfers) again, and the gradients are those without
@@ -173,6 +174,7 @@ def test_a_long_sequence_over_four_ranks_keeps_a_quarter_of_the_activations():
     assert 0.15 < quarter["act"] / whole["act"] < 0.3, (quarter, whole)
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("mask_by", MASKS)
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 def test_the_ring_blocks_on_cudas_kernels_are_finite_and_match_sdpa(dtype, mask_by):
@@ -185,6 +187,7 @@ def test_the_ring_blocks_on_cudas_kernels_are_finite_and_match_sdpa(dtype, mask_
     assert passes(differences, TOLERANCE[dtype]), differences
 
 
+@pytest.mark.releases
 def test_the_efficient_kernels_bf16_backward_reads_the_output_in_its_own_layout():
     """The NaN the first H200 showed (bf16, masked blocks: dq and dk NaN, dv fine), reproduced by the emulation:
     handed an output laid out (batch, heads, rows, dim), the kernel's Delta reads other rows and past the tensor's

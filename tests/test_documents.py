@@ -60,6 +60,7 @@ def test_documents_start_at_the_window_and_after_each_end_of_text():
     assert whole_window_documents(starts).positions[0].tolist() == [0, 1, 2, 0, 1, 0, 0, 1]
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("cfg", [GPT2_STYLE, LLAMA_STYLE], ids=["learned positions", "rotary, grouped-query"])
 def test_a_token_after_a_boundary_gets_the_logits_of_its_document_alone(cfg):
     """Three documents packed in one window: each one's logits under the document mask are those of the document
@@ -95,6 +96,7 @@ def test_attention_dropouts_explicit_path_keeps_to_the_documents():
     torch.testing.assert_close(explicit, fused, rtol=0, atol=2e-6)
 
 
+@pytest.mark.releases
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attentions_forward_matches_the_sdpa_path_on_cpu():
     """CUDA's kernel (FlexAttention under a block mask from the same starts), run here uncompiled (its forward runs
@@ -212,6 +214,7 @@ def test_a_windowed_run_trains_end_to_end_and_refuses_an_export_that_would_compu
     assert "model.sliding_window=[8, 0]: the transformers classes" in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.releases
 def test_selective_recomputation_keeps_flex_attentions_output():
     """On CUDA the document mask runs in FlexAttention, a higher-order operator (no overload packet): the selective
     policy saves it as it saves SDPA's kernels, rather than failing on it or replaying it in backward. (FlexAttention

@@ -28,6 +28,7 @@ def _model(cfg: GPTConfig) -> GPT:
     return model
 
 
+@pytest.mark.releases
 def test_only_the_targeted_projections_get_adapters_and_only_they_train():
     model = _model(ADAPTED)
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
@@ -45,6 +46,7 @@ def test_only_the_targeted_projections_get_adapters_and_only_they_train():
     assert {name for name, _ in model.named_parameters()} == base | trainable
 
 
+@pytest.mark.releases
 def test_an_adapted_model_starts_as_its_base_and_steps_move_only_the_adapters():
     base, adapted = _model(LLAMA), _model(ADAPTED)
     tokens = torch.randint(0, 97, (2, 12))
@@ -61,6 +63,7 @@ def test_an_adapted_model_starts_as_its_base_and_steps_move_only_the_adapters():
         assert param.grad is None
 
 
+@pytest.mark.releases
 def test_an_adapted_layer_computes_its_merged_weight():
     layer = LoRALinear(8, 6, True, LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",)))
     torch.nn.init.normal_(layer.lora_a)

@@ -74,6 +74,7 @@ def _float8(recipe: str = "tensorwise") -> Float8:
     return Float8(recipe, emulate=True, fsdp_all_gather=False, tensor_parallel_styles=False)
 
 
+@pytest.mark.releases
 def test_float8_converts_the_blocks_linears_but_not_the_head_router_or_odd_shapes():
     cfg = compose_config(["model=moe-tiny"])
     model = meta_model(cfg.model, 257)
@@ -90,6 +91,7 @@ def test_float8_converts_the_blocks_linears_but_not_the_head_router_or_odd_shape
     assert "emulated" in summary and f"on {len(converted)} Linear layers" in summary and "lm_head" in summary
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_float8_rounds_but_stays_near_fp32(recipe):
     torch.manual_seed(0)
@@ -128,6 +130,7 @@ def test_float8_is_refused_below_sm_89_and_a_missing_extra_is_named():
         assert "\n" not in str(refused.value)
 
 
+@pytest.mark.releases
 def test_8bit_adamw_follows_32bit_and_its_state_survives_a_checkpoint(monkeypatch):
     """The same gradients into torch's AdamW and torchao's 8-bit AdamW: the weights stay within 2% of how far they
     moved over 30 steps; the 8-bit moments take a quarter of the bytes and come back from the portable (fp32)
@@ -286,6 +289,7 @@ def test_a_32bit_run_refuses_an_8bit_checkpoint_with_one_line(group):
     assert "optim.state_bits=8" in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.releases
 def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
     """optim.offload on a CPU: the host copy, torch's functional AdamW and the copy back give exactly torch's AdamW;
     its state, written in torch's format, loads into the existing host tensors, and into torch's AdamW, and both

@@ -112,6 +112,7 @@ def test_muon_takes_the_blocks_matrices_and_leaves_the_rest_to_adamw():
     assert all(is_hidden_matrix(names[id(p)], p) for p in matrices["params"])
 
 
+@pytest.mark.releases
 def test_muon_follows_torchs_muon_and_adamw_step_for_step():
     """One optimizer doing torch.optim.Muon's update (match_rms_adamw scaling, bf16 Newton-Schulz) on the matrices
     and torch.optim.AdamW's on the rest: the same losses as the two of torch's side by side."""
@@ -187,6 +188,7 @@ def _devices(optimizer: torch.optim.Optimizer) -> dict[str, set[torch.device]]:
     return found
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_every_optimizers_state_lives_where_its_kernel_needs_it(name):
     """Parameters claiming CUDA (fake tensors): every state tensor of AdamW and of both Muon groups lies on its

@@ -1,15 +1,27 @@
-"""The torch releases llmtrain admits: pyproject's floor is releases.TORCH_FLOOR, and an older torch is refused in
-one line when llmtrain is imported (a real interpreter that finds an older torch's metadata first on its path)."""
+"""The torch releases llmtrain admits: pyproject's floor is releases.TORCH_FLOOR, an older torch is refused in one
+line when llmtrain is imported (a real interpreter that finds an older torch's metadata first on its path), and the
+release tier's layouts.
+
+The release tier (`.ci/run`: `python -m pytest -m releases` under each other release a user gets: the floor, which
+the GPU images ship, and the newest `pip install torch` picks) runs the tests marked `releases`: what differs
+between releases (DCP's async stager, optimizer state placement, the attention kernels' aten signatures, float8,
+document masks, LoRA) in process, and every layout family for two steps in one 2-rank process group below. The main
+suite runs those layouts in its own groups, so this group runs only in the tier (LLMTRAIN_RELEASE_TIER=1).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+from conftest import BF16, DOCUMENTS, LOSS_RTOL, REPO, assert_matches_single, layout_group
 
 from llmtrain.releases import TORCH_FLOOR, torch_release
+
+pytestmark = pytest.mark.releases
 
 
 def test_pyprojects_floor_is_the_one_the_code_refuses_below():
@@ -31,3 +43,62 @@ def test_an_older_torch_is_refused_in_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr == "error: llmtrain needs torch >= 2.11, found 2.9.1: pip install 'torch>=2.11'\n"
+
+
+# Every layout family on 2 ranks, each against one process, with Muon (ZeRO-1's slices), float8 (FSDP's float8
+# all-gather), packed documents (pipeline, the ring), experts over ranks, low-rank adapters and bf16 FSDP.
+RELEASE_LAYOUTS = [
+    "parallel=ddp",
+    "optim=muon parallel=zero1",
+    "parallel=zero2",
+    "train.float8=tensorwise optim.state_bits=8 parallel=fsdp",
+    f"{BF16} parallel=fsdp",
+    "parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
+    f"{DOCUMENTS} parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
+    f"{DOCUMENTS} parallel=fsdp parallel.cp=2",
+    "model=moe-tiny parallel=fsdp parallel.ep=2",
+    "model=llama-tiny model.lora.rank=4 parallel=fsdp",
+]
+
+
+@pytest.fixture(scope="module")
+def release_results(tmp_path_factory) -> dict:
+    common = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+    return layout_group(tmp_path_factory, 2, common, RELEASE_LAYOUTS)
+
+
+# What the main suite covers on its own torch, run by the release tier only.
+tier_only = pytest.mark.skipif(
+    not os.environ.get("LLMTRAIN_RELEASE_TIER"),
+    reason="the main suite covers this on its torch (test_checkpoint.py, "
+    "the layout groups); the release tier runs it on the others",
+)
+
+
+@pytest.mark.slow
+@tier_only
+def test_an_async_checkpoint_resumes_the_run_exactly(train):
+    """torch 2.11's stager served one save only (KeyError: <class 'type'> at the second): two async saves, then a
+    resume from the first repeats the uninterrupted run's later losses."""
+    saving = ("train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+    first = train(*saving, name="first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step_2 = first.run_dir / "checkpoints" / "step-00000002"
+    resumed = train(*saving, f"checkpoint.resume={step_2}", name="resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    later = [r["loss"] for r in first.metrics if r["step"] > 2]
+    assert [r["loss"] for r in resumed.metrics if r["step"] > 2] == pytest.approx(later, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+@tier_only
+@pytest.mark.parametrize("layout", RELEASE_LAYOUTS)
+def test_every_layout_family_on_this_torch_matches_one_process(layout, release_results):
+    if "train.float8=" not in layout:
+        assert_matches_single(release_results, layout)
+        return
+    from test_low_precision import FLOAT8_RTOL  # float8's rounding steps: its own bound
+
+    reference = release_results[" ".join(["single", *layout.split(" parallel=")[0].split()])]
+    for key in ("losses", "norms", "val_losses"):
+        assert release_results[layout][key] == pytest.approx(reference[key], rel=FLOAT8_RTOL), (layout, key)

@@ -167,9 +167,12 @@ class Experts(nn.Module):
             for e, rows in enumerate(x.split(counts))
             if len(rows)
         ]
+        if outputs:
+            return torch.cat(outputs)
         # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so that
-        # backward reaches the exchange that brought x and every rank takes part in it.
-        return torch.cat(outputs) if outputs else x[:0]
+        # backward reaches the exchange that brought x and every rank takes part in it, and to the weights, whose
+        # gradient is then zero rather than none: FSDP reduce-scatters it with every other rank's.
+        return x[:0] + sum(w.sum() for w in weights) * 0
 
 
 # (experts, tokens sorted by expert, tokens per expert) -> each token through its expert, in the same order

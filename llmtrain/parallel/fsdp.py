@@ -66,13 +66,11 @@ def apply_fsdp(
                     shard(module, expert_mesh, reshard_after_forward)
                     unit = cast(FSDPModule, module)  # fully_shard made it one
                     unit.set_gradient_divide_factor(data_parallel_size)
-                    if expert_mesh.size(-1) > 1:
+                    if shards_of(expert_mesh) > 1:
                         # SUM then divide: the reduction every backend has (gloo has no pre-multiplied sum). Not
                         # with one shard: torch 2.13 then divides once when it skips the reduce-scatter and again
                         # after it.
                         unit.set_force_sum_reduction_for_comms(True)
-                    # A rank whose experts received no token this step still joins the reduction.
-                    unit.set_reduce_scatter_unused_params(True)
         shard(block, mesh, reshard_after_forward)
     embedding, head = edge_units(model)
     if embedding:  # gathered for the first layer only, freed for the rest of the step
@@ -95,6 +93,12 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
+def shards_of(mesh: DeviceMesh) -> int:
+    """The shards FSDP splits over on `mesh`: its last dimension (torch 2.11's DeviceMesh.size(-1) fails on a 1-D
+    mesh, hence the index counted from the front)."""
+    return mesh.size(mesh.ndim - 1)
+
+
 def experts_placement(
     modules: nn.Module | list[nn.Module], mesh: DeviceMesh
 ) -> Callable[[nn.Parameter], Shard | None] | None:
@@ -103,7 +107,7 @@ def experts_placement(
     (split by expert, the ranks past the last expert would hold padding only, and the others whole experts).
     Tensor-parallel experts (DTensors already split along their width) stay split by expert. None (dim 0 for
     everything) where nothing changes."""
-    shards = mesh.size(-1)
+    shards = shards_of(mesh)
     by_columns = {
         id(param)
         for part in (modules if isinstance(modules, list) else [modules])
