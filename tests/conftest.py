@@ -374,6 +374,11 @@ PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=
 
 
 LAYOUT_WORKER = Path(__file__).with_name("layout_worker.py")
+# What the main suite covers on its own torch, run by .ci/run's release tier only (tests/test_releases.py).
+release_tier_only = pytest.mark.skipif(
+    not os.environ.get("LLMTRAIN_RELEASE_TIER"),
+    reason="the main suite covers this on its torch; the release tier runs it on the others",
+)
 # What a build or a checkpoint touches besides tensors (DTensor / FSDP / DCP bookkeeping, library code paged in on
 # first use, the allocator's slack), measured at 6-12 MiB on this machine; the memory tests' bounds leave this room
 # without admitting a whole model.

@@ -29,6 +29,7 @@ from conftest import (
     kill_hard,
     killed_mid_run,
     rank_processes,
+    release_tier_only,
     run_stderr,
     run_train,
     start_run,
@@ -514,3 +515,19 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(async_save, trai
     resumed = train(*save, f"checkpoint.dir={checkpoints}", name="resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed   from {checkpoints / 'step-00000002'}" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.releases
+@release_tier_only
+def test_an_async_checkpoint_resumes_the_run_exactly(train):
+    """torch 2.11's stager served one save only (KeyError: <class 'type'> at the second): two async saves, then a
+    resume from the first repeats the uninterrupted run's later losses."""
+    saving = ("train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+    first = train(*saving, name="first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step_2 = first.run_dir / "checkpoints" / "step-00000002"
+    resumed = train(*saving, f"checkpoint.resume={step_2}", name="resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    later = [r["loss"] for r in first.metrics if r["step"] > 2]
+    assert [r["loss"] for r in resumed.metrics if r["step"] > 2] == pytest.approx(later, rel=LOSS_RTOL)

@@ -5,19 +5,19 @@ release tier's layouts.
 The release tier (`.ci/run`: `python -m pytest -m releases` under each other release a user gets: the floor, which
 the GPU images ship, and the newest `pip install torch` picks) runs the tests marked `releases`: what differs
 between releases (DCP's async stager, optimizer state placement, the attention kernels' aten signatures, float8,
-document masks, LoRA) in process, and every layout family for two steps in one 2-rank process group below. The main
-suite runs those layouts in its own groups, so this group runs only in the tier (LLMTRAIN_RELEASE_TIER=1).
+document masks, LoRA) in process, an async save and resume (test_checkpoint.py), and every layout family for two
+steps in one 2-rank process group below. The main suite covers those two in its own tests, so they run only in the
+tier (LLMTRAIN_RELEASE_TIER=1).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import BF16, DOCUMENTS, LOSS_RTOL, REPO, assert_matches_single, layout_group
+from conftest import BF16, DOCUMENTS, REPO, assert_matches_single, layout_group, release_tier_only
 
 from llmtrain.releases import TORCH_FLOOR, torch_release
 
@@ -67,31 +67,8 @@ def release_results(tmp_path_factory) -> dict:
     return layout_group(tmp_path_factory, 2, common, RELEASE_LAYOUTS)
 
 
-# What the main suite covers on its own torch, run by the release tier only.
-tier_only = pytest.mark.skipif(
-    not os.environ.get("LLMTRAIN_RELEASE_TIER"),
-    reason="the main suite covers this on its torch (test_checkpoint.py, "
-    "the layout groups); the release tier runs it on the others",
-)
-
-
 @pytest.mark.slow
-@tier_only
-def test_an_async_checkpoint_resumes_the_run_exactly(train):
-    """torch 2.11's stager served one save only (KeyError: <class 'type'> at the second): two async saves, then a
-    resume from the first repeats the uninterrupted run's later losses."""
-    saving = ("train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
-    first = train(*saving, name="first")
-    assert first.returncode == 0, first.stderr[-3000:]
-    step_2 = first.run_dir / "checkpoints" / "step-00000002"
-    resumed = train(*saving, f"checkpoint.resume={step_2}", name="resumed")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    later = [r["loss"] for r in first.metrics if r["step"] > 2]
-    assert [r["loss"] for r in resumed.metrics if r["step"] > 2] == pytest.approx(later, rel=LOSS_RTOL)
-
-
-@pytest.mark.slow
-@tier_only
+@release_tier_only
 @pytest.mark.parametrize("layout", RELEASE_LAYOUTS)
 def test_every_layout_family_on_this_torch_matches_one_process(layout, release_results):
     if "train.float8=" not in layout:
