@@ -30,6 +30,9 @@ read once per process:
   device_syncs=FILE         on a GPU each step appends to FILE how many synchronizing CUDA operations it ran, the
                             optimizer's included (torch.cuda.set_sync_debug_mode("warn"): any wait of the host for
                             the device, not only reads); 0 on a CPU
+  gpu_turn=FILE             from its second step to its end, rank 0 holds an exclusive lock on FILE: runs started
+                            side by side (llmtrain.tools.gpu_check's speed rows) start up and compile together, then
+                            take their measured steps one at a time
 
 Unarmed, a point costs a dictionary lookup. The code calls the points by these names; nothing is patched. A run
 checks the variable at its start (`check_armed`): an unknown point or a value of the wrong kind is one line and
@@ -75,6 +78,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "disk_full_at_step": _step_list,
     "host_reads": str,
     "device_syncs": str,
+    "gpu_turn": str,
 }
 
 
@@ -155,8 +159,16 @@ def phase_begins(step: int, phase: str, rank: int) -> None:
             _hang()
 
 
+_steps_begun: list[int] = []  # the steps this process began, for gpu_turn
+_turn: list[Any] = []  # gpu_turn's open lock file, kept from being closed
+
+
 def step_begins(step: int, rank: int) -> None:
-    """At the start of training step `step` on `rank`: kill_at_step (kill_on_rank), slow_rank, oom_at_step."""
+    """At the start of training step `step` on `rank`: kill_at_step (kill_on_rank), slow_rank, oom_at_step,
+    gpu_turn."""
+    _steps_begun.append(step)
+    if len(_steps_begun) == 2 and rank == 0 and "gpu_turn" in armed():
+        _take_turn(armed()["gpu_turn"])
     if step in _steps("kill_at_step") and int(armed().get("kill_on_rank", rank)) == rank and _once("kill_marker"):
         os.kill(os.getpid(), signal.SIGKILL)
     if int(armed().get("slow_rank", -1)) == rank:
@@ -167,6 +179,15 @@ def step_begins(step: int, rank: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated: oom_at_step)")
+
+
+def _take_turn(path: str) -> None:
+    """Wait for, then hold until this process ends (when the system lets it go), an exclusive lock on `path`."""
+    import fcntl
+
+    held = open(path, "a")  # open for the rest of the process: the lock lasts as long
+    fcntl.flock(held, fcntl.LOCK_EX)
+    _turn.append(held)
 
 
 def gradients_computed(step: int, loss: Any, parameters: Iterator[Any]) -> Any:

@@ -23,11 +23,13 @@ def test_the_gpu_check_says_so_when_there_is_no_gpu():
 @pytest.mark.slow
 def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
     """One row of each kind, as on a GPU: a training run with its host reads and device syncs counted, ring
-    attention's kernels against SDPA, a one-rank torchrun FSDP run with float8, and its resume compared with it:
-    each ok, the resumed steps within 1e-3 of the first run's. (The other rows are these kinds with other
-    overrides; the async checkpoint's resume has its own tests in test_checkpoint.py.)"""
+    attention's kernels against SDPA, a one-rank torchrun FSDP run with float8, and its resume compared with it,
+    side by side; then two speed rows (Muon against bf16's speed), their steps after the first taken in turn: each
+    ok, the resumed steps within 1e-3 of the first run's, the GPU column saying which rows shared it. (The other
+    rows are these kinds with other overrides; the async checkpoint's resume has its own tests in
+    test_checkpoint.py.)"""
     out = tmp_path / "check.json"
-    rows_run = ["host syncs", "ring kernels", "fsdp float8 save", "fsdp float8 resume"]
+    rows_run = ["bf16", "host syncs", "ring kernels", "muon", "fsdp float8 save", "fsdp float8 resume"]
     done = _tool(
         "llmtrain.tools.gpu_check",
         *("--device", "cpu", "--model", "tiny", "--seq-len", "32", "--budget", "0", "--out", str(out)),
@@ -44,6 +46,12 @@ def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
     assert "bfloat16: output" in notes[0] and "float32: output" in notes[4]
     assert "bfloat16 halves: output" in notes[2] and "float32 document kernel: output" in notes[7]
     assert re.search(r"^fsdp float8 resume +\| ok ", done.stdout, re.MULTILINE)
+    assert rows["bf16"]["gpu"] == rows["muon"]["gpu"] == "alone"
+    (bf16_start, bf16_end), (muon_start, muon_end) = rows["bf16"]["span"], rows["muon"]["span"]
+    correctness = [rows[name] for name in ("host syncs", "ring kernels", "fsdp float8 save", "fsdp float8 resume")]
+    assert all(row["gpu"].startswith("with ") for row in correctness)
+    assert max(row["span"][1] for row in correctness) <= min(bf16_start, muon_start)  # the speed rows came after
+    assert bf16_start < muon_end and muon_start < bf16_end  # and started side by side
 
 
 @pytest.mark.slow

@@ -7,8 +7,14 @@ checkpoints and resume, speed and memory; with two or more GPUs every layout and
 Each check is a real `train.py` run (torchrun for the FSDP and multi-GPU ones) of `model=gpt2` on the embedded
 corpus with byte tokens and GPT-2's padded vocabulary of 50,304, so the model has GPT-2's shape and no tokenizer is
 trained. A run that outlives --timeout is stopped and reported as a HANG: a deadlock is a result, not a stuck tool.
-The checks run in order of what a first GPU hour most needs to see, each after its reference, and stop at --budget
-seconds (8 minutes: one lent GPU's session); the rows cut are named with the --only that runs them later.
+
+The whole check fits one lent GPU's session (--budget, 8 minutes) because most of a row's time is starting up
+(imports, building, compiling), not its steps. The correctness rows (losses against their reference, no skipped
+step, a resume, a kernel check) run side by side, --parallel at a time; then the speed rows (those whose tokens/s
+is a result), started side by side too, take their steps after the first one row at a time (the table's GPU
+column: "alone"; a correctness row says how many rows ran beside it). Every row compiles into one cache, so a
+graph compiled once is loaded by the next row that needs it. A row that resumes another's checkpoint runs after
+it; rows that would start past the budget are named with the --only that runs them later.
 
 Rows, in order (tolerances are on the per-step training loss, max relative difference over the run):
   bf16                   eager, no activation checkpointing: the reference of most rows
@@ -68,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +100,7 @@ class Check:
     steps: int | None = None  # None: the tool's --steps
     counts_syncs: bool = False  # counts each step's host reads and device syncs (llmtrain/faults.py)
     module: str | None = None  # not a training run: `python -m module --device <device>`, its exit status the result
+    speed: bool = False  # its tokens/s is a result: its steps after the first run with no other row's on the GPU
 
 
 @dataclass
@@ -107,7 +115,9 @@ class Row:
     mfu: float | None = None
     peak_gib: float | None = None
     reserved_gib: float | None = None
+    gpu: str = ""  # how it shared the GPU: "alone" (its measured steps), or the rows that ran beside it
     notes: list[str] = field(default_factory=list)
+    span: tuple[float, float] = (0.0, 0.0)  # when its process ran (monotonic seconds)
 
 
 def single_gpu_checks(llama: list[str]) -> list[Check]:
@@ -121,34 +131,35 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
     fsdp = "parallel=fsdp"
     float8_saved = Check("fsdp float8 save", [fsdp, "train.float8=tensorwise", "checkpoint.every=5"], nproc=1)
     first = [
-        Check("bf16", ["train.precision=bf16"]),
+        Check("bf16", ["train.precision=bf16"], speed=True),
         Check("host syncs", [], counts_syncs=True),
         Check("ring kernels", [], module="llmtrain.tools.ring_kernel_check"),
-        Check("fsdp 1 rank", [fsdp], reference="bf16", tolerance=0.03, nproc=1),
+        Check("fsdp 1 rank", [fsdp], reference="bf16", tolerance=0.03, nproc=1, speed=True),
         # gpt2 in bf16 compiled: its MFU column is the speed a user's run starts from
-        Check("compiled none", ["train.compile=true"], reference="bf16", tolerance=0.03),
+        Check("compiled none", ["train.compile=true"], reference="bf16", tolerance=0.03, speed=True),
         # packed documents on FlexAttention (compiled kernel; from eager and inside compiled blocks): the embedded
         # corpus's documents are long, so few windows cross a boundary and the loss stays near causal's; tokens/s
         # against the reference's is what the block mask costs
-        Check("document", ["train.attention=document"], reference="bf16", tolerance=0.03),
+        Check("document", ["train.attention=document"], reference="bf16", tolerance=0.03, speed=True),
         Check(
             "document compiled",
             ["train.attention=document", "train.compile=true"],
             reference="compiled none",
             tolerance=0.03,
+            speed=True,
         ),
         # sliding windows in three blocks of four (FlexAttention's windowed block mask): trains, no skipped step
         Check("windows compiled", ["model.sliding_window=[128,128,128,0]", "train.compile=true"]),
         # Muon with its Newton-Schulz iterations in bf16: trains, no skipped step; tokens/s against bf16's is what
         # its update costs on this GPU
-        Check("muon", ["optim=muon"]),
+        Check("muon", ["optim=muon"], speed=True),
         Check("fsdp muon 1 rank", [fsdp, "optim=muon"], reference="muon", tolerance=0.03, nproc=1),
         # experts as one grouped GEMM in bf16 (the CUDA kernel): trains, no skipped step; tokens/s against bf16's
         # is what routing costs on this GPU
-        Check("moe eager", experts),
-        Check("fsdp moe 1 rank", [*experts, fsdp], reference="moe eager", tolerance=0.03, nproc=1),
-        Check("bf16 long", ["train.precision=bf16"], steps=n),
-        Check("float8 tensorwise", ["train.float8=tensorwise"], reference="bf16 long", tolerance=0.03, steps=n),
+        Check("moe eager", experts, speed=True),
+        Check("fsdp moe 1 rank", [*experts, fsdp], reference="moe eager", tolerance=0.03, nproc=1, speed=True),
+        Check("bf16 long", ["train.precision=bf16"], steps=n, speed=True),
+        Check("float8 tensorwise", ["train.float8=tensorwise"], "bf16 long", 0.03, steps=n, speed=True),
         Check(
             "fsdp float8 8-bit 1 rank",
             [fsdp, "train.float8=tensorwise", "optim.state_bits=8"],
@@ -166,11 +177,11 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
             nproc=1,
             resume_from=float8_saved.name,
         ),
-        Check("adamw offload", ["optim.offload=true"], reference="bf16 long", tolerance=0.01, steps=n),
-        Check("fsdp offload 1 rank", [fsdp, "optim.offload=true"], "adamw offload", 0.03, nproc=1, steps=n),
+        Check("adamw offload", ["optim.offload=true"], "bf16 long", 0.01, steps=n, speed=True),
+        Check("fsdp offload 1 rank", [fsdp, "optim.offload=true"], "adamw offload", 0.03, 1, steps=n, speed=True),
         # FSDP's own CPU offload (shards, gradients and AdamW on the host; GPUs only)
         Check("fsdp cpu offload 1 rank", [fsdp, "parallel.cpu_offload=true"], "adamw offload", 0.03, nproc=1, steps=n),
-        Check("float8 rowwise", ["train.float8=rowwise"], reference="bf16 long", tolerance=0.03, steps=n),
+        Check("float8 rowwise", ["train.float8=rowwise"], "bf16 long", 0.03, steps=n, speed=True),
         # compiled rowwise float8 recomputed under activation checkpointing: inductor must round its casts as eager
         Check(
             "float8 rowwise compiled full",
@@ -178,6 +189,7 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
             reference="float8 rowwise",
             tolerance=0.03,
             steps=n,  # the reference's learning-rate schedule
+            speed=True,
         ),
     ]
     rest = [Check("fp32", ["train.precision=fp32"], reference="bf16", tolerance=0.03)]
@@ -187,8 +199,8 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
         for ac in ("full", "selective"):
             reference = "compiled none" if compiled else "bf16"
             overrides = [flag, f"train.activation_checkpointing={ac}"]
-            rest.append(Check(f"{mode} {ac}", overrides, reference=reference, tolerance=0.01))
-        rest.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"]))
+            rest.append(Check(f"{mode} {ac}", overrides, reference, 0.01, speed=ac == "selective"))
+        rest.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"], speed=True))
     rest.append(Check("moe compiled", [*experts, "train.compile=true"]))
     rest.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
     rest += low_precision_checks(llama)
@@ -211,11 +223,11 @@ def low_precision_checks(llama: list[str]) -> list[Check]:
     the first rows.)"""
     n = LOW_PRECISION_STEPS
     compiled = ["train.float8=tensorwise", "train.compile=true"]
-    checks = [Check("float8 compiled", compiled, reference="float8 tensorwise", tolerance=0.03, steps=n)]
-    checks.append(Check("adamw 8-bit", ["optim.state_bits=8"], reference="bf16 long", tolerance=0.03, steps=n))
-    checks.append(Check("llama bf16", llama, steps=n))
+    checks = [Check("float8 compiled", compiled, "float8 tensorwise", 0.03, steps=n, speed=True)]
+    checks.append(Check("adamw 8-bit", ["optim.state_bits=8"], "bf16 long", 0.03, steps=n, speed=True))
+    checks.append(Check("llama bf16", llama, steps=n, speed=True))
     float8_llama = [*llama, "train.float8=tensorwise"]
-    checks.append(Check("llama float8", float8_llama, reference="llama bf16", tolerance=0.03, steps=n))
+    checks.append(Check("llama float8", float8_llama, "llama bf16", 0.03, steps=n, speed=True))
     return checks
 
 
@@ -242,8 +254,52 @@ def multi_gpu_checks() -> list[Check]:
     return [*checks, Check("fsdp offload", offload, "adamw offload", tolerance=0.03, nproc=2, steps=n)]
 
 
+class Schedule:
+    """Runs the rows within the budget: the correctness rows side by side (--parallel at a time: a row holds 8-17 GB
+    of an H200's 141), then the speed rows, started side by side too but taking their measured steps in turn; a
+    row that resumes another's checkpoint after that row. A row that would start with less than MIN_ROW_SECONDS of
+    the budget left is not run; one the budget stops is cut."""
+
+    def __init__(self, base: list[str], workdir: Path, args: argparse.Namespace):
+        self.base, self.workdir, self.args = base, workdir, args
+        self.deadline = time.monotonic() + (args.budget or float("inf"))
+
+    def run(self, checks: list[Check]) -> list[Row]:
+        """Every check's row, in the checks' order, with the GPU column filled."""
+        finished: dict[str, Future[Row]] = {}
+        for speed in (False, True):
+            with ThreadPoolExecutor(self.args.parallel) as pool:
+                for check in checks:
+                    if check.speed == speed:
+                        source = finished.get(check.resume_from) if check.resume_from else None
+                        finished[check.name] = pool.submit(self._row, check, source)
+        rows = [finished[check.name].result() for check in checks]
+        for check, row in zip(checks, rows):
+            beside = [other.name for other in rows if other is not row and _overlap(row.span, other.span)]
+            row.gpu = "" if not row.span[1] else "alone" if check.speed else f"with {len(beside)}"
+        return rows
+
+    def _row(self, check: Check, source: Future[Row] | None) -> Row:
+        if source is not None and source.result().status != "ok":
+            return Row(check.name, status="not run (the row it resumes failed)")
+        left = self.deadline - time.monotonic()
+        if left < MIN_ROW_SECONDS:
+            return Row(check.name, status="not run (--budget)")
+        row = run_check(check, self.base, self.workdir, min(self.args.timeout, left), self.args.device)
+        if row.status.startswith("HANG") and left < self.args.timeout:
+            row.status = "cut (--budget)"
+        print(f"{row.name}: {row.status} ({row.seconds:.0f}s)", file=sys.stderr, flush=True)
+        return row
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[1] > 0 and b[1] > 0 and a[0] < b[1] and b[0] < a[1]
+
+
 def run_check(check: Check, base: list[str], workdir: Path, timeout: float, device: str) -> Row:
-    """One check in a process of its own, stopped after `timeout` seconds."""
+    """One check in a process of its own, stopped after `timeout` seconds. Every run compiles into one cache
+    (workdir/inductor: a graph compiled by one row is loaded by the next); a speed row takes its steps after the
+    first in turn with the other speed rows (the gpu_turn point of llmtrain/faults.py)."""
     run_dir = workdir / check.name.replace(" ", "_")
     if check.module is not None:
         return _run_module(check, device, timeout)
@@ -259,8 +315,16 @@ def run_check(check: Check, base: list[str], workdir: Path, timeout: float, devi
         else [sys.executable]
     )
     counts = {name: run_dir.with_name(f"{run_dir.name}.{name}") for name in ("host_reads", "device_syncs")}
-    faults = " ".join(f"{name}={path}" for name, path in counts.items()) if check.counts_syncs else ""
-    row, _ = _run(check.name, [*launcher, str(REPO / "train.py"), *overrides], timeout, {"LLMTRAIN_FAULTS": faults})
+    points = dict(counts) if check.counts_syncs else {}
+    if check.speed:
+        points["gpu_turn"] = workdir / "gpu.turn"
+    env = {
+        "LLMTRAIN_FAULTS": " ".join(f"{name}={path}" for name, path in points.items()),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
+    row, _ = _run(check.name, [*launcher, str(REPO / "train.py"), *overrides], timeout, env)
     if row.status != "ok":
         return row
     fill_row(row, read_metrics(str(run_dir)))
@@ -284,8 +348,10 @@ def _run(name: str, command: list[str], timeout: float, env: dict[str, str]) -> 
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        return Row(name, status=f"HANG (>{timeout:.0f}s)", seconds=time.monotonic() - started), ""
-    row = Row(name, seconds=time.monotonic() - started)
+        ended = time.monotonic()
+        return Row(name, status=f"HANG (>{timeout:.0f}s)", seconds=ended - started, span=(started, ended)), ""
+    ended = time.monotonic()
+    row = Row(name, seconds=ended - started, span=(started, ended))
     if process.returncode != 0:
         row.status = f"FAIL (exit {process.returncode})"
         lines = output.strip().splitlines() or ["no output"]
@@ -320,9 +386,10 @@ def count_syncs(row: Row, reads: list[int], syncs: list[int]) -> None:
 
 
 def fill_row(row: Row, records: list[dict[str, Any]]) -> None:
-    """Loss, speed and memory columns from a run's metrics, and a failure when a step was skipped."""
+    """Loss, speed and memory columns from a run's metrics, and a failure when a step was skipped. Speed is over
+    the steps after the second: the first compiles and warms up, the second may wait for its turn on the GPU."""
     row.first_loss, row.final_loss = records[0]["loss"], records[-1]["loss"]
-    steady = records[1:] or records
+    steady = records[2:] or records
     row.tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
     if steady[-1].get("mfu") is not None:
         row.mfu = sum(r["mfu"] for r in steady) / len(steady)
@@ -353,7 +420,18 @@ def compare_losses(row: Row, check: Check, losses: dict[str, list[dict[str, Any]
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ["check", "status", "s", "loss first->final", "vs ref", "tokens/s", "MFU", "peak/reserved GiB", "notes"]
+    header = [
+        "check",
+        "status",
+        "s",
+        "GPU",
+        "loss first->final",
+        "vs ref",
+        "tokens/s",
+        "MFU",
+        "peak/reserved GiB",
+        "notes",
+    ]
     lines = []
     for r in rows:
         loss = f"{r.first_loss:.3f}->{r.final_loss:.3f}" if r.first_loss is not None else ""
@@ -363,6 +441,7 @@ def format_table(rows: list[Row]) -> str:
                 r.name,
                 r.status,
                 f"{r.seconds:.0f}",
+                r.gpu,
                 loss,
                 f"{r.difference:.2%}" if r.difference is not None else "",
                 f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "",
@@ -385,6 +464,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help="rows run side by side (default: one per 20 GiB of the GPU, at most 4; 2 on a CPU)",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=480,
@@ -397,6 +482,9 @@ def main() -> None:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.device == "cuda" and gpus == 0:
         sys.exit("gpu_check: no CUDA GPU is visible; nothing was checked (--device cpu proves the harness on CPU)")
+    if args.parallel is None:
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpus else 40
+        args.parallel = max(1, min(4, int(memory_gib // 20)))
     # llama3.2-1b's blocks (2 layers), or on a CPU rehearsal of the tiny model its Llama twin
     llama = ["model=llama-tiny"] if args.model == "tiny" else ["model=llama3.2-1b", "model.n_layer=2"]
     checks = single_gpu_checks(llama) + (multi_gpu_checks() if gpus >= 2 else [])
@@ -421,27 +509,28 @@ def main() -> None:
         "logging.wandb.mode=disabled",
         "optim.warmup_steps=2",
     ]
-    rows, losses = [], {}
-    deadline = time.monotonic() + (args.budget or float("inf"))
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as workdir:
-        for check in checks:
-            left = deadline - time.monotonic()
-            if left < MIN_ROW_SECONDS:
-                rows.append(Row(check.name, status="not run (--budget)"))
-                continue
-            row = run_check(check, base, Path(workdir), min(args.timeout, left), args.device)
-            if row.status.startswith("HANG") and left < args.timeout:
-                row.status = "cut (--budget)"
-            if row.status == "ok" and check.module is None:
-                losses[check.name] = read_metrics(str(Path(workdir) / check.name.replace(" ", "_")))
-            compare_losses(row, check, losses)
-            rows.append(row)
-            print(f"{row.name}: {row.status} ({row.seconds:.0f}s)", file=sys.stderr, flush=True)
+        rows = Schedule(base, Path(workdir), args).run(checks)
+        losses = {
+            check.name: read_metrics(str(Path(workdir) / check.name.replace(" ", "_")))
+            for check, row in zip(checks, rows)
+            if row.status == "ok" and check.module is None
+        }
+    for check, row in zip(checks, rows):
+        compare_losses(row, check, losses)
+    wall = time.monotonic() - started
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     print(f"\ngpu_check on {device} x {max(gpus, 1)}, {args.model} at seq {args.seq_len}, {args.steps} steps\n")
     print(format_table(rows))
+    print(
+        f"\n{len(rows)} rows in {wall:.0f} s of wall clock ({sum(r.seconds for r in rows):.0f} s of row time), up to "
+        f"{args.parallel} side by side; GPU: 'alone' rows took their steps after the first with no other row's on "
+        f"the GPU, 'with n' rows ran beside n others"
+    )
+    result = {"device": device, "gpus": gpus, "wall_s": wall, "args": vars(args), "rows": [r.__dict__ for r in rows]}
     with open(args.out, "w") as f:
-        json.dump({"device": device, "gpus": gpus, "args": vars(args), "rows": [r.__dict__ for r in rows]}, f, indent=1)
+        json.dump(result, f, indent=1)
     print(f"\nwritten to {args.out}")
     cut = [r.name for r in rows if "--budget" in r.status]
     if cut:
