@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO, python
+
+from llmtrain.faults import arm
 
 
 def _tool(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -70,3 +74,29 @@ def test_the_overhead_benchmark_times_both_loops_on_the_same_work():
     assert found, done.stdout
     bare, trainer, overhead, lowest, highest = (float(x) for x in found.groups())
     assert bare > 0 and trainer > 0 and lowest <= overhead <= highest
+
+
+_TAKING_TURNS = """
+import time
+from llmtrain import faults
+spans = []
+for step in (1, 2, 3):
+    faults.step_begins(step, rank=0)
+    began = time.monotonic()
+    time.sleep(0.3)
+    spans.append((began, time.monotonic()))
+print(spans[1][0], spans[-1][1])
+"""
+
+
+def test_runs_armed_with_a_gpu_turn_take_their_steps_after_the_first_one_at_a_time(tmp_path):
+    """gpu_check's speed rows: three processes started together, each holding the turn from its second step to its
+    end; their first steps overlap, their later steps never do."""
+    env = {**os.environ, **arm(gpu_turn=tmp_path / "gpu.turn")}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _TAKING_TURNS], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        for _ in range(3)
+    ]
+    turns = sorted(tuple(map(float, process.communicate(timeout=60)[0].split())) for process in processes)
+    assert all(process.returncode == 0 for process in processes)
+    assert all(earlier[1] <= later[0] for earlier, later in zip(turns, turns[1:])), turns
