@@ -83,7 +83,7 @@ spans = []
 for step in (1, 2, 3):
     faults.step_begins(step, rank=0)
     began = time.monotonic()
-    time.sleep(0.3)
+    time.sleep(0.1)
     spans.append((began, time.monotonic()))
 print(spans[1][0], spans[-1][1])
 """
