@@ -374,6 +374,8 @@ PIPELINE = ("parallel=pp", "parallel.pp_schedule=gpipe", "parallel.microbatches=
 
 
 LAYOUT_WORKER = Path(__file__).with_name("layout_worker.py")
+# The release tier's layout groups (tests/test_releases.py, test_release_features.py): two steps of the tiny model.
+RELEASE_COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
 # What the main suite covers on its own torch, run by .ci/run's release tier only (tests/test_releases.py).
 release_tier_only = pytest.mark.skipif(
     not os.environ.get("LLMTRAIN_RELEASE_TIER"),

@@ -6,8 +6,8 @@ The release tier (`.ci/run`: `python -m pytest -m releases` under each other rel
 the GPU images ship, and the newest `pip install torch` picks) runs the tests marked `releases`: what differs
 between releases (DCP's async stager, optimizer state placement, the attention kernels' aten signatures, float8,
 document masks, LoRA) in process, an async save and resume (test_checkpoint.py), and every layout family for two
-steps in one 2-rank process group below. The main suite covers those two in its own tests, so they run only in the
-tier (LLMTRAIN_RELEASE_TIER=1).
+steps in two 2-rank process groups (below, and test_release_features.py). The main suite covers those in its own
+tests, so they run only in the tier (LLMTRAIN_RELEASE_TIER=1).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BF16, DOCUMENTS, REPO, assert_matches_single, layout_group, release_tier_only
+from conftest import BF16, DOCUMENTS, RELEASE_COMMON, REPO, assert_matches_single, layout_group, release_tier_only
 
 from llmtrain.releases import TORCH_FLOOR, torch_release
 
@@ -45,37 +45,27 @@ def test_an_older_torch_is_refused_in_one_line(tmp_path):
     assert done.stderr == "error: llmtrain needs torch >= 2.11, found 2.9.1: pip install 'torch>=2.11'\n"
 
 
-# Every layout family on 2 ranks, each against one process, with Muon (ZeRO-1's slices), float8 (FSDP's float8
-# all-gather), packed documents (pipeline, the ring), experts over ranks, low-rank adapters and bf16 FSDP.
+# The layout families on 2 ranks, each against one process: data-parallel ones (DDP, ZeRO-1 with Muon's slices, ZeRO-2,
+# bf16 FSDP), tensor parallelism with sequence parallelism, and a pipeline (1F1B, packed documents through its
+# stages). Context and expert parallelism, with what other features add, are in tests/test_release_features.py: two
+# groups, so that the tier's two workers share them.
 RELEASE_LAYOUTS = [
     "parallel=ddp",
     "optim=muon parallel=zero1",
     "parallel=zero2",
-    "train.float8=tensorwise optim.state_bits=8 parallel=fsdp",
     f"{BF16} parallel=fsdp",
     "parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
     f"{DOCUMENTS} parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
-    f"{DOCUMENTS} parallel=fsdp parallel.cp=2",
-    "model=moe-tiny parallel=fsdp parallel.ep=2",
-    "model=llama-tiny model.lora.rank=4 parallel=fsdp",
 ]
 
 
 @pytest.fixture(scope="module")
 def release_results(tmp_path_factory) -> dict:
-    common = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
-    return layout_group(tmp_path_factory, 2, common, RELEASE_LAYOUTS)
+    return layout_group(tmp_path_factory, 2, RELEASE_COMMON, RELEASE_LAYOUTS)
 
 
 @pytest.mark.slow
 @release_tier_only
 @pytest.mark.parametrize("layout", RELEASE_LAYOUTS)
 def test_every_layout_family_on_this_torch_matches_one_process(layout, release_results):
-    if "train.float8=" not in layout:
-        assert_matches_single(release_results, layout)
-        return
-    from test_low_precision import FLOAT8_RTOL  # float8's rounding steps: its own bound
-
-    reference = release_results[" ".join(["single", *layout.split(" parallel=")[0].split()])]
-    for key in ("losses", "norms", "val_losses"):
-        assert release_results[layout][key] == pytest.approx(reference[key], rel=FLOAT8_RTOL), (layout, key)
+    assert_matches_single(release_results, layout)
