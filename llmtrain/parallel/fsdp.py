@@ -94,8 +94,8 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def shards_of(mesh: DeviceMesh) -> int:
-    """The shards FSDP splits over on `mesh`: its last dimension (torch 2.11's DeviceMesh.size(-1) fails on a 1-D
-    mesh, hence the index counted from the front)."""
+    """The shards FSDP splits over on `mesh`: its last dimension, its index counted from the front (torch 2.11's
+    DeviceMesh.size(-1) asserts on the meshes FSDP gets under context and expert parallelism)."""
     return mesh.size(mesh.ndim - 1)
 
 
