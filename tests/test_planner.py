@@ -466,12 +466,14 @@ def test_a_gpu_run_plans_for_the_gpu_it_is_on(device_name, expected):
     assert hardware_for_device(default, "cpu", "cpu") is default
 
 
-def test_an_unknown_gpu_gets_its_name_and_no_prediction():
+def test_an_unknown_gpu_gets_its_name_and_no_prediction_unless_a_gpu_config_was_chosen_for_it():
     from llmtrain.planner.hardware import hardware_for_device
     from llmtrain.train.report import end_summary, format_end_summary
 
     found = hardware_for_device(_hardware([]), "cuda", "NVIDIA B300 SXM6 AC")
     assert isinstance(found, str) and found.startswith("no hardware config describes NVIDIA B300 SXM6 AC: add ")
+    chosen = _hardware(["hardware=h100x8"])  # a GPU's config named for a card no file names: the user's word
+    assert hardware_for_device(chosen, "cuda", "NVIDIA B300 SXM6 AC") is chosen
     records = [{"step": s, "loss": 3.0, "tokens_per_s": 100.0, "lr": 1e-3} for s in (1, 2)]
     summary = end_summary(records, tokens_per_step=100, train_seconds=2.0, wall_seconds=3.0)
     summary["predicted"] = {"unavailable": found}

@@ -30,11 +30,14 @@ def describes(hardware: HardwareConfig, device_name: str) -> bool:
 
 def hardware_for_device(configured: HardwareConfig, device_type: str, device_name: str) -> HardwareConfig | str:
     """The hardware to plan a run on this device with: the configured one where it describes the device (or the
-    device is the host), else the config of conf/hardware/ that names the card (the longest name matched); or, where
-    none does, the one line that says so."""
+    device is the host), else the config of conf/hardware/ that names the card (the longest name matched); where
+    none does, a GPU's config the user chose for it (their word for a card no file names), or the one line that
+    says there is none."""
     if device_type == "cpu" or describes(configured, device_name):
         return configured
     matching = [hardware for hardware in hardware_configs() if describes(hardware, device_name)]
+    if not matching and configured.device_name is not None:
+        return configured
     if not matching:
         return (
             f"no hardware config describes {device_name}: add conf/hardware/<name>.yaml with its device_name, "
