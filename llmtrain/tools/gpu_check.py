@@ -275,8 +275,8 @@ class Schedule:
                         finished[check.name] = pool.submit(self._row, check, source)
         rows = [finished[check.name].result() for check in checks]
         for check, row in zip(checks, rows):
-            beside = [other.name for other in rows if other is not row and _overlap(row.span, other.span)]
-            row.gpu = "" if not row.span[1] else "alone" if check.speed else f"with {len(beside)}"
+            beside = sum(other is not row and _overlap(row.span, other.span) for other in rows)
+            row.gpu = "" if not row.span[1] else "alone" if check.speed else f"with {beside}"
         return rows
 
     def _row(self, check: Check, source: Future[Row] | None) -> Row:
