@@ -37,11 +37,7 @@ def _documents(device: torch.device, seq: int, halves: bool = False) -> torch.Te
     """Where each position's document starts, for two windows of documents 1 to ~40 tokens long; or (`halves`)
     of two documents each, the second starting at the middle, where the blocks meet."""
     generator = torch.Generator().manual_seed(1)
-    tokens = (
-        torch.randint(1, 12, (2, seq), generator=generator)
-        if halves
-        else torch.randint(12, (2, seq), generator=generator)
-    )
+    tokens = torch.randint(int(halves), 12, (2, seq), generator=generator)  # halves: no end-of-text (0) but one
     if halves:
         tokens[:, seq // 2 - 1] = 0
     return document_starts(tokens, separator=0).to(device)
