@@ -43,7 +43,7 @@ from llmtrain.catalog import MOMENT_BYTES, schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
-from llmtrain.planner.memory import StateBytes
+from llmtrain.planner.memory import StepShape
 from llmtrain.planner.shapes import Holding
 
 # The ops a plan names, as comm_bench and the counter name them.
@@ -70,9 +70,9 @@ class Traffic:
         return self.bytes[op] / max(self.calls[op], 1)
 
 
-def data_parallel_traffic(candidate: Candidate, held: Holding, k: int, sizes: StateBytes) -> Traffic:
+def data_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) -> Traffic:
     """Gradient and parameter traffic over the data-parallel ranks, per step."""
-    d, traffic = candidate.degrees, Traffic()
+    d, traffic, k, sizes = candidate.degrees, Traffic(), step.microbatches, step.sizes
     params, grads = held.total, held.trainable
     units = held.blocks + 1  # FSDP units: each block and the root
     if d.dp == 1 and d.cp == 1:
@@ -118,21 +118,14 @@ def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matr
     return data, tensor
 
 
-def tensor_parallel_traffic(
-    candidate: Candidate,
-    cfg: GPTConfig,
-    held: Holding,
-    rows: int,
-    seq_len: int,
-    k: int,
-    sizes: StateBytes,
-    recompute: str = "none",
-) -> Traffic:
-    d, traffic = candidate.degrees, Traffic()
+def tensor_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) -> Traffic:
+    """Tensor parallelism's collectives of the residual stream per step, those recomputation repeats, and (with
+    sequence parallelism) the replicated weights' gradients."""
+    d, traffic, cfg, k, sizes = candidate.degrees, Traffic(), step.gpt, step.microbatches, step.sizes
     if d.tp == 1:
         return traffic
     h, max_seq_len, bias = cfg.d_model, cfg.max_seq_len, cfg.bias
-    activation = rows * seq_len // d.cp * h * sizes.compute
+    activation = step.rows * step.seq_len // d.cp * h * sizes.compute
     exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
     # A mixture's MLP all-reduces its routed slots (top_k per token) forward and their gradient backward, and
     # shared experts their dense pair; under sequence parallelism it gathers in and keeps its chunk out (no
@@ -142,8 +135,8 @@ def tensor_parallel_traffic(
     # What backward's recomputation communicates again (model/recompute.py): `full` reruns each block's forward,
     # its two gathers in and two reductions out; `selective` keeps the reductions' outputs but not the gathered
     # inputs, which the matmuls' backward needs, so each block gathers its two inputs again.
-    regathers = 2 * held.blocks * k if recompute != "none" else 0
-    rereduces = 2 * held.blocks * k if recompute == "full" else 0
+    regathers = 2 * held.blocks * k if step.recompute != "none" else 0
+    rereduces = 2 * held.blocks * k if step.recompute == "full" else 0
     if candidate.sequence_parallel:
         traffic.add("all_gather", (exchanges + regathers) * activation, exchanges + regathers)
         exchanges -= 2 * held.mixtures * k
@@ -158,20 +151,21 @@ def tensor_parallel_traffic(
         exchanges -= 2 * held.mixtures * k
         traffic.add("all_reduce", (exchanges + rereduces) * activation, exchanges + rereduces)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
-        traffic.add("all_reduce", 3 * rows * seq_len // d.cp * 4 * k, 3 * k)
+        traffic.add("all_reduce", 3 * step.rows * step.seq_len // d.cp * 4 * k, 3 * k)
     return traffic
 
 
-def pipeline_traffic(
-    candidate: Candidate, cfg, pp_rank: int, h: int, rows: int, seq_len: int, m: int, sizes: StateBytes
-) -> Traffic:
-    d, traffic = candidate.degrees, Traffic()
+def pipeline_traffic(candidate: Candidate, pp_rank: int, step: StepShape) -> Traffic:
+    """Pipeline rank `pp_rank`'s sends and receives across its stage boundaries per step, and the tied embedding's
+    gradient all-reduce."""
+    d, traffic, cfg, m = candidate.degrees, Traffic(), step.gpt, step.microbatches
     if d.pp == 1:
         return traffic
     style = schedule_spec(candidate.pp_schedule).style
     n_stages = d.pp * candidate.pp_stages_per_rank
-    residual_bytes = sizes.compute if candidate.spec.fsdp_shards(d.dp * d.cp) else 4
-    activation = rows * seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * residual_bytes
+    h = cfg.d_model
+    residual_bytes = step.sizes.compute if candidate.spec.fsdp_shards(d.dp * d.cp) else 4
+    activation = step.rows * step.seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * residual_bytes
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     for stage in stages:
         if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:
@@ -183,45 +177,34 @@ def pipeline_traffic(
     tied_across = (0 in stages) != (n_stages - 1 in stages)  # one copy of the tied matrix here, one elsewhere
     if cfg.tie_embeddings and tied_across:
         # (a shard of it under FSDP)
-        traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard_cp) * sizes.grad, 1)
+        traffic.add("all_reduce", cfg.padded_vocab_size * h // (d.tp * d.dp_shard_cp) * step.sizes.grad, 1)
     return traffic
 
 
-def context_parallel_traffic(
-    candidate: Candidate, cfg: GPTConfig, held: Holding, rows: int, seq_len: int, k: int, sizes: StateBytes
-) -> Traffic:
+def context_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) -> Traffic:
     """The ring's sends (and as many receives) per step: each block's keys and values, and in backward their
     gradient (fp32)."""
-    d, traffic = candidate.degrees, Traffic()
+    d, traffic, cfg = candidate.degrees, Traffic(), step.gpt
     if d.cp == 1:
         return traffic
-    kv = 2 * rows * (seq_len // d.cp) * cfg.kv_heads * (cfg.d_model // cfg.n_head) // d.tp
-    hops = held.blocks * k
-    sent = hops * ((d.cp - 1) * 2 * kv * sizes.compute + d.cp * kv * 4)
+    kv = 2 * step.rows * (step.seq_len // d.cp) * cfg.kv_heads * (cfg.d_model // cfg.n_head) // d.tp
+    hops = held.blocks * step.microbatches
+    sent = hops * ((d.cp - 1) * 2 * kv * step.sizes.compute + d.cp * kv * 4)
     for op in ("send", "recv"):
         traffic.add(op, sent, hops * (3 * d.cp - 2))
     return traffic
 
 
-def expert_parallel_traffic(
-    candidate: Candidate,
-    cfg: GPTConfig,
-    held: Holding,
-    rows: int,
-    seq_len: int,
-    k: int,
-    sizes: StateBytes,
-    recompute: str,
-) -> Traffic:
+def expert_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) -> Traffic:
     """The all-to-alls of expert parallelism per step: the send buffers (the bytes a rank's slots occupy, of which
     (ep-1)/ep leave it when routing is even). Per mixture and micro-batch, forward exchanges the counts, then the
     slots there and back, and backward the slots' gradients both ways; full recomputation runs forward's again."""
-    d, traffic, m = candidate.degrees, Traffic(), cfg.moe
+    d, traffic, m = candidate.degrees, Traffic(), step.gpt.moe
     if d.ep == 1 or not held.mixtures:
         return traffic
-    slots = m.top_k * rows * (seq_len // d.cp) * cfg.d_model * sizes.compute
-    exchanges = held.mixtures * k
-    forwards = 2 if recompute == "full" else 1
+    slots = m.top_k * step.rows * (step.seq_len // d.cp) * step.gpt.d_model * step.sizes.compute
+    exchanges = held.mixtures * step.microbatches
+    forwards = 2 if step.recompute == "full" else 1
     calls, sent = 3 * forwards + 2, 2 * forwards + 2
     traffic.add("all_to_all", exchanges * (sent * slots + forwards * m.num_experts * 8), exchanges * calls)  # int64
     return traffic

@@ -34,6 +34,7 @@ from llmtrain.planner.links import Links
 from llmtrain.planner.memory import (
     RankMemory,
     StateBytes,
+    StepShape,
     activations,
     bytes_per_parameter,
     model_states,
@@ -75,6 +76,13 @@ class Workload:
     parameters: int | None = None  # "what if" override of the model's parameter count (model states only)
     optimizer: str = "adamw"  # optim.name
     whole_matrices: str = "spread"  # optim.whole_matrices: how Muon assembles split matrices
+
+    def step(self, candidate: Candidate) -> StepShape:
+        """One rank's step of this workload under `candidate`, with the micro-batch size and recomputation it
+        turns where it turns them."""
+        micro_batch_size = candidate.micro_batch_size or self.micro_batch_size
+        rows, microbatches = candidate.micro_batching(self.batch_size, micro_batch_size)
+        return StepShape(self.gpt, self.seq_len, rows, microbatches, candidate.recompute or self.recompute, self.sizes)
 
 
 @dataclass
@@ -167,27 +175,24 @@ def _bubble_fraction(c: Candidate, m: int) -> float:
 
 
 def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
-    d, gpt = c.degrees, work.gpt
-    recompute = c.recompute or work.recompute
-    rows, k = c.micro_batching(work.batch_size, c.micro_batch_size or work.micro_batch_size)
-    style = schedule_spec(c.pp_schedule).style
+    d, gpt, step = c.degrees, work.gpt, work.step(c)
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
     ranks: list[RankMemory] = []
     traffic: list[Traffic] = []
     dp_s, exposed_s, ring_s = 0.0, 0.0, 0.0
     for pp_rank in range(d.pp):
-        held = holding(gpt, d.tp, d.pp, pp_rank, c.pp_stages_per_rank, style, c.pp_edge_blocks, d.ep)
+        held = holding(gpt, c, pp_rank)
         states = model_states(c, _scaled(held, factor), work.sizes)
-        acts = activations(c, held, pp_rank, gpt, work.seq_len, rows, k, recompute, work.sizes)
-        ranks.append(RankMemory(*states, acts, gradients_replace_activations=k == 1 and d.pp == 1))
-        dp = data_parallel_traffic(c, _scaled(held, factor), k, work.sizes)
-        tp = tensor_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes, recompute)
+        acts = activations(c, held, pp_rank, step)
+        ranks.append(RankMemory(*states, acts, gradients_replace_activations=step.microbatches == 1 and d.pp == 1))
+        dp = data_parallel_traffic(c, _scaled(held, factor), step)
+        tp = tensor_parallel_traffic(c, held, step)
         muon_dp, muon_tp = Traffic(), Traffic()
         if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
             muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)
-        pp = pipeline_traffic(c, gpt, pp_rank, gpt.d_model, rows, work.seq_len, k, work.sizes)
-        ring = context_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes)
-        experts = expert_parallel_traffic(c, gpt, held, rows, work.seq_len, k, work.sizes, recompute)
+        pp = pipeline_traffic(c, pp_rank, step)
+        ring = context_parallel_traffic(c, held, step)
+        experts = expert_parallel_traffic(c, held, step)
         traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts).merge(muon_dp).merge(muon_tp))
         rank_dp = sum(
             _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
@@ -220,7 +225,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
     n_params = whole_model_parameters(gpt) - gpt.padding_parameters
     flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank
-    if recompute == "full":
+    if step.recompute == "full":
         flops *= 4 / 3  # the forward runs twice
     compute = flops / (machine.peak_flops * machine.mfu)
     exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
@@ -235,7 +240,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         traffic=traffic,
         fits=heaviest.total <= machine.usable_bytes,
         compute_s=compute,
-        bubble_s=compute * _bubble_fraction(c, k),
+        bubble_s=compute * _bubble_fraction(c, step.microbatches),
         comm_s=dp_s + exposed_s + ring_s,
         exposed_comm_s=exposed,
         max_parameters=int(machine.usable_bytes // per_param),

@@ -64,6 +64,20 @@ class StateBytes:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """One rank's optimizer step as a candidate runs it: `gpt` over `microbatches` micro-batches of `rows`
+    sequences of `seq_len` tokens each (before context parallelism splits them), with `recompute` (the activation
+    checkpointing the candidate runs with), its states and activations `sizes` bytes a parameter."""
+
+    gpt: GPTConfig
+    seq_len: int
+    rows: int
+    microbatches: int
+    recompute: str
+    sizes: StateBytes
+
+
+@dataclass(frozen=True)
 class RankMemory:
     parameters: float
     gradients: float
@@ -220,26 +234,17 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, m: int, stages_
     return float(min(m, pp + 1))  # dualpipev
 
 
-def activations(
-    candidate: Candidate,
-    held: Holding,
-    pp_rank: int,
-    gpt: GPTConfig,
-    seq_len: int,
-    micro_batch_rows: int,
-    microbatches: int,
-    recompute: str,
-    sizes: StateBytes,
-) -> float:
-    d = candidate.degrees
-    s, b, h, a = seq_len // d.cp, micro_batch_rows, gpt.d_model, gpt.n_head  # a cp rank's tokens
+def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepShape) -> float:
+    """Bytes of activations pipeline rank `pp_rank` holds at its peak, and the temporaries beside them."""
+    d, gpt, sizes = candidate.degrees, step.gpt, step.sizes
+    s, b, h, a = step.seq_len // d.cp, step.rows, gpt.d_model, gpt.n_head  # a cp rank's tokens
     scores_stored, terms = gpt.attention_dropout > 0, layer_terms(gpt)
-    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, recompute, scores_stored, terms)
+    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, step.recompute, scores_stored, terms)
     in_flight = in_flight_microbatches(
-        candidate.pp_schedule, d.pp, pp_rank, microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
+        candidate.pp_schedule, d.pp, pp_rank, step.microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
     )
     total = in_flight * held.blocks * per_layer
-    if recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
+    if step.recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
         total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
     total *= sizes.compute / 2
     if held.last:
@@ -247,7 +252,7 @@ def activations(
         # the logits it returned; backward adds two fp32 gradients of that size (the log-probabilities' and the
         # logits').
         vocab_split = d.tp if candidate.loss_parallel else 1
-        logits_in_flight = microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
+        logits_in_flight = step.microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
         kept = 4 + (sizes.compute if d.pp > 1 else 0)
         total += (logits_in_flight * kept + 2 * 4) * s * b * gpt.padded_vocab_size / vocab_split
     if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.parallel.pipeline.split import rank_stages
-from llmtrain.plan import stage_layers
+from llmtrain.plan import Degrees, stage_layers
+from llmtrain.planner.candidates import Candidate
 
 
 @dataclass(frozen=True)
@@ -131,13 +133,14 @@ def whole_model_parameters(cfg: GPTConfig) -> int:
     return blocks + embedding_parameters(cfg) + head_parameters(cfg)[0]
 
 
-def holding(cfg: GPTConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, stages_per_rank: int = 1,
-            style: str = "loop", edge_blocks: int = 0, ep: int = 1) -> Holding:  # fmt: skip
-    """What pipeline rank `pp_rank` of `pp` (each a tensor-parallel rank of `tp`) holds; a block's FSDP unit
-    gathers 1/ep of its experts."""
+def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0) -> Holding:
+    """What pipeline rank `pp_rank` of `candidate`'s layout (each a tensor-parallel rank) holds, the whole model
+    without one; a block's FSDP unit gathers 1/ep of its experts."""
+    layout = candidate or Candidate("single", Degrees())
+    tp, pp, ep, stages_per_rank = layout.degrees.tp, layout.degrees.pp, layout.degrees.ep, layout.pp_stages_per_rank
     n_stages = pp * stages_per_rank
-    mine = rank_stages(pp_rank, pp, stages_per_rank, style) if pp > 1 else [0]
-    layers = stage_layers(cfg.n_layer, n_stages, edge_blocks) if pp > 1 else [range(cfg.n_layer)]
+    mine = rank_stages(pp_rank, pp, stages_per_rank, schedule_spec(layout.pp_schedule).style) if pp > 1 else [0]
+    layers = stage_layers(cfg.n_layer, n_stages, layout.pp_edge_blocks) if pp > 1 else [range(cfg.n_layer)]
     indices = [i for stage in mine for i in layers[stage]]
     blocks = len(indices)
     first, last = 0 in mine, n_stages - 1 in mine
