@@ -1,6 +1,6 @@
 """llmtrain's entry point: `python train.py [group=option ...] [key=value ...]`; `--help` lists every group.
 
-Hydra composes conf/train.yaml with the overrides, checks them against the schemas in llmtrain/config.py, makes the
+Hydra composes conf/train.yaml with the overrides, checks them against the schemas in llmtrain/config/, makes the
 run directory and hands the config to llmtrain.job.run; a config it cannot compose ends in one `error:` line (exit 2).
 """
 
@@ -40,6 +40,9 @@ def main(cfg) -> None:
                 check_layout(
                     cast(RootConfig, OmegaConf.to_object(cfg)), list(HydraConfig.get().overrides.task), world_size
                 )
+            from llmtrain.data.files import check_data_files  # loads torch: after the config's own checks
+
+            check_data_files(cfg.data)
         except ConfigError as error:
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
         if armed and launch_rank() == 0:

@@ -48,6 +48,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import DataConfig, PrepareConfig, validate_data
 from llmtrain.data import build_tokenizer, training_windows
+from llmtrain.data.files import check_data_files
 from llmtrain.data.mixture import MixtureBatches, MixtureSource
 from llmtrain.data.prefetch import Batches
 from llmtrain.data.prepare import prepare
@@ -73,6 +74,7 @@ def data_config(source: str, path: str | None, tokenizer: str, overrides: list[s
         cfg.data.path = path
     data_cfg = cast(DataConfig, OmegaConf.to_object(cfg.data))
     validate_data(data_cfg)
+    check_data_files(data_cfg)
     return data_cfg, int(cfg.seed)
 
 

@@ -30,12 +30,12 @@ from llmtrain.config import (
     PrepareConfig,
     PrepareRootConfig,
     check_domains,
-    local_data_files,
     reads_prepared_stores,
     register_schemas,
     validate_data,
 )
 from llmtrain.data import build_tokenizer
+from llmtrain.data.files import check_data_files, local_data_files
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
 from llmtrain.data.store import (
     MANIFEST,
@@ -134,6 +134,7 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
     out = os.path.abspath(os.path.expanduser(prepare_cfg.out))
     num_proc = prepare_cfg.num_proc
     validate_data(data_cfg)
+    check_data_files(data_cfg)
     if reads_prepared_stores(data_cfg):
         raise ConfigError(
             f"data={data_cfg.source} reads prepared stores: choose the source to prepare (data=stdlib|local|hf)"

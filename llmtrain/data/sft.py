@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
-from llmtrain.config import local_data_files
+from llmtrain.data.files import local_data_files
 from llmtrain.data.packing import untrained, window_tokens
 from llmtrain.data.stream import RankSlice
 from llmtrain.data.tokenizers import FastTokenizer, Tokenizer

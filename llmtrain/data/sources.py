@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import datasets
 from datasets import IterableDataset
 
-from llmtrain.config import local_data_files
+from llmtrain.data.files import local_data_files
 from llmtrain.errors import ConfigError, first_line
 from llmtrain.hub import from_hub
 

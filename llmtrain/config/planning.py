@@ -1,0 +1,103 @@
+"""The machines a run is planned for (the `hardware` group, conf/hardware/) and the planner's own keys (`plan.*`,
+read by `python -m llmtrain.tools.plan` and `parallel=auto`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+from llmtrain.domains import ExistingPath, Flag, Number, OneOf, Text, at_least, key, positive
+
+
+@dataclass
+class HardwareConfig:
+    """The machines a run is planned for (conf/hardware/): what the planner's memory and time estimates use."""
+
+    name: str = key(MISSING, Text(), "the machine description (`conf/hardware/<name>.yaml`)")
+    nodes: int = key(1, at_least(1), "nodes")
+    gpus_per_node: int = key(1, at_least(1), "devices (ranks) per node")
+    device_memory_gib: Optional[float] = key(
+        None,
+        positive(),
+        "memory of one device in GiB; null (cpu): the host's memory shared out over the ranks of the node",
+    )
+    intra_node_gbps: float = key(
+        MISSING,
+        positive(),
+        "GB/s per device, one direction, to the other devices of its node (cpu: gloo's all-reduce bus bandwidth "
+        "measured by `comm_bench` on a 2-core machine)",
+    )
+    inter_node_gbps: float = key(
+        MISSING,
+        positive(),
+        "GB/s per device, one direction, across nodes (cpu: 1 Gbit/s Ethernet)",
+    )
+    peak_tflops: Optional[float] = key(
+        None,
+        positive(),
+        "dense bf16 TFLOP/s (fp32 accumulate) per device; null: unknown (CPUs)",
+    )
+    mfu: float = key(
+        0.4,
+        Number(low=0, high=1, low_open=True),
+        "fraction of `peak_tflops` a transformer's training compute reaches here, recomputation included (the "
+        "planner's predicted step times); a100x8's and h100x8's are the median of published runs "
+        "([planner.md](planner.md#held-to-published-runs))",
+    )
+    peer_to_peer: bool = key(
+        True,
+        Flag(),
+        "devices reach each other directly (NVLink, PCIe P2P) rather than through host memory",
+    )
+    device_name: Optional[str] = key(
+        None,
+        Text(),
+        "part of the name torch gives the device this describes (`torch.cuda.get_device_name()`, e.g. `H200`): a "
+        "run on such a GPU plans with this config whatever `hardware` says; null: no GPU (cpu)",
+    )
+
+
+@dataclass
+class PlanConfig:
+    """The planner's knobs (llmtrain.tools.plan; parallel=auto reads `measured`, `mfu` and `reserved_gib`)."""
+
+    world_size: Optional[int] = key(
+        None,
+        at_least(1),
+        "ranks the planner plans for; null: `hardware.nodes` × `hardware.gpus_per_node` (`parallel=auto`: the real "
+        "world)",
+    )
+    # A float, so that 7.5e9 is accepted as the whole number it is (an int key refuses any float).
+    parameters: Optional[float] = key(
+        None,
+        at_least(1),
+        'plan model states for this many parameters instead of the model\'s ("what if"), e.g. 7.5e9',
+    )
+    param_bytes: float = key(2, positive(), "bytes per parameter of the weights (bf16; llmtrain itself keeps fp32: 4)")
+    grad_bytes: float = key(2, positive(), "bytes per parameter of the gradients (bf16; llmtrain: 4)")
+    optimizer_bytes: float = key(
+        12,
+        positive(),
+        "bytes per parameter of the optimizer state (fp32 master copy + 2 AdamW moments; llmtrain: 8); under "
+        "`optim=muon` the blocks' weight matrices keep one fp32 moment fewer (4 bytes less)",
+    )
+    layouts: str = key(
+        "dp",
+        OneOf(("dp", "all")),
+        "`dp`: the data-parallel layouts; `all`: also tensor, pipeline and 3-D layouts",
+    )
+    measured: Optional[str] = key(
+        None,
+        ExistingPath("file"),
+        "a `comm_bench.csv` whose measured bus bandwidths replace the hardware's link numbers; null: the planner "
+        "tool uses the hardware's, and `parallel=auto` on more than one rank times the machine's collectives at start "
+        "(a few seconds, cached in `data.cache_dir/links/` per host, world size and device)",
+    )
+    reserved_gib: float = key(
+        1.0,
+        Number(low=0),
+        "per device, kept out of the plan: CUDA context, NCCL buffers, allocator fragmentation",
+    )
+    out: str = key("plan.json", Text(), "where `llmtrain.tools.plan` writes its JSON")

@@ -1,0 +1,170 @@
+"""`validate`: every key against its domain, then the rules that span several keys (divisibility, lengths, the
+extras a setting needs), each refusal a ConfigError of one line that names the key and the fix.
+
+Cheap and torch-free, so train.py runs it before torch loads. Which files data.path holds is the data side's check
+(llmtrain/data/files.py), run after it where files are read."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from llmtrain import catalog
+from llmtrain.config.data import DataConfig, reads_local_files, reads_prepared_stores
+from llmtrain.config.keys import check_domains
+from llmtrain.config.schema import RootConfig
+from llmtrain.errors import ConfigError
+
+
+def validate(cfg) -> None:
+    """Every key against its domain, then the rules that span several keys; raises ConfigError on the first
+    problem. Cheap and torch-free: it runs before any process group, model or data. Which files data.path and
+    data.val_path hold is llmtrain.data.files.check_data_files's to say, run after this where files are read."""
+    check_domains(cfg, RootConfig)
+    t, m = cfg.train, cfg.model
+    if t.batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size}: set train.batch_size to a multiple of {t.micro_batch_size}"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model="
+            f"{m.name}: set train.seq_len<={m.max_seq_len} or raise model.max_seq_len"
+        )
+    if m.d_model % m.n_head:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
+            f"choose a d_model that is a multiple of n_head"
+        )
+    if m.n_kv_head is not None and (m.n_kv_head < 1 or m.n_head % m.n_kv_head):
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}: each key/value head serves a whole "
+            f"group of query heads (n_kv_head=n_head: multi-head, 1: multi-query)"
+        )
+    if m.position == "rope" and (m.d_model // m.n_head) % 2:
+        raise ConfigError(
+            f"model.position=rope rotates pairs of dimensions but the head size d_model / n_head = "
+            f"{m.d_model // m.n_head} is odd: choose d_model and n_head with an even quotient"
+        )
+    if m.rope_scaling.type == "llama3":
+        validate_rope_scaling(m.rope_scaling)
+    if m.moe.num_experts:
+        validate_moe(m.moe, m.n_layer)
+    validate_optim(cfg.optim)
+    layout = catalog.LAYOUTS.get(cfg.parallel.layout)
+    if layout and layout.mechanism.flat_optimizer and (cfg.optim.offload or cfg.optim.state_bits != 32):
+        setting = "optim.offload=true" if cfg.optim.offload else f"optim.state_bits={cfg.optim.state_bits}"
+        raise ConfigError(
+            f"{setting} is not available with parallel={cfg.parallel.layout}, whose optimizer updates flat fp32 "
+            f"slices of its own: use parallel=zero2 or fsdp (sharded per parameter)"
+        )
+    if cfg.optim.offload and cfg.parallel.cpu_offload:
+        raise ConfigError(
+            "optim.offload=true and parallel.cpu_offload=true: FSDP's CPU offload keeps the optimizer state on the "
+            "host already; set optim.offload=false"
+        )
+    if t.float8 != "none":
+        require_extra("torchao", f"train.float8={t.float8}", "fp8")
+    validate_lora(cfg)
+    if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
+        raise ConfigError(
+            f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
+            f"within 1..{t.steps}"
+        )
+    validate_data(cfg.data)
+
+
+def validate_rope_scaling(scaling) -> None:
+    if not scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(
+            f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below model.rope_scaling."
+            f"high_freq_factor={scaling.high_freq_factor}: the band between them blends the two frequencies"
+        )
+
+
+def validate_moe(moe, n_layer: int) -> None:
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}: set "
+            f"model.moe.top_k to at most the number of experts"
+        )
+    if moe.every > n_layer:
+        raise ConfigError(f"model.moe.every={moe.every} must be between 1 and model.n_layer={n_layer}")
+
+
+def validate_lora(cfg) -> None:
+    """Low-rank adapters against the settings that would undo them."""
+    rank, float8 = cfg.model.lora.rank, cfg.train.float8
+    if rank and float8 != "none":
+        raise ConfigError(
+            f"train.float8={float8} with model.lora.rank={rank}: float8 layers would replace the adapted ones; set "
+            f"train.float8=none to train adapters"
+        )
+
+
+def validate_optim(optim) -> None:
+    if optim.offload and (optim.name != "adamw" or optim.state_bits != 32):
+        other = f"optim={optim.name}" if optim.name != "adamw" else f"optim.state_bits={optim.state_bits}"
+        raise ConfigError(f"optim.offload=true runs AdamW's fp32 update on the host, not {other}: set one of them off")
+    if optim.state_bits != 32:
+        if optim.name != "adamw":
+            raise ConfigError(
+                f"optim.state_bits={optim.state_bits} quantises AdamW's moments, but optim={optim.name} keeps its "
+                f"own: set optim.state_bits=32 or optim=adamw"
+            )
+        require_extra("torchao", f"optim.state_bits={optim.state_bits}", "fp8")
+
+
+def require_extra(module: str, setting: str, extra: str) -> None:
+    """A one-line error naming the extra to install when `setting` needs `module` and it is absent."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{setting} needs {module}, which is not installed: pip install -e '.[{extra}]'")
+
+
+def validate_data(d) -> None:
+    """The data keys' domains and the rules between them (also what llmtrain.data.prepare checks); the files the
+    paths name are llmtrain.data.files.check_data_files's."""
+    check_domains(d, DataConfig, "data.")
+    if d.source in ("local", "prepared") and not d.path:
+        what = "<file, folder or glob>" if d.source == "local" else "<directory written by llmtrain.data.prepare>"
+        raise ConfigError(f"data.path is not set: data={d.source} needs data.path={what}")
+    if d.val_path is not None and not reads_local_files(d):
+        raise ConfigError(
+            f"data.val_path is for data=local (data={d.source}): use data.val_split for data=hf, "
+            f"or unset data.val_path to hold out data.val_fraction"
+        )
+    if d.source == "mix" and not d.sources:
+        raise ConfigError(
+            "data.sources is not set: data=mix needs data.sources=[{name: ..., path: <prepared store>, weight: ...}, "
+            "...]"
+        )
+    if d.source != "mix" and d.sources:
+        raise ConfigError(f"data.sources is for data=mix (data={d.source}): choose data=mix or unset data.sources")
+    if d.source == "hf" and not d.name:
+        raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
+    _validate_conversations(d)
+    if reads_prepared_stores(d):
+        return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
+    if d.tokenizer.kind is None:
+        raise ConfigError(f"data.tokenizer.kind is not set: set it to one of {', '.join(catalog.TOKENIZER_KINDS)}")
+    if d.tokenizer.kind == "hf" and not d.tokenizer.name:
+        raise ConfigError("data.tokenizer.name is not set: data.tokenizer.kind=hf needs a tokenizer name or path")
+    if d.tokenizer.kind == "bpe" and (d.tokenizer.vocab_size or 0) < 512:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={d.tokenizer.vocab_size} is too small for a byte-level BPE: use at least 512"
+        )
+
+
+def _validate_conversations(d) -> None:
+    """data=sft: conversations from files or the hub, rendered by a transformers tokenizer's chat template."""
+    if d.source != "sft":
+        return
+    if not d.path and not d.name:
+        raise ConfigError(
+            "data=sft needs conversations: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
+        )
+    if d.tokenizer.kind != "hf":
+        raise ConfigError(
+            f"data.tokenizer.kind={d.tokenizer.kind}: data=sft renders conversations with a chat template, which only "
+            f"a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's directory>"
+        )
