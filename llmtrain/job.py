@@ -30,7 +30,7 @@ from llmtrain.checkpoint.training import (
     wandb_run_id,
 )
 from llmtrain.config import HardwareConfig, RootConfig, WandbConfig
-from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.data import DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.tasks import read_task
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError, Preempted, RunError, exit_for
 from llmtrain.launch_env import launch_rank
@@ -313,17 +313,14 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
         check_model_matches(resume, gpt_cfg)
         check_base_matches(resume, base)
         check_optimizer_matches(resume, config.optim)
-    data = build_data(
-        config.data,
-        tokenizer,
+    reading = DataReading(
         t.seq_len,
         config.seed,
-        train_slice,
-        val_slice if t.eval_every > 0 else None,
-        read_data_position(resume) if resume else None,
-        steps=t.steps,
-        packs_documents=t.attention == "document",
+        train=train_slice,
+        validation=val_slice if t.eval_every > 0 else None,
+        position=read_data_position(resume) if resume else None,
     )
+    data = build_data(config.data, tokenizer, reading, steps=t.steps, packs_documents=t.attention == "document")
     try:  # the data's reading thread is stopped on the way out of a failed build
         n_params, trainable = num_parameters(meta) - gpt_cfg.padding_parameters, trainable_parameters(meta)
         with MemoryPeak(runtime.device) as build:

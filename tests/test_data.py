@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from llmtrain.config import DataConfig, validate_data
-from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.data import DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
 from llmtrain.data.prefetch import Prefetched
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
@@ -284,12 +284,12 @@ def test_val_path_names_the_validation_files(corpus, tmp_path):
 
 def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
     cfg = _data_cfg(path=str(_one_long_document(tmp_path, 200_000)), val_fraction=0.01)
-    train_slice, val_slice = RankSlice(16, 16, 0, 1), RankSlice(128, 16, 0, 1)
+    reading = DataReading(63, 0, train=RankSlice(16, 16, 0, 1), validation=RankSlice(128, 16, 0, 1))
     with pytest.raises(ConfigError, match=r"raise data.val_fraction to (\S+)") as error:
-        build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice)
+        build_data(cfg, ByteTokenizer(), reading)
     assert "\n" not in str(error.value)
     cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
-    assert build_data(cfg, ByteTokenizer(), 63, 0, train_slice, val_slice).validation[0].rows.shape == (128, 64)
+    assert build_data(cfg, ByteTokenizer(), reading).validation[0].rows.shape == (128, 64)
 
 
 def test_a_streamed_source_on_many_data_parallel_ranks_points_at_prepare(corpus):

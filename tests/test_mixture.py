@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from test_prepare import _data_cfg, _prepare, write_corpus
 
 from llmtrain.config import CONF_DIR, DataConfig, validate_data
-from llmtrain.data import RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.data import DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.mixture import MixtureBatches, SourceExhausted, mixture_sources
 from llmtrain.data.sources import TRAIN
 from llmtrain.data.store import MANIFEST, STORE_VERSION, VOCAB_HASH, SplitWriter, split_file
@@ -198,7 +198,8 @@ def test_a_mixture_builds_with_its_metrics_and_a_validation_set_per_source(store
     cfg = _config(stores)
     tokenizer = build_tokenizer(cfg, True, lambda: None)
     assert isinstance(tokenizer, ByteTokenizer)
-    data = build_data(cfg, tokenizer, SEQ_LEN, 7, RankSlice(16, 2, 0, 2), RankSlice(32, 2, 0, 2), steps=100)
+    reading = DataReading(SEQ_LEN, 7, train=RankSlice(16, 2, 0, 2), validation=RankSlice(32, 2, 0, 2))
+    data = build_data(cfg, tokenizer, reading, steps=100)
     try:
         # a validation set for each source whose split holds 32 windows (eval_batches x batch_size; here the
         # smaller sources hold out too little text and are left out), its rows on this rank

@@ -33,6 +33,19 @@ class ValidationSet:
     rows: np.ndarray
 
 
+@dataclass(frozen=True)
+class DataReading:
+    """What this rank reads: windows of seq_len + 1 tokens in the order `seed` gives, its rows of each global
+    training batch (`train`) and of the validation set (`validation`; None when eval is off), from `position` (a
+    checkpoint's) when resuming."""
+
+    seq_len: int
+    seed: int
+    train: RankSlice
+    validation: RankSlice | None = None
+    position: dict | None = None
+
+
 @dataclass
 class Data:
     tokenizer: Tokenizer
@@ -94,24 +107,16 @@ def build_tokenizer(data_cfg, is_main: bool, barrier: Callable[[], None]) -> Tok
 
 
 def build_data(
-    data_cfg: DataConfig,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    seed: int,
-    train_slice: RankSlice,
-    val_slice: RankSlice | None,
-    position: dict | None = None,
-    steps: int = 0,
-    packs_documents: bool = False,
+    data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading, steps: int = 0, packs_documents: bool = False
 ) -> Data:
-    """This rank's training batches (global batches of train_slice.batch_size windows of seq_len + 1 tokens in
-    the order `seed` gives, at `position` when resuming) and its rows of the validation set(s); `steps`, the run's
+    """This rank's training batches and its rows of the validation set(s), as `reading` says; `steps`, the run's
     length, goes into a mixture's description (the epochs it implies); `packs_documents` (train.attention=document):
     conversations share windows."""
     if data_cfg.source == "sft":
-        return _conversations(data_cfg, tokenizer, seq_len, seed, train_slice, val_slice, position, packs_documents)
+        return _conversations(data_cfg, tokenizer, reading, packs_documents)
     if data_cfg.source == "mix":
-        return _mixture(data_cfg, tokenizer, seq_len, seed, train_slice, val_slice, position, steps)
+        return _mixture(data_cfg, tokenizer, reading, steps)
+    seq_len, train_slice, val_slice = reading.seq_len, reading.train, reading.validation
     if data_cfg.source == "prepared":
         from llmtrain.data.prepared import PreparedBatches, prepared_validation_rows
 
@@ -119,21 +124,21 @@ def build_data(
         validation = (
             [ValidationSet(None, 1.0, prepared_validation_rows(data_cfg.path, seq_len, val_slice))] if val_slice else []
         )
-        batches = PreparedBatches(data_cfg.path, seq_len, seed, train_slice, position)
+        batches = PreparedBatches(data_cfg.path, seq_len, reading.seed, train_slice, reading.position)
         description = (
             f"prepared {data_cfg.path} ({batches.windows.count:,} windows, each rank reads its rows), "
             f"tokenizer {batches.tokenizer_kind}"
         )
         return Data(tokenizer, Prefetched(batches), validation, description)
 
-    windows = training_windows(data_cfg, tokenizer, seq_len, seed)
-    if position is not None:
-        windows.load_state_dict(position)
+    windows = training_windows(data_cfg, tokenizer, seq_len, reading.seed)
+    if reading.position is not None:
+        windows.load_state_dict(reading.position)
     validation = []
     if val_slice is not None:
         val = _validation_windows(data_cfg, tokenizer, seq_len, val_slice.batch_size)
         if len(val) < val_slice.batch_size:
-            fix = _validation_fix(data_cfg, tokenizer, seq_len, len(val), val_slice.batch_size, train_slice.batch_size)
+            fix = _validation_fix(data_cfg, tokenizer, reading, len(val))
             raise ConfigError(
                 f"the validation set holds only {len(val)} windows of {seq_len + 1} tokens, {val_slice.batch_size} "
                 f"needed (train.eval_batches x train.batch_size): {fix}"
@@ -145,21 +150,13 @@ def build_data(
     return Data(tokenizer, Prefetched(StreamedBatches(windows, train_slice)), validation, description)
 
 
-def _mixture(
-    data_cfg: DataConfig,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    seed: int,
-    train_slice: RankSlice,
-    val_slice: RankSlice | None,
-    position: dict | None,
-    steps: int,
-) -> Data:
+def _mixture(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading, steps: int) -> Data:
     """build_data for data=mix: the sources' batches by weight, and each source's validation set."""
     from llmtrain.data.mixture import MixtureBatches, describe_mixture, mixture_sources, mixture_validation_rows
 
     sources = mixture_sources(list(data_cfg.sources or []))
-    batches = MixtureBatches(sources, seq_len, seed, train_slice, data_cfg.on_exhausted == "stop", position)
+    seq_len, val_slice, stop = reading.seq_len, reading.validation, data_cfg.on_exhausted == "stop"
+    batches = MixtureBatches(sources, seq_len, reading.seed, reading.train, stop, reading.position)
     validation = []
     if val_slice is not None:
         rows = mixture_validation_rows(sources, seq_len, val_slice)
@@ -173,19 +170,11 @@ def _mixture(
     return Data(tokenizer, Prefetched(batches), validation, describe_mixture(sources, batches, steps))
 
 
-def _conversations(
-    data_cfg: DataConfig,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    seed: int,
-    train_slice: RankSlice,
-    val_slice: RankSlice | None,
-    position: dict | None,
-    packed: bool,
-) -> Data:
+def _conversations(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading, packed: bool) -> Data:
     """build_data for data=sft: the conversations tokenised with their assistant's tokens marked, in windows."""
     from llmtrain.data import sft
 
+    seq_len, val_slice = reading.seq_len, reading.validation
     backend = sft.chat_template_of(tokenizer, data_cfg.tokenizer.name)
     splits = [TRAIN, VALIDATION] if val_slice is not None else [TRAIN]
     marked = {
@@ -211,7 +200,7 @@ def _conversations(
     ended = f"{backend.convert_ids_to_tokens(separator)} (id {separator})"
     windows = f"packed with document masking, each ended by {ended}" if packed else "one per window"
     description = f"sft: {train.describe()}, {windows}; trained on the assistant's tokens"
-    batches = sft.ConversationBatches(train, seed, train_slice, position)
+    batches = sft.ConversationBatches(train, reading.seed, reading.train, reading.position)
     return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, separator=separator)
 
 
@@ -231,15 +220,16 @@ def _validation_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
     return validation_windows(open_documents(data_cfg, VALIDATION), tokenizer, seq_len, count)
 
 
-def _validation_fix(
-    data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, held: int, needed: int, batch_size: int
-) -> str:
-    """Changes that give the validation set enough windows; a val_fraction is only named once it was tried."""
+def _validation_fix(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading, held: int) -> str:
+    """Changes that give `reading`'s validation set, of which the corpus holds `held` windows, enough of them; a
+    val_fraction is only named once it was tried."""
+    assert reading.validation is not None, "only a run with a validation set needs it fixed"
+    needed, batch_size = reading.validation.batch_size, reading.train.batch_size
     fits = [f"lower train.eval_batches to {held // batch_size}"] if held >= batch_size else []
     if data_cfg.val_split is not None or data_cfg.val_path is not None:
         named = "data.val_split" if data_cfg.val_split is not None else "data.val_path"
         return " or ".join([*fits, f"name more validation text with {named}", "lower train.batch_size"])
-    if (fraction := _enough_val_fraction(data_cfg, tokenizer, seq_len, held, needed)) is not None:
+    if (fraction := _enough_val_fraction(data_cfg, tokenizer, reading.seq_len, held, needed)) is not None:
         return " or ".join([f"raise data.val_fraction to {fraction:g}", *fits])
     named = "data.val_path=<validation files>" if data_cfg.source == "local" else "a larger corpus"
     return " or ".join([f"use {named}", *fits, "lower train.eval_batches or train.batch_size"])
@@ -270,6 +260,7 @@ def _enough_val_fraction(
 __all__ = [
     "Batches",
     "Data",
+    "DataReading",
     "RankSlice",
     "ValidationSet",
     "build_data",
