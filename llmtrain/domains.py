@@ -1,4 +1,4 @@
-"""What each config key accepts, declared next to the key in llmtrain/config.py with `key(default, domain)`.
+"""What each config key accepts, declared next to the key in llmtrain/config/ with `key(default, domain)`.
 
 A domain answers three questions: is this value acceptable (`complaint`: None, or what is wrong with it), what does
 the key accept (`accepts`: the phrase `--help` prints and errors end with), and which values lie just outside it

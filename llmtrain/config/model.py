@@ -97,7 +97,8 @@ class LoRAGroupConfig:
 
 def mlp_width(d_model: int, d_ff: int | None, mlp: str) -> int:
     """The MLP's hidden width: `d_ff`, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU: the same
-    parameter count). The one rule the model, the plan's checks and the planner read."""
+    parameter count). The one rule the model, the plan's checks and the planner read; it sits with the keys it reads
+    rather than in llmtrain/model/ (whose package loads torch) because train.py checks a layout before torch loads."""
     if d_ff:
         return d_ff
     return 4 * d_model if mlp == "gelu" else -(-8 * d_model // 3 // 64) * 64
