@@ -225,7 +225,7 @@ def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
         # later dry run in this process has meshes of the same shapes over new groups.
         _clear_sharding_prop_cache()
     measured["rank"], measured["seconds"] = rank, time.perf_counter() - started
-    pp_rank = model.pipeline.rank if model.pipeline is not None else 0
+    pp_rank = model.executor.pp_rank
     measured["planned"] = _planned(config, vocab_size, pp_rank)
     measured["pp_rank"] = pp_rank
     measured["layout"] = model.plan.describe()
@@ -258,19 +258,22 @@ def _answer_the_pipeline_vote(model: ParallelModel, config: DryRunRootConfig) ->
     process group does not carry. The dry run gives each of this rank's stages its shapes, as the plan fixes them
     (a micro-batch of tokens into the first stage; the residual stream, cut by context and sequence parallelism,
     between stages; logits out of the last), and answers the vote for every stage: known."""
-    pipeline = model.pipeline
-    if pipeline is None:
+    if not model.plan.pipelined:
         return
     from torch.distributed.pipelining._utils import InferenceMode, extract_tensor_metas
 
+    from llmtrain.parallel.pipeline.pipeline import Pipeline
+
+    pipeline = model.executor
+    assert isinstance(pipeline, Pipeline), "a pipelined plan's executor"
     plan, schedule = model.plan, pipeline.schedule
     size, _ = plan.micro_batching()
     sequence = config.train.seq_len // plan.degrees.cp
     residual_sequence = sequence // plan.degrees.tp if plan.parallel.sequence_parallel else sequence
     tokens = torch.empty((size, sequence), dtype=torch.long, device="meta")
-    width, dtype = config.model.d_model, model.residual_dtype
+    width, dtype = config.model.d_model, pipeline.residual_dtype
     residual = torch.empty((size, residual_sequence, width), dtype=dtype, device="meta", requires_grad=True)
-    logits = torch.empty((size, sequence, cast(GPT, pipeline.part).cfg.padded_vocab_size), dtype=dtype, device="meta")
+    logits = torch.empty((size, sequence, cast(GPT, pipeline.module).cfg.padded_vocab_size), dtype=dtype, device="meta")
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
         stage._user_meta.inputs = extract_tensor_metas((tokens if stage.is_first else residual,))

@@ -10,6 +10,8 @@ The tied embedding and LM head live on different stages (the first and the last)
 after backward their gradients are summed between the two ranks (Megatron's embedding group), and both get the
 same update. Gradient clipping takes the norm over all stages, counting that matrix once; the logged loss is the
 mean over the global batch, as in every layout.
+
+A Pipeline is one of ParallelModel's two executors (llmtrain/parallel/executor.py), the other accumulation.py's.
 """
 
 from __future__ import annotations
@@ -25,61 +27,58 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize, summed_cross_entropy
+from llmtrain.model import LayeredModel, summed_cross_entropy
+from llmtrain.parallel.executor import Combine
 from llmtrain.parallel.family import family_of
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
-from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
 from llmtrain.parallel.pipeline.schedules import torch_schedule
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
+from llmtrain.parallel.step_setup import StepSetup
 from llmtrain.parallel.tensors import MicroBatches, Statistic, full_tensor, grads_by_layout, local_tensor, squared_norm
-from llmtrain.plan import ParallelPlan, stage_layers
-from llmtrain.runtime import Runtime
+from llmtrain.plan import stage_layers
 
 
 class Pipeline:
-    """This rank's stages of the model cut by depth (`stages`, one per entry of `stage_indices`; `part` holds them
-    all, for the optimizer), laid out and allocated, and the schedule that runs them: all made at construction.
-    A ParallelModel of a pipelined plan holds one and hands it each step."""
+    """This rank's stages of the model cut by depth (`stages`, one per entry of `stage_indices`; `module` holds them
+    all, for the optimizer), each laid out by `steps` and allocated and initialised by `allocate`, and the schedule
+    that runs them: all made at construction."""
 
     def __init__(
         self,
-        plan: ParallelPlan,
-        mesh: RankMesh,
-        runtime: Runtime,
+        setup: StepSetup,
         model: LayeredModel,
         steps: LayoutSteps,
-        init_device: torch.device,
-        init: ParameterInit,
-        materializer: Materializer = materialize,
+        allocate: Callable[[nn.Module], None],
     ):
-        self.plan, self.mesh, self.runtime = plan, mesh, runtime
-        self.spec = schedule_spec(plan.parallel.pp_schedule)
-        self.group = mesh.device_mesh["pp"].get_group()
-        self.rank = mesh.device_mesh.get_local_rank("pp")
-        self.n_stages = plan.degrees.pp * plan.parallel.pp_stages_per_rank
-        self.stage_indices = rank_stages(self.rank, plan.degrees.pp, plan.parallel.pp_stages_per_rank, self.spec.style)
-        self.timeline = Timeline(runtime.device)
-        # The factor of this step's summed micro-batch losses (ParallelModel._loss_scale), set by forward_backward:
-        # the schedule calls the loss with what torch passes it alone.
+        self.setup = setup
+        self.plan, self.mesh, self.runtime = setup.plan, setup.mesh, setup.runtime
+        pp, per_rank = self.plan.degrees.pp, self.plan.parallel.pp_stages_per_rank
+        self.spec = schedule_spec(self.plan.parallel.pp_schedule)
+        self.group = self.mesh.device_mesh["pp"].get_group()
+        self.pp_rank = self.mesh.device_mesh.get_local_rank("pp")
+        self.n_stages = pp * per_rank
+        self.stage_indices = rank_stages(self.pp_rank, pp, per_rank, self.spec.style)
+        # What the stages send each other (the residual stream): bf16 where FSDP gathers bf16 weights; autocast's
+        # residual adds keep fp32.
+        fsdp_mixed_precision = steps.fsdp_mesh is not None and steps.param_dtype is not None
+        self.residual_dtype = torch.bfloat16 if fsdp_mixed_precision else torch.float32
+        self.timeline = Timeline(self.runtime.device)
+        # The factor of this step's summed micro-batch losses (StepSetup.loss_scale), set by forward_backward: the
+        # schedule calls the loss with what torch passes it alone.
         self._loss_scale: float | torch.Tensor = 1.0
         # Before the stages are allocated: a dry run's materializer turns every tensor made after it fake, and the
         # groups are read from the mesh's values.
         self.tied_group = self._tied_embedding_group()
-        self.part, self.stages = self._cut(model, steps, init_device, init, materializer)
-        self.tied_parameters = self.part.tied_parameters
+        self.module, self.stages = self._cut(model, steps, allocate)
+        self.tied_parameters = self.module.tied_parameters
         self.schedule = self._build_schedule()
 
     # -- construction ---------------------------------------------------------------------------------------
     def _cut(
-        self,
-        model: LayeredModel,
-        steps: LayoutSteps,
-        init_device: torch.device,
-        init: ParameterInit,
-        materializer: Materializer,
+        self, model: LayeredModel, steps: LayoutSteps, allocate: Callable[[nn.Module], None]
     ) -> tuple[LayeredModel, list[LayeredModel]]:
         """This rank's part of `model` (on the meta device), then each of its stages laid out (tensor / data
         parallelism) and allocated."""
@@ -97,7 +96,7 @@ class Pipeline:
             view = family.stage_view(part, layers[stage], stage == 0, stage == last)
             apply_layout(view, steps)
             # Per stage: each view is an FSDP root whose parameters FSDP must re-register once allocated.
-            materializer(view, init_device, init)
+            allocate(view)
             stages.append(view)
         return part, stages
 
@@ -106,7 +105,7 @@ class Pipeline:
         schedule_class = torch_schedule(self.spec)
         if schedule_class is None:
             return Reference1F1B(
-                self.stages[0], self.rank, self.n_stages, self.group, m, self._loss, device, self.timeline
+                self.stages[0], self.pp_rank, self.n_stages, self.group, m, self._loss, device, self.timeline
             )
         stages = [
             TimedStage(module, stage, self.n_stages, device, group=self.group, timeline=self.timeline)
@@ -138,19 +137,22 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return summed_cross_entropy(logits, targets) * self._loss_scale
 
-    def forward_backward(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        documents: dict[str, torch.Tensor],
-        loss_scale: float | torch.Tensor,
-    ) -> torch.Tensor:
-        """One step's micro-batches (this rank's part of each sequence, on the device) through the schedule; the
-        tied copies' gradients summed; the mean micro-batch loss, computed on the last stage's rank and shared with
-        the whole pipeline. `documents`: the stages' `documents` keyword for the whole step (split into micro-batches
-        as the inputs are; every stage gets its own), or none. `loss_scale`: each micro-batch's summed loss is
-        multiplied by it (ParallelModel._loss_scale)."""
-        self._loss_scale = loss_scale
+    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """One step's micro-batches through the schedule, which cuts their concatenation again: the mean micro-batch
+        loss, computed on the last stage's rank and shared with the whole pipeline."""
+        setup, device = self.setup, self.runtime.device
+        whole = torch.cat([x for x, _ in micro_batches])
+        inputs = setup.context_shard(whole).to(device)
+        targets = setup.context_shard(torch.cat([y for _, y in micro_batches])).to(device)
+        self._loss_scale = setup.loss_scale(micro_batches, self.plan.microbatches)
+        with setup.loss_context(), setup.precision():
+            return self._step(inputs, targets, setup.documents(whole))
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor, documents: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The schedule's step over the whole step's `inputs` and `targets` (this rank's part of each sequence, on
+        the device); the tied copies' gradients summed; the mean loss shared. `documents`: the stages' `documents`
+        keyword for the whole step (split into micro-batches as the inputs are; every stage gets its own), or
+        none."""
         losses: list[torch.Tensor] = []
         self.timeline.begin_step()
         # torch's schedules would otherwise keep every micro-batch's logits on the last stage to return them
@@ -161,17 +163,17 @@ class Pipeline:
             self.schedule.step(target=targets, losses=losses, **outputs, **documents)
         self._sum_tied_gradients()
         mean = torch.stack([full_tensor(loss) for loss in losses]).mean() if losses else None
-        return self.share(mean if mean is not None else torch.zeros((), device=self.runtime.device))
+        return self._share(mean if mean is not None else torch.zeros((), device=self.runtime.device))
 
-    def share(self, value: torch.Tensor) -> torch.Tensor:
+    def _share(self, value: torch.Tensor) -> torch.Tensor:
         """A value the last stage's rank computed (zeros on the others), on every rank of the pipeline."""
         dist.all_reduce(value, group=self.group)
         return value
 
     def _sum_tied_gradients(self) -> None:
-        held = {name for name, _ in self.part.named_parameters()}
+        held = {name for name, _ in self.module.named_parameters()}
         for tied, source in self.tied_parameters.items():
-            copies = [self.part.get_parameter(name) for name in (source, tied) if name in held]
+            copies = [self.module.get_parameter(name) for name in (source, tied) if name in held]
             if not all(copy.requires_grad for copy in copies):  # frozen beside low-rank adapters: no gradients
                 continue
             grads = [_local_grad(copy) for copy in copies]
@@ -182,30 +184,30 @@ class Pipeline:
             elif grads:
                 dist.all_reduce(grads[0], group=self.tied_group)
 
-    def forward_only(
-        self,
-        micro_batches: MicroBatches,
-        statistic: Statistic,
-        shard: Callable[[torch.Tensor], torch.Tensor],
-        documents_of: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """`statistic` of each micro-batch (`shard`: this rank's part of a sequence; `documents_of`: the stages'
-        `documents` keyword for whole windows) on the last stage's rank ([]
-        elsewhere), by forward-only pipelining, micro-batch by micro-batch: each rank runs, for micro-batch 0, 1,
-        ..., its stages in increasing order, receiving each input from the previous stage's rank and sending each
-        output on. Every rank goes through (micro-batch, stage) in the same order, so the k-th message between two
-        ranks is the k-th on both sides and each waits only on work that comes earlier in that order: no cycle,
-        even where a send blocks until received (NCCL; a rank with several stages sends both ways). With one stage
-        per rank the ranks still overlap: rank 0 computes micro-batch i + 1 while rank 1 computes i.
+    def forward_only(self, micro_batches: MicroBatches, statistic: Statistic, combine: Combine) -> torch.Tensor:
+        """`combine` of the micro-batches' statistics, computed on the last stage's rank (`combine([])` on the
+        others) and shared with the whole pipeline."""
+        with self.setup.precision(), self.setup.loss_context():
+            results = self._on_last_stage(micro_batches, statistic)
+        return self._share(combine(results))
+
+    def _on_last_stage(self, micro_batches: MicroBatches, statistic: Statistic) -> list[torch.Tensor]:
+        """`statistic` of each micro-batch on the last stage's rank ([] elsewhere), by forward-only pipelining,
+        micro-batch by micro-batch: each rank runs, for micro-batch 0, 1, ..., its stages in increasing order,
+        receiving each input from the previous stage's rank and sending each output on. Every rank goes through
+        (micro-batch, stage) in the same order, so the k-th message between two ranks is the k-th on both sides and
+        each waits only on work that comes earlier in that order: no cycle, even where a send blocks until received
+        (NCCL; a rank with several stages sends both ways). With one stage per rank the ranks still overlap: rank 0
+        computes micro-batch i + 1 while rank 1 computes i.
         The first output of each stage travels with a header (its trailing shape and dtype, a host read on the
         receiver); the others' shapes follow from the micro-batch sizes every pipeline rank already holds."""
-        device, last = self.runtime.device, self.n_stages - 1
+        setup, device, last = self.setup, self.runtime.device, self.n_stages - 1
         results: list[torch.Tensor] = []
         stages = sorted(zip(self.stage_indices, self.stages), key=lambda pair: pair[0])
         received: dict[int, tuple[list[int], torch.dtype]] = {}  # stage -> its input's trailing shape and dtype
         for i, (whole_inputs, whole_targets) in enumerate(micro_batches):
-            inputs, targets = shard(whole_inputs), shard(whole_targets)
-            documents = documents_of(whole_inputs)
+            inputs, targets = setup.context_shard(whole_inputs), setup.context_shard(whole_targets)
+            documents = setup.documents(whole_inputs)
             carried: torch.Tensor | None = None  # the output of the previous stage when this rank holds it
             for stage, module in stages:
                 if stage == 0:
@@ -238,7 +240,7 @@ class Pipeline:
         """The global gradient norm over every stage; a tied parameter's copy (the LM head's embedding matrix) is one
         parameter of the model, counted once."""
         tied = self.tied_parameters
-        counted = [param for name, param in self.part.named_parameters() if name not in tied]
+        counted = [param for name, param in self.module.named_parameters() if name not in tied]
         squared = squared_norm(grads_by_layout(counted))
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
@@ -258,7 +260,7 @@ class Pipeline:
         first of them sends it to rank 0 unless rank 0 holds it itself. No rank holds more than one whole tensor
         it does not keep; a tied copy (the head's embedding matrix) is not sent twice."""
         tied = self.tied_parameters
-        params = dict(self.part.named_parameters())
+        params = dict(self.module.named_parameters())
         listing = [(name, tuple(param.shape), param.dtype) for name, param in params.items() if name not in tied]
         held: list = [None] * self.plan.degrees.pp
         dist.all_gather_object(held, listing, group=self.group)
@@ -267,7 +269,7 @@ class Pipeline:
         for holder, names in enumerate(held):
             first_rank = int(self.mesh.device_mesh.mesh[holder].flatten()[0])
             for name, shape, dtype in names:
-                if holder == self.rank:
+                if holder == self.pp_rank:
                     whole = full_tensor(params[name].detach())
                     if self.runtime.is_main:
                         state[name] = whole.cpu()

@@ -1,0 +1,98 @@
+"""What every executor (executor.py) does alike around this rank's forward passes, whichever runs the micro-batches:
+which targets are scored, this rank's part of each sequence under context parallelism, the packed documents keyword,
+the factor that turns summed micro-batch losses into the global batch's mean, and the contexts the forward and the
+loss run in."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from llmtrain.errors import ConfigError
+from llmtrain.model.documents import document_starts
+from llmtrain.model.scoring import UNSCORED
+from llmtrain.parallel.context import shard_tokens
+from llmtrain.parallel.mesh import RankMesh, sum_over
+from llmtrain.parallel.precision import PrecisionContext
+from llmtrain.parallel.tensors import MicroBatches
+from llmtrain.parallel.tp import loss_context
+from llmtrain.plan import ParallelPlan
+from llmtrain.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """Where this rank sits (`plan`, `mesh`, `runtime`) and the step's conventions there; `of` checks that the run
+    can follow them."""
+
+    plan: ParallelPlan
+    mesh: RankMesh
+    runtime: Runtime
+    precision: PrecisionContext  # the forward passes' context (precision.py)
+    separator: int | None  # the end-of-text id packed documents are found by; None: causal attention
+    unscored_input: int | None  # the end-of-text id whose next target is not scored; None: every target counts
+    # Whether some targets may be unscored, so the loss's denominator is counted: at end-of-text tokens, or
+    # wherever the data says (fine-tuning trains the assistant's tokens alone).
+    counts_scored: bool
+
+    @classmethod
+    def of(
+        cls,
+        plan: ParallelPlan,
+        mesh: RankMesh,
+        runtime: Runtime,
+        precision: PrecisionContext,
+        eos_id: int | None,
+        masked_targets: bool,
+    ) -> StepSetup:
+        """`eos_id`: the tokenizer's end-of-text id, which document attention and unscored end-of-text targets
+        need; `masked_targets`: the data marks targets UNSCORED itself."""
+        needs_eos = "train.attention=document" if plan.train.attention == "document" else None
+        needs_eos = needs_eos or (None if plan.train.score_after_eos else "train.score_after_eos=false")
+        if eos_id is None and needs_eos:
+            raise ConfigError(
+                f"{needs_eos}: no end-of-text token to find documents by; build the model with a tokenizer"
+            )
+        separator = eos_id if plan.train.attention == "document" else None
+        unscored_input = None if plan.train.score_after_eos else eos_id
+        counts_scored = masked_targets or unscored_input is not None
+        return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored)
+
+    def loss_context(self) -> AbstractContextManager:
+        """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
+        return loss_context(self.plan.degrees.tp, self.plan.parallel.loss_parallel)
+
+    def context_shard(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of every sequence of `tokens` (batch, seq): all of it without context parallelism."""
+        cp = self.mesh.cp_mesh
+        return tokens if cp is None else shard_tokens(tokens, cp.size(), cp.get_local_rank())
+
+    def documents(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward's `documents` keyword for whole windows `tokens` (batch, seq): where the packed document of
+        each position this rank holds starts (model/documents.py); nothing under causal attention."""
+        if self.separator is None:
+            return {}
+        starts = self.context_shard(document_starts(tokens, self.separator))
+        return {"documents": starts.to(self.runtime.device)}
+
+    def scored(self, micro_batches: MicroBatches) -> MicroBatches:
+        """The micro-batches with the target at each end-of-text token unscored where train.score_after_eos is off."""
+        if self.unscored_input is None:
+            return micro_batches
+        return [(x, y.masked_fill(x == self.unscored_input, UNSCORED)) for x, y in micro_batches]
+
+    def loss_scale(self, micro_batches: MicroBatches, pieces: int) -> float | torch.Tensor:
+        """What a micro-batch's summed loss (over this rank's scored targets) is multiplied by so that the means the
+        layout then takes, over `pieces` micro-batches and over the data- and context-parallel ranks (of losses,
+        and of gradients by DDP / FSDP), give the mean over every scored target of the global batch: those ranks
+        x pieces / the global batch's scored targets. Known without communication when every target is scored;
+        otherwise the counts (of whole rows, the same on each context-parallel rank) are summed over the
+        data-parallel ranks, on the device, without a host read."""
+        ranks = self.plan.dp_size * self.plan.degrees.cp * pieces
+        if not self.counts_scored:
+            return ranks / (sum(targets.numel() for _, targets in micro_batches) * self.plan.dp_size)
+        counts = [(targets != UNSCORED).sum() for _, targets in micro_batches]
+        scored = sum_over(torch.stack(counts).sum().to(self.runtime.device, torch.float32), self.mesh.dp_mesh)
+        return ranks / scored.clamp(min=1)
