@@ -34,13 +34,22 @@ class DataParallelSpec:
 
 # parallel layouts' data_parallel field -> the mechanism.
 DATA_PARALLEL: dict[str, DataParallelSpec] = {
-    "none": DataParallelSpec("llmtrain.parallel.data_parallel:DataParallel", (), "nothing"),
-    "ddp": DataParallelSpec("llmtrain.parallel.data_parallel:DDP", ("dp_replicate",), "nothing"),
+    "none": DataParallelSpec(
+        implementation="llmtrain.parallel.data_parallel:DataParallel", dims=(), sharding="nothing"
+    ),
+    "ddp": DataParallelSpec(
+        implementation="llmtrain.parallel.data_parallel:DDP", dims=("dp_replicate",), sharding="nothing"
+    ),
     "zero1": DataParallelSpec(
-        "llmtrain.parallel.data_parallel:ZeroOne", ("dp_replicate",), "optimizer", flat_optimizer=True
+        implementation="llmtrain.parallel.data_parallel:ZeroOne",
+        dims=("dp_replicate",),
+        sharding="optimizer",
+        flat_optimizer=True,
     ),
     "fsdp": DataParallelSpec(
-        "llmtrain.parallel.data_parallel:FSDP", ("dp_replicate", "dp_shard", "cp", "tp"), "parameters"
+        implementation="llmtrain.parallel.data_parallel:FSDP",
+        dims=("dp_replicate", "dp_shard", "cp", "tp"),
+        sharding="parameters",
     ),
 }
 
@@ -48,7 +57,7 @@ DATA_PARALLEL: dict[str, DataParallelSpec] = {
 @dataclass(frozen=True)
 class LayoutSpec:
     """One layout a user picks with `parallel=<name>`: conf/parallel/<name>.yaml, the layout tables of README.md and
-    docs/parallelism.md and the planner's candidates are made from it (llmtrain/tools/layouts.py)."""
+    docs/parallelism.md (llmtrain/tools/layout_doc.py) and the planner's candidates are made from it."""
 
     description: str  # the yaml's opening comment: its first sentence is the option's line in --help and the docs
     degrees: dict[str, int | str]  # the mesh degrees its yaml sets (-1: the remaining ranks; RANKS_PER_NODE)
@@ -87,22 +96,22 @@ _SP = {"sequence_parallel": True}
 # the earlier row, which has fewer moving parts to debug.
 LAYOUTS: dict[str, LayoutSpec] = {
     "single": LayoutSpec(
-        "One process, no wrapper: the reference every other layout must reproduce.",
-        {},
-        "none",
-        "nothing",
-        ("Ψ", "Ψ", "2Ψ"),
-        "none",
-        "the model as it is",
+        description="One process, no wrapper: the reference every other layout must reproduce.",
+        degrees={},
+        data_parallel="none",
+        splits="nothing",
+        state=("Ψ", "Ψ", "2Ψ"),
+        communication="none",
+        built_from="the model as it is",
     ),
     "ddp": LayoutSpec(
-        "DistributedDataParallel: every rank a full replica, gradients averaged by all-reduce.",
-        {"dp_replicate": -1},
-        "ddp",
-        "the batch; every rank holds everything",
-        ("Ψ", "Ψ", "2Ψ"),
-        "all-reduce of the gradients: 2Ψ, bucketed and overlapped with backward, once per optimizer step",
-        "`DistributedDataParallel`, `no_sync` while accumulating",
+        description="DistributedDataParallel: every rank a full replica, gradients averaged by all-reduce.",
+        degrees={"dp_replicate": -1},
+        data_parallel="ddp",
+        splits="the batch; every rank holds everything",
+        state=("Ψ", "Ψ", "2Ψ"),
+        communication="all-reduce of the gradients: 2Ψ, bucketed and overlapped with backward, once per optimizer step",
+        built_from="`DistributedDataParallel`, `no_sync` while accumulating",
         overlaps=True,
         examples=(
             "torchrun --standalone --nproc_per_node=4 train.py parallel=ddp",
@@ -110,48 +119,54 @@ LAYOUTS: dict[str, LayoutSpec] = {
         ),
     ),
     "zero1": LayoutSpec(
-        "ZeRO stage 1: replicas, but each rank keeps the optimizer state of only 1/N of the weights.",
-        {"dp_replicate": -1},
-        "zero1",
-        "the batch; optimizer state sharded",
-        ("Ψ", "Ψ", "2Ψ/N"),
-        "reduce-scatter of Ψ gradients + all-gather of Ψ updated parameters = 2Ψ, as DDP, after backward",
-        "written here (`llmtrain/parallel/zero.py`)",
+        description="ZeRO stage 1: replicas, but each rank keeps the optimizer state of only 1/N of the weights.",
+        degrees={"dp_replicate": -1},
+        data_parallel="zero1",
+        splits="the batch; optimizer state sharded",
+        state=("Ψ", "Ψ", "2Ψ/N"),
+        communication="reduce-scatter of Ψ gradients + all-gather of Ψ updated parameters = 2Ψ, as DDP, after backward",
+        built_from="written here (`llmtrain/parallel/zero.py`)",
     ),
     "zero2": LayoutSpec(
-        "ZeRO stage 2 with FSDP2: gradients and optimizer state sharded, parameters kept gathered from forward to "
-        "backward.",
-        {"dp_shard": -1},
-        "fsdp",
-        "the batch; gradients and optimizer state sharded",
-        ("Ψ/N (Ψ during the step)", "Ψ/N", "2Ψ/N"),
-        "all-gather of Ψ parameters (forward) + reduce-scatter of Ψ gradients = 2Ψ",
-        "FSDP2, `reshard_after_forward=False`",
+        description=(
+            "ZeRO stage 2 with FSDP2: gradients and optimizer state sharded, parameters kept gathered from forward to "
+            "backward."
+        ),
+        degrees={"dp_shard": -1},
+        data_parallel="fsdp",
+        splits="the batch; gradients and optimizer state sharded",
+        state=("Ψ/N (Ψ during the step)", "Ψ/N", "2Ψ/N"),
+        communication="all-gather of Ψ parameters (forward) + reduce-scatter of Ψ gradients = 2Ψ",
+        built_from="FSDP2, `reshard_after_forward=False`",
         settings={"reshard_after_forward": False},
         overlaps=True,
     ),
     "fsdp": LayoutSpec(
-        "FSDP2 fully_shard per transformer block and on the root: ZeRO stage 3.",
-        {"dp_shard": -1},
-        "fsdp",
-        "the batch; parameters, gradients and optimizer state sharded (ZeRO-3)",
-        ("Ψ/N", "Ψ/N", "2Ψ/N"),
-        "all-gather of Ψ (forward) + all-gather of Ψ (backward) + reduce-scatter of Ψ gradients = 3Ψ; on GPU in "
-        "bf16 the parameters are gathered in bf16 and gradients reduced in fp32",
-        "FSDP2 `fully_shard` per block + root",
+        description="FSDP2 fully_shard per transformer block and on the root: ZeRO stage 3.",
+        degrees={"dp_shard": -1},
+        data_parallel="fsdp",
+        splits="the batch; parameters, gradients and optimizer state sharded (ZeRO-3)",
+        state=("Ψ/N", "Ψ/N", "2Ψ/N"),
+        communication=(
+            "all-gather of Ψ (forward) + all-gather of Ψ (backward) + reduce-scatter of Ψ gradients = 3Ψ; on GPU in "
+            "bf16 the parameters are gathered in bf16 and gradients reduced in fp32"
+        ),
+        built_from="FSDP2 `fully_shard` per block + root",
         overlaps=True,
         planner_extras=("cp", "ep"),
         examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=fsdp",),
     ),
     "hsdp": LayoutSpec(
-        "Hybrid sharding: FSDP inside a node (dp_shard, fast links), replicas across nodes (dp_replicate).",
-        {"dp_replicate": -1, "dp_shard": RANKS_PER_NODE},
-        "fsdp",
-        "FSDP inside a node, replicas across nodes",
-        ("Ψ/S", "Ψ/S", "2Ψ/S"),
-        "3Ψ over the S ranks of a node, as fsdp + all-reduce of the Ψ/S gradient shard across nodes: the slow "
-        "links carry 2Ψ/S instead of 3Ψ",
-        "FSDP2 on a 2-D mesh",
+        description="Hybrid sharding: FSDP inside a node (dp_shard, fast links), replicas across nodes (dp_replicate).",
+        degrees={"dp_replicate": -1, "dp_shard": RANKS_PER_NODE},
+        data_parallel="fsdp",
+        splits="FSDP inside a node, replicas across nodes",
+        state=("Ψ/S", "Ψ/S", "2Ψ/S"),
+        communication=(
+            "3Ψ over the S ranks of a node, as fsdp + all-reduce of the Ψ/S gradient shard across nodes: the slow "
+            "links carry 2Ψ/S instead of 3Ψ"
+        ),
+        built_from="FSDP2 on a 2-D mesh",
         overlaps=True,
         examples=(
             "sbatch --nodes=2 launch/slurm.sbatch parallel=hsdp",
@@ -160,50 +175,56 @@ LAYOUTS: dict[str, LayoutSpec] = {
         ),
     ),
     "tp": LayoutSpec(
-        "Tensor parallelism: every layer split across all ranks, Megatron-style.",
-        {"tp": -1},
-        "none",
-        "each layer's matrices (+ sequence parallelism)",
-        ("Ψ/T", "Ψ/T", "2Ψ/T"),
-        "4 all-reduces of the b·s·h activations per layer (2 forward, 2 backward); with sequence parallelism "
-        "each becomes an all-gather + a reduce-scatter of the same volume",
-        "DTensor `parallelize_module` (`llmtrain/parallel/tp.py`)",
+        description="Tensor parallelism: every layer split across all ranks, Megatron-style.",
+        degrees={"tp": -1},
+        data_parallel="none",
+        splits="each layer's matrices (+ sequence parallelism)",
+        state=("Ψ/T", "Ψ/T", "2Ψ/T"),
+        communication=(
+            "4 all-reduces of the b·s·h activations per layer (2 forward, 2 backward); with sequence parallelism each "
+            "becomes an all-gather + a reduce-scatter of the same volume"
+        ),
+        built_from="DTensor `parallelize_module` (`llmtrain/parallel/tp.py`)",
         examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=tp parallel.sequence_parallel=true",),
     ),
     "ddp_tp": LayoutSpec(
-        "Tensor parallel inside (tp), plain replicas across (dp_replicate): DDP semantics over TP-sharded weights, "
-        "on FSDP2 with a replicate-only mesh (DistributedDataParallel does not take DTensor parameters).",
-        {"dp_replicate": -1, "tp": 2},
-        "fsdp",
-        "each layer's matrices inside, the batch across replicas",
-        ("Ψ/T", "Ψ/T", "2Ψ/T"),
-        "TP's per layer + all-reduce of the 2Ψ/T gradients across replicas",
-        "TP, then FSDP2 with a replicate-only mesh",
+        description=(
+            "Tensor parallel inside (tp), plain replicas across (dp_replicate): DDP semantics over TP-sharded weights, "
+            "on FSDP2 with a replicate-only mesh (DistributedDataParallel does not take DTensor parameters)."
+        ),
+        degrees={"dp_replicate": -1, "tp": 2},
+        data_parallel="fsdp",
+        splits="each layer's matrices inside, the batch across replicas",
+        state=("Ψ/T", "Ψ/T", "2Ψ/T"),
+        communication="TP's per layer + all-reduce of the 2Ψ/T gradients across replicas",
+        built_from="TP, then FSDP2 with a replicate-only mesh",
         settings=_SP,
         overlaps=True,
     ),
     "fsdp_tp": LayoutSpec(
-        "2-D parallelism: tensor parallel inside (tp, the fastest links), FSDP across (dp_shard).",
-        {"dp_shard": -1, "tp": 2},
-        "fsdp",
-        "each layer's matrices inside, FSDP across",
-        ("Ψ/(N·T)", "Ψ/(N·T)", "2Ψ/(N·T)"),
-        "TP's per layer over the T ranks + FSDP's 3Ψ/T over the N ranks",
-        "TP, then `fully_shard` on the TP-sharded parameters",
+        description="2-D parallelism: tensor parallel inside (tp, the fastest links), FSDP across (dp_shard).",
+        degrees={"dp_shard": -1, "tp": 2},
+        data_parallel="fsdp",
+        splits="each layer's matrices inside, FSDP across",
+        state=("Ψ/(N·T)", "Ψ/(N·T)", "2Ψ/(N·T)"),
+        communication="TP's per layer over the T ranks + FSDP's 3Ψ/T over the N ranks",
+        built_from="TP, then `fully_shard` on the TP-sharded parameters",
         settings=_SP,
         overlaps=True,
         examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=fsdp_tp        # 2 x 2",),
     ),
     "pp": LayoutSpec(
-        "Pipeline parallelism: the model cut by depth into stages, one per rank (or pp_stages_per_rank), "
+        description="Pipeline parallelism: the model cut by depth into stages, one per rank (or pp_stages_per_rank), "
         "micro-batches flowing through a schedule.",
-        {"pp": -1},
-        "fsdp",
-        "the layers into stages; 7 schedules (GPipe to DualPipeV)",
-        ("Ψ/P", "Ψ/P", "2Ψ/P"),
-        "one activation forward and its gradient backward per micro-batch, point-to-point between neighbours; "
-        "idle time (the bubble) (P − 1)/m of compute for gpipe and 1f1b, drawn each run into pipeline.png",
-        "torch `PipelineStage` + schedules; stage split written here",
+        degrees={"pp": -1},
+        data_parallel="fsdp",
+        splits="the layers into stages; 7 schedules (GPipe to DualPipeV)",
+        state=("Ψ/P", "Ψ/P", "2Ψ/P"),
+        communication=(
+            "one activation forward and its gradient backward per micro-batch, point-to-point between neighbours; idle "
+            "time (the bubble) (P − 1)/m of compute for gpipe and 1f1b, drawn each run into pipeline.png"
+        ),
+        built_from="torch `PipelineStage` + schedules; stage split written here",
         pipeline=True,
         overlaps=True,
         examples=(
@@ -213,39 +234,41 @@ LAYOUTS: dict[str, LayoutSpec] = {
         ),
     ),
     "pp_fsdp": LayoutSpec(
-        "Pipeline across (pp) x FSDP within each stage (dp_shard), its gathered parameters kept for the step.",
-        {"pp": 2, "dp_shard": -1},
-        "fsdp",
-        "the layers into stages, each stage FSDP-sharded",
-        ("Ψ/(P·N)", "Ψ/(P·N)", "2Ψ/(P·N)"),
-        "pipeline point-to-point across + FSDP's within each stage, gathered once per step",
-        "stages, then `fully_shard`",
+        description=(
+            "Pipeline across (pp) x FSDP within each stage (dp_shard), its gathered parameters kept for the step."
+        ),
+        degrees={"pp": 2, "dp_shard": -1},
+        data_parallel="fsdp",
+        splits="the layers into stages, each stage FSDP-sharded",
+        state=("Ψ/(P·N)", "Ψ/(P·N)", "2Ψ/(P·N)"),
+        communication="pipeline point-to-point across + FSDP's within each stage, gathered once per step",
+        built_from="stages, then `fully_shard`",
         pipeline=True,
         overlaps=True,
         examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=pp_fsdp          # pp 2 x dp_shard 2",),
     ),
     "pp_tp": LayoutSpec(
-        "Pipeline across (pp) x tensor parallel within each stage (tp, the fastest links).",
-        {"pp": 2, "tp": -1},
-        "fsdp",
-        "the layers into stages, each layer's matrices within a stage",
-        ("Ψ/(P·T)", "Ψ/(P·T)", "2Ψ/(P·T)"),
-        "TP's per layer within each stage + pipeline point-to-point across",
-        "stages, then TP",
+        description="Pipeline across (pp) x tensor parallel within each stage (tp, the fastest links).",
+        degrees={"pp": 2, "tp": -1},
+        data_parallel="fsdp",
+        splits="the layers into stages, each layer's matrices within a stage",
+        state=("Ψ/(P·T)", "Ψ/(P·T)", "2Ψ/(P·T)"),
+        communication="TP's per layer within each stage + pipeline point-to-point across",
+        built_from="stages, then TP",
         pipeline=True,
         settings=_SP,
         overlaps=True,
         examples=("torchrun --standalone --nproc_per_node=4 train.py parallel=pp_tp            # pp 2 x tp 2",),
     ),
     "3d": LayoutSpec(
-        "3-D parallelism as big runs map it onto hardware: tensor parallel inside a node, FSDP over the "
+        description="3-D parallelism as big runs map it onto hardware: tensor parallel inside a node, FSDP over the "
         "data-parallel ranks, pipeline across nodes (point-to-point only, it tolerates slow links).",
-        {"pp": 2, "dp_shard": -1, "tp": 2},
-        "fsdp",
-        "TP inside a node, FSDP over data ranks, pipeline across nodes",
-        ("Ψ/(P·N·T)", "Ψ/(P·N·T)", "2Ψ/(P·N·T)"),
-        "TP's per layer over the T ranks, FSDP's over the N, pipeline point-to-point over the P",
-        "stages, TP, `fully_shard`",
+        degrees={"pp": 2, "dp_shard": -1, "tp": 2},
+        data_parallel="fsdp",
+        splits="TP inside a node, FSDP over data ranks, pipeline across nodes",
+        state=("Ψ/(P·N·T)", "Ψ/(P·N·T)", "2Ψ/(P·N·T)"),
+        communication="TP's per layer over the T ranks, FSDP's over the N, pipeline point-to-point over the P",
+        built_from="stages, TP, `fully_shard`",
         pipeline=True,
         settings=_SP,
         overlaps=True,
@@ -292,13 +315,38 @@ class ScheduleSpec:
 
 # parallel.pp_schedule -> how the micro-batches flow (llmtrain/parallel/pipeline/schedules.py describes each).
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec("ScheduleGPipe", "one", "loop", "1"),
-    "1f1b": ScheduleSpec("Schedule1F1B", "one", "loop", "pp"),
-    "1f1b_reference": ScheduleSpec(None, "one", "loop", "pp"),
-    "interleaved_1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "several", "loop", "pp", True),
-    "zero_bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "several", "loop", "pp", True, splits_backward=True),
-    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "two", "v", "stages", splits_backward=True),
-    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "two", "v", "stages", splits_backward=True),
+    "gpipe": ScheduleSpec(torch_class="ScheduleGPipe", stages_per_rank="one", style="loop", microbatches_at_least="1"),
+    "1f1b": ScheduleSpec(torch_class="Schedule1F1B", stages_per_rank="one", style="loop", microbatches_at_least="pp"),
+    "1f1b_reference": ScheduleSpec(torch_class=None, stages_per_rank="one", style="loop", microbatches_at_least="pp"),
+    "interleaved_1f1b": ScheduleSpec(
+        torch_class="ScheduleInterleaved1F1B",
+        stages_per_rank="several",
+        style="loop",
+        microbatches_at_least="pp",
+        microbatches_multiple_of_pp=True,
+    ),
+    "zero_bubble": ScheduleSpec(
+        torch_class="ScheduleInterleavedZeroBubble",
+        stages_per_rank="several",
+        style="loop",
+        microbatches_at_least="pp",
+        microbatches_multiple_of_pp=True,
+        splits_backward=True,
+    ),
+    "zbv": ScheduleSpec(
+        torch_class="ScheduleZBVZeroBubble",
+        stages_per_rank="two",
+        style="v",
+        microbatches_at_least="stages",
+        splits_backward=True,
+    ),
+    "dualpipev": ScheduleSpec(
+        torch_class="ScheduleDualPipeV",
+        stages_per_rank="two",
+        style="v",
+        microbatches_at_least="stages",
+        splits_backward=True,
+    ),
 }
 
 
@@ -321,10 +369,12 @@ class OptimizerSpec:
 
 # optim.name -> what it updates, and how (llmtrain/optim/ builds each; conf/optim/<name>.yaml sets its defaults).
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("AdamW on every parameter", 2),
+    "adamw": OptimizerSpec(description="AdamW on every parameter", matrix_moments=2),
     "muon": OptimizerSpec(
-        "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases",
-        1,
+        description=(
+            "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases"
+        ),
+        matrix_moments=1,
         whole_matrices=True,
     ),
 }

@@ -1,5 +1,5 @@
 """The optimizers (optim.name, named in llmtrain/catalog.py) over the parameter groups of groups.py, and the
-learning-rate schedules (schedule.py)."""
+learning-rate schedules (lr_schedule.py)."""
 
 from __future__ import annotations
 
