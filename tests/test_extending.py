@@ -1,0 +1,181 @@
+"""docs/extending.md, followed: its blocks, read out of the page and installed (tests/extending_worker.py), do what
+the page says. The layout row makes the option file the page shows, the tables and a plan, and the planner costs it
+by its fields; the model family is what meta_model builds for its preset, its pipeline parts are of the family, and
+it learns; Lion's steps are the ones worked by hand, and a run of `optim=lion` trains with it. The slow test trains
+the layout and the family on two processes against their one-process runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_matches_single, torchrun
+from extending_worker import (
+    added_lines,
+    blocks,
+    install_family,
+    install_layout,
+    install_optimizer,
+    write_options,
+)
+from omegaconf import OmegaConf
+
+import llmtrain.model
+import llmtrain.optim
+from llmtrain.config import OptimConfig, ParallelConfig
+from llmtrain.job import build_training
+from llmtrain.parallel.family import family_of
+from llmtrain.plan import Degrees, ParallelPlan
+from llmtrain.planner.candidates import enumerate_candidates
+from llmtrain.planner.cost import layout_cost
+from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
+from llmtrain.runtime import Runtime
+from llmtrain.tools import compose_config
+from llmtrain.tools.layout_doc import option_file, readme_table, state_table
+from llmtrain.train.loop import Trainer
+
+WORKER = Path(__file__).resolve().parent / "extending_worker.py"
+ALONE = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+# A short run of the tiny models on the tests' short documents in byte tokens, at a rate that shows learning in a
+# few steps; nothing saved, nothing logged to W&B.
+RUN = [
+    "data=local",
+    f"data.path={Path(__file__).resolve().parent / 'data' / 'short_documents.jsonl'}",
+    "data.tokenizer.kind=byte",
+    "train.seq_len=64",
+    "train.batch_size=8",
+    "train.micro_batch_size=8",
+    "train.eval_every=0",
+    "train.save_model=false",
+    "train.device=cpu",
+    "optim.warmup_steps=0",
+    "checkpoint.resume=none",
+    "logging.wandb.mode=disabled",
+]
+
+
+@pytest.fixture
+def options(tmp_path) -> str:
+    """The override under which the page's option files compose."""
+    return write_options(tmp_path / "options")
+
+
+def _train(overrides: list[str], steps: int, run_dir: Path):
+    """The trainer's losses over `steps` steps of a run of `overrides`, and what it trained."""
+    config = compose_config([*RUN, f"train.steps={steps + 1}", *overrides])
+    parts = build_training(OmegaConf.to_object(config), ALONE, str(run_dir))
+    records: list[dict] = []
+    try:
+        trainer = Trainer(parts, records.append)
+        parts.model.module.train()
+        for _ in range(steps):
+            trainer.advance()
+    finally:
+        parts.data.close()
+    return [record["loss"] for record in records], parts
+
+
+def test_the_guides_edits_of_package_functions_only_add_lines():
+    """The page shows meta_model and build_optimizer whole, with the lines the reader adds: the rest is the package's
+    as it is (so the page goes stale here, not in the reader's editor)."""
+    assert added_lines(llmtrain.model.meta_model, "llmtrain/model/__init__.py meta_model") == [
+        "if model_cfg.name == 'tiny-relu2':",
+        "return SquaredReluGPT(gpt_config(model_cfg, vocab_size), recompute=recompute)",
+    ]
+    assert added_lines(llmtrain.optim.build_optimizer, "llmtrain/optim/__init__.py build_optimizer") == [
+        "if optim_cfg.name == 'lion':",
+        "return Lion(groups, optim_cfg)",
+    ]
+
+
+def test_the_layout_row_makes_its_option_file_tables_plan_and_costs(monkeypatch):
+    rows = install_layout(monkeypatch)
+    assert list(rows) == ["hybrid_zero2"]
+    row = rows["hybrid_zero2"]
+    assert option_file("hybrid_zero2", row) == blocks()["conf/parallel/hybrid_zero2.yaml"] + "\n"
+    assert any(line.startswith("| `hybrid_zero2` | the batch; gradients") for line in readme_table())
+    assert any(line.startswith("| `hybrid_zero2` | Ψ/S (Ψ during the step) | Ψ/S | 2Ψ/S |") for line in state_table())
+    cfg = compose_config(
+        ["model=tiny", "model.vocab_size=256", "hardware=rtx4080x4", "train.seq_len=64", "train.micro_batch_size=2"]
+    )
+    parallel = ParallelConfig(layout="hybrid_zero2", dp_replicate=-1, dp_shard=2, reshard_after_forward=False)
+    assert (
+        ParallelPlan.of(parallel, cfg.train, cfg.model, 4).describe()
+        == "hybrid_zero2 HSDP (dp_replicate 2 x dp_shard 2)"
+    )
+    # Weighed by the planner from its fields: on two nodes of 4 ranks, hsdp's degrees with zero2's kept parameters
+    # (a candidate for the default plan.layouts=dp, as hsdp is): hsdp's costs with that one knob turned, more held and
+    # less sent than hsdp's own.
+    work = workload_for(cfg, 256, configured_state_bytes(cfg, bf16=True))
+    machine = machine_for(cfg, 8, 4, True)
+    found = {c.name: c for c in enumerate_candidates(8, 4, cfg.model, cfg.train, "dp")}
+    assert found["hybrid_zero2"].degrees == found["hsdp"].degrees == Degrees(dp_replicate=2, dp_shard=4)
+    kept, hsdp = layout_cost(found["hybrid_zero2"], work, machine), layout_cost(found["hsdp"], work, machine)
+    turned = layout_cost(dataclasses.replace(found["hsdp"], reshard_after_forward=False), work, machine)
+    assert kept.heaviest == turned.heaviest and [dict(t.bytes) for t in kept.traffic] == [
+        dict(t.bytes) for t in turned.traffic
+    ]
+    assert kept.heaviest.gathered > hsdp.heaviest.gathered
+    assert kept.traffic[0].bytes["all_gather"] < hsdp.traffic[0].bytes["all_gather"]
+
+
+def test_the_family_is_built_for_its_preset_cut_as_itself_and_learns(monkeypatch, options, tmp_path):
+    squared_relu = install_family(monkeypatch)
+    cfg = compose_config([options, "model=tiny-relu2"]).model
+    model = llmtrain.model.meta_model(cfg, 256)
+    assert type(model) is squared_relu.SquaredReluGPT
+    assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in model.blocks.values())
+    part = family_of(model).pipeline_part(model, [2, 3], False, True)
+    assert type(part) is squared_relu.SquaredReluGPT and list(part.blocks) == ["2", "3"] and part.tok_emb is None
+    assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in part.blocks.values())
+    assert type(llmtrain.model.meta_model(compose_config([options, "model=tiny"]).model, 256)) is llmtrain.model.GPT
+    losses, parts = _train([options, "model=tiny-relu2", "optim.lr=3e-3"], 6, tmp_path)
+    assert type(parts.model.module) is squared_relu.SquaredReluGPT
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_lions_steps_are_the_ones_worked_by_hand(monkeypatch):
+    """Two steps on three weights (lr 0.1, weight decay 0.5, beta1 0.9, beta2 0.99), worked out on paper. Step 1:
+    the momentum is 0, so the update is sign(g₁) = (1, -1, 0); w = w(1 - 0.05) - 0.1 update = (0.85, -1.8, 0.475);
+    the momentum becomes 0.01 g₁ = (0.003, -0.001, 0). Step 2: 0.9 m + 0.1 g₂ = (0.0007, -0.0509, 0.02): the first
+    weight's momentum outvotes its gradient (-0.02); w = (0.8075 - 0.1, -1.71 + 0.1, 0.45125 - 0.1); the momentum
+    0.99 m + 0.01 g₂."""
+    lion = install_optimizer(monkeypatch)
+    weights = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    optim_cfg = OptimConfig(lr=0.1, weight_decay=0.5, beta1=0.9, beta2=0.99)
+    optimizer = lion.Lion([{"params": [weights]}], optim_cfg)
+    for gradient in ([0.3, -0.1, 0.0], [-0.02, -0.5, 0.2]):
+        weights.grad = torch.tensor(gradient)
+        optimizer.step()
+    assert weights.tolist() == pytest.approx([0.7075, -1.61, 0.35125], rel=1e-6)
+    assert optimizer.state[weights]["momentum"].tolist() == pytest.approx([0.00277, -0.00599, 0.002], rel=1e-5)
+
+
+def test_optim_lion_trains_with_lion(monkeypatch, options, tmp_path):
+    lion = install_optimizer(monkeypatch)
+    losses, parts = _train([options, "optim=lion", "optim.lr=1e-3"], 6, tmp_path)
+    assert type(parts.model.optimizer) is lion.Lion
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+# The guide's layout as it runs on one machine (dp_shard: its 2 ranks), and its family under the two layouts that
+# read the family's row: tensor parallelism (the plan) and a pipeline (its parts).
+TWO_RANKS = [
+    "parallel=hybrid_zero2",
+    "model=tiny-relu2 parallel=tp train.micro_batch_size=8",
+    "model=tiny-relu2 parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
+]
+
+
+@pytest.mark.slow
+def test_the_guides_layout_and_family_match_single_on_two_ranks(tmp_path_factory):
+    options = write_options(tmp_path_factory.mktemp("options"))
+    common = f"{options} model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+    out = tmp_path_factory.mktemp("extending")
+    torchrun(2, str(WORKER), str(out), common, *TWO_RANKS, timeout=600)
+    results = json.loads((out / "results.json").read_text())
+    for layout in TWO_RANKS:
+        assert_matches_single(results, layout)
