@@ -22,6 +22,7 @@ block changes nothing (the CPU kernel reports 0 for such a row).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,6 +59,23 @@ def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class AttendedQueries:
+    """What a block's backward needs of its queries (batch, heads, rows, dim): the queries themselves, and the whole
+    row's merged output, log-sum-exp (batch, heads, rows) and output gradient, all for the same rows."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    out_grad: torch.Tensor
+
+    def rows(self, rows: slice) -> AttendedQueries:
+        """The same for some of the rows (views)."""
+        return AttendedQueries(
+            self.q[..., rows, :], self.out[..., rows, :], self.lse[..., rows], self.out_grad[..., rows, :]
+        )
+
+
+@dataclass(frozen=True)
 class CudaAttentionOps:
     """CUDA's fused attention kernels, in aten's signatures: torch's own, or their arithmetic emulated in plain
     torch (kernel_emulation.py), which runs anywhere."""
@@ -75,7 +93,8 @@ class HostKernels:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
         return out, lse
 
-    def backward(self, out_grad, q, k, v, out, lse, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    def backward(self, queries: AttendedQueries, k, v, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+        out_grad, q, out, lse = queries.out_grad, queries.q, queries.out, queries.lse
         return list(
             aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 out_grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias
@@ -97,7 +116,8 @@ class CudaKernels:
         out, lse, *_ = self.ops.efficient(q, k, v, bias, True, 0.0, causal)
         return out, lse[..., : q.shape[-2]]
 
-    def backward(self, out_grad, q, k, v, out, lse, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    def backward(self, queries: AttendedQueries, k, v, causal: bool, bias: torch.Tensor | None) -> list[torch.Tensor]:
+        out_grad, q, out, lse = queries.out_grad, queries.q, queries.out, queries.lse
         if q.dtype in (torch.bfloat16, torch.float16) and bias is None:
             unused = torch.empty(2, dtype=torch.uint64, device=q.device)
             rows, keys = q.shape[-2], k.shape[-2]
@@ -156,19 +176,13 @@ def block_attention(
 
 
 def block_attention_backward(
-    out_grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    mask: torch.Tensor | None = None,
+    queries: AttendedQueries, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k and v through one block, given the whole row's output and log-sum-exp (what the block's
-    probabilities are normalised by once every block is merged); `mask` as block_attention's."""
-    kv_heads = k.shape[1]
+    """Gradients of the queries, k and v through one block, given the whole row's output and log-sum-exp (what the
+    block's probabilities are normalised by once every block is merged); `causal` and `mask` as block_attention's."""
+    q, kv_heads = queries.q, k.shape[1]
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     bias = None if mask is None else _bias(mask, q)
-    dq, dk, dv = kernels_for(q.device).backward(out_grad, q, k, v, out, lse.contiguous(), causal, bias)
+    queries = dataclasses.replace(queries, lse=queries.lse.contiguous())
+    dq, dk, dv = kernels_for(q.device).backward(queries, k, v, causal, bias)
     return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)

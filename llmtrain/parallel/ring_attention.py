@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
 from llmtrain.model.documents import visible
-from llmtrain.parallel.attention_blocks import block_attention, block_attention_backward
+from llmtrain.parallel.attention_blocks import AttendedQueries, block_attention, block_attention_backward
 
 
 @dataclass
@@ -190,26 +190,25 @@ def _forward_step(q, k, v, block: HeldBlock, out: torch.Tensor, lse: torch.Tenso
         merge_block(out[..., late, :], lse[..., late], *result)
 
 
-def _backward_step(q, k, v, out_grad, out, lse, block: HeldBlock, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+def _backward_step(queries: AttendedQueries, k, v, block: HeldBlock, dq: torch.Tensor, dkv: torch.Tensor) -> None:
     """Add this rank's queries' gradient from `block` to dq (fp32) and the block's key and value gradients to dkv
     (fp32, stacked)."""
-    early, late = _halves(q)
+    early, late = _halves(queries.q)
     whole = slice(None)
     if block.source == 0:
-        dq_block, dk, dv = block_attention_backward(out_grad, q, k, v, out, lse, block.causal, block.mask(whole, whole))
+        dq_block, dk, dv = block_attention_backward(queries, k, v, block.causal, block.mask(whole, whole))
         dq.add_(dq_block)
         dkv[0].add_(dk)
         dkv[1].add_(dv)
     elif block.source < 0:
         dq_block, dk, dv = block_attention_backward(
-            out_grad, q, k[..., early, :], v[..., early, :], out, lse, False, block.mask(whole, early)
+            queries, k[..., early, :], v[..., early, :], False, block.mask(whole, early)
         )
         dq.add_(dq_block)
         dkv[0][..., early, :].add_(dk)
         dkv[1][..., early, :].add_(dv)
     else:
-        rows = (out_grad[..., late, :], q[..., late, :], k, v, out[..., late, :], lse[..., late])
-        dq_block, dk, dv = block_attention_backward(*rows, False, block.mask(late, whole))
+        dq_block, dk, dv = block_attention_backward(queries.rows(late), k, v, False, block.mask(late, whole))
         dq[..., late, :].add_(dq_block)
         dkv[0].add_(dk)
         dkv[1].add_(dv)
@@ -253,7 +252,7 @@ def _ring_backward(
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = Ring(_resolve_process_group(GroupName(group_name)))
-    out_grad = out_grad.contiguous()
+    queries = AttendedQueries(q, out, lse, out_grad.contiguous())
     dq = torch.zeros(q.shape, dtype=_merged_dtype(q), device=q.device)
     kv = torch.stack([k, v])
     # The gradient accumulated so far for the block held now travels with it, one step behind its keys.
@@ -264,7 +263,7 @@ def _ring_backward(
         dkv = torch.zeros(kv.shape, dtype=_merged_dtype(q), device=kv.device)
         with RING_TIMES.interval("compute", q.device):
             block = HeldBlock.at(ring, step, starts, window or None)
-            _backward_step(q, kv[0], kv[1], out_grad, out, lse, block, dq, dkv)
+            _backward_step(queries, kv[0], kv[1], block, dq, dkv)
         if travelling is not None:
             _wait(travelling_works, q.device)
             dkv += travelling

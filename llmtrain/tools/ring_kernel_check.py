@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from llmtrain.differences import largest, tensor_difference, within
 from llmtrain.model.documents import document_attention, document_starts, visible, whole_window_documents
-from llmtrain.parallel.attention_blocks import block_attention, block_attention_backward
+from llmtrain.parallel.attention_blocks import AttendedQueries, block_attention, block_attention_backward
 from llmtrain.parallel.kernel_emulation import emulating_cuda_kernels
 from llmtrain.parallel.ring_attention import merge_block
 
@@ -88,18 +88,11 @@ def blocks_against_sdpa(device: torch.device, dtype: torch.dtype, mask_by: str, 
                 q[..., rows, :], k[..., keys, :], v[..., keys, :], causal and starts is None, mask(rows, keys)
             ),
         )
-    out_in_dtype = out.to(dtype)
+    attended = AttendedQueries(q, out.to(dtype), lse, out_grad)
     grads = [torch.zeros(x.shape, dtype=merged, device=device) for x in (q, k, v)]
     for rows, keys, causal in blocks:
         dq, dk, dv = block_attention_backward(
-            out_grad[..., rows, :].contiguous(),
-            q[..., rows, :].contiguous(),
-            k[..., keys, :].contiguous(),
-            v[..., keys, :].contiguous(),
-            out_in_dtype[..., rows, :].contiguous(),
-            lse[..., rows].contiguous(),
-            causal and starts is None,
-            mask(rows, keys),
+            attended.rows(rows), k[..., keys, :], v[..., keys, :], causal and starts is None, mask(rows, keys)
         )
         grads[0][..., rows, :] += dq
         grads[1][..., keys, :] += dk
