@@ -13,6 +13,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from llmtrain.launch_env import launch_coordinates
 # 2.9, llmtrain's floor, has only those.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,14 @@ class Runtime:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def from_main(self, value: T) -> T:
+        """Collective: rank 0's `value` on every rank (where each rank reading it for itself could see another)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def abort(self) -> None:
         """Abort every process group: NCCL's kernels stop spinning on the device and its communicators are freed,

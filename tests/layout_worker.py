@@ -59,7 +59,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         if name.endswith("lm_head"):
             module.register_forward_hook(lambda _module, _inputs, output: computed_in.add(str(output.dtype)))
     try:
-        trainer = Trainer(parts, records.append, preemption=None)
+        trainer = Trainer(parts, records.append)
         parts.model.module.train()
         for _ in range(STEPS):
             last_step_began = time.time_ns()  # on the flight recorder's clock

@@ -39,7 +39,7 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> dict[int, flo
     parts = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
     losses: dict[int, float] = {}
     try:
-        trainer = Trainer(parts, lambda record: losses.update({record["step"]: record["loss"]}), preemption=None)
+        trainer = Trainer(parts, lambda record: losses.update({record["step"]: record["loss"]}))
         parts.model.module.train()
         while trainer.state.step < STEPS:
             trainer.advance()

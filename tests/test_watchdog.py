@@ -153,8 +153,8 @@ def run_steps(watchdog: StepWatchdog, step_seconds: list[float], first_step: int
     step = first_step
     for seconds in step_seconds:
         for phase in ("starting the step", "forward/backward", "optimizer"):
-            watchdog.mark(step, phase)
-        watchdog.observe_step(seconds)
+            watchdog.phase_begins(step, phase)
+        watchdog.step_ends(step, seconds)
         step += 1
     return step
 
@@ -163,7 +163,7 @@ def stall_until_fired(watchdog: StepWatchdog, exit_: RecordedExit, step: int, ph
     """Enter `phase` and make no more progress: the seconds until the watchdog fired (measured from before the mark,
     so never less than the allowance it gave the phase)."""
     entered = time.monotonic()
-    watchdog.mark(step, phase)
+    watchdog.phase_begins(step, phase)
     assert exit_.fired.wait(FIRING_WAIT), f"no firing within {FIRING_WAIT} s of {phase} (timeout {watchdog.timeout})"
     assert exit_.at is not None
     return exit_.at - entered
@@ -187,7 +187,7 @@ def test_the_default_watchdog_is_not_armed_before_the_fifth_step(default_watchdo
     watchdog, exit_ = default_watchdog(auto_floor=0.05)
     step = run_steps(watchdog, [0.001] * 4)
     assert watchdog.timeout is None
-    watchdog.mark(step, "forward/backward")
+    watchdog.phase_begins(step, "forward/backward")
     assert not exit_.fired.wait(0.3), "the watchdog fired before the warm-up steps were over"
     step = run_steps(watchdog, [0.001], first_step=step)
     assert watchdog.timeout == pytest.approx(0.05)

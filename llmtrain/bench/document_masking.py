@@ -92,7 +92,7 @@ def trained_losses(overrides: list[str], mode: str, steps: int) -> dict[str, flo
     with tempfile.TemporaryDirectory() as run_dir:
         parts = build_training(cast(RootConfig, OmegaConf.to_object(config)), ONE_PROCESS, run_dir)
         try:
-            trainer = Trainer(parts, lambda record: None, preemption=None)
+            trainer = Trainer(parts, lambda record: None)
             parts.model.module.train()
             for _ in range(steps):
                 trainer.advance()

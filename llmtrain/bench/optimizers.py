@@ -52,7 +52,7 @@ def train(overrides: list[str], steps: int, runtime: Runtime) -> tuple[float, fl
         records: list[dict] = []
         seconds: list[float] = []
         try:
-            trainer = Trainer(parts, records.append, preemption=None)
+            trainer = Trainer(parts, records.append)
             parts.model.module.train()
             for _ in range(steps):
                 started = time.perf_counter()

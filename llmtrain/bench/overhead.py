@@ -85,7 +85,7 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
     )
     with tempfile.TemporaryDirectory() as run_dir:
         training = build_training(cast(RootConfig, OmegaConf.to_object(cfg)), runtime, run_dir)
-        trainer = Trainer(training, lambda record: None, preemption=None)
+        trainer = Trainer(training, lambda record: None)
         data, train_slice = training.data.train, training.train_slice
         vocab_size = training.model_config.vocab_size
         batches = [train_slice.micro_batches(data.next()) for _ in range(max(steps, 4))]

@@ -9,7 +9,9 @@ how long a step should take, and which layout to run ("measure first", then comp
     plan.py        one layout's plan, predicted step time, and the choice among layouts
     inputs.py      the machine and workload of a composed config
     auto.py        parallel=auto
+    resolve.py     the planner on a live run: its device's hardware, parallel=auto decided on rank 0 for every
+                   rank, the end summary's prediction
 
-Used by `python -m llmtrain.tools.plan`, by `parallel=auto` (llmtrain/job.py) and by
+Used by `python -m llmtrain.tools.plan`, by `parallel=auto` (resolve.py, from llmtrain/job.py) and by
 llmtrain.bench.layout_memory, which measures what the plans predict.
 """

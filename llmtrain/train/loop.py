@@ -1,6 +1,8 @@
 """The training loop: for each optimizer step, the parallel model's forward/backward over this rank's micro-batches,
 the global-batch loss, clipping, the optimizer and schedule steps, then metrics, validation and checkpoints on
-schedule, and a clean stop when the job is asked to end (preemption.py).
+schedule, and a clean stop when the job is asked to end (preemption.py). What watches the steps without steering
+them (the hang watchdog, the straggler report, the profiler, the fault points) hears of them through the hooks of
+observers.py.
 
 A step whose loss or gradient norm is not finite does not touch the weights: its gradients are dropped, the step
 is recorded with `skipped: true`, and after train.max_bad_steps such steps in a row the run stops."""
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,10 +33,7 @@ from llmtrain.parallel.tensors import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.downstream import evaluate_tasks
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
-from llmtrain.train.preemption import PreemptionWatch
-from llmtrain.train.profiling import StepProfiler
-from llmtrain.train.stragglers import StragglerWatch
-from llmtrain.train.watchdog import StepWatchdog
+from llmtrain.train.observers import Observers, StepObserver
 
 log = logging.getLogger("llmtrain")
 
@@ -56,6 +55,20 @@ class LoopState:
     records: list[dict[str, Any]] = field(default_factory=list)
     train_seconds: float = 0.0
     bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
+
+
+@dataclass(frozen=True)
+class StepResults:
+    """What a step's one host read brings: loss and gradient norm (reduced over the ranks), the ranks' agreed flag
+    (Trainer._agreed_flag), the targets trained (0 where the data trains every target), the experts' load (empty
+    without experts) and the observers' values (Observers.values_to_read)."""
+
+    loss: float
+    grad_norm: float
+    agreed: float
+    trained_tokens: float
+    expert_load: list[float]
+    observed: list[float]
 
 
 @dataclass
@@ -81,20 +94,40 @@ class Components:
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
 
 
+class StopSignals(Protocol):
+    """Whether this rank was asked to stop, and by which signal: train/preemption.py's PreemptionWatch."""
+
+    signal_name: str | None
+
+    def stop_requested(self, runtime: Runtime) -> bool: ...
+
+
+class _Unwatched:
+    """No stop signal watched: a benchmark's or a test worker's trainer runs until its caller stops."""
+
+    signal_name: str | None = None
+
+    def stop_requested(self, runtime: Runtime) -> bool:
+        return False
+
+
+_UNWATCHED = _Unwatched()
+
+
 class Trainer:
-    """Runs the steps of one job over its components, reporting each step's record to `on_record`, stopping
-    cleanly at a step boundary when `preemption` saw a stop signal, recording the steps `profiler` asks for, and
-    telling `watchdog` where it is and `stragglers` when its steps start and end. What others use of it: `run` (the
-    job), `advance` (a number of steps: benchmarks and test workers), `state`, `model` and `checkpoints`."""
+    """Runs the steps of one job over its components, reporting each step's record to `on_record`, telling its
+    `observers` (train/observers.py: the hang watchdog, the straggler report, the profiler, the fault points) where
+    each step is, and stopping cleanly at a step boundary when `preemption` saw a stop signal on any rank. What
+    others use of it: `run` (the job), `advance` (a number of steps: benchmarks and test workers), `state`, `model`
+    and `checkpoints`."""
 
     def __init__(
         self,
         parts: Components,
         on_record: Callable[[dict[str, Any]], None],
-        preemption: PreemptionWatch | None,
-        profiler: StepProfiler | None = None,
-        watchdog: StepWatchdog | None = None,
-        stragglers: StragglerWatch | None = None,
+        *,
+        observers: Sequence[StepObserver] = (),
+        preemption: StopSignals = _UNWATCHED,
     ):
         self._train = parts.config.train
         self._grad_clip = parts.config.optim.grad_clip
@@ -110,10 +143,8 @@ class Trainer:
         self._train_slice = parts.train_slice
         self._val_slice = parts.val_slice
         self.checkpoints = parts.checkpoints
+        self._observers = Observers(observers)
         self._preemption = preemption
-        self._profiler = profiler
-        self._watchdog = watchdog
-        self._stragglers = stragglers
         self.state = parts.state
         self._tasks = parts.tasks
         self._task_every = parts.config.eval.every or self._train.eval_every
@@ -171,87 +202,82 @@ class Trainer:
                 record[f"val_loss/{v.name}"] = loss
         return record
 
-    def _mark(self, phase: str, step: int | None = None) -> None:
-        step = self.state.step + 1 if step is None else step
-        if self._watchdog is not None:
-            self._watchdog.mark(step, phase)
-        faults.phase_begins(step, phase, self._runtime.rank)
-
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step over the global batch; its record."""
+        step = self.state.step + 1
         started = time.perf_counter()
-        self._mark("starting the step")
-        if self._stragglers is not None:
-            self._stragglers.begin()
-        faults.step_begins(self.state.step + 1, self._runtime.rank)
+        self._observers.phase_begins(step, "starting the step")
+        self._observers.step_begins(step)
         with faults.counting_host_reads(self._optimizer), faults.counting_device_syncs():
-            record = self._step(started)
-        faults.step_ends(started)
+            record, seconds = self._step(step, started)
+        self._observers.step_ends(step, seconds)
         return record
 
-    def _step(self, started: float) -> dict[str, Any]:
+    def _step(self, step: int, started: float) -> tuple[dict[str, Any], float]:
         begin_step_memory(self._runtime.device)
         rows = self._data.train.next()
         micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
-        self._mark("forward/backward")
+        self._observers.phase_begins(step, "forward/backward")
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
-        loss = faults.gradients_computed(self.state.step + 1, loss, self.model.module.parameters())
-        self._mark("clipping")
+        loss = self._observers.gradients_computed(step, loss)
+        self._observers.phase_begins(step, "clipping")
         grad_norm = self.model.clip_grad_norm(self._grad_clip)
-        device = self._runtime.device
-        agreed = self._agreed_flag()
-        # The step's one host synchronisation: loss, norm and stop flag come over together. The optimizer step
-        # below depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each
-        # comes to the compute device first: with parallel.cpu_offload the gradient norm is a host tensor.
-        load = self.model.expert_load()
-        ranks_seconds = self._stragglers.gathered(self.state.step + 1) if self._stragglers is not None else None
-        self._mark("reading the step's results")
-        extra = [value for value in (load, ranks_seconds) if value is not None]
-        trained = self._trained_tokens(rows)
-        scalars = [full_tensor(loss), grad_norm, agreed, trained, *extra]
-        loss_value, norm_value, agreed_value, trained_value, *extra_values = torch.cat(
-            [value.to(device=device, dtype=torch.float64).reshape(-1) for value in scalars]
-        ).tolist()
-        # A step's time runs from the step before's read to this one's: the device is waited for only here, so the
-        # step before's optimizer, still queued at its read, is in this period and every period holds one of each.
-        # After validation, tasks or a checkpoint (which wait for the device themselves) it runs from this step's
-        # start.
-        read_at = time.perf_counter()
-        seconds = read_at - (started if self._previous_read is None else self._previous_read)
-        self._previous_read = read_at
-        if self._stragglers is not None:
-            self._stragglers.after_host_read()
-        load_values = extra_values[: 0 if load is None else load.numel()]
-        self._stop_requested = agreed_value >= STOP
-        self._clock_save_due = agreed_value == CLOCK_SAVE
+        results = self._read_results(step, loss, grad_norm, rows)
+        seconds = self._seconds_since_last_read(started)
+        self._stop_requested = results.agreed >= STOP
+        self._clock_save_due = results.agreed == CLOCK_SAVE
         record: dict[str, Any] = {
-            "step": self.state.step + 1,
-            "loss": loss_value,
+            "step": step,
+            "loss": results.loss,
             "lr": float(self._lr_schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
-            "grad_norm": norm_value,
+            "grad_norm": results.grad_norm,
         }
-        if load_values:  # routed slots per expert, all mixture blocks together: the load balance
-            record["expert_load"] = [round(value) for value in load_values]
-            record["expert_imbalance"] = max(load_values) * len(load_values) / max(sum(load_values), 1)
-        if ranks_seconds is not None and self._stragglers is not None:
-            self._stragglers.report(record["step"], extra_values[len(load_values) :], record)
+        record.update(_expert_balance(results.expert_load))
+        self._observers.results_read(step, results.observed, record)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
-        self._mark("optimizer")
-        if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
+        self._observers.phase_begins(step, "optimizer")
+        if math.isfinite(results.loss) and math.isfinite(results.grad_norm):
             self._optimizer.step()
             self.state.bad_steps = 0
         else:
             self._skip(record)
         self._optimizer.zero_grad(set_to_none=True)
         self._lr_schedule.step()
-        if self._watchdog is not None:
-            self._watchdog.observe_step(seconds)
-        tokens = self._train.batch_size * self._train.seq_len
         if self._data.masks_targets:
-            record["trained_tokens"] = round(trained_value)
+            record["trained_tokens"] = round(results.trained_tokens)
+        tokens = self._train.batch_size * self._train.seq_len
         record["tokens_per_s"] = tokens / seconds
         record["mfu"] = mfu(tokens / seconds / self._runtime.world_size, self._flops_per_token, self._peak)
         self.state.train_seconds += seconds
-        return record
+        return record, seconds
+
+    def _read_results(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, rows: np.ndarray) -> StepResults:
+        """Collective: the step's one host synchronisation. Loss, norm and stop flag come over together, with the
+        targets trained, the experts' load and what the observers asked for. The optimizer step depends on them (a
+        non-finite step leaves the weights untouched), so it cannot be skipped. Each comes to the compute device
+        first: with parallel.cpu_offload the gradient norm is a host tensor."""
+        agreed = self._agreed_flag()
+        load = self.model.expert_load()
+        loads = [] if load is None else [load]
+        observed = self._observers.values_to_read(step)
+        self._observers.phase_begins(step, "reading the step's results")
+        trained = self._trained_tokens(rows)
+        scalars = [full_tensor(loss), grad_norm, agreed, trained, *loads, *observed]
+        loss_value, norm_value, agreed_value, trained_value, *rest = torch.cat(
+            [value.to(device=self._runtime.device, dtype=torch.float64).reshape(-1) for value in scalars]
+        ).tolist()
+        counted = sum(tensor.numel() for tensor in loads)
+        return StepResults(loss_value, norm_value, agreed_value, trained_value, rest[:counted], rest[counted:])
+
+    def _seconds_since_last_read(self, started: float) -> float:
+        """A step's time runs from the step before's read to this one's: the device is waited for only there, so the
+        step before's optimizer, still queued at its read, is in this period and every period holds one of each.
+        After validation, tasks or a checkpoint (which wait for the device themselves) it runs from this step's
+        start."""
+        read_at = time.perf_counter()
+        seconds = read_at - (started if self._previous_read is None else self._previous_read)
+        self._previous_read = read_at
+        return seconds
 
     def _trained_tokens(self, rows: np.ndarray) -> torch.Tensor:
         """Collective where the data marks untrained targets: the targets trained in this step's global batch
@@ -266,7 +292,7 @@ class Trainer:
         results: STOP (a rank was asked to stop: save and exit), CLOCK_SAVE (checkpoint.every_minutes have passed
         on rank 0's clock since the last save), or 0. Filled on the device: torch.tensor(value, device=cuda) would
         copy from host memory, a sync each step."""
-        stop = self._preemption is not None and self._preemption.stop_requested(self._runtime)
+        stop = self._preemption.stop_requested(self._runtime)
         interval = self._checkpoint_minutes * 60
         due = self._runtime.is_main and interval > 0 and time.monotonic() - self._last_save >= interval
         flag = torch.full((), STOP if stop else CLOCK_SAVE if due else 0.0, device=self._runtime.device)
@@ -289,41 +315,52 @@ class Trainer:
             )
 
     def run(self) -> LoopState:
+        """The steps up to train.steps, then the last checkpoint's write waited for; however the run ends, the
+        observers are closed."""
         self.model.module.train()
-        while self.state.step < self._train.steps:
-            self.advance()
+        try:
+            while self.state.step < self._train.steps:
+                self.advance()
+            self.checkpoints.finish()
+        finally:
+            self._observers.close()
         return self.state
 
     def advance(self) -> None:
         """One step and what the run does around it: validation, memory, checkpoint completion, the record,
         saving, stopping when asked."""
-        if self._profiler is not None:
-            self._profiler.before_step(self.state.step + 1)
         record = self.train_step()
-        if self._profiler is not None:
-            self._profiler.after_step(record["step"])
         self.state.step = step = record["step"]
         stop = self._stop_requested
         save = stop or self._clock_save_due or self._is_checkpoint_step(step)
         if self._is_eval_step(step) or self._is_task_step(step) or save:
             self._previous_read = None  # their time is not the next step's
         if self._is_eval_step(step):
-            self._mark("validation", step)
+            self._observers.phase_begins(step, "validation")
             record.update(self.validate())
         if self._is_task_step(step):
-            self._mark("downstream tasks", step)
+            self._observers.phase_begins(step, "downstream tasks")
             record.update(evaluate_tasks(self.model, self._tasks, self._train.micro_batch_size))
-        self._mark("logging", step)
+        self._observers.phase_begins(step, "logging")
         record.update(self._data.source_tokens(self._train.seq_len))
         record.update(step_memory(self._runtime.device))
         self.checkpoints.poll()
         self.state.records.append(record)
         self._on_record(record)
         if save:
-            self._mark("checkpoint", step)
+            self._observers.phase_begins(step, "checkpoint")
             self.checkpoints.save(step, by_clock=not (stop or self._is_checkpoint_step(step)))
             self._last_save = time.monotonic()
-        if stop:
+        if stop:  # every rank stops here: they agreed on it with the step's results
             self.checkpoints.finish()
-            signal_name = self._preemption.signal_name if self._preemption is not None else None
-            raise Preempted(self.state.step, signal_name or "a signal on another rank")
+            raise Preempted(step, self._preemption.signal_name or "a signal on another rank")
+
+
+def _expert_balance(load: list[float]) -> dict[str, Any]:
+    """Routed slots per expert, all mixture blocks together, and their imbalance (none without experts)."""
+    if not load:
+        return {}
+    return {
+        "expert_load": [round(value) for value in load],
+        "expert_imbalance": max(load) * len(load) / max(sum(load), 1),
+    }

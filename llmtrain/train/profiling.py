@@ -11,13 +11,14 @@ import torch
 
 from llmtrain.config import ProfileConfig
 from llmtrain.runtime import Runtime
+from llmtrain.train.observers import StepObserver
 
 log = logging.getLogger("llmtrain")
 TOP_OPERATORS = 5
 
 
-class StepProfiler:
-    """Starts torch.profiler before step `first` and stops it after step `last` (profile.steps), writing
+class StepProfiler(StepObserver):
+    """Starts torch.profiler as step `first` begins and stops it as step `last` ends (profile.steps), writing
     `profile/trace-rank<r>.json`; with profile.memory on a GPU, records allocations from the start."""
 
     def __init__(self, cfg: ProfileConfig, runtime: Runtime, run_dir: str):
@@ -32,7 +33,7 @@ class StepProfiler:
         if self.records_memory:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
-    def before_step(self, step: int) -> None:
+    def step_begins(self, step: int) -> None:
         if self.span is not None and step == self.span[0]:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
@@ -40,7 +41,7 @@ class StepProfiler:
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.start()
 
-    def after_step(self, step: int) -> None:
+    def step_ends(self, step: int, seconds: float) -> None:
         if self._profiler is None or self.span is None or step != self.span[1]:
             return
         self._profiler.stop()

@@ -23,12 +23,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.runtime import Runtime, all_gather_single
 from llmtrain.train.flight_recorder import flight_entries, seconds_in_collectives
+from llmtrain.train.observers import StepObserver
 
 log = logging.getLogger("llmtrain")
 
@@ -49,9 +51,10 @@ class StepSpan:
         return (self.ended_ns - self.started_ns) / 1e9
 
 
-class StragglerWatch:
-    """Measures this rank's step (`begin`, `after_host_read`) and, on logging steps, gathers every rank's measure of
-    the step before (`gathered`) and reports (`report`). `stage_of`: each rank's pipeline stage (its peers)."""
+class StragglerWatch(StepObserver):
+    """Measures this rank's step (from `step_begins` to the step's host read, `results_read`) and, on logging steps,
+    gathers every rank's measure of the step before with the step's results (`values_to_read`) and reports.
+    `stage_of`: each rank's pipeline stage (its peers)."""
 
     def __init__(self, runtime: Runtime, every: int, threshold: float, stage_of: list[int]):
         self.runtime = runtime
@@ -64,13 +67,8 @@ class StragglerWatch:
         self._lagging: dict[int, int] = {}  # rank -> logging steps in a row over the threshold
         self._warned: set[int] = set()
 
-    def begin(self) -> None:
+    def step_begins(self, step: int) -> None:
         self._started = (time.time_ns(), time.thread_time())
-
-    def after_host_read(self) -> None:
-        """The step's host read has waited for this rank's device: the step's work is done."""
-        started_ns, started_cpu = self._started
-        self._previous = StepSpan(started_ns, time.time_ns(), time.thread_time() - started_cpu)
 
     def busy_seconds(self, span: StepSpan) -> float:
         """`span`'s time less this rank's waits in collectives; NaN where the flight recorder has no time yet for
@@ -80,9 +78,9 @@ class StragglerWatch:
         waited = seconds_in_collectives(flight_entries()[0], span.started_ns, span.ended_ns)
         return math.nan if waited is None else max(span.seconds - waited, 0.0)
 
-    def gathered(self, step: int) -> torch.Tensor | None:
-        """On a logging step, every rank's (busy, whole) seconds of the step before (a device tensor of 2 values per
-        rank), to be read with the step's results; None on other steps, alone, or before a first step."""
+    def values_to_read(self, step: int) -> torch.Tensor | None:
+        """Collective on a logging step: every rank's (busy, whole) seconds of the step before (a device tensor of 2
+        values per rank); None on other steps, alone, or before a first step."""
         if self.runtime.world_size == 1 or step % self.every or self._previous is None:
             return None
         mine = torch.empty(2, dtype=torch.float64, device=self.runtime.device)
@@ -91,7 +89,15 @@ class StragglerWatch:
         all_gather_single(every_rank, mine)
         return every_rank
 
-    def report(self, step: int, gathered: list[float], record: dict) -> None:
+    def results_read(self, step: int, values: list[float] | None, record: dict[str, Any]) -> None:
+        """The step's host read has waited for this rank's device: the step's work is done. On a logging step, the
+        ranks' seconds it gathered (`values`) go into `record` (_report)."""
+        started_ns, started_cpu = self._started
+        self._previous = StepSpan(started_ns, time.time_ns(), time.thread_time() - started_cpu)
+        if values is not None:
+            self._report(step, values, record)
+
+    def _report(self, step: int, gathered: list[float], record: dict[str, Any]) -> None:
         """The slowest rank and its lag into `record`; a warning for a rank that keeps lagging. Nothing where a
         rank could not measure its step (a GPU whose flight recorder has no time for one of its collectives)."""
         busy, whole = gathered[0::2], gathered[1::2]

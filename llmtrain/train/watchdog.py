@@ -2,8 +2,9 @@
 
 On a cluster the costly failure is a hang, not a crash: one rank stuck (a bad GPU, a dropped link, a deadlock)
 and every other rank waiting in a collective until the time limit, with no word of who or where. The training
-loop marks its progress here (`mark(step, phase)`: an attribute write, no I/O, no device sync). When a phase has
-run longer than its allowance, a thread of this process, on every rank on its own clock:
+loop tells it where it is (`phase_begins(step, phase)`, a hook of train/observers.py: an attribute write, no I/O,
+no device sync). When a phase has run longer than its allowance, a thread of this process, on every rank on its
+own clock:
   1. posts a "fire" key to the job's store, which every other rank's watchdog polls: they do the same at once,
      whatever their own allowance (a rank in a slow phase would otherwise be killed by the launcher before its
      deadline, its dump lost);
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.runtime import Runtime, roll_call
 from llmtrain.train.flight_recorder import describe, flight_entries, flight_record, group_of, oldest_unfinished
+from llmtrain.train.observers import StepObserver
 
 log = logging.getLogger("llmtrain")
 
@@ -114,9 +116,9 @@ def collective_position(entries: list[dict]) -> tuple[str, tuple[str, int, int] 
     )
 
 
-class StepWatchdog:
+class StepWatchdog(StepObserver):
     """Watches the training thread of this rank; `close` ends the watch. `timeout` None: not armed until
-    `observe_step` has seen AUTO_AFTER_STEPS steps (then AUTO_FACTOR x their median, at least `auto_floor`).
+    `step_ends` has seen AUTO_AFTER_STEPS steps (then AUTO_FACTOR x their median, at least `auto_floor`).
     `auto_floor` and `end_process` are the production values unless a test passes seconds it can wait for and a
     function that records the exit code instead of ending the process."""
 
@@ -154,7 +156,7 @@ class StepWatchdog:
             return None
         return cls(timeout, runtime, run_dir)
 
-    def mark(self, step: int, phase: str) -> None:
+    def phase_begins(self, step: int, phase: str) -> None:
         """The training thread entered `phase` of `step`: the clock starts again, with the phase's allowance (from
         the end of the first step: the first compiles, warms up and opens the data)."""
         self._position = Position(self.runtime.rank, step, phase, "")
@@ -165,7 +167,7 @@ class StepWatchdog:
         else:
             self._deadline = time.monotonic() + self.timeout * self._allowance
 
-    def observe_step(self, seconds: float) -> None:
+    def step_ends(self, step: int, seconds: float) -> None:
         """A step took `seconds` (the first steps kept): with no timeout set, they decide it."""
         if len(self.step_seconds) == AUTO_AFTER_STEPS:
             return
@@ -176,6 +178,7 @@ class StepWatchdog:
             log.info(f"watchdog  a rank that makes no progress for {self.timeout:.0f} s ends the job (requeued)")
 
     def close(self) -> None:
+        """The watch ends: its thread is joined."""
         self._closed.set()
         self._thread.join()
 
