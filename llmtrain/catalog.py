@@ -1,15 +1,60 @@
-"""What llmtrain can be asked for by name, one torch-free table each: the parallel layouts (parallel=<layout>), the
-pipeline schedules (parallel.pp_schedule), the optimizers (optim.name), the learning-rate schedules
-(optim.lr_schedule, optim.decay_shape), the data sources and tokenizers, and the recomputation modes. The config's
-choices and --help, and the code that builds each one, read these tables; no other file lists the names."""
+"""What llmtrain can be asked for by name, one torch-free table each: the model families (model.family), the
+parallel layouts (parallel=<layout>), the pipeline schedules (parallel.pp_schedule), the optimizers (optim.name),
+the learning-rate schedules (optim.lr_schedule, optim.decay_shape), the data sources and tokenizers, and the
+recomputation modes. The config's choices and --help, and the code that builds each one, read these tables; no
+other file lists the names. A row names the code it runs by an import string, "module:Name", imported (`imported`)
+only when a run asks for it, so this table stays torch-free and a new row needs no other edit to be built."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmtrain.errors import ConfigError
+
+
+def imported(reference: str) -> Any:
+    """What a row's import string "module:Name" names, its module imported now."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def described(table: dict[str, Any]) -> str:
+    """Each name of `table` with its row's one-line description, for the doc of the key that chooses among them."""
+    return "; ".join(f"`{name}`: {row.description}" for name, row in table.items())
+
+
+@dataclass(frozen=True)
+class ModelFamilySpec:
+    """A class of model `model.family` builds: GPT's constructor arguments (the model group's shape as a
+    GPTConfig; for a pipeline rank's part, the blocks and ends it holds) make it whole, and it is a LayeredModel
+    (llmtrain/model/base.py). The layouts find what they need of it (tensor-parallel plan, pipeline cut) by its
+    class in llmtrain/parallel/family.py, where a subclass takes its base class's."""
+
+    implementation: str  # "module:Class" of the model
+    description: str  # one line: what sets it apart, for model.family's --help and docs/config.md
+
+
+# model.family -> the model class. Llama, Mixtral and the other presets are the GPT class under other keys (norm,
+# position, mlp, moe: conf/model/*.yaml); a family of its own is a model whose modules differ.
+MODEL_FAMILIES: dict[str, ModelFamilySpec] = {
+    "gpt": ModelFamilySpec(
+        implementation="llmtrain.model.gpt:GPT",
+        description="the decoder of every preset, GPT-2, Llama or Mixtral by the norm, position, mlp and moe keys",
+    ),
+}
+
+
+def model_family(name: str) -> ModelFamilySpec:
+    """The row of model.family=`name`: a config's is checked by its domain, a checkpoint's (written where another
+    row was installed) here."""
+    if name not in MODEL_FAMILIES:
+        raise ConfigError(f"model.family={name!r} is not a model family here: use one of {', '.join(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[name]
+
 
 # The device mesh's dimensions, outer to inner (llmtrain/parallel/mesh.py says why in this order).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -360,24 +405,60 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    description: str
-    matrix_moments: int  # fp32 buffers it keeps per element of the blocks' weight matrices (AdamW: 2 elsewhere)
+    """An optimizer `optim.name` builds (llmtrain/optim/__init__.py: build_optimizer), over the parameter groups of
+    llmtrain/optim/groups.py; conf/optim/<name>.yaml sets its defaults."""
+
+    description: str  # one line: what it updates, how; optim.name's --help and docs/config.md
+    # "module:Name" of what builds it: (parameter groups, the optim config, llmtrain/optim/compute.py's Compute) ->
+    # the torch.optim.Optimizer
+    builder: str
+    moments: int  # fp32 buffers it keeps per element of a parameter outside the blocks' weight matrices
+    matrix_moments: int  # the same, per element of the blocks' weight matrices (the planner's memory counts both)
     # Its update of the blocks' hidden matrices needs each matrix whole (Muon's orthogonalisation): those form a
     # group of their own, and a layout that splits them gathers them in the optimizer step.
     whole_matrices: bool = False
+    # "module:Class" of its form over ZeRO-1's flat slices (llmtrain/parallel/zero.py): (the model, the optim config,
+    # the data-parallel mesh, Compute) -> the optimizer; None: parallel=zero1 refuses it (zero1_form).
+    zero1: str | None = None
 
 
-# optim.name -> what it updates, and how (llmtrain/optim/ builds each; conf/optim/<name>.yaml sets its defaults).
+# optim.name -> what it updates, and how.
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(description="AdamW on every parameter", matrix_moments=2),
+    "adamw": OptimizerSpec(
+        description="AdamW on every parameter",
+        builder="llmtrain.optim:adamw",
+        moments=2,
+        matrix_moments=2,
+        zero1="llmtrain.parallel.zero:ZeroOneAdamW",
+    ),
     "muon": OptimizerSpec(
         description=(
             "Muon on the blocks' weight matrices (experts: each expert's), AdamW on embeddings, head, norms, biases"
         ),
+        builder="llmtrain.optim.muon:Muon",
+        moments=2,
         matrix_moments=1,
         whole_matrices=True,
+        zero1="llmtrain.parallel.zero:ZeroOneMuon",
     ),
 }
+
+
+def zero1_form(optimizer: str) -> str:
+    """The import string of `optimizer`'s form over ZeRO-1's flat slices; a ConfigError when it has none."""
+    form = OPTIMIZERS[optimizer].zero1
+    if form is None:
+        sliced = ", ".join(name for name, spec in OPTIMIZERS.items() if spec.zero1)
+        raise ConfigError(
+            f"optim.name={optimizer} has no form over parallel=zero1's flat slices (its row's zero1 in "
+            f"llmtrain/catalog.py): use parallel=zero2 or fsdp, which shard any optimizer's state, or an optimizer "
+            f"zero1 slices: {sliced}"
+        )
+    return form
+
+
+# The moments plan.optimizer_bytes counts per parameter (AdamW's): the planner takes the difference to an
+# optimizer's own.
 ADAMW_MOMENTS = 2
 # optim.state_bits -> bytes per element of each AdamW moment: fp32, or torchao's 8-bit codes with one fp32 scale per
 # block of 256 (llmtrain/optim/__init__.py).

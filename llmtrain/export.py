@@ -1,6 +1,6 @@
-"""Export a checkpoint as a Hugging Face GPT-2, Llama (LlamaForCausalLM, for model.norm=rmsnorm, position=rope,
-mlp=swiglu, bias=false) or Mixtral (the Llama family with a mixture of experts in every block): safetensors
-weights, config.json and the tokenizer files, which
+"""Export a checkpoint of the GPT class (model.family=gpt) as a Hugging Face GPT-2, Llama (LlamaForCausalLM, for
+model.norm=rmsnorm, position=rope, mlp=swiglu, bias=false) or Mixtral (the Llama family with a mixture of experts in
+every block): safetensors weights, config.json and the tokenizer files, which
 `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load.
 
     python -m llmtrain.export outputs/<run>/checkpoints/step-00000300 exported/
@@ -30,8 +30,9 @@ def export(checkpoint: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
+    family = family_of(model.cfg)  # a ConfigError where no transformers class computes the model
     if model.cfg.lora.enabled:
-        if family_of(model.cfg).model_type in PEFT_FAMILIES:
+        if family.model_type in PEFT_FAMILIES:
             save_peft_adapter(model, read_meta(checkpoint)["base"]["init_from"], os.path.join(out_dir, "adapter"))
         model = merged(model)
     if any(model.cfg.sliding_window):
@@ -40,7 +41,6 @@ def export(checkpoint: str, out_dir: str) -> None:
             f"(GPT-2, Llama, Mixtral) attend over the whole context in every block, so they would compute another model"
         )
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
-    family = family_of(model.cfg)
     hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, tokenizer.eos_token_id))
     hf_model.load_state_dict(family.state_dict(model))
     hf_model.save_pretrained(out_dir, safe_serialization=True)

@@ -121,15 +121,25 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts and schedules: each layout loads its data-parallel mechanism,
-    and each schedule is a class torch has (or the reference)."""
-    from llmtrain.catalog import LAYOUTS, SCHEDULES
+    """llmtrain/catalog.py is the one list of layouts, schedules, model families and optimizers: each layout loads
+    its data-parallel mechanism, each schedule is a class torch has (or the reference), each family's class is one
+    the layouts have a spec for, and each optimizer names a builder and (where it has one) a ZeRO-1 form."""
+    from llmtrain.catalog import LAYOUTS, MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, imported
+    from llmtrain.model import LayeredModel
     from llmtrain.parallel.data_parallel import DataParallel
+    from llmtrain.parallel.family import FAMILIES
     from llmtrain.parallel.parallel_model import data_parallel_class
     from llmtrain.parallel.pipeline.schedules import torch_schedule
+    from llmtrain.parallel.zero import ZeroOneShards
 
     for name in LAYOUTS:
         assert issubclass(data_parallel_class(name), DataParallel)
+    for family in MODEL_FAMILIES.values():
+        model_class = imported(family.implementation)
+        assert issubclass(model_class, LayeredModel) and any(kind in FAMILIES for kind in model_class.__mro__)
+    for optimizer in OPTIMIZERS.values():
+        assert callable(imported(optimizer.builder))
+        assert optimizer.zero1 is None or issubclass(imported(optimizer.zero1), ZeroOneShards)
     for spec in SCHEDULES.values():
         assert spec.torch_class is None or isinstance(torch_schedule(spec), type)
     assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and LAYOUT_CHOICES == (*LAYOUTS, "auto")

@@ -1,8 +1,9 @@
 """docs/extending.md, followed: its blocks, read out of the page and installed (tests/extending_worker.py), do what
-the page says. The layout row makes the option file the page shows, the tables and a plan, and the planner costs it
-by its fields; the model family is what meta_model builds for its preset, its pipeline parts are of the family, and
-it learns; Lion's steps are the ones worked by hand, and a run of `optim=lion` trains with it. The slow test trains
-the layout and the family on two processes against their one-process runs."""
+the page says, and they are new files and catalog rows alone. The layout row makes the option file the page shows,
+the tables and a plan, and the planner costs it by its fields; the family's row makes meta_model build its class for
+its preset, the layouts cut it as itself, it learns, and its checkpoint reloads as the family; Lion's steps are the
+ones worked by hand, a run of `optim=lion` trains with it, the planner counts its one moment and parallel=zero1
+refuses it. The slow test trains the layout and the family on two processes against their one-process runs."""
 
 from __future__ import annotations
 
@@ -13,25 +14,25 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_matches_single, torchrun
-from extending_worker import (
-    added_lines,
-    blocks,
-    install_family,
-    install_layout,
-    install_optimizer,
-    write_options,
-)
+from extending_worker import blocks, edits, install_family, install_layout, install_optimizer, write_options
 from omegaconf import OmegaConf
 
-import llmtrain.model
-import llmtrain.optim
+from llmtrain import catalog
+from llmtrain.checkpoint.manager import read_meta
+from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
+from llmtrain.checkpoint.training import check_model_matches
 from llmtrain.config import OptimConfig, ParallelConfig
+from llmtrain.config.validation import validate_flat_slices
+from llmtrain.errors import ConfigError
+from llmtrain.export import export
 from llmtrain.job import build_training
-from llmtrain.parallel.family import family_of
+from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of
+from llmtrain.optim.compute import Compute
+from llmtrain.parallel.family import FAMILIES, family_of
 from llmtrain.plan import Degrees, ParallelPlan
-from llmtrain.planner.candidates import enumerate_candidates
+from llmtrain.planner.candidates import enumerate_candidates, for_optimizer
 from llmtrain.planner.cost import layout_cost
-from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
+from llmtrain.planner.inputs import configured_state_bytes, llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
@@ -78,17 +79,16 @@ def _train(overrides: list[str], steps: int, run_dir: Path):
     return [record["loss"] for record in records], parts
 
 
-def test_the_guides_edits_of_package_functions_only_add_lines():
-    """The page shows meta_model and build_optimizer whole, with the lines the reader adds: the rest is the package's
-    as it is (so the page goes stale here, not in the reader's editor)."""
-    assert added_lines(llmtrain.model.meta_model, "llmtrain/model/__init__.py meta_model") == [
-        "if model_cfg.name == 'tiny-relu2':",
-        "return SquaredReluGPT(gpt_config(model_cfg, vocab_size), recompute=recompute)",
+def test_the_guide_adds_new_files_and_catalog_rows_and_edits_nothing_else():
+    """A layout, a family and an optimizer are each code of its own and rows of llmtrain/catalog.py's tables: the
+    page edits no function, and every block it adds to an existing file is rows of one of those tables."""
+    assert edits() == [
+        "llmtrain/catalog.py LAYOUTS",
+        "llmtrain/catalog.py MODEL_FAMILIES",
+        "llmtrain/catalog.py OPTIMIZERS",
     ]
-    assert added_lines(llmtrain.optim.build_optimizer, "llmtrain/optim/__init__.py build_optimizer") == [
-        "if optim_cfg.name == 'lion':",
-        "return Lion(groups, optim_cfg)",
-    ]
+    for marker in edits():
+        assert isinstance(getattr(catalog, marker.split()[1]), dict)
 
 
 def test_the_layout_row_makes_its_option_file_tables_plan_and_costs(monkeypatch):
@@ -123,18 +123,56 @@ def test_the_layout_row_makes_its_option_file_tables_plan_and_costs(monkeypatch)
 
 
 def test_the_family_is_built_for_its_preset_cut_as_itself_and_learns(monkeypatch, options, tmp_path):
+    """Its row alone makes meta_model build it; GPT's spec lays it out (its class has none of its own), and the
+    pipeline parts and stage views that spec makes are squared-ReLU models too."""
     squared_relu = install_family(monkeypatch)
     cfg = compose_config([options, "model=tiny-relu2"]).model
-    model = llmtrain.model.meta_model(cfg, 256)
+    assert cfg.family == "squared_relu"
+    model = meta_model(cfg, 256)
     assert type(model) is squared_relu.SquaredReluGPT
     assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in model.blocks.values())
-    part = family_of(model).pipeline_part(model, [2, 3], False, True)
+    spec = family_of(model)
+    assert spec is FAMILIES[GPT]
+    part = spec.pipeline_part(model, [2, 3], False, True)
     assert type(part) is squared_relu.SquaredReluGPT and list(part.blocks) == ["2", "3"] and part.tok_emb is None
     assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in part.blocks.values())
-    assert type(llmtrain.model.meta_model(compose_config([options, "model=tiny"]).model, 256)) is llmtrain.model.GPT
+    view = spec.stage_view(part, [3], False, True)
+    assert type(view) is squared_relu.SquaredReluGPT and view.blocks["3"] is part.blocks["3"]
+    assert type(meta_model(compose_config([options, "model=tiny"]).model, 256)) is GPT
     losses, parts = _train([options, "model=tiny-relu2", "optim.lr=3e-3"], 6, tmp_path)
     assert type(parts.model.module) is squared_relu.SquaredReluGPT
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_checkpoint_of_the_family_reloads_as_the_family(monkeypatch, options, tmp_path):
+    """The checkpoint records the family beside the shape: the offline load (export's and generate's) rebuilds a
+    SquaredReluGPT with the trained model's logits, evaluate's model group builds one, a resume as another family
+    is refused naming model.family, the Hugging Face export refuses it in one line (no transformers class computes
+    it), and a checkpoint written before the key (no family recorded) reads as the GPT."""
+    squared_relu = install_family(monkeypatch)
+    _, parts = _train([options, "model=tiny-relu2", "optim.lr=3e-3"], 2, tmp_path)
+    parts.checkpoints.save(2)
+    parts.checkpoints.finish()
+    checkpoint = find_checkpoint(str(tmp_path))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    loaded = load_checkpoint_model(checkpoint)
+    assert type(loaded) is squared_relu.SquaredReluGPT
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), parts.model.module.eval()(ids), rtol=0, atol=1e-6)
+    saved = GPTConfig.from_dict(read_meta(checkpoint)["model"])
+    assert saved == loaded.cfg and saved.family == "squared_relu"
+    group = model_group_of(saved, OmegaConf.to_object(compose_config([options, "model=tiny"])).model)
+    assert type(meta_model(group, saved.vocab_size)) is squared_relu.SquaredReluGPT
+    with pytest.raises(ConfigError, match=r"model\.family=gpt \(checkpoint: squared_relu\)"):
+        check_model_matches(checkpoint, dataclasses.replace(saved, family="gpt"))
+    with pytest.raises(ConfigError, match=r"^model\.family=squared_relu has no Hugging Face class") as refused:
+        export(checkpoint, str(tmp_path / "exported"))
+    assert "\n" not in str(refused.value) and not (tmp_path / "exported").exists()
+    meta_file = Path(checkpoint) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["model"]["family"]
+    meta_file.write_text(json.dumps(meta))
+    assert type(load_checkpoint_model(checkpoint)) is GPT
 
 
 def test_lions_steps_are_the_ones_worked_by_hand(monkeypatch):
@@ -146,7 +184,7 @@ def test_lions_steps_are_the_ones_worked_by_hand(monkeypatch):
     lion = install_optimizer(monkeypatch)
     weights = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
     optim_cfg = OptimConfig(lr=0.1, weight_decay=0.5, beta1=0.9, beta2=0.99)
-    optimizer = lion.Lion([{"params": [weights]}], optim_cfg)
+    optimizer = lion.Lion([{"params": [weights]}], optim_cfg, Compute())
     for gradient in ([0.3, -0.1, 0.0], [-0.02, -0.5, 0.2]):
         weights.grad = torch.tensor(gradient)
         optimizer.step()
@@ -159,6 +197,22 @@ def test_optim_lion_trains_with_lion(monkeypatch, options, tmp_path):
     losses, parts = _train([options, "optim=lion", "optim.lr=1e-3"], 6, tmp_path)
     assert type(parts.model.optimizer) is lion.Lion
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_lions_row_sizes_its_state_and_zero1_refuses_it(monkeypatch, options):
+    """The planner counts the row's one fp32 moment a parameter (AdamW's two: 4 bytes fewer everywhere); ZeRO-1,
+    for which the row names no form over flat slices, refuses it in one line naming optim.name, and parallel=auto
+    leaves zero1 out of its candidates."""
+    install_optimizer(monkeypatch)
+    cfg, adamw = compose_config([options, "optim=lion"]), compose_config([options])
+    sizes, adamw_sizes = llmtrain_state_bytes(cfg, bf16=False), llmtrain_state_bytes(adamw, bf16=False)
+    assert sizes.optimizer == sizes.matrix_optimizer == adamw_sizes.optimizer - 4
+    with pytest.raises(ConfigError, match=r"^optim\.name=lion has no form over parallel=zero1's") as refused:
+        validate_flat_slices(cfg.optim, "zero1")
+    assert "\n" not in str(refused.value) and "parallel=zero2 or fsdp" in str(refused.value)
+    found = enumerate_candidates(4, 4, cfg.model, cfg.train, "dp")
+    assert "zero1" in {c.name for c in for_optimizer(found, adamw.optim)}
+    assert "zero1" not in {c.name for c in for_optimizer(found, cfg.optim)}
 
 
 # The guide's layout as it runs on one machine (dp_shard: its 2 ranks), and its family under the two layouts that

@@ -1,5 +1,6 @@
-"""The final weights, `model.pt`: one full state dict under the unsplit GPT's parameter names, which the layout
-gathers from wherever it holds them (ParallelModel.full_state_dict), so any run's file loads into a plain `GPT`."""
+"""The final weights, `model.pt`: one full state dict under the unsplit model's parameter names, which the layout
+gathers from wherever it holds them (ParallelModel.full_state_dict), so any run's file loads into an unsplit model
+of its family (model.family in the run's .hydra/config.yaml: a plain `GPT` for every preset)."""
 
 from __future__ import annotations
 

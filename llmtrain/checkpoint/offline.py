@@ -8,7 +8,7 @@ import torch
 
 from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, read_meta
 from llmtrain.errors import ConfigError
-from llmtrain.model import GPT, GPTConfig, ParameterInit, pretrained_or_seeded
+from llmtrain.model import GPT, GPTConfig, ParameterInit, family_class, pretrained_or_seeded
 from llmtrain.model.hf_files import local_hf_directory, weights_fingerprint
 from llmtrain.model.lora import is_adapter
 from llmtrain.model.materialize import allocate, write_parameters
@@ -30,12 +30,13 @@ def find_checkpoint(path: str) -> str:
 
 
 def load_checkpoint_model(path: str) -> GPT:
-    """The whole model of checkpoint `path`, whatever layout saved it (DCP reassembles the shards); with low-rank
-    adapters, the base its meta.json names (read again, and checked against the fingerprint it recorded) under the
-    adapters it holds."""
+    """The whole model of checkpoint `path`, of the family its meta.json records, whatever layout saved it (DCP
+    reassembles the shards); with low-rank adapters, the base its meta.json names (read again, and checked against
+    the fingerprint it recorded) under the adapters it holds."""
     meta = read_meta(path)
+    cfg = GPTConfig.from_dict(meta["model"])
     with torch.device("meta"):
-        model = GPT(GPTConfig.from_dict(meta["model"]))
+        model = family_class(cfg.family)(cfg)
     allocate(model, torch.device("cpu"))  # no initial values: the checkpoint overwrites every parameter it holds
     if model.cfg.lora.enabled:
         write_parameters(model, _base_weights(path, model, meta["base"]))

@@ -1,5 +1,6 @@
-"""The `model` group's keys (conf/model/): the network's shape, the Llama family's choices, mixture-of-experts
-blocks, low-rank adapters, and `mlp_width`, the rule that fills in the MLP width a preset leaves null."""
+"""The `model` group's keys (conf/model/): the model's family (its class), the network's shape, the Llama family's
+choices, mixture-of-experts blocks, low-rank adapters, and `mlp_width`, the rule that fills in the MLP width a
+preset leaves null."""
 
 from __future__ import annotations
 
@@ -107,6 +108,12 @@ def mlp_width(d_model: int, d_ff: int | None, mlp: str) -> int:
 @dataclass
 class ModelConfig:
     name: str = key(MISSING, Text(), "the preset's name, shown in summaries")
+    family: str = key(
+        "gpt",
+        OneOf(tuple(catalog.MODEL_FAMILIES)),
+        "the model's class (llmtrain/catalog.py MODEL_FAMILIES; checkpoints record it, and export, generate, evaluate "
+        "and resume rebuild it): " + catalog.described(catalog.MODEL_FAMILIES),
+    )
     n_layer: int = key(MISSING, at_least(1), "transformer blocks; each preset sets its own")
     n_head: int = key(MISSING, at_least(1), "attention heads (`d_model` divisible by it); each preset sets its own")
     d_model: int = key(MISSING, at_least(1), "the residual stream's width; each preset sets its own")

@@ -14,8 +14,7 @@ class OptimConfig:
     name: str = key(
         "adamw",
         OneOf(tuple(catalog.OPTIMIZERS)),
-        "the `optim` option: `adamw` (every parameter) or `muon` (Muon on the blocks' weight matrices, each expert's "
-        "separately; AdamW on embeddings, head, norms and biases)",
+        "the `optim` option (llmtrain/catalog.py OPTIMIZERS): " + catalog.described(catalog.OPTIMIZERS),
     )
     lr: float = key(1e-3, positive(), "peak learning rate (under `muon`, of the AdamW parameters)")
     lr_schedule: str = key(

@@ -51,13 +51,7 @@ def validate(cfg) -> None:
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
     validate_optim(cfg.optim)
-    layout = catalog.LAYOUTS.get(cfg.parallel.layout)
-    if layout and layout.mechanism.flat_optimizer and (cfg.optim.offload or cfg.optim.state_bits != 32):
-        setting = "optim.offload=true" if cfg.optim.offload else f"optim.state_bits={cfg.optim.state_bits}"
-        raise ConfigError(
-            f"{setting} is not available with parallel={cfg.parallel.layout}, whose optimizer updates flat fp32 "
-            f"slices of its own: use parallel=zero2 or fsdp (sharded per parameter)"
-        )
+    validate_flat_slices(cfg.optim, cfg.parallel.layout)
     if cfg.optim.offload and cfg.parallel.cpu_offload:
         raise ConfigError(
             "optim.offload=true and parallel.cpu_offload=true: FSDP's CPU offload keeps the optimizer state on the "
@@ -113,6 +107,21 @@ def validate_optim(optim) -> None:
                 f"own: set optim.state_bits=32 or optim=adamw"
             )
         require_extra("torchao", f"optim.state_bits={optim.state_bits}", "fp8")
+
+
+def validate_flat_slices(optim, layout_name: str) -> None:
+    """A layout whose optimizer updates flat fp32 slices of its own (ZeRO-1's) runs an optimizer with a form over
+    them, in fp32 on the device."""
+    layout = catalog.LAYOUTS.get(layout_name)
+    if not (layout and layout.mechanism.flat_optimizer):
+        return
+    catalog.zero1_form(optim.name)  # a ConfigError where the optimizer has no such form
+    if optim.offload or optim.state_bits != 32:
+        setting = "optim.offload=true" if optim.offload else f"optim.state_bits={optim.state_bits}"
+        raise ConfigError(
+            f"{setting} is not available with parallel={layout_name}, whose optimizer updates flat fp32 "
+            f"slices of its own: use parallel=zero2 or fsdp (sharded per parameter)"
+        )
 
 
 def require_extra(module: str, setting: str, extra: str) -> None:

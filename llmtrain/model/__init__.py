@@ -1,4 +1,5 @@
-"""The GPT and its construction from the `model` config group: built on the meta device, laid out, then
+"""The model and its construction from the `model` config group: the class of its family (model.family, a row of
+llmtrain/catalog.py's MODEL_FAMILIES; the GPT for every preset), built on the meta device, laid out, then
 materialised with the initial weights of the seed or of a Hugging Face model (model.init_from)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from llmtrain.catalog import imported, model_family
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import (
     GPT,
@@ -72,11 +74,18 @@ def rope_scaling(scaling_cfg) -> RopeScaling | None:
     )
 
 
+def family_class(family: str) -> type[GPT]:
+    """The model class of `model.family=family`: its row's in llmtrain/catalog.py, imported now. It takes GPT's
+    constructor arguments and gives GPT's interface (`cfg`, `recompute`, the LayeredModel methods)."""
+    return imported(model_family(family).implementation)
+
+
 def meta_model(model_cfg, vocab_size: int, recompute: str = "none") -> GPT:
-    """The whole model on the meta device: shapes only, no memory, for a layout to cut and shard; its blocks
-    recompute their activations in backward as `recompute` (train.activation_checkpointing) says."""
+    """The whole model of `model.family` on the meta device: shapes only, no memory, for a layout to cut and shard;
+    its blocks recompute their activations in backward as `recompute` (train.activation_checkpointing) says."""
+    cfg = gpt_config(model_cfg, vocab_size)
     with torch.device("meta"):
-        return GPT(gpt_config(model_cfg, vocab_size), recompute=recompute)
+        return family_class(cfg.family)(cfg, recompute=recompute)
 
 
 def initial_weights(model_cfg, model: GPT, seed: int) -> ParameterInit:
@@ -130,6 +139,7 @@ __all__ = [
     "auxiliary_loss_scale",
     "build_model",
     "cross_entropy_loss",
+    "family_class",
     "summed_cross_entropy",
     "flops_per_token",
     "gpt_config",

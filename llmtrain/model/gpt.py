@@ -42,6 +42,9 @@ class GPTConfig:
     n_head: int
     d_model: int
     max_seq_len: int
+    # model.family: the class this config is built as (llmtrain/catalog.py MODEL_FAMILIES), so a checkpoint's config
+    # rebuilds its own model; a checkpoint from before the key is the GPT's
+    family: str = "gpt"
     d_ff: int | None = None
     dropout: float = 0.0
     attention_dropout: float = 0.0

@@ -69,7 +69,14 @@ FAMILIES = {
 
 def family_of(cfg: GPTConfig) -> Family:
     """The family our model config belongs to (a mixture: Mixtral; RMSNorm + RoPE + SwiGLU: Llama; else GPT-2),
-    checked to fit its transformers class (ConfigError naming the keys that do not)."""
+    checked to fit its transformers class (ConfigError naming the keys that do not). Only the GPT class
+    (model.family=gpt) has one: another family's modules compute what no transformers class does."""
+    if cfg.family != "gpt":
+        raise ConfigError(
+            f"model.family={cfg.family} has no Hugging Face class (transformers' GPT-2, Llama and Mixtral hold "
+            f"model.family=gpt's modules), so its weights neither come from nor go to that format: its checkpoints "
+            f"sample and evaluate as they are (llmtrain.generate, llmtrain.evaluate)"
+        )
     name = "mixtral" if cfg.moe.num_experts else "llama" if hf_llama.is_llama(cfg) else "gpt2"
     family = FAMILIES[name]
     family.check(cfg)

@@ -69,8 +69,8 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
 
 
 def merged(model: GPT) -> GPT:
-    """The same model without adapters: each adapted layer's weight is W + (alpha / rank) B A."""
-    plain = GPT(replace(model.cfg, lora=LoRAConfig()))
+    """The same model (of its family) without adapters: each adapted layer's weight is W + (alpha / rank) B A."""
+    plain = type(model)(replace(model.cfg, lora=LoRAConfig()))
     state = {name: t for name, t in model.state_dict().items() if name.rpartition(".")[2] not in ADAPTERS}
     with torch.no_grad():
         for name, module in model.named_modules():

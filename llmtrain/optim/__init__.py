@@ -1,39 +1,36 @@
-"""The optimizers (optim.name, named in llmtrain/catalog.py) over the parameter groups of groups.py, and the
-learning-rate schedules (lr_schedule.py)."""
+"""The optimizers (optim.name: each a row of llmtrain/catalog.py's OPTIMIZERS, which names what builds it) over the
+parameter groups of groups.py, and the learning-rate schedules (lr_schedule.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from llmtrain.catalog import OPTIMIZERS
+from llmtrain.catalog import OPTIMIZERS, imported
+from llmtrain.optim.compute import HOST, Compute
 from llmtrain.optim.groups import adamw_options, fused_for, is_hidden_matrix, param_groups
 from llmtrain.optim.lr_schedule import build_lr_schedule, lr_factor
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.offload import HostAdamW
 from llmtrain.optional import import_torchao
 
-HOST = torch.device("cpu")
-
 
 def build_optimizer(
-    model: nn.Module, optim_cfg, ns_dtype: torch.dtype = torch.float32, device: torch.device = HOST
+    model: nn.Module, optim_cfg, compute_dtype: torch.dtype = HOST.dtype, device: torch.device = HOST.device
 ) -> torch.optim.Optimizer:
-    """`optim.name`'s optimizer over `model`'s parameters (`ns_dtype`: Muon's Newton-Schulz precision; `device`:
-    where the parameters compute, which `optim.offload` moves the state off)."""
-    groups = param_groups(model, optim_cfg)
-    if OPTIMIZERS[optim_cfg.name].whole_matrices:
-        return Muon(groups, optim_cfg, ns_dtype)
-    return adamw(groups, optim_cfg, device)
+    """`optim.name`'s optimizer over `model`'s parameters, built by its row's builder (`compute_dtype`: the run's
+    compute precision; `device`: where the parameters compute, which `optim.offload` moves the state off)."""
+    builder = imported(OPTIMIZERS[optim_cfg.name].builder)
+    return builder(param_groups(model, optim_cfg), optim_cfg, Compute(device, compute_dtype))
 
 
-def adamw(groups: list[dict], optim_cfg, device: torch.device = HOST) -> torch.optim.Optimizer:
+def adamw(groups: list[dict], optim_cfg, compute: Compute = HOST) -> torch.optim.Optimizer:
     """AdamW over `groups` with its moments in `optim.state_bits`: torch's fp32 AdamW, or torchao's 8-bit AdamW
     (blockwise dynamic quantisation, 256 values per fp32 scale; tensors under 4096 values stay fp32, as in
     bitsandbytes), whose update computes in fp32 from the dequantised moments; with `optim.offload`, torch's AdamW
-    on the host (offload.py)."""
+    on the host (offload.py) for parameters on `compute.device`."""
     if optim_cfg.offload:
-        return HostAdamW(groups, optim_cfg, device)
+        return HostAdamW(groups, optim_cfg, compute.device)
     if optim_cfg.state_bits == 32:
         return torch.optim.AdamW(
             [{**group, "fused": fused_for(group["params"])} for group in groups], **adamw_options(optim_cfg)
@@ -42,6 +39,7 @@ def adamw(groups: list[dict], optim_cfg, device: torch.device = HOST) -> torch.o
 
 
 __all__ = [
+    "Compute",
     "HostAdamW",
     "Muon",
     "adamw",

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from llmtrain.optim.compute import Compute
 from llmtrain.optim.groups import adamw_options, adamw_state, adamw_update, fused_for
 from llmtrain.optim.whole_matrices import orthogonalize
 
@@ -54,10 +55,9 @@ def newton_schulz(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
 
 class Muon(torch.optim.Optimizer):
     """Muon on the groups marked `muon: True`, torch's AdamW update on the others (llmtrain/optim/groups.py
-    makes them). `ns_dtype`: the precision of the Newton-Schulz iterations (bf16 where the run computes in bf16,
-    as torch.optim.Muon always does; fp32 otherwise, so that CPU runs compare layouts at fp32's tolerance)."""
+    makes them). The Newton-Schulz iterations run in `compute.dtype`, the run's compute precision."""
 
-    def __init__(self, groups: list[dict], optim_cfg, ns_dtype: torch.dtype):
+    def __init__(self, groups: list[dict], optim_cfg, compute: Compute):
         defaults = dict(
             **adamw_options(optim_cfg),
             weight_decay=optim_cfg.weight_decay,
@@ -68,7 +68,7 @@ class Muon(torch.optim.Optimizer):
             muon=False,
         )
         super().__init__(groups, defaults)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype = compute.dtype
         self.spread = optim_cfg.whole_matrices == "spread"
 
     @torch.no_grad()

@@ -28,15 +28,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.catalog import OPTIMIZERS
+from llmtrain.catalog import imported, zero1_form
 from llmtrain.config import OptimConfig, ParallelConfig
-from llmtrain.optim import build_optimizer
+from llmtrain.optim import Compute, build_optimizer
 from llmtrain.optim.groups import refuse_inherited_fusion
 from llmtrain.optim.state_bits import portable_state, restore_low_bits
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.tensors import clip_gradients, replicate_partial_gradients
-from llmtrain.parallel.zero import ZeroOneAdamW, ZeroOneMuon
+from llmtrain.parallel.zero import ZeroOneShards
 from llmtrain.runtime import Runtime
 
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -111,18 +111,17 @@ class ZeroOne(DataParallel):
     def build_optimizer(self, module: nn.Module, optim: OptimConfig, ns_dtype: torch.dtype) -> torch.optim.Optimizer:
         if self.mesh.dp_mesh is None:
             raise RuntimeError("zero1 shards the optimizer over a process group: a single process has none")
-        if OPTIMIZERS[optim.name].whole_matrices:
-            return ZeroOneMuon(module, optim, self.mesh.dp_mesh, ns_dtype)
-        return ZeroOneAdamW(module, optim, self.mesh.dp_mesh)
+        form = imported(zero1_form(optim.name))  # a ConfigError for an optimizer without one
+        return form(module, optim, self.mesh.dp_mesh, Compute(self.runtime.device, ns_dtype))
 
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
-        cast(ZeroOneAdamW | ZeroOneMuon, optimizer).reduce_scatter_gradients()
+        cast(ZeroOneShards, optimizer).reduce_scatter_gradients()
 
     def clip_grad_norm(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
         """The global norm from the reduced slices: each rank's sum of squares, summed over ranks."""
-        sharded = cast(ZeroOneAdamW | ZeroOneMuon, optimizer)
+        sharded = cast(ZeroOneShards, optimizer)
         grads = sharded.shard_gradients()
         squares = torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
         dist.all_reduce(squares, group=sharded.group)
@@ -131,13 +130,13 @@ class ZeroOne(DataParallel):
         return total
 
     def state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return get_model_state_dict(module), cast(ZeroOneAdamW | ZeroOneMuon, optimizer).flat_state_dict(_names(module))
+        return get_model_state_dict(module), cast(ZeroOneShards, optimizer).flat_state_dict(_names(module))
 
     def load_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
     ) -> None:
         set_model_state_dict(module, model_state)
-        cast(ZeroOneAdamW | ZeroOneMuon, optimizer).load_flat_state_dict(optimizer_state, _names(module))
+        cast(ZeroOneShards, optimizer).load_flat_state_dict(optimizer_state, _names(module))
 
 
 def _names(module: nn.Module) -> dict[nn.Parameter, str]:

@@ -1,11 +1,14 @@
-"""What the layouts need of a model family, one spec per family: its tensor-parallel plan (module name -> DTensor
+"""What the layouts need of a model class, one spec per class: its tensor-parallel plan (module name -> DTensor
 style, tp.py), how a pipeline cuts it (a rank's part, a stage's view of that part) and how context parallelism
 hands it a shard of every sequence. The model modules import nothing of parallelism: the layout steps ask
 `family_of(model)` and apply what its spec says, as torchtitan binds a model to its parallelization through its
 ModelSpec. Recomputation belongs to the model itself (its blocks are built with their mode, model/recompute.py
 says what they keep), as do its Hugging Face mappings (model/hf.py).
 
-A new family adds its model class and one row here (its plan beside the GPT's in tp.py).
+A model class is found here by its class or the nearest base class that has a row: a subclass of GPT that keeps
+GPT's module names (a new family made by its class and its row in llmtrain/catalog.py's MODEL_FAMILIES) is laid
+out by GPT's spec, whose parts and views are built as the model's own class. A family whose modules GPT's plan does
+not name adds its row here too (its plan beside the GPT's in tp.py).
 """
 
 from __future__ import annotations
@@ -39,17 +42,19 @@ class FamilySpec:
 
 def gpt_pipeline_part(model: GPT, layers: Sequence[int], first: bool, last: bool) -> GPT:
     """The blocks `layers`, the embeddings when the part runs the first stage, the final norm and head when it
-    runs the last. The head is its own parameter even when the part holds the embedding too: the two belong to
-    different stages, whose gradients the pipeline sums."""
+    runs the last, built as the model's own class. The head is its own parameter even when the part holds the
+    embedding too: the two belong to different stages, whose gradients the pipeline sums."""
     with torch.device("meta"):
-        return GPT(model.cfg, layers=layers, embedding=first, head=last, tie_head=False, recompute=model.recompute)
+        return type(model)(
+            model.cfg, layers=layers, embedding=first, head=last, tie_head=False, recompute=model.recompute
+        )
 
 
 def gpt_stage_view(part: GPT, layers: Sequence[int], first: bool, last: bool) -> GPT:
-    """A GPT made of `part`'s own modules (shared, not copied): the blocks `layers`, the embeddings of the first
-    stage, the final norm and head of the last."""
+    """A model of `part`'s class made of `part`'s own modules (shared, not copied): the blocks `layers`, the
+    embeddings of the first stage, the final norm and head of the last."""
     with torch.device("meta"):
-        view = GPT(part.cfg, layers=[], embedding=False, head=False)
+        view = type(part)(part.cfg, layers=[], embedding=False, head=False)
     view.blocks = nn.ModuleDict({str(i): part.blocks[str(i)] for i in layers})
     if first:
         view.tok_emb, view.pos_emb, view.emb_dropout = part.tok_emb, part.pos_emb, part.emb_dropout
@@ -68,14 +73,18 @@ def shard_gpt_sequence(model: GPT, sequence: Any) -> None:
             block.mlp.sequence = cast(SequenceShare, sequence)
 
 
-# model class -> what the layouts need of it.
+# model class -> what the layouts need of it and of its subclasses without a row of their own.
 FAMILIES: dict[type[LayeredModel], FamilySpec] = {
     GPT: FamilySpec(gpt_tensor_parallel_plan, gpt_pipeline_part, gpt_stage_view, shard_gpt_sequence),
 }
 
 
 def family_of(model: nn.Module) -> FamilySpec:
-    spec = next((spec for kind, spec in FAMILIES.items() if type(model) is kind), None)
+    """The spec of `model`'s class, or of its nearest base class that has one."""
+    spec = next((FAMILIES[kind] for kind in type(model).__mro__ if kind in FAMILIES), None)
     if spec is None:
-        raise TypeError(f"{type(model).__name__} is not a model family llmtrain lays out (llmtrain/parallel/family.py)")
+        raise TypeError(
+            f"{type(model).__name__} is not a model class llmtrain lays out: neither it nor a base class has a row in "
+            f"llmtrain/parallel/family.py"
+        )
     return spec

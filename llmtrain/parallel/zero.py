@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from llmtrain.optim import Muon, adamw_options, param_groups
+from llmtrain.optim import Compute, Muon, adamw_options, param_groups
 from llmtrain.optim.groups import FUSED, adamw_state
 from llmtrain.runtime import all_gather_single, reduce_scatter_single
 
@@ -63,8 +63,9 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
 
 
 class ZeroOneShards:
-    """The ZeRO-1 half of ZeroOneAdamW and ZeroOneMuon: the optimizer they extend (torch's AdamW, Muon) updates
-    this rank's slices only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
+    """The ZeRO-1 half of ZeroOneAdamW and ZeroOneMuon, an optimizer's form over flat slices (its row's `zero1` in
+    llmtrain/catalog.py's OPTIMIZERS): the optimizer they extend (torch's AdamW, Muon) updates this rank's slices
+    only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
 
     param_groups: list[dict]
     state: Any
@@ -195,7 +196,10 @@ class ZeroOneShards:
 
 
 class ZeroOneAdamW(ZeroOneShards, torch.optim.AdamW):
-    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh):
+    """torch's fp32 AdamW over flat slices, fused: the slices are plain tensors on the parameters' device, so
+    `compute` asks nothing of it."""
+
+    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh, compute: Compute):
         groups = self._shard_groups(model, optim_cfg, mesh)
         torch.optim.AdamW.__init__(self, groups, **adamw_options(optim_cfg), fused=FUSED)
 
@@ -204,8 +208,8 @@ class ZeroOneMuon(ZeroOneShards, Muon):
     """Muon over flat slices, which cut across matrices: each step all-gathers the matrices' updates (as the
     parameters after it) and orthogonalises only the matrices that overlap this rank's slice."""
 
-    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh, ns_dtype: torch.dtype):
-        Muon.__init__(self, self._shard_groups(model, optim_cfg, mesh), optim_cfg, ns_dtype)
+    def __init__(self, model: nn.Module, optim_cfg, mesh: DeviceMesh, compute: Compute):
+        Muon.__init__(self, self._shard_groups(model, optim_cfg, mesh), optim_cfg, compute)
 
     def _orthogonalized(self, params: list[torch.Tensor], updates: list[torch.Tensor], finish) -> list[torch.Tensor]:
         buckets = {id(bucket.shard): bucket for bucket in self.buckets}

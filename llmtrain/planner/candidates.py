@@ -12,6 +12,7 @@ from typing import Any
 from llmtrain.catalog import (
     LAYOUTS,
     MESH_DIMS,
+    OPTIMIZERS,
     RANKS_PER_NODE,
     RECOMPUTE_MODES,
     WITHIN_NODE_DIMS,
@@ -240,7 +241,8 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
 
 def for_optimizer(candidates: list[Candidate], optim_cfg) -> list[Candidate]:
     """The candidates that can run `optim`: flat fp32 slices (ZeRO-1's) hold neither 8-bit moments nor host-side
-    state, so they are left out under optim.state_bits=8 and optim.offload."""
-    if optim_cfg.offload or optim_cfg.state_bits != 32:
+    state, so they are left out under optim.state_bits=8 and optim.offload, and for an optimizer without a form
+    over them."""
+    if optim_cfg.offload or optim_cfg.state_bits != 32 or OPTIMIZERS[optim_cfg.name].zero1 is None:
         return [c for c in candidates if not c.spec.mechanism.flat_optimizer]
     return candidates

@@ -29,7 +29,7 @@ def configured_state_bytes(cfg, bf16: bool) -> StateBytes:
 
 def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
     """`sizes` with optim.state_bits's moments (plan.optimizer_bytes counts two fp32 ones), train.float8's
-    gathers and optim.offload's host-side state, then the optimizer's own matrix moments."""
+    gathers and optim.offload's host-side state, then the optimizer's own moments."""
     fewer = ADAMW_MOMENTS * (MOMENT_BYTES[32] - MOMENT_BYTES[cfg.optim.state_bits])
     sizes = replace(
         sizes,
@@ -41,9 +41,14 @@ def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
 
 
 def _with_optimizer(sizes: StateBytes, optimizer: str) -> StateBytes:
-    """`sizes` (AdamW's optimizer bytes) with the blocks' matrices holding `optimizer`'s moments."""
-    fewer = ADAMW_MOMENTS - OPTIMIZERS[optimizer].matrix_moments
-    return replace(sizes, matrix_optimizer=sizes.optimizer - fewer * MOMENT_BYTES[32])
+    """`sizes` (AdamW's optimizer bytes) with `optimizer`'s own fp32 moments, its row's: `moments` outside the
+    blocks' weight matrices, `matrix_moments` in them."""
+    spec = OPTIMIZERS[optimizer]
+    return replace(
+        sizes,
+        optimizer=sizes.optimizer - (ADAMW_MOMENTS - spec.moments) * MOMENT_BYTES[32],
+        matrix_optimizer=sizes.optimizer - (ADAMW_MOMENTS - spec.matrix_moments) * MOMENT_BYTES[32],
+    )
 
 
 def plans_bf16(cfg) -> bool:

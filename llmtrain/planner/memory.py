@@ -1,8 +1,9 @@
 """Per-rank memory of a layout: model states by the ZeRO paper's accounting, activations by Korthikanti et al.
 
 Model states (Rajbhandari et al., 2020), with Ψ the parameters a rank's part holds (after tensor and pipeline
-parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter (under Muon, the
-blocks' weight matrices have one fp32 moment fewer: K - 4 on their share of Ψ):
+parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter (each optimizer's row in
+llmtrain/catalog.py counts its fp32 moments, apart for the blocks' weight matrices: Muon's keep one fewer than
+AdamW's, K - 4 on their share of Ψ):
     replicas (single, ddp, tp, pp)   Ψ·param + Ψ·grad + Ψ·K
     ZeRO-1 (zero1)                   Ψ·param + Ψ·grad + Ψ·K/N
     ZeRO-2 (zero2, FSDP in stages)   Ψ·param/N + Ψ·grad/N + Ψ·K/N, plus Ψ gathered (compute dtype) for the step
@@ -45,9 +46,9 @@ class StateBytes:
 
     param: float = 2
     grad: float = 2
-    optimizer: float = 12
+    optimizer: float = 12  # of the parameters outside the blocks' weight matrices (the optimizer's row's moments)
     compute: float = 2
-    matrix_optimizer: float = 12  # of the blocks' weight matrices (Muon's: one fp32 moment fewer than AdamW's)
+    matrix_optimizer: float = 12  # of the blocks' weight matrices (the optimizer's row's matrix_moments)
     float8_gather: bool = False  # train.float8=tensorwise: FSDP gathers the blocks' Linear weights in float8
     optimizer_on_host: bool = False  # optim.offload: the optimizer's bytes are in host memory, not the device's
 
