@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches_single, torchrun
 from extending_worker import (
     added_lines,
     blocks,
@@ -21,6 +20,8 @@ from extending_worker import (
     install_optimizer,
     write_options,
 )
+from harness.layouts import assert_matches_single
+from harness.processes import torchrun
 from omegaconf import OmegaConf
 
 import llmtrain.model
