@@ -27,7 +27,8 @@ from filelock import FileLock
 from harness.runs import PARITY, Run, run_train
 from warm_python import COLD_STARTS
 
-# Where tests/warm_python.py notes each run that started a fresh interpreter because its environment differs from
+# Where tests/workers/warm_python.py notes each run that started a fresh interpreter because its environment differs
+# from
 # the zygote's; set once, by the process that starts the xdist workers, so that they share it, and summarised at the
 # end (pytest_terminal_summary): a variable an import sets quietly made every later run of a worker cold, unseen.
 os.environ.setdefault(COLD_STARTS, os.path.join(tempfile.gettempdir(), f"llmtrain-cold-starts-{os.getpid()}.jsonl"))

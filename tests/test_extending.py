@@ -1,4 +1,5 @@
-"""docs/extending.md, followed: its blocks, read out of the page and installed (tests/extending_worker.py), do what
+"""docs/extending.md, followed: its blocks, read out of the page and installed (tests/workers/extending_worker.py), do
+what
 the page says. The layout row makes the option file the page shows, the tables and a plan, and the planner costs it
 by its fields; the model family is what meta_model builds for its preset, its pipeline parts are of the family, and
 it learns; Lion's steps are the ones worked by hand, and a run of `optim=lion` trains with it. The slow test trains
@@ -20,7 +21,9 @@ from extending_worker import (
     install_optimizer,
     write_options,
 )
+from harness.corpora import DOCUMENT_CORPUS
 from harness.layouts import assert_matches_single
+from harness.paths import WORKERS
 from harness.processes import torchrun
 from omegaconf import OmegaConf
 
@@ -38,13 +41,13 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
 from llmtrain.train.loop import Trainer
 
-WORKER = Path(__file__).resolve().parent / "extending_worker.py"
+WORKER = WORKERS / "extending_worker.py"
 ALONE = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
 # A short run of the tiny models on the tests' short documents in byte tokens, at a rate that shows learning in a
 # few steps; nothing saved, nothing logged to W&B.
 RUN = [
     "data=local",
-    f"data.path={Path(__file__).resolve().parent / 'data' / 'short_documents.jsonl'}",
+    f"data.path={DOCUMENT_CORPUS}",
     "data.tokenizer.kind=byte",
     "train.seq_len=64",
     "train.batch_size=8",

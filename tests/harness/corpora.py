@@ -7,7 +7,7 @@ from pathlib import Path
 
 # Short documents (the first lines of the standard library's docstrings, 47 characters on average), so that most
 # windows of the layout tests hold several packed documents, and the overrides that train on them within each one
-# (train.attention=document; tests/test_documents.py).
+# (train.attention=document; tests/model/test_documents.py).
 DOCUMENT_CORPUS = Path(__file__).with_name("short_documents.jsonl")
 
 

@@ -19,11 +19,12 @@ from llmtrain.tools import compose_config
 LAYOUT_WORKER = WORKERS / "layout_worker.py"
 
 
-# The release tier's layout groups (tests/test_releases.py, test_release_features.py): two steps of the tiny model.
+# The release tier's layout groups (tests/releases/test_releases.py, test_release_features.py): two steps of the tiny
+# model.
 RELEASE_COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
 
 
-# What the main suite covers on its own torch, run by .ci/run's release tier only (tests/test_releases.py).
+# What the main suite covers on its own torch, run by .ci/run's release tier only (tests/releases/test_releases.py).
 release_tier_only = pytest.mark.skipif(
     not os.environ.get("LLMTRAIN_RELEASE_TIER"),
     reason="the main suite covers this on its torch; the release tier runs it on the others",
@@ -39,7 +40,7 @@ MEMORY_MARGIN = 24 * 2**20
 def layout_group(
     tmp_path_factory, nproc: int, common: str, layouts: list[str], env: dict[str, str] | None = None
 ) -> dict:
-    """tests/layout_worker.py's results for `layouts` on `nproc` ranks of one process group."""
+    """tests/workers/layout_worker.py's results for `layouts` on `nproc` ranks of one process group."""
     out = tmp_path_factory.mktemp("layouts")
     torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=900, env=env)
     return json.loads((out / "results.json").read_text())

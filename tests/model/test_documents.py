@@ -3,8 +3,8 @@ boundaries read from the end-of-text tokens, the property itself (a token after 
 when its document is fed alone, for both families, on every kernel path one process has), that the mask matters on
 the corpus the layouts are tested on, the unscored prediction at end-of-text in one mean over the batch, sliding
 windows (model.sliding_window), and generation. Every layout's parity with one process under the mask, and the
-property through each layout's own forward (layout_worker.boundary_gap): tests/test_parallel.py and
-tests/test_context_parallel.py (DOCUMENTS); the ring's blocks: test_context_parallel.py.
+property through each layout's own forward (layout_worker.boundary_gap): tests/parallel/test_parallel.py and
+tests/parallel/test_context_parallel.py (DOCUMENTS); the ring's blocks: test_context_parallel.py.
 """
 
 from __future__ import annotations

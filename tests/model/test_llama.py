@@ -1,5 +1,6 @@
 """The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) under every layout family: each
-reproduces the unsplit llama-tiny, step for step, in 2- and 4-rank process groups (tests/layout_worker.py), and 3-D
+reproduces the unsplit llama-tiny, step for step, in 2- and 4-rank process groups (tests/workers/layout_worker.py), and
+3-D
 (pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too.
 Its forward against transformers' LlamaForCausalLM and its parameter counts are in test_model.py."""
 
@@ -35,7 +36,7 @@ LAYOUTS_3D = [
     "parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
     " train.activation_checkpointing=full",
     "model=tiny parallel=3d",
-    f"{BF16} parallel=3d",  # the bf16 tier's 3-D layout (tests/test_parallel.py has the others)
+    f"{BF16} parallel=3d",  # the bf16 tier's 3-D layout (tests/parallel/test_parallel.py has the others)
 ]
 
 

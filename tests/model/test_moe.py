@@ -1,7 +1,7 @@
 """Mixture of experts (llmtrain/model/moe.py) in one process: the dropless block against a token-by-token
 reference, the auxiliary losses' gradient, the load metric, the active-parameter FLOPs, the planner's count, the
 config's errors; and every data-parallel, tensor-parallel, expert-parallel and pipeline layout against the unsplit
-model (tests/layout_worker.py). The all-to-all exchange itself: tests/test_expert_parallel.py."""
+model (tests/workers/layout_worker.py). The all-to-all exchange itself: tests/parallel/test_expert_parallel.py."""
 
 from __future__ import annotations
 

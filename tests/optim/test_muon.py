@@ -1,6 +1,6 @@
 """Muon's checkpoints: saved under fsdp over 4 ranks, resumed bit-identically, resharded to tp 2 x dp 2 and then
 to one process, every step following the unsplit run; a checkpoint of one optimizer refuses the other with one
-line. Muon's parity under every layout: tests/test_parallel.py's layout groups.
+line. Muon's parity under every layout: tests/parallel/test_parallel.py's layout groups.
 
 The chain trains on a three-source data mixture (`data=mix`), so it is also the mixture's resume test: its position
 saved by 4 data-parallel ranks continues on 2 (tp 2 x dp 2), then on 1, with the uninterrupted run's batches."""

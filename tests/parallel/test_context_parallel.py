@@ -1,6 +1,6 @@
 """Context parallelism: the ring against full causal attention (forward and gradients, real gloo processes), the
 zigzag split's balance, its one-line errors, and every layout with parallel.cp > 1 against the unsplit model for
-both families (tests/layout_worker.py)."""
+both families (tests/workers/layout_worker.py)."""
 
 from __future__ import annotations
 

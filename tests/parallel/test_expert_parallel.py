@@ -1,6 +1,6 @@
 """Expert parallelism (llmtrain/parallel/expert.py): the all-to-all exchange against one process holding every
 expert (forward and gradients, real gloo processes, including ranks whose experts receive no token), and its
-one-line errors. The layouts with parallel.ep > 1 against the unsplit model: tests/test_moe.py."""
+one-line errors. The layouts with parallel.ep > 1 against the unsplit model: tests/model/test_moe.py."""
 
 from __future__ import annotations
 

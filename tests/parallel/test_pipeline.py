@@ -1,5 +1,5 @@
 """Pipeline parallelism: the stage split, schedule checks, every schedule's parity with the unsplit model (one
-torchrun per pipeline depth, tests/pipeline_worker.py), and pp end to end (pp_fsdp, pp_tp and 3d with the other
+torchrun per pipeline depth, tests/workers/pipeline_worker.py), and pp end to end (pp_fsdp, pp_tp and 3d with the other
 layouts: test_parallel.py, test_llama.py)."""
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_korthikanti_activations_per_layer():
     """GPT-3 175B's layer at s=2048, b=1 (their table 2): 34 + 5as/h = 34 + 80 without parallelism; t=8 gives
     10 + 24/8 + 80/8 = 23 and with sequence parallelism (34 + 80)/8. Selective recomputation is llmtrain's policy,
     not the paper's: 2 bytes x (the input's 1/8, the kept matmul and attention outputs' 8/8, two whole-width
-    projection outputs, their reduce-scatters' 2/8) = 6.75 (tests/test_dry_run.py holds it to a dry run)."""
+    projection outputs, their reduce-scatters' 2/8) = 6.75 (tests/planner/test_dry_run.py holds it to a dry run)."""
     s, b, h, a = 2048, 1, 12288, 96
     sbh = s * b * h
     assert layer_activations(s, b, h, a, 1, False, "none", True) == sbh * 114

@@ -1,4 +1,4 @@
-"""The release tier's second layout group (tests/test_releases.py says what the tier is): context and expert
+"""The release tier's second layout group (tests/releases/test_releases.py says what the tier is): context and expert
 parallelism, and features whose torch APIs move between releases: float8 all-gathers with 8-bit moments under FSDP,
 packed documents over the ring, experts over ranks, low-rank adapters over a frozen base."""
 

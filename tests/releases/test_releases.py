@@ -49,7 +49,8 @@ def test_an_older_torch_is_refused_in_one_line(tmp_path):
 
 # The layout families on 2 ranks, each against one process: data-parallel ones (DDP, ZeRO-1 with Muon's slices, ZeRO-2,
 # bf16 FSDP), tensor parallelism with sequence parallelism, and a pipeline (1F1B, packed documents through its
-# stages). Context and expert parallelism, with what other features add, are in tests/test_release_features.py: two
+# stages). Context and expert parallelism, with what other features add, are in
+# tests/releases/test_release_features.py: two
 # groups, so that the tier's two workers share them.
 RELEASE_LAYOUTS = [
     "parallel=ddp",

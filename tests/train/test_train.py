@@ -1,5 +1,5 @@
 """The real entry point: a short run learns and writes its outputs; bad input fails cleanly. The warm interpreter
-the suite's runs are forked from (tests/zygote.py) changes none of that."""
+the suite's runs are forked from (tests/workers/zygote.py) changes none of that."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_a_short_run_on_the_embedded_corpus_learns_and_logs_offline_without_secr
 
 @pytest.mark.slow
 def test_a_fresh_interpreter_repeats_the_run_and_another_seed_does_not(train, reference):
-    """The suite starts its runs from forks of a warm interpreter (tests/zygote.py): the same run in a fresh one is
+    """The suite starts its runs from forks of a warm interpreter (tests/workers/zygote.py): the same run in a fresh
+    one is
     the same to the bit. The seed reaches the run at all: another gives other losses."""
     assert_same_run(train(*PARITY, name="fresh", fresh=True), reference)
     other = train(*PARITY, "seed=7", name="other").metrics
@@ -90,7 +91,7 @@ def test_a_multi_rank_run_in_fresh_interpreters_matches_single(train, reference)
 
 
 # Run in an interpreter of its own, which starts with one thread (pytest's may not: xdist's channel runs one). What
-# tests/zygote.py checks before each fork, asked alone, beside a Python thread, and beside a native thread that
+# tests/workers/zygote.py checks before each fork, asked alone, beside a Python thread, and beside a native thread that
 # Python never sees (as torch's, OpenBLAS's or jemalloc's pools are): started through pthread_create, it sleeps in
 # pause() until the interpreter exits.
 FORK_CHECK = """

@@ -1,11 +1,12 @@
-"""Run by tests/test_expert_parallel.py under torchrun on 4 ranks: one mixture block with its experts split over
+"""Run by tests/parallel/test_expert_parallel.py under torchrun on 4 ranks: one mixture block with its experts split
+over
 ep ranks (ep 4: all ranks; ep 2: {0, 1} and {2, 3}) against the same block holding every expert, on each rank's
 own tokens. Routing is either spread over the experts, or skewed so that every token picks experts 0 and 1 (the
 other ranks' experts receive nothing). Each rank writes OUT_DIR/rank<r>.json: per case, the largest difference
 of the output, of the input gradient, and of its experts' weight gradients (the whole block's, summed over the
 ep group, sliced to this rank's experts).
 
-    torchrun --nproc_per_node=4 tests/expert_worker.py OUT_DIR
+    torchrun --nproc_per_node=4 tests/workers/expert_worker.py OUT_DIR
 """
 
 from __future__ import annotations

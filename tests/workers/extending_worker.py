@@ -1,9 +1,9 @@
 """docs/extending.md's code, read out of the page and installed into this process: each fenced block the page marks
 `<!-- new: PATH -->` (a file the reader creates) or `<!-- edit: PATH WHAT -->` (what the reader adds to a file) is
 run as the page says it goes in. tests/test_extending.py installs them in its own process (undone after each test);
-run by it under torchrun, this installs them, then runs tests/layout_worker.py's layouts:
+run by it under torchrun, this installs them, then runs tests/workers/layout_worker.py's layouts:
 
-    torchrun --nproc_per_node=N tests/extending_worker.py OUT_DIR "<overrides for all>" "<layout 1>" ...
+    torchrun --nproc_per_node=N tests/workers/extending_worker.py OUT_DIR "<overrides for all>" "<layout 1>" ...
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ llmtrain/job.py builds for train.py) in one process group, on the same global ba
 rank 0 trains by itself first (`single`, before the group forms). The process group and the imports are paid for
 once, however many layouts.
 
-    torchrun --nproc_per_node=N tests/layout_worker.py OUT_DIR "<overrides for all>" "<layout 1>" "<layout 2>" ...
+    torchrun --nproc_per_node=N tests/workers/layout_worker.py OUT_DIR "<overrides for all>" "<layout 1>" ...
 
 Each layout is a space-separated list of overrides ("parallel=tp parallel.sequence_parallel=true"); the overrides
 before its first `parallel` one choose what it trains (`model=moe-tiny optim=muon parallel=fsdp`) and it is

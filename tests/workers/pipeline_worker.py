@@ -2,7 +2,7 @@
 few steps on the same batches as the unsplit model, which every rank also trains by itself (`single`, in-process).
 One process group serves all schedules, so the suite pays for process start-up once.
 
-    torchrun --nproc_per_node=P tests/pipeline_worker.py OUT_DIR MICROBATCHES
+    torchrun --nproc_per_node=P tests/workers/pipeline_worker.py OUT_DIR MICROBATCHES
 
 Rank 0 writes OUT_DIR/results.json: per schedule the per-step losses and gradient norms of both runs, the largest
 weight difference, the peak micro-batches alive per rank, and the step's bubble; each schedule's Gantt chart lands

@@ -1,7 +1,7 @@
 """Run by tests under torchrun on 4 ranks: one optimizer's checkpoints through a chain of layouts in one process
 group, against the unsplit run rank 0 trains by itself first.
 
-    torchrun --nproc_per_node=4 tests/resume_worker.py OUT_DIR "<overrides for all>"
+    torchrun --nproc_per_node=4 tests/workers/resume_worker.py OUT_DIR "<overrides for all>"
 
 fsdp over 4 ranks trains steps 1-4 and saves after steps 2 and 4; fsdp resumes its step 2 (steps 3-4 again: they
 must be bit-identical); tp 2 x dp 2 (ddp_tp) resumes it too and saves after step 3; then rank 0 alone (`single`)

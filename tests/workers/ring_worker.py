@@ -1,4 +1,4 @@
-"""Run by tests/test_context_parallel.py under torchrun on 4 ranks: ring attention against one process's fused
+"""Run by tests/parallel/test_context_parallel.py under torchrun on 4 ranks: ring attention against one process's fused
 causal attention, for cp 4 (all ranks) and cp 2 ({0, 1} and {2, 3}), multi-head and grouped-query, in fp64 and in
 bf16 (fused bf16 blocks, fp32 merge), over whole windows and over packed documents (short random documents, each
 query attending within its own: model/documents.py), and within them over sliding windows of 7 keys; and packed
@@ -6,7 +6,7 @@ documents in bf16 on CUDA's kernels, emulated (llmtrain/parallel/kernel_emulatio
 OUT_DIR/rank<r>.json: per case, the largest difference of the output and of the q, k and v gradients on its zigzag shard
 from the fp64 reference's.
 
-    torchrun --nproc_per_node=4 tests/ring_worker.py OUT_DIR
+    torchrun --nproc_per_node=4 tests/workers/ring_worker.py OUT_DIR
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""`python ARGS`, started from the test session's warm interpreter (tests/zygote.py) where it can be.
+"""`python ARGS`, started from the test session's warm interpreter (tests/workers/zygote.py) where it can be.
 
 The suite starts a few hundred Python processes (train.py runs, torchrun and its ranks), and each fresh one spends
 ~7 CPU seconds importing torch, datasets and llmtrain before its first step: two thirds of the suite's time on two
 cores. This client asks the zygote, a process that has made those imports once, to fork a process that runs ARGS
 (a script or `-m module`, with `-u`) with this process's arguments, environment, working directory and standard
 streams, and then stands in for it: it forwards the signals it gets, and exits as that process did. If this
-client dies, so does that process (tests/zygote.py). A zygote that refuses to fork (it runs more than one thread)
+client dies, so does that process (tests/workers/zygote.py). A zygote that refuses to fork (it runs more than one
+thread)
 fails the run with its reason: a run never silently becomes a fresh interpreter there. Anything else (another flag,
 no zygote, an environment that changes how an interpreter starts) runs a fresh interpreter instead, as before.
 
@@ -127,7 +128,7 @@ def stand_in(connection: socket.socket, request: dict) -> None:
     if started is None:
         sys.exit("warm_python: the zygote closed the connection before starting the run")
     pid = STATUS.unpack(started)[0]
-    if pid < 0:  # refused (tests/zygote.py's fork_refusal): the reason, -pid bytes, follows
+    if pid < 0:  # refused (tests/workers/zygote.py's fork_refusal): the reason, -pid bytes, follows
         reason = receive_exactly(connection, -pid)
         sys.exit(f"warm_python: {reason.decode() if reason else 'the zygote refused the run'}")
     child.append(pid)

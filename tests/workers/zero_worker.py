@@ -1,7 +1,8 @@
-"""Run by tests/test_checkpoint.py under torchrun on 2 ranks: a ZeRO-1 checkpoint saved and loaded by the real
+"""Run by tests/checkpoint/test_checkpoint.py under torchrun on 2 ranks: a ZeRO-1 checkpoint saved and loaded by the
+real
 checkpoint code (llmtrain/checkpoint/state.py and manager.py), its cost and what it restores.
 
-    torchrun --nproc_per_node=2 tests/zero_worker.py OUT_DIR "<model overrides>"
+    torchrun --nproc_per_node=2 tests/workers/zero_worker.py OUT_DIR "<model overrides>"
 
 After two steps on random tokens, each rank measures the peak memory its save takes above what it held
 (checkpoint_state + CheckpointManager: no gathered moments may appear), then saves again in the background

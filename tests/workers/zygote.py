@@ -1,8 +1,8 @@
 """The test session's warm interpreter: imports what every run imports once, then forks one process per run.
 
-    python tests/zygote.py SOCKET        # started by conftest.warm_interpreter(); stops when its stdin closes
+    python tests/workers/zygote.py SOCKET        # started by conftest.warm_interpreter(); stops when its stdin closes
 
-tests/warm_python.py connects to SOCKET with a run (arguments, environment, working directory, its standard
+tests/workers/warm_python.py connects to SOCKET with a run (arguments, environment, working directory, its standard
 streams). The zygote forks; the fork becomes that run as a fresh `python ARGS` would be (its streams, directory,
 environment, thread count, `-u`, the fault handler, `sys.argv`, `sys.path[0]`, `__main__`) and runs the script or
 module to the end, through the interpreter's own exit (atexit, thread joins). Each run is a real process of its own:
