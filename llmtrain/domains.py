@@ -2,7 +2,8 @@
 
 A domain answers three questions: is this value acceptable (`complaint`: None, or what is wrong with it), what does
 the key accept (`accepts`: the phrase `--help` prints and errors end with), and which values lie just outside it
-(`outside`: what tests/test_bad_input.py feeds every key). `None` is always acceptable for an Optional key: it means
+(`outside`: what tests/config/test_bad_input.py feeds every key). `None` is always acceptable for an Optional key: it
+means
 "the default behaviour" and the key's comment says which. Rules that involve several keys stay in
 `config.validate`.
 """

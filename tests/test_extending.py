@@ -1,4 +1,5 @@
-"""docs/extending.md, followed: its blocks, read out of the page and installed (tests/extending_worker.py), do what
+"""docs/extending.md, followed: its blocks, read out of the page and installed (tests/workers/extending_worker.py), do
+what
 the page says, and they are new files and catalog rows alone. The layout row makes the option file the page shows,
 the tables and a plan, and the planner costs it by its fields; the family's row makes meta_model build its class for
 its preset, the layouts cut it as itself, it learns, and its checkpoint reloads as the family; Lion's steps are the
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches_single, torchrun
 from extending_worker import blocks, edits, install_family, install_layout, install_optimizer, write_options
+from harness.corpora import DOCUMENT_CORPUS
+from harness.layouts import assert_matches_single
+from harness.paths import WORKERS
+from harness.processes import torchrun
 from omegaconf import OmegaConf
 
 from llmtrain import catalog
@@ -38,13 +42,13 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
 from llmtrain.train.loop import Trainer
 
-WORKER = Path(__file__).resolve().parent / "extending_worker.py"
+WORKER = WORKERS / "extending_worker.py"
 ALONE = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
 # A short run of the tiny models on the tests' short documents in byte tokens, at a rate that shows learning in a
 # few steps; nothing saved, nothing logged to W&B.
 RUN = [
     "data=local",
-    f"data.path={Path(__file__).resolve().parent / 'data' / 'short_documents.jsonl'}",
+    f"data.path={DOCUMENT_CORPUS}",
     "data.tokenizer.kind=byte",
     "train.seq_len=64",
     "train.batch_size=8",

@@ -11,7 +11,7 @@ Cost: the median seconds of one training step's forward and backward (the single
 each window length, document against causal, on the same batches. Quality: `model=tiny` trained --steps steps each
 way from the same seed on the same batches, then its loss on the held-out windows read both ways: packed (causal,
 each token seeing the documents before it in the window) and each document alone (the document mask: by
-tests/test_documents.py the same logits as the document fed by itself, which is how a model meets a prompt).
+tests/model/test_documents.py the same logits as the document fed by itself, which is how a model meets a prompt).
 """
 
 from __future__ import annotations

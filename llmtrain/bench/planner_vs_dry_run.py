@@ -2,7 +2,8 @@
 recomputation x world sizes (llmtrain/tools/dry_run.py: training's own build and steps on fake tensors).
 
     python -m llmtrain.bench.planner_vs_dry_run                  # the grid below, a table of measured / planned
-    python -m llmtrain.bench.planner_vs_dry_run --quick out.json # the part tests/test_planner.py holds the planner to
+    python -m llmtrain.bench.planner_vs_dry_run --quick out.json # the part tests/planner/test_planner.py holds the
+    planner to
 
 Each row is one dry run (rank 0 of the world size, and for pipelines also the last rank); the columns are the
 planner's error per kind of memory at the step's peak (parameters, gradients, optimizer state, activations and

@@ -5,7 +5,7 @@
 For each setting of sequence parallelism and recomputation (train.activation_checkpointing): the collectives of one
 forward + backward on one micro-batch. The embedding, final norm, LM head and the loss add a fixed number that does
 not grow with depth; the tool measures a model of 2 and of 4 blocks and reports the difference per block, and what
-lies outside the blocks. tests/test_tensor_parallel.py holds the counts per block to Megatron-LM's design.
+lies outside the blocks. tests/parallel/test_tensor_parallel.py holds the counts per block to Megatron-LM's design.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The kernel each device runs it on:
   - elsewhere: SDPA with the mask as a (batch, 1, t, t) tensor: FlexAttention has no backward on CPU.
 A sliding window (model.sliding_window: a window per block, as nanochat's and modded-nanogpt's short and long ones)
 narrows the same mask to each query's last `window` keys, with or without documents (without, the whole window is
-one document). Both kernels compute softmax attention over the same visible keys; tests/test_documents.py holds
+one document). Both kernels compute softmax attention over the same visible keys; tests/model/test_documents.py holds
 the FlexAttention forward to the SDPA path on CPU, and `llmtrain.tools.gpu_check` its forward and backward on the
 GPU.
 """

@@ -8,7 +8,7 @@ updates, AdamW's two moments and the step count. Each optimizer step:
      while the host goes on to the next batch.
 So the device holds 8 bytes a parameter less (the moments), the host 12 more, and each step moves the rank's
 gradients down and its weights up the host link (8 bytes a parameter in fp32). The update is torch's AdamW to the
-bit: on a CPU the offloaded run equals the plain one (tests/test_low_precision.py).
+bit: on a CPU the offloaded run equals the plain one (tests/optim/test_low_precision.py).
 
 The moments are plain host tensors, or DTensors over host tensors where the weight is a DTensor (FSDP shards,
 tensor-parallel weights), so `get_optimizer_state_dict` names and reshards them as it does AdamW's, in AdamW's

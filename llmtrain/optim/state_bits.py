@@ -6,7 +6,7 @@ numbers, exactly what torch's AdamW writes, so any layout loads any checkpoint (
 options differ: checkpoint/training.py refuses it in one line). Loading into an 8-bit optimizer quantises the fp32
 moments again: a block whose largest value has no exact code gets a slightly different scale, so its values move
 by about a code step (measured: up to 0.8% of the tensor's largest value). The resumed run follows the
-uninterrupted one within that rounding, not bit for bit (tests/test_low_precision.py).
+uninterrupted one within that rounding, not bit for bit (tests/optim/test_low_precision.py).
 """
 
 from __future__ import annotations

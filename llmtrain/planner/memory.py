@@ -203,7 +203,7 @@ def layer_activations(
     back to the residual stream (the attention's and the MLP's) one whole-width output (the matmul's partial sum)
     and, under tensor parallelism, its reduction, which the policy keeps so that backward does not communicate
     again: the reduce-scatter's 1/t with sequence parallelism, the all-reduce's whole width without (a functional
-    collective: a new tensor beside the partial sum). Held to the dry run (tests/test_planner.py)."""
+    collective: a new tensor beside the partial sum). Held to the dry run (tests/planner/test_planner.py)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
     if recompute == "selective":

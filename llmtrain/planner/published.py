@@ -1,5 +1,5 @@
 """Published measurements of real training runs, each as llmtrain would run it: what the planner's step times and
-memory are checked against (llmtrain/bench/published_runs.py, tests/test_planner.py) and what its efficiencies
+memory are checked against (llmtrain/bench/published_runs.py, tests/planner/test_planner.py) and what its efficiencies
 are calibrated from (`hardware.mfu` of a100x8 and h100x8: the median HFU of each machine's MPT rows below).
 
 Throughput. Source: MosaicML's llm-foundry, scripts/train/benchmarking/README.md ("MPT Training Benchmarks"), the tables

@@ -1,0 +1,54 @@
+"""Small corpora and tokenizers the tests train on: short packed documents, and conversations with a chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Short documents (the first lines of the standard library's docstrings, 47 characters on average), so that most
+# windows of the layout tests hold several packed documents, and the overrides that train on them within each one
+# (train.attention=document; tests/model/test_documents.py).
+DOCUMENT_CORPUS = Path(__file__).with_name("short_documents.jsonl")
+
+
+DOCUMENTS = f"data=local data.path={DOCUMENT_CORPUS} data.tokenizer.kind=byte train.attention=document"
+
+
+# ... with the predictions at end-of-text unscored and every second block attending to a sliding window of 8 keys
+UNSCORED_WINDOWED = "train.score_after_eos=false model.sliding_window=[8,0]"
+
+
+# A ChatML template, as SmolLM2's: each turn between <|im_start|>role and <|im_end|>; the assistant's prompt opens
+# one more. As in SmolLM2-Instruct, the tokenizer's end-of-text is <|im_end|>, which ends every turn: packed
+# conversations are separated by another special token, <|endoftext|> (data/sft.py, packing_separator).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Path]:
+    """A transformers tokenizer with CHAT_TEMPLATE (a small BPE of the document corpus) and a .jsonl of
+    conversations made of the corpus's lines: one to three user/assistant turns, some with a system turn, some
+    written as prompt/response pairs. (tokenizer directory, conversations file)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from llmtrain.data.tokenizers import train_bpe
+
+    lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
+    backend = train_bpe(lines, 512)
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory / "tokenizer")
+    records = []
+    for i in range(conversations):
+        turns = 1 + i % 3
+        said = [lines[(7 * i + j) % len(lines)] for j in range(2 * turns)]
+        messages = [{"role": "system", "content": "Answer in one line."}] if i % 4 == 0 else []
+        for question, answer in zip(said[::2], said[1::2]):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        records.append({"prompt": said[0], "response": said[1]} if i % 5 == 0 else {"messages": messages})
+    path = directory / "conversations.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return directory / "tokenizer", path
