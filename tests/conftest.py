@@ -15,7 +15,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import hashlib  # noqa: E402
 import json
+import multiprocessing.process
 import resource
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,6 +34,23 @@ from warm_python import COLD_STARTS
 # the zygote's; set once, by the process that starts the xdist workers, so that they share it, and summarised at the
 # end (pytest_terminal_summary): a variable an import sets quietly made every later run of a worker cold, unseen.
 os.environ.setdefault(COLD_STARTS, os.path.join(tempfile.gettempdir(), f"llmtrain-cold-starts-{os.getpid()}.jsonl"))
+
+
+@pytest.fixture(autouse=True)
+def _processes_start_in_the_slow_tier_only(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier (`-m "not slow"`) is what a developer runs before each commit, in-process: a test that starts a
+    process (the entry point, torchrun, a torch.multiprocessing worker) is marked `slow`, and one that is not fails
+    here, naming the mark, rather than quietly making the fast tier slow. Module and session fixtures (a layout
+    group) are set up before this and serve marked tests only."""
+    if request.node.get_closest_marker("slow"):
+        return
+    test = request.node.nodeid
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{test} starts a process: mark it @pytest.mark.slow (the fast tier runs in-process)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ def test_pyprojects_floor_is_the_one_the_code_refuses_below():
     assert torch_release() >= TORCH_FLOOR
 
 
+@pytest.mark.slow
 def test_an_older_torch_is_refused_in_one_line(tmp_path):
     info = tmp_path / "torch-2.9.1.dist-info"
     info.mkdir()

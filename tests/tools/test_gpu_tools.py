@@ -90,6 +90,7 @@ print(spans[1][0], spans[-1][1])
 """
 
 
+@pytest.mark.slow
 def test_runs_armed_with_a_gpu_turn_take_their_steps_after_the_first_one_at_a_time(tmp_path):
     """gpu_check's speed rows: three processes started together, each holding the turn from its second step to its
     end; their first steps overlap, their later steps never do."""

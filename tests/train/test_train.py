@@ -114,6 +114,7 @@ print(json.dumps(answers))
 """
 
 
+@pytest.mark.slow
 def test_the_zygote_refuses_to_fork_beside_another_thread() -> None:
     """A fork copies only the thread that calls it: a lock another thread holds stays held in the child forever (a
     run that deadlocks in its allocator, its imports, a pool's queue). The zygote's check passes one thread and
