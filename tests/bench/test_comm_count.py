@@ -88,7 +88,7 @@ def _worker(rank: int, store_path: str, results) -> None:
 @pytest.mark.slow
 def test_four_gloo_ranks_count_the_bytes_of_each_op(tmp_path):
     results = mp.get_context("spawn").Queue()
-    from conftest import rank_slots  # here: the spawned ranks import this module, and only what it needs
+    from harness.processes import rank_slots  # here: the spawned ranks import this module, and only what it needs
 
     with rank_slots(RANKS):
         mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")

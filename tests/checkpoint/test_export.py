@@ -221,7 +221,7 @@ def test_a_llama3_scaled_checkpoint_into_plain_rope_is_refused(tmp_path):
 def test_our_llama_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
     """A trained llama-tiny checkpoint (with Llama 3's rope scaling), exported: transformers computes our logits and
     greedy continuation."""
-    from conftest import FAST, run_train
+    from harness.runs import FAST, run_train
     from transformers import LlamaForCausalLM
 
     (tmp_path / "run").mkdir()
@@ -272,7 +272,7 @@ def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
 def test_our_mixtral_exports_to_transformers_and_generates_the_same(tmp_path, cache_dir):
     """A trained mixtral-tiny checkpoint, exported: transformers' MixtralForCausalLM computes our logits and
     greedy continuation."""
-    from conftest import run_train
+    from harness.runs import run_train
     from transformers import MixtralForCausalLM
 
     (tmp_path / "run").mkdir()

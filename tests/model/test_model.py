@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness.paths import REPO
 from harness.processes import python
 from omegaconf import OmegaConf
 
@@ -250,7 +250,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
             capture_output=True,
             text=True,
             timeout=300,
-            cwd=Path(__file__).parents[1],  # fmt: skip
+            cwd=REPO,  # fmt: skip
         )
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[mode] = json.loads(done.stdout.strip().splitlines()[-1])["act"]

@@ -49,7 +49,7 @@ def _worker(rank: int, store_path: str, results) -> None:
 @pytest.mark.slow  # two spawned ranks import torch: ~10 s
 def test_tensor_parallel_experts_all_reduce_tokens_not_routed_slots(tmp_path):
     results = mp.get_context("spawn").Queue()
-    from conftest import rank_slots  # here: the spawned ranks import this module, and only what it needs
+    from harness.processes import rank_slots  # here: the spawned ranks import this module, and only what it needs
 
     with rank_slots(RANKS):
         mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=RANKS, start_method="spawn")

@@ -12,10 +12,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from harness.paths import REPO
 from omegaconf import OmegaConf
 
 from llmtrain.errors import ConfigError
@@ -343,7 +343,7 @@ def test_the_planner_runs_from_a_wheel_installed_outside_the_checkout(tmp_path):
     directory of a non-editable install as from the checkout."""
     source = tmp_path / "source"  # built from a copy: setuptools leaves build/ behind in the tree it builds
     ignored = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "outputs", "multirun", "wandb")
-    shutil.copytree(Path(__file__).parents[1], source, symlinks=True, ignore=ignored)
+    shutil.copytree(REPO, source, symlinks=True, ignore=ignored)
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
     subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("llmtrain-*.whl")
