@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from harness.corpora import write_chat_data
-from harness.layouts import BF16, assert_matches_single, layout_groups
+from harness.layouts import BF16, TWO_BLOCKS, assert_matches_single, layout_groups
 
 from llmtrain.data import RankSlice
 from llmtrain.data.packing import window_tokens
@@ -183,8 +183,8 @@ def sft_results(tmp_path_factory) -> dict:
     common = (
         f"data=sft data.path={conversations} data.tokenizer.kind=hf data.tokenizer.name={tokenizer} "
         f"data.val_fraction=0.1 "
-        f"model=llama-tiny train.attention=document train.seq_len=128 train.batch_size=8 train.micro_batch_size=2 "
-        f"train.eval_batches=1 optim.warmup_steps=1 optim.lr=3e-3"
+        f"model=llama-tiny {TWO_BLOCKS} train.attention=document train.seq_len=128 train.batch_size=8 "
+        f"train.micro_batch_size=2 optim.warmup_steps=1 optim.lr=3e-3"
     )
     return layout_groups(tmp_path_factory, common, SFT_LAYOUTS)
 

@@ -7,11 +7,22 @@ Its forward against transformers' LlamaForCausalLM and its parameter counts are 
 from __future__ import annotations
 
 import pytest
-from harness.layouts import BF16, assert_matches_single, layout_group, layout_groups
+from harness.layouts import (
+    BF16,
+    FOUR_BLOCKS,
+    GROUP_CORPUS,
+    TWO_BLOCKS,
+    assert_matches_single,
+    layout_group,
+    layout_groups,
+)
 
 pytestmark = pytest.mark.slow
 
-COMMON = "model=llama-tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
+COMMON = (
+    f"model=llama-tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2"
+    " optim.warmup_steps=1"
+)
 # On 2 ranks what needs one degree of 2, on 4 what needs two (conftest.layout_groups).
 LAYOUTS = {
     2: [
@@ -25,15 +36,15 @@ LAYOUTS = {
     4: [
         "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
         "parallel=fsdp_tp",
-        "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
-        "parallel=pp_tp parallel.pp_schedule=zbv parallel.pp_stages_per_rank=2",
+        f"{FOUR_BLOCKS} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+        f"{FOUR_BLOCKS} parallel=pp_tp parallel.pp_schedule=zbv parallel.pp_stages_per_rank=2",
     ],
 }
 
 
 # pp 2 x dp_shard 2 x tp 2, two stages per pipeline rank, every block recomputed; GPT-2's family (tiny); and bf16.
 LAYOUTS_3D = [
-    "parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
+    f"{FOUR_BLOCKS} parallel=3d parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"
     " train.activation_checkpointing=full",
     "model=tiny parallel=3d",
     f"{BF16} parallel=3d",  # the bf16 tier's 3-D layout (tests/parallel/test_parallel.py has the others)

@@ -10,7 +10,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.layouts import GROUP_WEIGHT_ATOL, assert_matches_single, layout_group
+from harness.layouts import (
+    FOUR_BLOCKS,
+    GROUP_CORPUS,
+    GROUP_WEIGHT_ATOL,
+    TWO_BLOCKS,
+    assert_matches_single,
+    layout_group,
+)
 from harness.runs import LOSS_RTOL, PARITY, run_train
 
 from llmtrain.config import validate
@@ -170,8 +177,8 @@ def test_mixture_errors_name_the_key(overrides, key):
 # Balance and z losses 50x and (from 0) on: a wrong auxiliary gradient under some split (missed, doubled, or seeing
 # only a rank's part of the tokens) moves the gradient norms far beyond the tolerance.
 COMMON = (
-    "model=moe-tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1 "
-    "model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
+    f"model=moe-tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 "
+    "optim.warmup_steps=1 model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
 )
 LAYOUTS = [
     "parallel=ddp",
@@ -182,13 +189,13 @@ LAYOUTS = [
     "parallel=fsdp_tp parallel.tp=2",  # experts split by hidden units, sequence parallel around them
     "parallel=fsdp_tp parallel.tp=2 parallel.ep=2 parallel.sequence_parallel=false",
     "parallel=fsdp parallel.cp=2 parallel.ep=2",  # balance counts summed over the ranks sharing each sequence
-    "parallel=pp parallel.pp_schedule=1f1b",
-    "parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 parallel.ep=2",
+    f"{FOUR_BLOCKS} parallel=pp parallel.pp_schedule=1f1b",  # pp 4
+    f"{FOUR_BLOCKS} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 parallel.ep=2",
     # Mixtral's experts are SwiGLU (a third, gated matrix): where they are split or exchanged
     "model=mixtral-tiny parallel=fsdp parallel.ep=4",
     "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2",
-    "model=mixtral-tiny parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 "
-    "parallel.ep=2",
+    f"model=mixtral-tiny {FOUR_BLOCKS} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b"
+    " parallel.pp_stages_per_rank=2 parallel.ep=2",
 ]
 EXPERT_PARALLEL = LAYOUTS[1:4]  # fsdp over 4 ranks with ep 1, 2, 4
 

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 from harness.corpora import DOCUMENTS, UNSCORED_WINDOWED
-from harness.layouts import assert_matches_single, layout_group
+from harness.layouts import FOUR_BLOCKS, GROUP_CORPUS, TWO_BLOCKS, assert_matches_single, layout_group
 from harness.paths import REPO, WORKERS
 from harness.processes import json_lines, python, torchrun
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -120,24 +120,29 @@ def test_context_parallel_errors_name_the_key(args, key):
     assert key in str(error.value) and "\n" not in str(error.value)
 
 
-COMMON = "model=tiny train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
+COMMON = (
+    f"model=tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2"
+    " optim.warmup_steps=1"
+)
 # Where every rank shares each sequence (no data parallelism), micro-batches of 4: 2 per step, not 4.
 LAYOUTS = [
     "parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     "parallel=fsdp parallel.cp=2",  # dp_shard 2 x cp 2
     "parallel=hsdp parallel.dp_replicate=2 parallel.dp_shard=1 parallel.cp=2",
     "parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",  # cp 2 x tp 2 with sequence parallelism
-    "parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    f"{FOUR_BLOCKS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     "parallel=fsdp parallel.cp=2 train.activation_checkpointing=selective train.compile=true",
     # the Llama family's rotary positions and grouped-query heads on sequence shards
     "model=llama-tiny parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     "model=llama-tiny parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
-    "model=llama-tiny parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    f"model=llama-tiny {FOUR_BLOCKS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b"
+    " parallel.pp_stages_per_rank=2",
     # packed documents that never see each other: the ring masks each block by the documents of its queries; with
     # the predictions at end-of-text unscored, ranks holding different counts of scored targets, and sliding windows
     f"{DOCUMENTS} {UNSCORED_WINDOWED} parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
     f"model=llama-tiny {DOCUMENTS} parallel=fsdp_tp parallel.cp=2 train.micro_batch_size=4",
-    f"{DOCUMENTS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    f"{DOCUMENTS} {FOUR_BLOCKS} parallel=pp parallel.cp=2 parallel.pp_schedule=interleaved_1f1b"
+    " parallel.pp_stages_per_rank=2",
 ]
 
 

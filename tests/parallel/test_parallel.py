@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 from harness.corpora import DOCUMENTS, UNSCORED_WINDOWED
-from harness.layouts import BF16, assert_matches_single, layout_groups, layout_plan
+from harness.layouts import (
+    BF16,
+    FOUR_BLOCKS,
+    GROUP_CORPUS,
+    TWO_BLOCKS,
+    assert_matches_single,
+    layout_groups,
+    layout_plan,
+)
 from harness.runs import PARITY, assert_console_quiet, assert_parity, run_train
 
 from llmtrain.errors import ConfigError
@@ -82,10 +90,11 @@ LAYOUTS = {
         f"{BF16} parallel=pp_tp train.micro_batch_size=4",
         f"{BF16} parallel=fsdp parallel.cp=2",
         f"model=llama-tiny {BF16} parallel=fsdp_tp train.micro_batch_size=4",
-        f"model=llama-tiny {BF16} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+        f"model=llama-tiny {FOUR_BLOCKS} {BF16} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b"
+        " parallel.pp_stages_per_rank=2",
         f"model=moe-tiny {BF16} parallel=fsdp parallel.ep=2",
         f"model=mixtral-tiny {BF16} parallel=fsdp_tp parallel.tp=2",
-        f"model=mixtral-tiny {BF16} parallel=pp parallel.pp_schedule=1f1b",
+        f"model=mixtral-tiny {FOUR_BLOCKS} {BF16} parallel=pp parallel.pp_schedule=1f1b",  # pp 4
         f"{DOCUMENTS} parallel=3d",
         f"model=llama-tiny {DOCUMENTS} parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",
     ],
@@ -94,7 +103,10 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    common = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+    common = (
+        f"model=tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=16 train.micro_batch_size=2"
+        " optim.warmup_steps=1"
+    )
     return layout_groups(tmp_path_factory, common, LAYOUTS)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness.layouts import layout_group
+from harness.layouts import TWO_BLOCKS, layout_group
 from layout_worker import reference_name
 
 from llmtrain.data.tasks import Task, read_task
@@ -105,8 +105,8 @@ LAYOUTS = [
 def test_task_scores_are_the_same_under_every_layout(tmp_path_factory):
     task = write_task(tmp_path_factory.mktemp("task") / "words.jsonl", examples=53)
     common = (
-        f"model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
-        f"eval.tasks=[{task}]"
+        f"model=tiny {TWO_BLOCKS} train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 "
+        f"optim.warmup_steps=1 eval.tasks=[{task}]"
     )
     results = layout_group(tmp_path_factory, 2, common, LAYOUTS)
     single = results["single"]
@@ -121,4 +121,6 @@ def test_task_scores_are_the_same_under_every_layout(tmp_path_factory):
         for kind in ("loglikelihoods", "rolling"):
             assert adapter[kind] == pytest.approx(alone[kind], rel=1e-6), (layout, kind)
     assert any(single["adapter"]["generated"]) and any(single["adapter"]["greedy"])
-    assert single["val_bpb"] == pytest.approx(single["val_losses"][-1] / math.log(2), rel=0.02)  # byte tokens
+    # byte tokens on the embedded corpus, whose long documents hold few end-of-text tokens (bytes of no text): on the
+    # short documents (harness/corpora.py) they are 2% of the tokens
+    assert single["val_bpb"] == pytest.approx(single["val_losses"][-1] / math.log(2), rel=0.02)

@@ -35,12 +35,14 @@ from llmtrain.train.flight_recorder import flight_entries
 from llmtrain.train.loop import Trainer
 
 STEPS = 2
-# The tiny models on the embedded corpus in byte tokens, validated after the last step. train.steps is one more
+# The tiny models in byte tokens (on the embedded corpus unless the overrides name another), validated after the last
+# step over one global batch (whose rows every layout splits as it splits the training batch). train.steps is one more
 # than the steps taken, so no end-of-run checkpoint is written (checkpoints have tests of their own); each layout
 # gets its own run directory under OUT_DIR, and never resumes.
 RUN = [
     f"train.steps={STEPS + 1}",
     f"train.eval_every={STEPS}",
+    "train.eval_batches=1",
     "logging.wandb.mode=disabled",
     "train.device=cpu",
     "checkpoint.resume=none",
