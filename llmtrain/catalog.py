@@ -486,6 +486,8 @@ LORA_TARGETS = {
 }
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+# train.float8_layers: which of the blocks' eligible Linear layers float8 converts (llmtrain/parallel/float8.py).
+FLOAT8_LAYERS = ("auto", "all")
 # optim.lr_schedule (llmtrain/optim/lr_schedule.py describes each).
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 # optim.decay_shape: progress p through a WSD decay, 0 to 1 -> the share of (peak - floor) still left.

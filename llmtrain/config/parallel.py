@@ -91,13 +91,14 @@ class ParallelConfig:
         Flag(),
         "FSDP: keep sharded parameters, gradients and optimizer state in host memory",
     )
-    reduce_once_per_step: bool = key(
-        False,
+    reduce_once_per_step: Optional[bool] = key(
+        None,
         Flag(),
         "FSDP with several micro-batches per step: accumulate each micro-batch's gradients unsharded (in fp32) and "
         "reduce-scatter once per step, a 1/micro-batches share of the gradient traffic for a full fp32 gradient of "
-        "memory per rank (for slow links: PCIe without peer-to-peer); false: reduce-scatter every micro-batch. "
-        "DDP, ZeRO-1 and pipelines already reduce once",
+        "memory per rank (for slow links: PCIe without peer-to-peer); false: reduce-scatter every micro-batch; null: "
+        "true where FSDP splits over one shard (one GPU, or HSDP replicas of one), whose gradient is whole anyway, "
+        "false otherwise. DDP, ZeRO-1 and pipelines already reduce once",
     )
     sequence_parallel: bool = key(
         False,

@@ -124,6 +124,13 @@ class TrainConfig:
         "tensor cores: sm_89+, emulated on CPU). `tensorwise` also all-gathers FSDP weights and tensor-parallel "
         "activations in float8 (`parallel/float8.py`); `none`: the compute dtype",
     )
+    float8_layers: str = key(
+        "auto",
+        OneOf(catalog.FLOAT8_LAYERS),
+        "with `train.float8`: `auto` converts the eligible Linear layers large enough for the FP8 matmul to beat "
+        "bf16's (torchao's thresholds per recipe, measured on an H100); `all` every eligible one (both dimensions "
+        "multiples of 16); the start summary names those kept in the compute dtype, and why",
+    )
     max_bad_steps: int = key(3, at_least(1), "consecutive non-finite steps before the run stops")
     hang_timeout: Optional[float] = key(
         None,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from llmtrain.model import LayeredModel, auxiliary_loss_scale, summed_cross_entropy
+from llmtrain.model import LayeredModel, auxiliary_loss_scale
 from llmtrain.parallel.data_parallel import DataParallel
 from llmtrain.parallel.executor import Combine
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
@@ -47,7 +47,7 @@ class Accumulation:
             with self._data_parallel.accumulating(self.module, i == count - 1), setup.loss_context():
                 with setup.precision(), auxiliary_loss_scale(1 / count):
                     logits = self.module(inputs.to(device), **documents)
-                    loss = summed_cross_entropy(logits, targets.to(device)) * scale
+                    loss = setup.cross_entropy(logits, targets.to(device)) * scale
                 (loss / count).backward()
             total += full_tensor(loss.detach())
         return total / count

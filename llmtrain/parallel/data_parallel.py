@@ -97,10 +97,16 @@ class DDP(DataParallel):
 
 
 class FSDP(DataParallel):
+    def __init__(self, mesh: RankMesh, runtime: Runtime, parallel: ParallelConfig):
+        super().__init__(mesh, runtime, parallel)
+        once = parallel.reduce_once_per_step
+        # over one shard the unsharded gradient is the shard: holding it costs nothing, reducing it each time does
+        self.reduce_once = mesh.degrees.dp_shard_cp == 1 if once is None else once
+
     def accumulating(self, module: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """With parallel.reduce_once_per_step, no reduce-scatter on the micro-batches before the last: FSDP keeps
         their gradients unsharded, accumulated in its reduce dtype (fp32)."""
-        if self.parallel.reduce_once_per_step:
+        if self.reduce_once:
             for unit in module.modules():
                 if isinstance(unit, FSDPModule):
                     unit.set_requires_gradient_sync(is_last_micro_batch, recurse=False)

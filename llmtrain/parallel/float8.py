@@ -11,7 +11,10 @@ precision; weights, gradients and optimizer state stay as they were. Two recipes
               compiled, inductor rounds its fused casts as eager kernels do (round_compiled_casts_as_eager)
 What is converted (torchtitan's rule): Linear layers inside the blocks whose two dimensions are multiples of 16
 (what the FP8 matmul needs), except the MoE router, whose logits decide the routing; the LM head and the
-embeddings stay in the compute dtype, as do the experts' stacked weights (no Linear).
+embeddings stay in the compute dtype, as do the experts' stacked weights (no Linear). Under `train.float8_layers=
+auto` (the default) only those large enough for the FP8 matmul to beat bf16's, by torchao's per-recipe thresholds
+(measured on an H100: below them the casts cost more than the faster matmul saves; GPT-2's 768-wide layers mostly
+are); `all` converts every eligible one. The start summary names what stayed in the compute dtype, and why.
 
 On a CPU the casts run in torchao's emulation mode (float8 rounding, fp32 matmuls): it proves the wiring and the
 numerics of the casts, not the speed of the FP8 kernels. On a GPU below sm_89 float8 is refused.
@@ -42,6 +45,7 @@ class Float8:
     all-gathers the weights in float8 and whether tensor parallelism takes torchao's float8 styles."""
 
     recipe: str  # tensorwise | rowwise
+    layers: str  # auto (where the FP8 matmul pays) | all (every eligible layer): train.float8_layers
     emulate: bool
     fsdp_all_gather: bool
     tensor_parallel_styles: bool  # torchao's float8 styles for tensor parallelism
@@ -57,9 +61,10 @@ class Float8:
 
 
 def float8_on(
-    recipe: str, device: torch.device, sharded: bool, tensor_parallel: bool, sequence_parallel: bool
+    recipe: str, layers: str, device: torch.device, sharded: bool, tensor_parallel: bool, sequence_parallel: bool
 ) -> Float8 | None:
-    """`train.float8=recipe` on `device` (None for `none`); ConfigError on a GPU without FP8 tensor cores.
+    """`train.float8=recipe` over `layers` on `device` (None for `none`); ConfigError on a GPU without FP8 tensor
+    cores.
     `sharded`: FSDP shards the weights over more than one rank (tensorwise then gathers them in float8).
     Tensorwise tensor parallelism takes torchao's float8 styles, except under sequence parallelism on a CPU: their
     float8 all-gather needs NCCL (gloo has no float8 collectives), so there each Float8Linear casts after torch's own
@@ -72,6 +77,7 @@ def float8_on(
     tensorwise = recipe == "tensorwise"
     return Float8(
         recipe,
+        layers,
         emulate=emulate,
         fsdp_all_gather=sharded and tensorwise,
         tensor_parallel_styles=tensor_parallel and tensorwise and not (emulate and sequence_parallel),
@@ -87,26 +93,50 @@ def check_fp8_tensor_cores(recipe: str, device_name: str, capability: tuple[int,
         )
 
 
-def convertible(module: nn.Module, name: str) -> bool:
-    """Whether the Linear `name` runs in float8: inside the blocks, not the router, both dimensions multiples of 16."""
-    return (
-        isinstance(module, nn.Linear)
-        and name.split(".")[-1] not in _UNCONVERTED_NAMES
-        and "blocks" in name.split(".")
-        and module.in_features % MATMUL_MULTIPLE == 0
-        and module.out_features % MATMUL_MULTIPLE == 0
-    )
+BELOW_PAYING_SIZE = "below the sizes where the FP8 matmul pays (train.float8_layers=all converts them)"
+
+
+def kept_because(module: nn.Linear, name: str, recipe: str, layers: str) -> str | None:
+    """Why the Linear `name` stays in the compute dtype under float8's `recipe` over `layers` (train.float8_layers);
+    None where it runs in float8."""
+    parts = name.split(".")
+    if "blocks" not in parts:
+        return "outside the blocks"
+    if parts[-1] in _UNCONVERTED_NAMES:
+        return "the router: its logits decide the routing"
+    if module.in_features % MATMUL_MULTIPLE or module.out_features % MATMUL_MULTIPLE:
+        return f"a dimension not a multiple of {MATMUL_MULTIPLE}"
+    if layers == "auto":
+        pays = import_torchao("torchao.float8")._auto_filter_for_recipe(recipe, filter_fqns=[])
+        if not pays(module, name):
+            return BELOW_PAYING_SIZE
+    return None
 
 
 def apply_float8(model: nn.Module, float8: Float8) -> None:
-    """Swap the convertible Linear layers for torchao's Float8Linear (on the meta device: no memory yet)."""
+    """Swap the Linear layers float8 converts for torchao's Float8Linear (on the meta device: no memory yet)."""
     torchao_float8 = import_torchao("torchao.float8")  # the run's first use of torchao
     config = replace(
         torchao_float8.Float8LinearConfig.from_recipe_name(float8.recipe),
         emulate=float8.emulate,
         enable_fsdp_float8_all_gather=float8.fsdp_all_gather,
     )
-    torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+
+    def converts(module: nn.Module, name: str) -> bool:
+        return isinstance(module, nn.Linear) and kept_because(module, name, float8.recipe, float8.layers) is None
+
+    torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=converts)
+
+
+def float8_weight_share(model: nn.Module, recipe: str, layers: str) -> float:
+    """The share of the values of the blocks' Linear weights that float8's `recipe` over `layers` converts (what
+    FSDP then gathers in float8 under tensorwise); `model` may be on the meta device."""
+    values = {True: 0, False: 0}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and "blocks" in name.split("."):
+            values[kept_because(module, name, recipe, layers) is None] += module.weight.numel()
+    total = values[True] + values[False]
+    return values[True] / total if total else 0.0
 
 
 def round_compiled_casts_as_eager() -> None:
@@ -119,18 +149,24 @@ def round_compiled_casts_as_eager() -> None:
 
 
 def float8_summary(float8: Float8, model: nn.Module) -> str:
-    """What float8 does to `model` (this rank's part of it), for the start summary: the recipe, how it runs, and
-    which Linear layers it converted and which it left (named by their last two parts, once each)."""
+    """What float8 does to `model` (this rank's part of it), for the start summary: the recipe, how it runs, which
+    Linear layers it converted, and which it kept in the compute dtype and why (named by their last two parts,
+    once each)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    converted, left = 0, []
+    converted: dict[str, None] = {}
+    kept: dict[str, dict[str, None]] = {}
     for name, module in model.named_modules():
+        short = ".".join(name.split(".")[-2:]) if "blocks" in name.split(".") else name
         if isinstance(module, Float8Linear):
-            converted += 1
+            converted[short] = None
         elif isinstance(module, nn.Linear):
-            left.append(".".join(name.split(".")[-2:]) if "blocks" in name.split(".") else name)
-    kept = f", kept: {', '.join(dict.fromkeys(left))}" if left else ""
-    return f"{float8.description} on {converted} Linear layers{kept}"
+            why = kept_because(module, name, float8.recipe, float8.layers) or "not converted"
+            kept.setdefault(why, {})[short] = None
+    count = sum(isinstance(module, Float8Linear) for module in model.modules())
+    on = f"on {count} Linear layers ({', '.join(converted)})" if count else "on no Linear layer: it changes nothing"
+    why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in kept.items())
+    return f"{float8.description} {on}" + (f"; kept in the compute dtype: {why}" if why else "")
 
 
 def float8_tensor_parallel_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

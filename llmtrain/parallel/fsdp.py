@@ -4,10 +4,11 @@ across, over DTensor parameters that are already TP-sharded).
 
 Each transformer block is one FSDP unit, the input embeddings another, [final norm, head] a third and the root
 the rest (a head tied to the embedding stays in the root with it: edge_units): a block's parameters are
-all-gathered just before it runs and freed after, so a rank holds 1/N of the parameters, gradients and AdamW
-state (Ψ/N + Ψ/N + 2Ψ/N) plus one or two gathered blocks at a time.
-- `fsdp` (ZeRO-3): reshard after forward; per step all-gather Ψ in forward, again Ψ in backward, reduce-scatter
-  Ψ of gradients: 3Ψ on the wire.
+all-gathered just before it runs (the next block's gather issued as it starts: forward prefetch) and freed after,
+so a rank holds 1/N of the parameters, gradients and AdamW state (Ψ/N + Ψ/N + 2Ψ/N) plus one or two gathered blocks
+at a time. The last block stays gathered from the end of forward, where backward starts.
+- `fsdp` (ZeRO-3): reshard after forward; per step all-gather Ψ in forward, again Ψ in backward (less the root
+  and the last block, kept), reduce-scatter Ψ of gradients: about 3Ψ on the wire.
 - `zero2` (ZeRO-2-like): keep the gathered parameters from forward to backward (reshard_after_forward=False):
   2Ψ on the wire, full parameters held during the step, gradients and optimizer state still sharded.
 - `hsdp`: a 2-D mesh (dp_replicate x dp_shard): shard inside a node, replicate across nodes; gradients are
@@ -58,12 +59,15 @@ def apply_fsdp(
             shard_placement_fn=experts_placement(modules, on),
         )
 
-    for block in model.blocks.values():
+    blocks = list(model.blocks.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are the first backward needs: kept from the end of forward, not re-gathered.
+        reshard = reshard_after_forward and index < len(blocks) - 1
         if experts is not None:
             for module in block.modules():
                 if isinstance(module, Experts):
                     expert_mesh, data_parallel_size = experts
-                    shard(module, expert_mesh, reshard_after_forward)
+                    shard(module, expert_mesh, reshard)
                     unit = cast(FSDPModule, module)  # fully_shard made it one
                     unit.set_gradient_divide_factor(data_parallel_size)
                     if shards_of(expert_mesh) > 1:
@@ -71,7 +75,10 @@ def apply_fsdp(
                         # with one shard: torch 2.13 then divides once when it skips the reduce-scatter and again
                         # after it.
                         unit.set_force_sum_reduction_for_comms(True)
-        shard(block, mesh, reshard_after_forward)
+        shard(block, mesh, reshard)
+    for current, following in zip(blocks, blocks[1:]):
+        # the next block's all-gather issued as this one's forward starts, not after it, so the two overlap
+        cast(FSDPModule, current).set_modules_to_forward_prefetch([cast(FSDPModule, following)])
     embedding, head = edge_units(model)
     if embedding:  # gathered for the first layer only, freed for the rest of the step
         shard(embedding, mesh, reshard_after_forward)

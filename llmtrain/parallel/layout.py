@@ -83,6 +83,7 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
         # Over one rank FSDP gathers nothing: a float8 all-gather would only add its casts and scale precompute.
         float8=float8_on(
             t.float8,
+            t.float8_layers,
             device,
             sharded=sharded and d.dp_shard_cp > 1,
             tensor_parallel=tp,

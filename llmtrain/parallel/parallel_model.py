@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
-from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize, summed_cross_entropy
+from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.parallel.accumulation import Accumulation
 from llmtrain.parallel.data_parallel import DataParallel
@@ -124,7 +124,7 @@ class ParallelModel:
             return torch.stack(losses).mean() if losses else torch.zeros((), device=self.runtime.device)
 
         def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return summed_cross_entropy(logits, targets) * scale
+            return self._setup.cross_entropy(logits, targets) * scale
 
         return mean_over(self.executor.forward_only(micro_batches, loss, mean), self.mesh.cp_mesh)
 

@@ -5,12 +5,14 @@ loss run in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from llmtrain.errors import ConfigError
+from llmtrain.model import summed_cross_entropy
 from llmtrain.model.documents import document_starts
 from llmtrain.model.scoring import UNSCORED
 from llmtrain.parallel.context import shard_tokens
@@ -36,6 +38,10 @@ class StepSetup:
     # Whether some targets may be unscored, so the loss's denominator is counted: at end-of-text tokens, or
     # wherever the data says (fine-tuning trains the assistant's tokens alone).
     counts_scored: bool
+    # The summed cross-entropy of the step's losses: with train.compile a graph of its own where the logits are
+    # whole (not tensor parallelism's vocabulary shards), which reads the logits once to upcast and reduce them
+    # instead of writing an fp32 copy of (tokens x vocabulary) first, as the eager loss does.
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
     def of(
@@ -58,7 +64,9 @@ class StepSetup:
         separator = eos_id if plan.train.attention == "document" else None
         unscored_input = None if plan.train.score_after_eos else eos_id
         counts_scored = masked_targets or unscored_input is not None
-        return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored)
+        compiled = plan.train.compile and plan.degrees.tp == 1
+        cross_entropy = torch.compile(summed_cross_entropy) if compiled else summed_cross_entropy
+        return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored, cross_entropy)
 
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""

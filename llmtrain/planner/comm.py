@@ -85,16 +85,22 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) 
         traffic.add("all_gather", grads * sizes.param, 2)
     else:
         times = 1 if candidate.spec.pipeline else k
-        if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced
-            traffic.add("all_reduce", grads * sizes.grad * times, units * times)
+        if d.dp_shard_cp == 1:  # FSDP over replicas only (ddp_tp): nothing to shard, gradients all-reduced once
+            traffic.add("all_reduce", grads * sizes.grad, units)  # per step (parallel.reduce_once_per_step's default)
             return traffic
         # Under expert parallelism FSDP gathers and reduces only this rank's 1/ep of the experts, and none where
         # ep takes every sharded rank (the experts' FSDP then spans one rank).
         experts_sharded = held.experts // d.ep if d.dp_shard_cp > d.ep else 0
         not_here = held.experts - experts_sharded
         gathers = 2 if candidate.gathers_twice else 1
-        gathered = (params - not_here) * gathers - (held.root if gathers == 2 else 0)
-        traffic.add("all_gather", gathered * sizes.gathered(held) * times, (units * gathers - (gathers - 1)) * times)
+        gathered = (params - not_here) * gathers
+        calls = units * gathers
+        if gathers == 2:  # backward starts with the root and the last block, kept gathered since forward
+            last_experts = held.last_block_experts
+            kept = held.root + held.last_block - last_experts + (last_experts // d.ep if d.dp_shard_cp > d.ep else 0)
+            gathered -= kept
+            calls -= 1 + int(held.blocks > 0)
+        traffic.add("all_gather", gathered * sizes.gathered(held) * times, calls * times)
         traffic.add("reduce_scatter", (grads - not_here) * sizes.grad * times, units * times)
         if d.dp_replicate > 1:
             traffic.add("all_reduce", grads / d.dp_shard_cp * sizes.grad * times, units * times)

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OPTIMIZERS
 from llmtrain.errors import ConfigError
-from llmtrain.model import gpt_config
+from llmtrain.model import gpt_config, meta_model
+from llmtrain.parallel.float8 import float8_weight_share
 from llmtrain.planner.cost import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
@@ -34,10 +35,21 @@ def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
     sizes = replace(
         sizes,
         optimizer=sizes.optimizer - fewer,
-        float8_gather=cfg.train.float8 == "tensorwise",
+        float8_share=float8_gathered_share(cfg),
         optimizer_on_host=cfg.optim.offload,
     )
     return _with_optimizer(sizes, cfg.optim.name)
+
+
+def float8_gathered_share(cfg) -> float:
+    """Under train.float8=tensorwise, the share of the blocks' Linear weights float8 converts (train.float8_layers),
+    which FSDP gathers in float8; 0 otherwise."""
+    if cfg.train.float8 != "tensorwise":
+        return 0.0
+    return float8_weight_share(meta_model(cfg.model, BLOCKS_ONLY_VOCABULARY), "tensorwise", cfg.train.float8_layers)
+
+
+BLOCKS_ONLY_VOCABULARY = 16  # float8 converts inside the blocks only: the vocabulary's size changes no share
 
 
 def _with_optimizer(sizes: StateBytes, optimizer: str) -> StateBytes:

@@ -49,7 +49,8 @@ class StateBytes:
     optimizer: float = 12  # of the parameters outside the blocks' weight matrices (the optimizer's row's moments)
     compute: float = 2
     matrix_optimizer: float = 12  # of the blocks' weight matrices (the optimizer's row's matrix_moments)
-    float8_gather: bool = False  # train.float8=tensorwise: FSDP gathers the blocks' Linear weights in float8
+    # train.float8=tensorwise: the share of the blocks' Linear weights float8 converts, which FSDP gathers in float8
+    float8_share: float = 0.0
     optimizer_on_host: bool = False  # optim.offload: the optimizer's bytes are in host memory, not the device's
 
     def optimizer_bytes(self, trainable: float, matrices: float) -> float:
@@ -57,10 +58,11 @@ class StateBytes:
 
     def gathered(self, held: Holding) -> float:
         """Bytes per parameter FSDP gathers of `held`: the compute dtype, or 1 for the blocks' Linear weights
-        under float8 all-gathers (the experts' stacked weights and everything outside the blocks stay)."""
-        if not self.float8_gather or not held.total:
+        float8 converts under float8 all-gathers (the experts' stacked weights and everything outside the blocks
+        stay)."""
+        if not self.float8_share or not held.total:
             return self.compute
-        share = (held.matrices - held.experts) / held.total
+        share = self.float8_share * (held.matrices - held.experts) / held.total
         return share * FLOAT8_BYTES + (1 - share) * self.compute
 
 

@@ -38,6 +38,9 @@ class Holding:
     mixtures: int = 0  # mixture-of-experts blocks held
     matrices: int = 0  # of trainable: the blocks' weight matrices (what Muon updates; the rest is AdamW's)
     largest_reduced: int = 0  # the most trainable elements of one FSDP unit: the largest gradient reduced at once
+    # the last block's elements, and of them its routed experts': FSDP keeps it gathered from forward to backward
+    last_block: int = 0
+    last_block_experts: int = 0
 
     @property
     def total(self) -> int:
@@ -158,9 +161,10 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
     trainable = sum(per_block) + root_trainable
     matrices = sum(block_matrices(cfg, tp, i) for i in indices) + sum(adapters)
     largest_reduced = max([*gathered_blocks, root_trainable])
+    last_block, last_block_experts = (per_block[-1], experts[-1]) if indices else (0, 0)
     if cfg.lora.enabled:  # the adapters alone train; the base is frozen, experts included
         frozen, trainable, matrices = frozen + trainable - sum(adapters), sum(adapters), sum(adapters)
-        experts, largest_reduced = [0], max(adapters, default=0)
+        experts, largest_reduced, last_block_experts = [0], max(adapters, default=0), 0
     return Holding(
         trainable=trainable,
         frozen=frozen,
@@ -173,4 +177,6 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         mixtures=sum(1 for i in indices if cfg.moe.is_moe_block(i)),
         matrices=matrices,
         largest_reduced=largest_reduced,
+        last_block=last_block,
+        last_block_experts=last_block_experts,
     )

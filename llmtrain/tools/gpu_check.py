@@ -28,6 +28,9 @@ Rows, in order (tolerances are on the per-step training loss, max relative diffe
                          fsdp float8 8-bit (of float8 tensorwise), fsdp offload and fsdp cpu offload (FSDP's own,
                          GPUs only; both of adamw offload)
   compiled none          bf16 compiled: its MFU is gpt2's on this GPU; within 3% of bf16
+  bare                   the plain PyTorch loop (compiled whole, fused AdamW) on the same model and batches, and
+                         beside it in one process llmtrain's step (llmtrain.bench.overhead): the speed section
+                         holds compiled none to 0.97x of its tokens/s; its note, each loop's ratio to it
   document, document compiled
                          train.attention=document on FlexAttention, eager and compiled blocks: within 3% of bf16
                          and of compiled none (few of the corpus's windows cross a document boundary); tokens/s
@@ -48,9 +51,10 @@ Rows, in order (tolerances are on the per-step training loss, max relative diffe
   dropout eager|compiled model.dropout=0.1 and attention_dropout=0.1: trains, no skipped steps; its tokens/s
                          against the run without dropout is what dropout costs
   moe compiled, profile  compiled experts; profile.steps=[5,6] and profile.memory=true within 1% of bf16
+  llama3.2-1b            the whole model in bf16, compiled, at sequence 2,048: its MFU, held to MFU_TARGETS
   float8 compiled, adamw 8-bit, llama bf16|float8
                          50 steps each: compiled tensorwise of eager, optim.state_bits=8 of bf16 long within 3%;
-                         llama3.2-1b's blocks (2 layers) the same way
+                         llama3.2-1b's blocks (2 layers) compiled, the same way
   async save / resume    checkpoint.async_save every 5 steps, then a new run resumed from step 5: steps 6-10
                          within 1e-3 of the first run's (GPU kernels are not bit-deterministic)
   2+ GPUs                ddp, fsdp, tp, fsdp with cp 2 (ring attention on the flash kernels) and pp with every
@@ -58,7 +62,8 @@ Rows, in order (tolerances are on the per-step training loss, max relative diffe
                          float8 8-bit (float8 all-gathers) within 3% of float8 tensorwise; fsdp offload within 3%
                          of adamw offload
 No row has any skipped (non-finite) step. Speed columns: tokens/s and MFU (steps after the first), peak allocated /
-reserved GiB over the run.
+reserved GiB over the run. The speed section after the table: each feature's tokens/s against its reference's
+(SPEED_TARGETS), met or MISSED where it has a target; a miss is reported, not a failure of the check.
 
 `--device cpu --model tiny --seq-len 32 --budget 0` runs the same checks on CPU (the test suite rehearses one of
 each kind): the harness is proven there, the numbers only on a GPU.
@@ -100,6 +105,10 @@ class Check:
     steps: int | None = None  # None: the tool's --steps
     counts_syncs: bool = False  # counts each step's host reads and device syncs (llmtrain/faults.py)
     module: str | None = None  # not a training run: `python -m module --device <device>`, its exit status the result
+    # with `module`: its options after --device; a benchmark also takes the run's overrides (the base ones, then
+    # the check's), times them, and writes its result as JSON to the --out it is given (bench/overhead.py)
+    options: tuple[str, ...] = ()
+    benchmark: bool = False
     speed: bool = False  # its tokens/s is a result: its steps after the first run with no other row's on the GPU
 
 
@@ -120,12 +129,12 @@ class Row:
     span: tuple[float, float] = (0.0, 0.0)  # when its process ran (monotonic seconds)
 
 
-def single_gpu_checks(llama: list[str]) -> list[Check]:
+def single_gpu_checks(llama: list[str], whole_llama: list[str]) -> list[Check]:
     """In the order they run: first what only a GPU shows and the run's own layouts had never run on one (one-rank
     FSDP over NCCL with each optimizer, mixture and float8, a float8 FSDP resume, the step's device syncs, ring
     attention's kernels, compiled bf16's MFU), each after its reference; then the rest. bf16 eager without
     activation checkpointing is the reference of most. A budget (--budget) cuts the tail. `llama`: the overrides
-    of the Llama rows' model."""
+    of the Llama rows' model; `whole_llama`: those of the row whose MFU is held to MFU_TARGETS."""
     experts = ["model.moe.num_experts=8", "model.moe.every=2"]
     n = LOW_PRECISION_STEPS
     fsdp = "parallel=fsdp"
@@ -137,6 +146,16 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
         Check("fsdp 1 rank", [fsdp], reference="bf16", tolerance=0.03, nproc=1, speed=True),
         # gpt2 in bf16 compiled: its MFU column is the speed a user's run starts from
         Check("compiled none", ["train.compile=true"], reference="bf16", tolerance=0.03, speed=True),
+        # the plain PyTorch loop on the same model and batches, compiled whole, beside llmtrain's step in one
+        # process (bench/overhead.py): compiled none's reference in the speed section
+        Check(
+            "bare",
+            ["train.compile=true", "train.precision=bf16"],
+            module="llmtrain.bench.overhead",
+            options=("--steps", "4", "--rounds", "3"),
+            benchmark=True,
+            speed=True,
+        ),
         # packed documents on FlexAttention (compiled kernel; from eager and inside compiled blocks): the embedded
         # corpus's documents are long, so few windows cross a boundary and the loss stays near causal's; tokens/s
         # against the reference's is what the block mask costs
@@ -203,6 +222,7 @@ def single_gpu_checks(llama: list[str]) -> list[Check]:
         rest.append(Check(f"dropout {mode}", [flag, "model.dropout=0.1", "model.attention_dropout=0.1"], speed=True))
     rest.append(Check("moe compiled", [*experts, "train.compile=true"]))
     rest.append(Check("profile", ["profile.steps=[5,6]", "profile.memory=true"], reference="bf16", tolerance=1e-2))
+    rest.append(Check("llama3.2-1b", [*whole_llama, "train.precision=bf16", "train.compile=true"], speed=True))
     rest += low_precision_checks(llama)
     resumed = Check("resume", [], reference="async save", tolerance=1e-3, resume_from="async save")
     return [*first, *rest, Check("async save", ["checkpoint.async_save=true", "checkpoint.every=5"]), resumed]
@@ -225,10 +245,55 @@ def low_precision_checks(llama: list[str]) -> list[Check]:
     compiled = ["train.float8=tensorwise", "train.compile=true"]
     checks = [Check("float8 compiled", compiled, "float8 tensorwise", 0.03, steps=n, speed=True)]
     checks.append(Check("adamw 8-bit", ["optim.state_bits=8"], "bf16 long", 0.03, steps=n, speed=True))
-    checks.append(Check("llama bf16", llama, steps=n, speed=True))
-    float8_llama = [*llama, "train.float8=tensorwise"]
+    compiled_llama = [*llama, "train.compile=true"]
+    checks.append(Check("llama bf16", compiled_llama, steps=n, speed=True))
+    float8_llama = [*compiled_llama, "train.float8=tensorwise"]
     checks.append(Check("llama float8", float8_llama, "llama bf16", 0.03, steps=n, speed=True))
     return checks
+
+
+# The speed section: (row, its reference, the least ratio of their tokens/s the row is held to; None: reported).
+# Each feature exists to make a run fit or go faster: below its ratio it costs more than a user would guess.
+SPEED_TARGETS: list[tuple[str, str, float | None]] = [
+    ("compiled none", "bare", 0.97),  # llmtrain's step against the tutorial loop, compiled whole
+    ("fsdp 1 rank", "bf16", 0.9),
+    ("fsdp moe 1 rank", "moe eager", 0.85),
+    ("compiled selective", "compiled none", 0.9),  # the policy saves the matmuls: recomputes only cheap ops
+    ("llama float8", "llama bf16", 1.0),  # float8 where it converts layers large enough to pay
+    ("float8 compiled", "compiled none", None),  # GPT-2's layers: float8 converts one in six (the start summary)
+    ("adamw 8-bit", "bf16 long", 0.9),
+    ("adamw offload", "bf16 long", 0.8),
+    ("document compiled", "compiled none", None),
+    ("muon", "bf16", None),
+    ("moe eager", "bf16", None),
+    ("dropout compiled", "compiled none", None),
+]
+# Model FLOPs utilisation a row is held to: llama3.2-1b whole, bf16 compiled at sequence 2,048.
+MFU_TARGETS = {"llama3.2-1b": 0.45}
+
+
+def speed_section(rows: list[Row]) -> str:
+    """Each feature's tokens/s against its reference's from the same call, and the MFU targets, as lines; a row
+    missing (not run, failed) is named so."""
+    by_name = {row.name: row for row in rows}
+    lines = ["speed: tokens/s against the reference's, in this call"]
+    for name, reference, target in SPEED_TARGETS:
+        row, ref = by_name.get(name), by_name.get(reference)
+        if row is None or ref is None:
+            continue
+        if not (row.tokens_per_s and ref.tokens_per_s):
+            lines.append(f"  {name} / {reference}: not measured ({row.status}; {ref.status})")
+            continue
+        ratio = row.tokens_per_s / ref.tokens_per_s
+        verdict = "" if target is None else f"  target {target:.2f}x: {'met' if ratio >= target else 'MISSED'}"
+        lines.append(
+            f"  {name} / {reference}: {ratio:.3f}x ({row.tokens_per_s:,.0f} / {ref.tokens_per_s:,.0f}){verdict}"
+        )
+    for name, target in MFU_TARGETS.items():
+        row = by_name.get(name)
+        if row is not None and row.mfu is not None:
+            lines.append(f"  {name} MFU {row.mfu:.1%}  target {target:.0%}: {'met' if row.mfu >= target else 'MISSED'}")
+    return "\n".join(lines)
 
 
 def multi_gpu_checks() -> list[Check]:
@@ -301,8 +366,18 @@ def run_check(check: Check, base: list[str], workdir: Path, timeout: float, devi
     (workdir/inductor: a graph compiled by one row is loaded by the next); a speed row takes its steps after the
     first in turn with the other speed rows (the gpu_turn point of llmtrain/faults.py)."""
     run_dir = workdir / check.name.replace(" ", "_")
+    counts = {name: run_dir.with_name(f"{run_dir.name}.{name}") for name in ("host_reads", "device_syncs")}
+    points = dict(counts) if check.counts_syncs else {}
+    if check.speed:
+        points["gpu_turn"] = workdir / "gpu.turn"
+    env = {
+        "LLMTRAIN_FAULTS": " ".join(f"{name}={path}" for name, path in points.items()),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
     if check.module is not None:
-        return _run_module(check, device, timeout)
+        return _run_module(check, device, timeout, env, [*base, *check.overrides], run_dir.with_suffix(".json"))
     overrides = [*base, *check.overrides, f"hydra.run.dir={run_dir}"]
     if check.steps is not None:
         overrides.append(f"train.steps={check.steps}")
@@ -314,16 +389,6 @@ def run_check(check: Check, base: list[str], workdir: Path, timeout: float, devi
         if check.nproc
         else [sys.executable]
     )
-    counts = {name: run_dir.with_name(f"{run_dir.name}.{name}") for name in ("host_reads", "device_syncs")}
-    points = dict(counts) if check.counts_syncs else {}
-    if check.speed:
-        points["gpu_turn"] = workdir / "gpu.turn"
-    env = {
-        "LLMTRAIN_FAULTS": " ".join(f"{name}={path}" for name, path in points.items()),
-        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-    }
     row, _ = _run(check.name, [*launcher, str(REPO / "train.py"), *overrides], timeout, env)
     if row.status != "ok":
         return row
@@ -360,12 +425,26 @@ def _run(name: str, command: list[str], timeout: float, env: dict[str, str]) -> 
     return row, output
 
 
-def _run_module(check: Check, device: str, timeout: float) -> Row:
-    """A check that is a tool of its own: its exit status is the result, its output lines the notes."""
+def _run_module(
+    check: Check, device: str, timeout: float, env: dict[str, str], overrides: list[str], result: Path
+) -> Row:
+    """A check that is a tool of its own: its exit status is the result, its output lines the notes. A benchmark
+    times the run of `overrides` and writes its JSON to `result`: its tokens/s are its bare loop's
+    (bench/overhead.py), its note each loop's time against it."""
     assert check.module is not None
-    row, output = _run(check.name, [sys.executable, "-m", check.module, "--device", device], timeout, {})
+    command = [sys.executable, "-m", check.module, "--device", device, *check.options]
+    if check.benchmark:
+        command += ["--out", str(result), *overrides]
+    row, output = _run(check.name, command, timeout, env)
     if row.status.startswith("FAIL") or row.status == "ok":
         row.notes = [line for line in output.strip().splitlines() if line and "Warning" not in line][-8:]
+    if check.benchmark and row.status == "ok":
+        ladder = json.loads(result.read_text())
+        row.tokens_per_s = ladder["tokens_per_step"] / ladder["s_per_step"]["bare"]
+        row.notes = [
+            ", ".join(f"{name} {ladder['ratio'][name]:.3f}x" for name in ladder["ratio"] if name != "bare")
+            + f" of the bare loop's {ladder['s_per_step']['bare'] * 1e3:.1f} ms/step"
+        ]
     return row
 
 
@@ -485,9 +564,14 @@ def main() -> None:
     if args.parallel is None:
         memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpus else 40
         args.parallel = max(1, min(4, int(memory_gib // 20)))
-    # llama3.2-1b's blocks (2 layers), or on a CPU rehearsal of the tiny model its Llama twin
-    llama = ["model=llama-tiny"] if args.model == "tiny" else ["model=llama3.2-1b", "model.n_layer=2"]
-    checks = single_gpu_checks(llama) + (multi_gpu_checks() if gpus >= 2 else [])
+    # llama3.2-1b's blocks (2 layers) for the low-precision rows and the whole model at sequence 2,048 (its own
+    # vocabulary) for its MFU, or on a CPU rehearsal of the tiny model its Llama twin
+    llama, whole_llama = ["model=llama3.2-1b", "model.n_layer=2"], ["model=llama3.2-1b", "model.vocab_size=128256"]
+    if args.model == "tiny":
+        llama = whole_llama = ["model=llama-tiny"]
+    else:
+        whole_llama.append("train.seq_len=2048")
+    checks = single_gpu_checks(llama, whole_llama) + (multi_gpu_checks() if gpus >= 2 else [])
     if args.device != "cuda":  # FSDP's CPU offload moves shards off an accelerator
         checks = [c for c in checks if "parallel.cpu_offload=true" not in c.overrides]
     if args.device == "cuda" and torch.cuda.get_device_capability(0) < FP8_CAPABILITY:  # refused there: skip
@@ -509,6 +593,8 @@ def main() -> None:
         "logging.wandb.mode=disabled",
         "optim.warmup_steps=2",
     ]
+    if args.model == "tiny":  # its layers are all below the sizes where float8 converts one
+        base.append("train.float8_layers=all")
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as workdir:
         rows = Schedule(base, Path(workdir), args).run(checks)
@@ -523,6 +609,7 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     print(f"\ngpu_check on {device} x {max(gpus, 1)}, {args.model} at seq {args.seq_len}, {args.steps} steps\n")
     print(format_table(rows))
+    print(f"\n{speed_section(rows)}")
     print(
         f"\n{len(rows)} rows in {wall:.0f} s of wall clock ({sum(r.seconds for r in rows):.0f} s of row time), up to "
         f"{args.parallel} side by side; GPU: 'alone' rows took their steps after the first with no other row's on "

@@ -37,7 +37,14 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss, meta_model, num_parameters
 from llmtrain.optim import HostAdamW, adamw
 from llmtrain.optim.state_bits import moment_bytes, portable_state, restore_low_bits
-from llmtrain.parallel.float8 import Float8, apply_float8, check_fp8_tensor_cores, convertible, float8_summary
+from llmtrain.parallel.float8 import (
+    BELOW_PAYING_SIZE,
+    Float8,
+    apply_float8,
+    check_fp8_tensor_cores,
+    float8_summary,
+    kept_because,
+)
 from llmtrain.tools import compose_config
 
 pytest.importorskip("torchao")
@@ -71,8 +78,8 @@ def test_torchao_loads_without_a_word_on_the_console():
     assert done.returncode == 0 and done.stdout + done.stderr == "", done.stderr[-2000:]
 
 
-def _float8(recipe: str = "tensorwise") -> Float8:
-    return Float8(recipe, emulate=True, fsdp_all_gather=False, tensor_parallel_styles=False)
+def _float8(recipe: str = "tensorwise", layers: str = "all") -> Float8:
+    return Float8(recipe, layers, emulate=True, fsdp_all_gather=False, tensor_parallel_styles=False)
 
 
 @pytest.mark.releases
@@ -87,9 +94,38 @@ def test_float8_converts_the_blocks_linears_but_not_the_head_router_or_odd_shape
     assert converted and all(name.startswith("blocks.") for name in converted)
     routers = {name for name in linears if name.endswith(".mlp.router")}
     assert routers and linears - converted == {"lm_head", *routers}
-    assert not convertible(nn.Linear(24, 32), "blocks.0.mlp.fc_in")  # the FP8 matmul needs multiples of 16
+    # the FP8 matmul needs multiples of 16
+    odd = kept_because(nn.Linear(24, 32), "blocks.0.mlp.fc_in", "tensorwise", "all")
+    assert odd == "a dimension not a multiple of 16"
     summary = float8_summary(_float8(), model)
     assert "emulated" in summary and f"on {len(converted)} Linear layers" in summary and "lm_head" in summary
+
+
+# torchao's thresholds (float8_linear_utils, from its H100 benchmarks), weight (N out, K in): tensorwise keeps
+# K <= 4096 and N <= 1024; rowwise keeps N <= 2048, K <= 1024, and N <= 4096 with K <= 2048
+@pytest.mark.parametrize(
+    "model, recipe, converted",
+    [
+        ("gpt2", "tensorwise", ["mlp.fc_in"]),  # 3072 x 768; the 768 x 768 and 768 x 3072 layers stay
+        ("gpt2", "rowwise", []),
+        ("llama3.2-1b", "tensorwise", ["attn.q_proj", "attn.out_proj", "mlp.fc_in", "mlp.fc_gate", "mlp.fc_out"]),
+        ("llama3.2-1b", "rowwise", ["mlp.fc_in", "mlp.fc_gate"]),
+    ],
+)
+def test_auto_converts_only_the_layers_where_the_fp8_matmul_pays_and_says_which(model, recipe, converted):
+    meta = meta_model(compose_config([f"model={model}"]).model, 50304)
+    apply_float8(meta, _float8(recipe, layers="auto"))
+    from torchao.float8.float8_linear import Float8Linear
+
+    float8 = [name for name, module in meta.named_modules() if isinstance(module, Float8Linear)]
+    names = {".".join(name.split(".")[-2:]) for name in float8}
+    assert sorted(names) == sorted(converted)
+    summary = float8_summary(_float8(recipe, layers="auto"), meta)
+    assert "lm_head: outside the blocks" in summary
+    if converted:
+        assert f"({', '.join(converted)})" in summary and BELOW_PAYING_SIZE in summary
+    else:
+        assert "on no Linear layer: it changes nothing" in summary
 
 
 @pytest.mark.releases
@@ -184,7 +220,11 @@ def _bits(cfg, bits: int) -> OptimConfig:
     )
 
 
-COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
+# float8 on every eligible layer: the tiny model's are all below the sizes where `auto` converts one
+COMMON = (
+    "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1 "
+    "train.float8_layers=all"
+)
 FLOAT8_8BIT = "train.float8=tensorwise optim.state_bits=8"
 LAYOUTS = [
     # float8 all-gathers, their scale precompute and 8-bit moments on DTensor shards, checkpointed after step 2

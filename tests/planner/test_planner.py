@@ -27,7 +27,7 @@ from llmtrain.planner.cost import GIB, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes, gradient_being_reduced, in_flight_microbatches, layer_activations
-from llmtrain.planner.shapes import holding, whole_model_parameters
+from llmtrain.planner.shapes import block_parameters, holding, whole_model_parameters
 from llmtrain.tools import compose_config
 from llmtrain.tools import plan as plan_tool
 
@@ -178,7 +178,8 @@ def test_pipeline_activations_follow_the_schedule():
 
 def test_traffic_is_the_designs():
     """Per step with Ψ parameters and bytes per element e: DDP all-reduce Ψe; ZeRO-1 reduce-scatter + all-gather Ψe;
-    FSDP all-gather (2Ψ - root)e per micro-batch + reduce-scatter Ψe; TP 4 all-reduces of b·s·h per block."""
+    FSDP all-gather (2Ψ - root - last block)e per micro-batch (backward starts with the two it kept) +
+    reduce-scatter Ψe; TP 4 all-reduces of b·s·h per block."""
     e = 4
     sizes = StateBytes(param=e, grad=e, optimizer=8, compute=e)
     overrides = ("train.batch_size=32", "train.micro_batch_size=4")  # 8 rows per data-parallel rank: 2 micro-batches
@@ -188,8 +189,8 @@ def test_traffic_is_the_designs():
     zero1, _, _ = _plan(FOUR_RANKS["zero1"], *overrides, sizes=sizes)
     assert dict(zero1.traffic[0].bytes) == {"reduce_scatter": psi * e, "all_gather": psi * e}
     fsdp, _, _ = _plan(FOUR_RANKS["fsdp"], *overrides, sizes=sizes)
-    root = holding(work.gpt).root
-    assert dict(fsdp.traffic[0].bytes) == {"all_gather": 2 * (2 * psi - root) * e, "reduce_scatter": 2 * psi * e}
+    kept = holding(work.gpt).root + block_parameters(work.gpt)  # the tiny GPT's blocks are alike
+    assert dict(fsdp.traffic[0].bytes) == {"all_gather": 2 * (2 * psi - kept) * e, "reduce_scatter": 2 * psi * e}
     tp, _, _ = _plan(Candidate("tp", Degrees(tp=4)), *overrides, sizes=sizes)
     bsh = 32 * 64 * work.gpt.d_model  # all 32 rows: 8 micro-batches of 4
     blocks_and_ends = 4 * work.gpt.n_layer + 2  # the embedding's forward and the head's backward add one each
@@ -384,14 +385,18 @@ def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
 def test_8bit_moments_float8_gathers_and_offload_shrink_the_state_and_the_wire():
     """optim.state_bits=8: each AdamW moment 1 byte plus a 4-byte scale per 256 values (plan.optimizer_bytes' 12 =
     fp32 master + two fp32 moments becomes 4 + 2 x 1.016); train.float8=tensorwise: FSDP gathers the blocks'
-    Linear weights in 1 byte instead of bf16's 2, and nothing else changes; optim.offload: no optimizer bytes on
+    Linear weights float8 converts (train.float8_layers) in 1 byte instead of bf16's 2, and nothing else changes;
+    optim.offload: no optimizer bytes on
     the device, the rank's fp32 gradients and weights over the host link each step, exposed."""
     plain = configured_state_bytes(_composed(*UNPADDED), True)
     eight = configured_state_bytes(_composed(*UNPADDED, "optim.state_bits=8"), True)
     assert eight.optimizer == pytest.approx(plain.optimizer - 2 * (4 - (1 + 4 / 256)))
-    float8 = configured_state_bytes(_composed(*UNPADDED, "train.float8=tensorwise"), True)
+    float8 = configured_state_bytes(_composed(*UNPADDED, "train.float8=tensorwise", "train.float8_layers=all"), True)
+    # auto: the tiny model's layers are all below the sizes where float8 converts one, so nothing changes
+    auto = configured_state_bytes(_composed(*UNPADDED, "train.float8=tensorwise"), True)
     fsdp, work, _ = _plan(FOUR_RANKS["fsdp"], sizes=plain)
     fsdp8, _, _ = _plan(FOUR_RANKS["fsdp"], sizes=float8)
+    assert _plan(FOUR_RANKS["fsdp"], sizes=auto)[0].traffic == fsdp.traffic
     held = holding(work.gpt)
     share = held.matrices / held.total  # the tiny GPT has no experts: every block matrix is a Linear weight
     gathered, gathered8 = fsdp.traffic[0].bytes["all_gather"], fsdp8.traffic[0].bytes["all_gather"]

@@ -12,7 +12,7 @@ from test_low_precision import FLOAT8_RTOL
 pytestmark = pytest.mark.releases
 
 FEATURE_LAYOUTS = [
-    "train.float8=tensorwise optim.state_bits=8 parallel=fsdp",
+    "train.float8=tensorwise train.float8_layers=all optim.state_bits=8 parallel=fsdp",
     f"{DOCUMENTS} parallel=fsdp parallel.cp=2",
     "model=moe-tiny parallel=fsdp parallel.ep=2",
     "model=llama-tiny model.lora.rank=4 parallel=fsdp",

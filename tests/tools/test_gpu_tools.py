@@ -60,21 +60,22 @@ def test_the_gpu_check_rehearses_each_kind_of_row_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_overhead_benchmark_times_both_loops_on_the_same_work():
+def test_the_overhead_benchmark_times_the_trainer_against_the_bare_loop_and_names_the_difference(tmp_path):
+    out = tmp_path / "overhead.json"
     done = _tool(
         "llmtrain.bench.overhead",
-        *("--steps", "2", "--rounds", "2"),
+        *("--steps", "2", "--rounds", "2", "--device", "cpu", "--out", str(out)),
         *("model=tiny", "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=4"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    found = re.search(
-        r"bare loop ([\d.]+) ms/step, trainer ([\d.]+) ms/step, overhead ([-+][\d.]+)%.*"
-        r"rounds ranged ([-+][\d.]+)% to ([-+][\d.]+)%",
-        done.stdout,
-    )
-    assert found, done.stdout
-    bare, trainer, overhead, lowest, highest = (float(x) for x in found.groups())
-    assert bare > 0 and trainer > 0 and lowest <= overhead <= highest
+    ladder = json.loads(out.read_text())
+    assert list(ladder["s_per_step"]) == ["bare", "llmtrain"]  # eager: no compiled rung between them
+    assert all(len(times) == 2 and min(times) > 0 for times in ladder["rounds"].values())
+    assert ladder["ratio"]["bare"] == 1 and ladder["tokens_per_step"] == 8 * 32
+    low, high = ladder["ratio_range"]["llmtrain"]
+    assert low <= ladder["ratio"]["llmtrain"] <= high
+    assert re.search(r"^llmtrain +[\d.]+ +[\d.]+x", done.stdout, re.MULTILINE), done.stdout
+    assert "bare -> llmtrain: " in done.stdout and "the harness: the step's read" in done.stdout
 
 
 _TAKING_TURNS = """

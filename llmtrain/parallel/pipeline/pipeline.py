@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
-from llmtrain.model import LayeredModel, summed_cross_entropy
+from llmtrain.model import LayeredModel
 from llmtrain.parallel.executor import Combine
 from llmtrain.parallel.family import family_of
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
@@ -135,7 +135,7 @@ class Pipeline:
 
     # -- one step -------------------------------------------------------------------------------------------
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return summed_cross_entropy(logits, targets) * self._loss_scale
+        return self.setup.cross_entropy(logits, targets) * self._loss_scale
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One step's micro-batches through the schedule, which cuts their concatenation again: the mean micro-batch
