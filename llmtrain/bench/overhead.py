@@ -11,9 +11,10 @@ of the same initial weights, fed the batches the trainer's data pipeline made be
   bare       the tutorial loop: fused AdamW (decay on matrices), the same LR schedule, gradient accumulation,
              clipping, bf16 autocast where train.precision asks for it, one `.item()` a step; with train.compile the
              model and its loss compiled whole, as one graph
-  as blocks  (train.compile only) the bare loop compiled as llmtrain compiles: each block a graph of its own (one
-             graph reused by every block, what FSDP, pipelines and activation checkpointing need) and the loss
-             another, the embeddings and head between them eager
+  as blocks  (train.compile only) the bare loop compiled as llmtrain compiles a layout that splits the model (FSDP,
+             pipelines, tensor, context or expert parallelism): each block a graph of its own (one graph reused
+             by every block) and the loss another, the embeddings and head between them eager; what this costs
+             against one graph. (Where nothing splits the model, parallel=single here, llmtrain compiles it whole.)
   llmtrain   the trainer's step (Trainer.advance): its read of the step's loss, norm and stop flag, its host work
              between steps (metrics, observers), and the data pipeline's cost (the bare loops read ready batches)
 
@@ -72,7 +73,7 @@ def bare_loop(cfg: RootConfig, vocab_size: int, batches: Batches, device: torch.
     if compiled_as == "whole":
         forward_loss = torch.compile(forward_loss)
     elif compiled_as == "blocks":
-        apply_compile(model)
+        apply_compile(model, "blocks")
         loss = torch.compile(cross_entropy_loss)
 
         def forward_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -114,8 +114,10 @@ class TrainConfig:
     compile: bool = key(
         False,
         Flag(),
-        "`torch.compile` each transformer block (on GPU; compiling on CPU is slow to start); the end summary and "
-        "`summary.json` (`compiled_graphs`) count the graphs compiled",
+        "`torch.compile`: the whole model as one graph where nothing splits it within a rank (single, ddp, zero1 "
+        "with dense blocks and causal attention), each transformer block otherwise; the loss a graph of its own (on "
+        "GPU; compiling on CPU is slow to start); the start summary says which, the end summary and `summary.json` "
+        "(`compiled_graphs`) count the graphs compiled",
     )
     float8: str = key(
         "none",

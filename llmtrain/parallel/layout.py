@@ -6,7 +6,8 @@ The ordering rule, stated once: context parallelism first (it only tells the mod
 hands its attention the ring), expert parallelism next (it shards the experts and hands each mixture its
 all-to-all), then float8 (it swaps Linear layers for torchao's Float8Linear, which torchao's float8 tensor-parallel
 styles expect to find), then tensor parallelism (every later step sees the sharded layers), then
-compilation of each block (so it captures the sharded computation, recomputation included), then FSDP (it
+compilation, of each block or of the whole model (so it captures the sharded computation, recomputation
+included), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
 buffers, built with the optimizer) come after that.
@@ -43,7 +44,7 @@ class LayoutSteps:
     tp_mesh: DeviceMesh | None = None  # None: no tensor parallelism
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    compile: bool = False
+    compile: str = "none"  # none | blocks | model: what torch.compile makes one graph of (apply_compile)
     fsdp_mesh: DeviceMesh | None = None  # None: parameters are not sharded over data-parallel ranks
     expert_fsdp_mesh: DeviceMesh | None = None  # with ep_mesh: the ranks FSDP shards the experts over
     data_parallel_size: int = 1  # the ranks whose gradients are averaged (dp_replicate x dp_shard x cp)
@@ -92,19 +93,61 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
         tp_mesh=mesh.tp_mesh,
         sequence_parallel=tp and p.sequence_parallel,
         loss_parallel=tp and p.loss_parallel,
-        compile=t.compile,
+        compile=compile_scope(plan, sharded),
         param_dtype=torch.bfloat16 if uses_bf16(t.precision, device) else None,
         cpu_offload=p.cpu_offload,
         **fsdp,
     )
 
 
-def apply_compile(model: LayeredModel) -> None:
-    """torch.compile each block: one compiled graph reused by every layer (same shapes), a short compile. Dense and
-    context-parallel blocks compile whole (fullgraph: a break would quietly run part of a block eagerly; tests/
-    test_model.py checks each kind). Mixture blocks may break: in fp32 the grouped GEMM has no compiled form (their
-    experts run one by one, the counts read on the host), and under activation checkpointing their load count is
-    a side effect the recomputed region cannot hold."""
+def compile_scope(plan: ParallelPlan, sharded: bool) -> str:
+    """What train.compile makes one graph of under `plan`: `model` where nothing splits the rank's model (no FSDP,
+    tensor, context or expert parallelism, no pipeline) and attention is causal; `blocks` elsewhere; `none` without
+    train.compile. apply_compile narrows `model` to `blocks` for models it cannot take whole."""
+    if not plan.train.compile:
+        return "none"
+    d = plan.degrees
+    splits = sharded or d.tp > 1 or d.cp > 1 or d.ep > 1 or plan.spec.pipeline
+    return "blocks" if splits or plan.train.attention != "causal" else "model"
+
+
+def compiles_whole(model: LayeredModel) -> bool:
+    """Whether `model` compiles as one graph: dense blocks (a mixture block may break, below) without sliding
+    windows (whose block masks are built between the blocks)."""
+    blocks = list(model.blocks.values())
+    dense = not any(isinstance(getattr(block, "mlp", None), MoE) for block in blocks)
+    windows = any(getattr(getattr(block, "attn", None), "window", None) is not None for block in blocks)
+    return dense and not windows
+
+
+# How the start summary says what train.compile made one graph of, by compile_unit.
+COMPILED_AS = {"model": "as one graph", "blocks": "block by block"}
+
+
+def compile_unit(scope: str, model: LayeredModel) -> str:
+    """What `scope` (compile_scope's) makes one graph of in `model`: `model` narrowed to `blocks` where the model
+    cannot compile whole."""
+    return "blocks" if scope == "model" and not compiles_whole(model) else scope
+
+
+def apply_compile(model: LayeredModel, scope: str) -> None:
+    """torch.compile `model` as `scope` (compile_unit's) says.
+
+    `model`: the whole model with nothing split, one graph from the embeddings to the head: the step's operators
+    fuse across the blocks' edges (a residual add with the next norm) and nothing runs eagerly between graphs (a
+    bare loop compiled so ran 10% faster than per-block graphs on a CPU: llmtrain.bench.overhead). The graph
+    grows with the depth, and so does the first compile.
+
+    `blocks`: each block a graph of its own, one reused by every layer (same shapes), a short compile; what FSDP's
+    units, pipeline stages and parallel styles need. Dense and context-parallel blocks compile whole (fullgraph:
+    a break would quietly run part of a block eagerly; tests/model/test_model.py checks each kind). Mixture blocks
+    may break: in fp32 the grouped GEMM has no compiled form (their experts run one by one, the counts read on the
+    host), and under activation checkpointing their load count is a side effect the recomputed region cannot hold.
+
+    Either way the loss is a graph of its own (parallel/step_setup.py)."""
+    if compile_unit(scope, model) == "model":
+        model.compile(fullgraph=True)
+        return
     for block in model.blocks.values():
         block.compile(fullgraph=not isinstance(getattr(block, "mlp", None), MoE))
 
@@ -121,10 +164,10 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
         float8_styles = layout.float8 is not None and layout.float8.tensor_parallel_styles
         plan = family_of(model).tensor_parallel_plan(model, layout.sequence_parallel, layout.loss_parallel)
         apply_tensor_parallel(model, plan, layout.tp_mesh, float8_styles)
-    if layout.compile:
+    if layout.compile != "none":
         if layout.float8 is not None and layout.float8.recipe == "rowwise":
             round_compiled_casts_as_eager()
-        apply_compile(model)
+        apply_compile(model, layout.compile)
     if layout.fsdp_mesh is not None:
         apply_fsdp(
             model,

@@ -26,7 +26,7 @@ from llmtrain.parallel.accumulation import Accumulation
 from llmtrain.parallel.data_parallel import DataParallel
 from llmtrain.parallel.executor import Executor
 from llmtrain.parallel.float8 import float8_summary, precompute_scales_after_step
-from llmtrain.parallel.layout import layout_steps
+from llmtrain.parallel.layout import COMPILED_AS, compile_unit, layout_steps
 from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.step_setup import StepSetup
@@ -98,6 +98,9 @@ class ParallelModel:
             self.precision_description += "; the frozen base held in bf16"
         if steps.float8 is not None:
             self.precision_description += "; " + float8_summary(steps.float8, self.module)
+        if steps.compile != "none":
+            unit = compile_unit(steps.compile, model)
+            self.precision_description += f"; compiled {COMPILED_AS[unit]}, the loss apart"
 
     @property
     def name(self) -> str:

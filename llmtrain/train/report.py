@@ -130,7 +130,7 @@ def format_end_summary(summary: dict[str, Any]) -> str:
         busiest = ", ".join(f"{op['name']} {op['share']:.0%}" for op in p["top_operators"])
         lines.append(f"profile   steps {p['steps'][0]}-{p['steps'][1]} in {p['trace']}; busiest: {busiest}")
     if "compiled_graphs" in summary:
-        lines.append(f"compile   {summary['compiled_graphs']} graphs compiled (torch.compile of each block)")
+        lines.append(f"compile   {summary['compiled_graphs']} graphs compiled (torch.compile)")
     if "pipeline" in summary:
         p = summary["pipeline"]
         lines.append(

@@ -285,6 +285,47 @@ def test_every_kind_of_block_compiles_as_one_graph(preset, extra, recompute, dty
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+@pytest.mark.parametrize(
+    "overrides, world_size, unit",
+    [
+        (["parallel=single"], 1, "model"),
+        (["parallel=ddp"], 2, "model"),
+        (["parallel=zero1", "model=llama-tiny", "train.activation_checkpointing=selective"], 2, "model"),
+        (["parallel=fsdp"], 2, "blocks"),  # FSDP's units are the blocks
+        (["parallel=tp"], 2, "blocks"),
+        (["parallel=pp"], 2, "blocks"),
+        (["parallel=single", "train.attention=document"], 1, "blocks"),  # its masks are built between the blocks
+        (["parallel=single", "model.sliding_window=[8,0,0,0]"], 1, "blocks"),
+        (["parallel=ddp", "model=moe-tiny"], 2, "blocks"),  # a mixture block may break its graph
+    ],
+)
+def test_compile_takes_the_whole_model_where_nothing_splits_it(overrides, world_size, unit):
+    from llmtrain.model import meta_model
+    from llmtrain.parallel.layout import compile_scope, compile_unit
+    from llmtrain.plan import ParallelPlan
+    from llmtrain.tools import compose_config
+
+    cfg = compose_config([*overrides, "train.compile=true"])
+    plan = ParallelPlan.of(cfg.parallel, cfg.train, cfg.model, world_size)
+    scope = compile_scope(plan, plan.spec.fsdp_shards(plan.degrees.dp * plan.degrees.cp))
+    assert compile_unit(scope, meta_model(cfg.model, 97)) == unit
+
+
+@pytest.mark.slow  # dynamo traces the whole model: 7 s each
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_a_dense_model_compiles_as_one_graph(preset):
+    """What apply_compile makes one graph of where nothing splits the model: embeddings, every block and the head,
+    with dropout and recomputation inside, without a break."""
+    from llmtrain.model import build_model
+    from llmtrain.tools import compose_config
+
+    torch._dynamo.reset()
+    cfg = compose_config([f"model={preset}", "model.dropout=0.1"])
+    model = build_model(cfg.model, 97, seed=0, recompute="selective").train()
+    explanation = torch._dynamo.explain(model)(torch.randint(0, 97, (2, 16)))
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_query_attention_reaches_a_fused_kernel_in_every_precision(dtype):
     """Half precision hands grouped key/value heads to SDPA as they are (flash attention takes them); fp32 repeats
