@@ -1,13 +1,12 @@
 """How a layout is applied to a model on the meta device: one linear sequence of plain steps, each in its own
-module (tp.py, fsdp.py, ddp.py; compilation is one line, here). Activation checkpointing is not a step: the blocks
+module (tp.py, fsdp.py, ddp.py; compilation is here). Activation checkpointing is not a step: the blocks
 are built recomputing as train.activation_checkpointing says (llmtrain/model/recompute.py), inside their forward.
 
 The ordering rule, stated once: context parallelism first (it only tells the model which positions it holds and
 hands its attention the ring), expert parallelism next (it shards the experts and hands each mixture its
 all-to-all), then float8 (it swaps Linear layers for torchao's Float8Linear, which torchao's float8 tensor-parallel
-styles expect to find), then tensor parallelism (every later step sees the sharded layers), then
-compilation, of each block or of the whole model (so it captures the sharded computation, recomputation
-included), then FSDP (it
+styles expect to find), then tensor parallelism (every later step sees the sharded layers), then compilation, of
+each block or of the whole model (so it captures the sharded computation, recomputation included), then FSDP (it
 hooks the module tree as it will run). Only then is memory allocated, each rank only what it keeps
 (llmtrain/model/materialize.py); wrappers that need real weights (DDP, which broadcasts them; ZeRO-1's flat
 buffers, built with the optimizer) come after that.
@@ -144,7 +143,7 @@ def apply_compile(model: LayeredModel, scope: str) -> None:
     may break: in fp32 the grouped GEMM has no compiled form (their experts run one by one, the counts read on the
     host), and under activation checkpointing their load count is a side effect the recomputed region cannot hold.
 
-    Either way the loss is a graph of its own (parallel/step_setup.py)."""
+    Either way the loss is a graph of its own where the logits are whole (parallel/step_setup.py)."""
     if compile_unit(scope, model) == "model":
         model.compile(fullgraph=True)
         return

@@ -100,7 +100,8 @@ class ParallelModel:
             self.precision_description += "; " + float8_summary(steps.float8, self.module)
         if steps.compile != "none":
             unit = compile_unit(steps.compile, model)
-            self.precision_description += f"; compiled {COMPILED_AS[unit]}, the loss apart"
+            loss = ", the loss apart" if self._setup.compiles_loss else ""
+            self.precision_description += f"; compiled {COMPILED_AS[unit]}{loss}"
 
     @property
     def name(self) -> str:

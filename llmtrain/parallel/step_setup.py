@@ -42,6 +42,7 @@ class StepSetup:
     # whole (not tensor parallelism's vocabulary shards), which reads the logits once to upcast and reduce them
     # instead of writing an fp32 copy of (tokens x vocabulary) first, as the eager loss does.
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    compiles_loss: bool  # whether cross_entropy is that graph
 
     @classmethod
     def of(
@@ -66,7 +67,7 @@ class StepSetup:
         counts_scored = masked_targets or unscored_input is not None
         compiled = plan.train.compile and plan.degrees.tp == 1
         cross_entropy = torch.compile(summed_cross_entropy) if compiled else summed_cross_entropy
-        return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored, cross_entropy)
+        return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored, cross_entropy, compiled)
 
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
