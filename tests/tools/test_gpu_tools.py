@@ -103,3 +103,29 @@ def test_runs_armed_with_a_gpu_turn_take_their_steps_after_the_first_one_at_a_ti
     turns = sorted(tuple(map(float, process.communicate(timeout=60)[0].split())) for process in processes)
     assert all(process.returncode == 0 for process in processes)
     assert all(earlier[1] <= later[0] for earlier, later in zip(turns, turns[1:])), turns
+
+
+def test_the_speed_section_holds_each_feature_to_its_reference_from_the_same_call():
+    """Each SPEED_TARGETS row against its reference's tokens/s: met at or above its target, MISSED below, reported
+    without a verdict where it has none, `not measured` where either row has no speed; the MFU target likewise."""
+    from llmtrain.tools.gpu_check import MFU_TARGETS, SPEED_TARGETS, Row, speed_section
+
+    targets = {name: (reference, target) for name, reference, target in SPEED_TARGETS}
+    assert targets["compiled none"] == ("bare", 0.97) and targets["fsdp 1 rank"] == ("bf16", 0.9)
+    rows = [
+        Row("bare", tokens_per_s=1000.0),
+        Row("compiled none", tokens_per_s=980.0),  # 0.98x: met
+        Row("bf16", tokens_per_s=1000.0),
+        Row("fsdp 1 rank", tokens_per_s=620.0),  # 0.62x, the H200's: missed
+        Row("muon", tokens_per_s=900.0),  # no target: reported
+        Row("moe eager", status="FAIL (exit 1)"),
+        Row("fsdp moe 1 rank", tokens_per_s=500.0),
+        Row("llama3.2-1b", tokens_per_s=100.0, mfu=0.389),
+    ]
+    lines = speed_section(rows).splitlines()
+    assert "  compiled none / bare: 0.980x (980 / 1,000)  target 0.97x: met" in lines
+    assert "  fsdp 1 rank / bf16: 0.620x (620 / 1,000)  target 0.90x: MISSED" in lines
+    assert "  muon / bf16: 0.900x (900 / 1,000)" in lines
+    assert "  fsdp moe 1 rank / moe eager: not measured (ok; FAIL (exit 1))" in lines
+    assert f"  llama3.2-1b MFU 38.9%  target {MFU_TARGETS['llama3.2-1b']:.0%}: MISSED" in lines
+    assert not any(line.startswith("  adamw 8-bit") for line in lines)  # neither row ran
