@@ -31,6 +31,10 @@ LAYOUT_WORKER = WORKERS / "layout_worker.py"
 GROUP_CORPUS = f"data=local data.path={DOCUMENT_CORPUS} data.tokenizer.kind=byte"
 TWO_BLOCKS = "model.n_layer=2"
 FOUR_BLOCKS = "model.n_layer=4"
+# What most groups train besides their model: two blocks on the short documents, 8 sequences of 32 a step
+GROUP_RUN = (
+    f"{TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 optim.warmup_steps=1"
+)
 
 
 # The release tier's layout groups (tests/releases/test_releases.py, test_release_features.py): two steps of the tiny

@@ -10,8 +10,7 @@ import pytest
 from harness.layouts import (
     BF16,
     FOUR_BLOCKS,
-    GROUP_CORPUS,
-    TWO_BLOCKS,
+    GROUP_RUN,
     assert_matches_single,
     layout_group,
     layout_groups,
@@ -19,10 +18,7 @@ from harness.layouts import (
 
 pytestmark = pytest.mark.slow
 
-COMMON = (
-    f"model=llama-tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2"
-    " optim.warmup_steps=1"
-)
+COMMON = f"model=llama-tiny {GROUP_RUN}"
 # On 2 ranks what needs one degree of 2, on 4 what needs two (conftest.layout_groups).
 LAYOUTS = {
     2: [

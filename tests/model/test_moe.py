@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from harness.layouts import (
     FOUR_BLOCKS,
-    GROUP_CORPUS,
+    GROUP_RUN,
     GROUP_WEIGHT_ATOL,
-    TWO_BLOCKS,
     assert_matches_single,
     layout_group,
 )
@@ -176,10 +175,7 @@ def test_mixture_errors_name_the_key(overrides, key):
 
 # Balance and z losses 50x and (from 0) on: a wrong auxiliary gradient under some split (missed, doubled, or seeing
 # only a rank's part of the tokens) moves the gradient norms far beyond the tolerance.
-COMMON = (
-    f"model=moe-tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2 "
-    "optim.warmup_steps=1 model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
-)
+COMMON = f"model=moe-tiny {GROUP_RUN} model.moe.aux_loss_coef=0.5 model.moe.z_loss_coef=0.05"
 LAYOUTS = [
     "parallel=ddp",
     "parallel=fsdp train.activation_checkpointing=selective",

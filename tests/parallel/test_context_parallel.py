@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 from harness.corpora import DOCUMENTS, UNSCORED_WINDOWED
-from harness.layouts import FOUR_BLOCKS, GROUP_CORPUS, TWO_BLOCKS, assert_matches_single, layout_group
+from harness.layouts import FOUR_BLOCKS, GROUP_RUN, assert_matches_single, layout_group
 from harness.paths import REPO, WORKERS
 from harness.processes import json_lines, python, torchrun
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -120,10 +120,7 @@ def test_context_parallel_errors_name_the_key(args, key):
     assert key in str(error.value) and "\n" not in str(error.value)
 
 
-COMMON = (
-    f"model=tiny {TWO_BLOCKS} {GROUP_CORPUS} train.seq_len=32 train.batch_size=8 train.micro_batch_size=2"
-    " optim.warmup_steps=1"
-)
+COMMON = f"model=tiny {GROUP_RUN}"
 # Where every rank shares each sequence (no data parallelism), micro-batches of 4: 2 per step, not 4.
 LAYOUTS = [
     "parallel=fsdp parallel.cp=4 train.micro_batch_size=4",
