@@ -300,15 +300,26 @@ def test_every_kind_of_block_compiles_as_one_graph(preset, extra, recompute, dty
     ],
 )
 def test_compile_takes_the_whole_model_where_nothing_splits_it(overrides, world_size, unit):
-    from llmtrain.model import meta_model
+    """train.compile's graphs: the whole model or each block (compile_unit), and the loss a graph of its own
+    wherever the logits are whole (all but tensor parallelism's vocabulary shards)."""
+    from contextlib import nullcontext
+
+    from llmtrain.model import meta_model, summed_cross_entropy
     from llmtrain.parallel.layout import compile_scope, compile_unit
+    from llmtrain.parallel.mesh import RankMesh
+    from llmtrain.parallel.step_setup import StepSetup
     from llmtrain.plan import ParallelPlan
+    from llmtrain.runtime import Runtime
     from llmtrain.tools import compose_config
 
     cfg = compose_config([*overrides, "train.compile=true"])
     plan = ParallelPlan.of(cfg.parallel, cfg.train, cfg.model, world_size)
     scope = compile_scope(plan, plan.spec.fsdp_shards(plan.degrees.dp * plan.degrees.cp))
     assert compile_unit(scope, meta_model(cfg.model, 97)) == unit
+    runtime = Runtime(0, world_size, 0, torch.device("cpu"), "none")
+    setup = StepSetup.of(plan, RankMesh(plan.degrees, None, None, None), runtime, nullcontext, 96, False)
+    assert setup.compiles_loss is (plan.degrees.tp == 1)
+    assert (setup.cross_entropy is summed_cross_entropy) is not setup.compiles_loss  # the eager function, or a graph
 
 
 @pytest.mark.slow  # dynamo traces the whole model: 7 s each
