@@ -103,6 +103,7 @@ def test_float8_converts_the_blocks_linears_but_not_the_head_router_or_odd_shape
 
 # torchao's thresholds (float8_linear_utils, from its H100 benchmarks), weight (N out, K in): tensorwise keeps
 # K <= 4096 and N <= 1024; rowwise keeps N <= 2048, K <= 1024, and N <= 4096 with K <= 2048
+@pytest.mark.releases  # torchao's filter on the torchao each release tier installs
 @pytest.mark.parametrize(
     "model, recipe, converted",
     [
