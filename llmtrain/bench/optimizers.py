@@ -9,8 +9,9 @@ equal tokens), in one process as `train.py` would (the embedded corpus, its BPE 
 validation loss and the median wall time of a training step, each against AdamW + cosine of the same model.
 
 --overhead builds fsdp over the ranks it is started on and times the optimizer step alone (after the gradients of
-one real forward/backward) for AdamW, Muon with its matrices spread over the ranks and Muon gathering them:
-median seconds per step over --steps steps, and the ratio to AdamW's.
+one real forward/backward) for AdamW, the 8-bit AdamW (and torchao's AdamW8bit, which steps tensor by tensor, on the
+same parameters), the offloaded AdamW, Muon with its matrices spread over the ranks and Muon gathering them: median
+seconds per step over --steps steps (after two that compile), and the ratio to AdamW's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from omegaconf import OmegaConf
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.job import build_parallel_model, build_training
+from llmtrain.optim import adamw_options, param_groups
+from llmtrain.optional import import_torchao
 from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
@@ -79,35 +82,44 @@ def quality(steps: int, overrides: list[str]) -> None:
             )
 
 
-def step_seconds(overrides: list[str], steps: int, runtime: Runtime) -> float:
-    """Median seconds of the optimizer step of `overrides` under fsdp, over `steps` steps."""
+def step_seconds(overrides: list[str], steps: int, runtime: Runtime, torchao: bool = False) -> float:
+    """Median seconds of the optimizer step of `overrides` under fsdp, over `steps` steps; `torchao`: torchao's
+    AdamW8bit over the same parameter groups in place of the configured optimizer."""
     cfg = cast(RootConfig, OmegaConf.to_object(compose_config(["parallel=fsdp", *overrides])))
     model = build_parallel_model(cfg, runtime, 257)
+    optimizer = model.optimizer
+    if torchao:
+        optimizer = import_torchao("torchao.optim").AdamW8bit(
+            param_groups(model.module, cfg.optim), **adamw_options(cfg.optim)
+        )
     tokens = torch.randint(0, 257, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
     model.clip_grad_norm(0)
     seconds = []
-    for _ in range(steps + 1):
+    for _ in range(steps + 2):
         dist.barrier()
         started = time.perf_counter()
-        model.optimizer.step()
+        optimizer.step()
         dist.barrier()
         seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds[1:])
+    return statistics.median(seconds[2:])
 
 
 def overhead(steps: int, overrides: list[str]) -> None:
     runtime = init_runtime("cpu")
     settings = {
         "adamw": ["optim=adamw"],
+        "adamw 8-bit": ["optim=adamw", "optim.state_bits=8"],
+        "adamw offload": ["optim=adamw", "optim.offload=true"],
         "muon spread": ["optim=muon", "optim.whole_matrices=spread"],
         "muon gather": ["optim=muon", "optim.whole_matrices=gather"],
     }
     times = {name: step_seconds([*setting, *overrides], steps, runtime) for name, setting in settings.items()}
+    times["torchao 8-bit"] = step_seconds([*settings["adamw 8-bit"], *overrides], steps, runtime, torchao=True)
     if runtime.is_main:
         print(f"optimizer step under fsdp x {runtime.world_size}, median of {steps}; ratios against AdamW's")
         for name, seconds in times.items():
-            print(f"{name:<12} {seconds * 1000:>9.1f} ms {seconds / times['adamw']:>6.2f}x")
+            print(f"{name:<14} {seconds * 1000:>9.1f} ms {seconds / times['adamw']:>6.2f}x")
     runtime.shutdown(synchronize=True)
 
 

@@ -12,7 +12,6 @@ from llmtrain.optim.groups import adamw_options, fused_for, is_hidden_matrix, pa
 from llmtrain.optim.lr_schedule import build_lr_schedule, lr_factor
 from llmtrain.optim.muon import Muon, newton_schulz
 from llmtrain.optim.offload import HostAdamW
-from llmtrain.optional import import_torchao
 
 
 def build_optimizer(
@@ -25,17 +24,18 @@ def build_optimizer(
 
 
 def adamw(groups: list[dict], optim_cfg, compute: Compute = HOST) -> torch.optim.Optimizer:
-    """AdamW over `groups` with its moments in `optim.state_bits`: torch's fp32 AdamW, or torchao's 8-bit AdamW
-    (blockwise dynamic quantisation, 256 values per fp32 scale; tensors under 4096 values stay fp32, as in
-    bitsandbytes), whose update computes in fp32 from the dequantised moments; with `optim.offload`, torch's AdamW
-    on the host (offload.py) for parameters on `compute.device`."""
+    """AdamW over `groups` with its moments in `optim.state_bits`: torch's fp32 AdamW, or the 8-bit AdamW of
+    adamw8bit.py (torchao's moments and update, one compiled call per chunk of values); with `optim.offload`,
+    torch's AdamW on the host (offload.py) for parameters on `compute.device`."""
     if optim_cfg.offload:
         return HostAdamW(groups, optim_cfg, compute.device)
     if optim_cfg.state_bits == 32:
         return torch.optim.AdamW(
             [{**group, "fused": fused_for(group["params"])} for group in groups], **adamw_options(optim_cfg)
         )
-    return import_torchao("torchao.optim").AdamW8bit(groups, **adamw_options(optim_cfg))
+    from llmtrain.optim.adamw8bit import AdamW8bit  # imports torchao, an extra only 8-bit runs need
+
+    return AdamW8bit(groups, optim_cfg)
 
 
 __all__ = [

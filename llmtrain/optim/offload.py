@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmtrain.optim.groups import FUSED, adamw_options, adamw_update
+from llmtrain.optim.loading import load_in_place
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,16 +84,6 @@ class HostAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (what `state_dict` writes), copied into the host state in place."""
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the checkpoint's optimizer has other parameter groups than this one")
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({option: value for option, value in saved.items() if option != "params"})
-        saved_ids = chain.from_iterable(g["params"] for g in saved_groups)
-        for param_id, param in zip(saved_ids, chain.from_iterable(g["params"] for g in self.param_groups)):
-            if param_id in state_dict["state"]:
-                state = self._state_of(param)
-                for key, value in state_dict["state"][param_id].items():
-                    state[key].copy_(value)
+        load_in_place(self, state_dict, self._state_of)
         for param in self._weights:  # the host copies follow the weights just loaded into the model
             self._weights[param].copy_(_local(param).detach())

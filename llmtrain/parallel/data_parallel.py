@@ -32,7 +32,7 @@ from llmtrain.catalog import imported, zero1_form
 from llmtrain.config import OptimConfig, ParallelConfig
 from llmtrain.optim import Compute, build_optimizer
 from llmtrain.optim.groups import refuse_inherited_fusion
-from llmtrain.optim.state_bits import portable_state, restore_low_bits
+from llmtrain.optim.state_bits import portable_state
 from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.tensors import clip_gradients, replicate_partial_gradients
@@ -83,7 +83,6 @@ class DataParallel:
     ) -> None:
         set_model_state_dict(module, model_state)
         set_optimizer_state_dict(module, optimizer, optimizer_state, options=_FLAT_OPTIMIZER)
-        restore_low_bits(optimizer)
         refuse_inherited_fusion(optimizer)
 
 
