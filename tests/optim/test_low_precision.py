@@ -35,7 +35,7 @@ from llmtrain.checkpoint.training import check_optimizer_matches
 from llmtrain.config import OptimConfig, require_extra, validate
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, cross_entropy_loss, meta_model, num_parameters
-from llmtrain.optim import HostAdamW, adamw, adamw8bit
+from llmtrain.optim import HostAdamW, adamw, adamw8bit, offload
 from llmtrain.optim.state_bits import moment_bytes, portable_state
 from llmtrain.optional import import_torchao
 from llmtrain.parallel.float8 import (
@@ -403,10 +403,11 @@ def test_a_32bit_run_refuses_an_8bit_checkpoint_with_one_line(group):
 
 
 @pytest.mark.releases
-def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place():
-    """optim.offload on a CPU: the host copy, torch's functional AdamW and the copy back give exactly torch's AdamW;
-    its state, written in torch's format, loads into the existing host tensors, and into torch's AdamW, and both
-    continue to the bit."""
+def test_the_offloaded_adamw_is_torchs_to_the_bit_and_loads_in_place(monkeypatch):
+    """optim.offload on a CPU: the host copy, torch's functional AdamW a slice of tensors at a time (here the weight,
+    then the bias) and the copy back give exactly torch's AdamW; its state, written in torch's format, loads into
+    the existing host tensors, and into torch's AdamW, and both continue to the bit."""
+    monkeypatch.setattr(offload, "SLICE", 1000)
     torch.manual_seed(0)
     cfg = compose_config(["optim.offload=true", "optim.lr=0.01"]).optim
     start = nn.Linear(64, 32)
