@@ -213,7 +213,7 @@ class RunCheckpoints:
             "state_bits": self.optim.state_bits,
             "layout": self.model.plan.describe(),
             "world_size": self.runtime.world_size,
-            "schedule": json_numbers(self.lr_schedule.state_dict()),
+            "schedule": self.lr_schedule.state_dict(),
             "run_dir": self.run.run_dir,
             "wandb_run_id": self.run.wandb_id,
             **({"base": self.base} if self.base is not None else {}),
@@ -259,14 +259,3 @@ __all__ = [
     "resume_path",
     "wandb_run_id",
 ]
-
-
-def json_numbers(value: Any) -> Any:
-    """`value` with every tensor a Python number (torchao's 8-bit AdamW keeps learning rates as 0-d tensors)."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, dict):
-        return {key: json_numbers(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_numbers(item) for item in value]
-    return value

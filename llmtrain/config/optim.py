@@ -48,9 +48,9 @@ class OptimConfig:
     state_bits: int = key(
         32,
         OneOf((32, 8)),
-        "bits per element of AdamW's two moments: `32`, or `8` (torchao's 8-bit AdamW, the `fp8` extra: 2 bytes a "
-        "parameter instead of 8; checkpoints keep them in fp32 and reshard across layouts; a checkpoint of one setting "
-        "refuses the other). Not with `optim=muon` or `parallel=zero1`",
+        "bits per element of AdamW's two moments: `32`, or `8` (torchao's 8-bit moments, the `fp8` extra, updated in "
+        "chunks by one compiled call: 2 bytes a parameter instead of 8; checkpoints keep them in fp32 and reshard "
+        "across layouts; a checkpoint of one setting refuses the other). Not with `optim=muon` or `parallel=zero1`",
     )
     offload: bool = key(
         False,

@@ -229,7 +229,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": step,
             "loss": results.loss,
-            "lr": float(self._lr_schedule.get_last_lr()[0]),  # torchao's 8-bit AdamW keeps it a tensor
+            "lr": self._lr_schedule.get_last_lr()[0],
             "grad_norm": results.grad_norm,
         }
         record.update(_expert_balance(results.expert_load))
