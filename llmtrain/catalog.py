@@ -474,7 +474,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # train.attention (llmtrain/model/documents.py): over the whole packed window, or within each packed document.
 ATTENTION_MODES = ("causal", "document")
 # model.lora.targets: the projections low-rank adapters can sit beside (llmtrain/model/lora.py), by their attribute
-# names, with the names Hugging Face's Llama and PEFT give them.
+# names, with the names Hugging Face's Llama and Qwen3 and PEFT give them (either names a target in a config).
 LORA_TARGETS = {
     "q_proj": "q_proj",
     "k_proj": "k_proj",

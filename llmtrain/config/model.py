@@ -90,9 +90,10 @@ class LoRAGroupConfig:
     dropout: float = key(0.0, fraction(), "dropout on each adapter's input (PEFT's `lora_dropout`)")
     targets: list[str] = key(
         list(catalog.LORA_TARGETS),
-        ListOf(OneOf(tuple(catalog.LORA_TARGETS))),
-        "the projections adapted: `q_proj k_proj v_proj out_proj` (attention), `fc_gate fc_in fc_out` (the MLP; "
-        "Hugging Face's Llama calls them `o_proj gate_proj up_proj down_proj`); all of them by default",
+        ListOf(OneOf((*catalog.LORA_TARGETS, *catalog.LORA_TARGETS.values()))),
+        "the projections adapted: `q_proj k_proj v_proj out_proj` (attention), `fc_gate fc_in fc_out` (the MLP), or "
+        "by the names Hugging Face's Llama, Qwen3 and PEFT give them (`o_proj gate_proj up_proj down_proj`); all of "
+        "them by default",
     )
 
 
@@ -185,6 +186,18 @@ class ModelConfig:
         at_least(1),
         "key/value heads: grouped-query attention when below `n_head` (must divide it; 1 = multi-query); null = "
         "`n_head`. Tensor parallelism splits them with their query heads, so tp must divide it",
+    )
+    head_dim: Optional[int] = key(
+        None,
+        at_least(1),
+        "width of one attention head; null = d_model / n_head. Qwen3 sets 128 whatever its width (0.6B: 16 heads "
+        "of 128 over a d_model of 1024), so q, k, v and the output projection are n_head · head_dim wide",
+    )
+    qk_norm: bool = key(
+        False,
+        Flag(),
+        "an RMSNorm over each query and key head (one weight of head_dim, shared by the heads) before the rotation, "
+        "as Qwen3 and Gemma 3",
     )
     tie_embeddings: bool = key(True, Flag(), "the LM head shares the token embedding's weights")
     norm_eps: float = key(1e-5, positive(), "epsilon of the norms")

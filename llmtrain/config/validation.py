@@ -31,20 +31,21 @@ def validate(cfg) -> None:
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model="
             f"{m.name}: set train.seq_len<={m.max_seq_len} or raise model.max_seq_len"
         )
-    if m.d_model % m.n_head:
+    if m.head_dim is None and m.d_model % m.n_head:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
-            f"choose a d_model that is a multiple of n_head"
+            f"choose a d_model that is a multiple of n_head, or set model.head_dim"
         )
     if m.n_kv_head is not None and (m.n_kv_head < 1 or m.n_head % m.n_kv_head):
         raise ConfigError(
             f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}: each key/value head serves a whole "
             f"group of query heads (n_kv_head=n_head: multi-head, 1: multi-query)"
         )
-    if m.position == "rope" and (m.d_model // m.n_head) % 2:
+    head_size = m.head_dim or m.d_model // m.n_head
+    if m.position == "rope" and head_size % 2:
+        size = f"model.head_dim={head_size}" if m.head_dim else f"the head size d_model / n_head = {head_size}"
         raise ConfigError(
-            f"model.position=rope rotates pairs of dimensions but the head size d_model / n_head = "
-            f"{m.d_model // m.n_head} is odd: choose d_model and n_head with an even quotient"
+            f"model.position=rope rotates pairs of dimensions but {size} is odd: choose an even head size"
         )
     if m.rope_scaling.type == "llama3":
         validate_rope_scaling(m.rope_scaling)

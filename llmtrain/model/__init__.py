@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.catalog import imported, model_family
+from llmtrain.catalog import LORA_TARGETS, imported, model_family
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import (
     GPT,
@@ -36,12 +36,18 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         "moe": MoEConfig(**{f.name: getattr(model_cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)}),
         "sliding_window": tuple(model_cfg.sliding_window or ()),
         "lora": LoRAConfig(
-            model_cfg.lora.rank, model_cfg.lora.alpha, model_cfg.lora.dropout, tuple(model_cfg.lora.targets)
+            model_cfg.lora.rank, model_cfg.lora.alpha, model_cfg.lora.dropout, lora_targets(model_cfg.lora.targets)
         ),
     }
     return GPTConfig(
         **{f.name: resolved.get(f.name, getattr(model_cfg, f.name)) for f in dataclasses.fields(GPTConfig)}
     )
+
+
+def lora_targets(names: list[str]) -> tuple[str, ...]:
+    """model.lora.targets as our projections' names, each given by ours or by Hugging Face's (catalog.LORA_TARGETS)."""
+    ours = {hf: mine for mine, hf in LORA_TARGETS.items()}
+    return tuple(dict.fromkeys(ours.get(name, name) for name in names))
 
 
 def model_group_of(gpt_cfg: GPTConfig, model_cfg):

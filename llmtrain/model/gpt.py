@@ -57,6 +57,8 @@ class GPTConfig:
     rope_scaling: RopeScaling | None = None  # Llama 3's stretched low frequencies (llmtrain/model/rope.py)
     mlp: str = "gelu"  # gelu | swiglu (a gated MLP: down(silu(gate(x)) * up(x)))
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    head_dim: int | None = None  # one head's width; None: d_model // n_head (Qwen3 sets its own)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
     tie_embeddings: bool = True  # the LM head is the token embedding
     norm_eps: float = 1e-5
     moe: MoEConfig = MoEConfig()  # mixture-of-experts blocks (llmtrain/model/moe.py); none by default
@@ -99,6 +101,16 @@ class GPTConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        """One attention head's width."""
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def attention_width(self) -> int:
+        """The queries' width, all heads: what the attention's output projection reads."""
+        return self.n_head * self.head_size
 
     @property
     def padded_vocab_size(self) -> int:
@@ -157,13 +169,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, window: int | None = None):
         super().__init__()
         self.window = window  # attention to the last `window` keys (None: all)
-        self.head_dim = cfg.d_model // cfg.n_head
+        self.head_dim = cfg.head_size
         self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.position == "rope" else None
         kv_width = cfg.kv_heads * self.head_dim
-        self.q_proj = linear(cfg.d_model, cfg.d_model, cfg.bias, cfg.lora, "q_proj")
+        self.q_proj = linear(cfg.d_model, cfg.attention_width, cfg.bias, cfg.lora, "q_proj")
         self.k_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "k_proj")
         self.v_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "v_proj")
-        self.out_proj = linear(cfg.d_model, cfg.d_model, cfg.bias, cfg.lora, "out_proj")
+        self.out_proj = linear(cfg.attention_width, cfg.d_model, cfg.bias, cfg.lora, "out_proj")
+        # One weight of a head's width for all heads: a tensor-parallel rank normalises its own heads with it.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
@@ -171,9 +186,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
         """`documents`: the packed documents the attention stays within (None: causal over the whole window)."""
         q, k, v = (
-            rearrange(proj(x), "b t (h d) -> b h t d", d=self.head_dim)
+            rearrange(proj(x), "b t (h d) -> b t h d", d=self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if self.q_norm is not None and self.k_norm is not None:
+            # Normalised where each head's values lie together: the output keeps the projection's layout, so the
+            # attention's output needs no copy to reach out_proj.
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (batch, heads, t, head_dim)
         if self.rope is not None:
             # Recomputed per call rather than cached: a few head_dim x t elements, made on the device (a cache
             # would be a buffer that meta-device construction and every layout would have to carry).
@@ -408,8 +428,8 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int | None = None) -> float:
     """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
-    score and value matmuls, 12 * n_layer * d_model * seq_len, causal mask not halved (PaLM, appendix B; nanoGPT
-    and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
+    score and value matmuls, 12 * n_layer * (n_head * head size) * seq_len, causal mask not halved (PaLM, appendix
+    B; nanoGPT and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
     excludes what is a lookup rather than a matmul: the position embedding, and the token embedding when the head
     does not share it. Every weight is counted as it is (SwiGLU's three matrices, grouped-query attention's
     narrower key and value projections). In a mixture of experts a token meets only its top_k routed experts: N
@@ -422,7 +442,7 @@ def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int 
     keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
     matmuls = n_params - lookups - inactive_expert_parameters(cfg)
     frozen = matmuls - trainable if cfg.lora.enabled and trainable is not None else 0
-    return 6 * matmuls - 2 * frozen + 12 * cfg.d_model * keys
+    return 6 * matmuls - 2 * frozen + 12 * cfg.attention_width * keys
 
 
 def inactive_expert_parameters(cfg: GPTConfig) -> int:

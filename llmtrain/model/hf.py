@@ -1,6 +1,6 @@
 """The Hugging Face families llmtrain converts to and from, in one table. Each family's module (hf_gpt2.py,
-hf_llama.py, hf_mixtral.py) knows its tensor names and its config; this one picks the family of a model config or
-of a directory, and is what model.init_from, export and sampling call."""
+hf_llama.py, hf_qwen3.py, hf_mixtral.py) knows its tensor names and its config; this one picks the family of a model
+config or of a directory, and is what model.init_from, export and sampling call."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model import hf_gpt2, hf_llama, hf_mixtral
+from llmtrain.model import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3
 from llmtrain.model.gpt import GPT, GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
 
@@ -54,6 +54,16 @@ FAMILIES = {
             hf_llama.to_llama_state_dict,
         ),
         Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "model=qwen3-0.6b",
+            hf_qwen3.check_qwen3,
+            hf_qwen3.qwen3_config_of,
+            hf_qwen3.Qwen3Weights,
+            hf_qwen3.qwen3_hf_config,
+            hf_llama.to_llama_state_dict,
+        ),
+        Family(
             "mixtral",
             "MixtralForCausalLM",
             "model=mixtral-tiny",
@@ -68,7 +78,8 @@ FAMILIES = {
 
 
 def family_of(cfg: GPTConfig) -> Family:
-    """The family our model config belongs to (a mixture: Mixtral; RMSNorm + RoPE + SwiGLU: Llama; else GPT-2),
+    """The family our model config belongs to (a mixture: Mixtral; query and key norms: Qwen3; RMSNorm + RoPE +
+    SwiGLU: Llama; else GPT-2),
     checked to fit its transformers class (ConfigError naming the keys that do not). Only the GPT class
     (model.family=gpt) has one: another family's modules compute what no transformers class does."""
     if cfg.family != "gpt":
@@ -77,7 +88,10 @@ def family_of(cfg: GPTConfig) -> Family:
             f"model.family=gpt's modules), so its weights neither come from nor go to that format: its checkpoints "
             f"sample and evaluate as they are (llmtrain.generate, llmtrain.evaluate)"
         )
-    name = "mixtral" if cfg.moe.num_experts else "llama" if hf_llama.is_llama(cfg) else "gpt2"
+    if cfg.moe.num_experts:
+        name = "mixtral"
+    else:
+        name = "qwen3" if cfg.qk_norm else "llama" if hf_llama.is_llama(cfg) else "gpt2"
     family = FAMILIES[name]
     family.check(cfg)
     return family

@@ -30,15 +30,19 @@ _MODULES = {
     "attn.k_proj": "self_attn.k_proj",
     "attn.v_proj": "self_attn.v_proj",
     "attn.out_proj": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",  # Qwen3's (hf_qwen3.py)
+    "attn.k_norm": "self_attn.k_norm",
     "mlp.fc_gate": "mlp.gate_proj",
     "mlp.fc_in": "mlp.up_proj",
     "mlp.fc_out": "mlp.down_proj",
 }
 
 
-def is_llama(cfg: GPTConfig) -> bool:
-    """Whether the model is one transformers' LlamaForCausalLM can hold."""
-    return cfg.norm == "rmsnorm" and cfg.position == "rope" and cfg.mlp == "swiglu" and not cfg.bias
+def is_llama(cfg: GPTConfig, qk_norm: bool = False) -> bool:
+    """Whether the model is one transformers' LlamaForCausalLM can hold (`qk_norm`: but with query and key norms,
+    as Qwen3's class)."""
+    llama_modules = cfg.norm == "rmsnorm" and cfg.position == "rope" and cfg.mlp == "swiglu" and not cfg.bias
+    return llama_modules and cfg.qk_norm == qk_norm
 
 
 def hf_name(name: str) -> str:
@@ -60,6 +64,7 @@ def llama_hf_config(cfg: GPTConfig, eos_id: int):
         num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
         max_position_embeddings=cfg.max_seq_len,
         rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds both into rope_parameters
         rope_scaling=hf_rope_scaling(cfg.rope_scaling),
@@ -142,6 +147,7 @@ def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
         rope_scaling=scaling,
         mlp="swiglu",
         n_kv_head=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None),
         tie_embeddings=c.tie_word_embeddings,
         norm_eps=c.rms_norm_eps,
         **extra,
@@ -152,6 +158,7 @@ LLAMA_SHAPE_KEYS = (
     "n_layer",
     "n_head",
     "kv_heads",
+    "head_size",
     "d_model",
     "hidden",
     "vocab_size",

@@ -4,8 +4,9 @@ PEFT's format (`save_peft_adapter`: `adapter_config.json` and `adapter_model.saf
 
 PEFT names an adapter by the base's module path, `base_model.model.<module>.lora_A.weight` (our `lora_a`, rank x in)
 and `...lora_B.weight` (our `lora_b`, out x rank), and scales its update by lora_alpha / r as we do. The Llama family
-(and Mixtral's attention) keeps one module per projection, so each of our adapters is one of PEFT's; GPT-2's fused,
-transposed `c_attn` has no such module for q, k and v apart, so its adapters are exported merged only.
+(Qwen3 too, and Mixtral's attention) keeps one module per projection, so each of our adapters is one of PEFT's;
+GPT-2's fused, transposed `c_attn` has no such module for q, k and v apart, so its adapters are exported merged
+only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from llmtrain.model.hf_llama import hf_name
 from llmtrain.model.lora import ADAPTERS, LoRAConfig, LoRALinear
 
 # The Hugging Face families whose adapters PEFT can hold as we train them.
-PEFT_FAMILIES = ("llama", "mixtral")
+PEFT_FAMILIES = ("llama", "qwen3", "mixtral")
 # Our adapter's name -> PEFT's, after the module path.
 PEFT_ADAPTERS = dict(zip(ADAPTERS, ("lora_A.weight", "lora_B.weight")))
 

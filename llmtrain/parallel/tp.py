@@ -182,7 +182,19 @@ def _block_plan(sequence_parallel: bool, mixture: bool = False) -> dict[str, Par
     return plan
 
 
+# Query and key norms (Qwen3) see this rank's heads, dimension 2 of (batch, t, heads, head_dim): their one weight is
+# replicated and its gradient, a partial sum over each rank's heads, summed (as a sequence-parallel norm's is).
+_HEAD_NORMS: dict[str, ParallelStyle] = {
+    "attn.q_norm": SequenceParallel(sequence_dim=2),
+    "attn.k_norm": SequenceParallel(sequence_dim=2),
+}
+
+
 def _dense_block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    return {**_HEAD_NORMS, **_projections_plan(sequence_parallel)}
+
+
+def _projections_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if not sequence_parallel:
         # q, k and v read one shared DTensor, so backward sums their input gradients before a single all-reduce
         # (Megatron's f), as a fused qkv projection would; three plain inputs would cost three.

@@ -193,7 +193,7 @@ def context_parallel_traffic(candidate: Candidate, held: Holding, step: StepShap
     d, traffic, cfg = candidate.degrees, Traffic(), step.gpt
     if d.cp == 1:
         return traffic
-    kv = 2 * step.rows * (step.seq_len // d.cp) * cfg.kv_heads * (cfg.d_model // cfg.n_head) // d.tp
+    kv = 2 * step.rows * (step.seq_len // d.cp) * cfg.kv_heads * cfg.head_size // d.tp
     hops = held.blocks * step.microbatches
     sent = hops * ((d.cp - 1) * 2 * kv * step.sizes.compute + d.cp * kv * 4)
     for op in ("send", "recv"):

@@ -174,17 +174,21 @@ class LayerTerms:
 
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
-    """Korthikanti's count for this model: q and the attention output 2 + 2, k and v 2 x 2 x n_kv_head / n_head,
+    """Korthikanti's count for this model: q and the attention output 2 + 2, k and v 2 x 2 x n_kv_head / n_head (each
+    x n_head · head size / d_model where heads are not d_model / n_head wide; query and key norms 4 more each),
     GELU's input and output 2 x 2 x d_ff / d_model or SwiGLU's gate, up, silu(gate) and product 4 x 2 x d_ff /
     d_model. RMSNorm in eager mode keeps its normalised input besides its input, 2 more per norm (a fused kernel
     keeps only the input: then this overestimates by 4)."""
     mlp = (8 if cfg.mlp == "swiglu" else 4) * cfg.hidden / cfg.d_model
     norms = 4.0 if cfg.norm == "rmsnorm" else 0.0
     mlp_inputs = (2 if cfg.mlp == "swiglu" else 1) * cfg.hidden / cfg.d_model  # the gate's and the up projection's
+    heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)
+    grouped = cfg.kv_heads / cfg.n_head
+    head_norms = 4 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries and keys, before and after their norm
     return LayerTerms(
         replicated=10.0 + norms,
-        split=4 + 4 * cfg.kv_heads / cfg.n_head + mlp,
-        selective_split=2 + 2 * cfg.kv_heads / cfg.n_head + mlp_inputs,
+        split=(4 + 4 * grouped) * heads + head_norms + mlp,
+        selective_split=(2 + 2 * grouped) * heads + mlp_inputs,
     )
 
 

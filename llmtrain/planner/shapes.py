@@ -54,11 +54,12 @@ def _norm_parameters(cfg: GPTConfig) -> int:
 def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s parameters on one of `tp` tensor-parallel ranks (blocks differ when some are mixtures of
     experts)."""
-    h, bias = cfg.d_model, int(cfg.bias)
-    kv = cfg.kv_heads * (h // cfg.n_head)  # the width of k and v (grouped-query attention: narrower than h)
+    h, a, bias = cfg.d_model, cfg.attention_width, int(cfg.bias)
+    kv = cfg.kv_heads * cfg.head_size  # the width of k and v (grouped-query attention: narrower than q's)
     up = 2 if cfg.mlp == "swiglu" else 1  # fc_in, and SwiGLU's gate
-    split = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h  # column-parallel q, k, v; row-parallel out_proj
-    replicated = bias * h + 2 * _norm_parameters(cfg)  # out_proj's bias; the two norms
+    split = h * (a + 2 * kv) + bias * (a + 2 * kv) + a * h  # column-parallel q, k, v; row-parallel out_proj
+    # out_proj's bias; the two norms; the query and key heads' norms
+    replicated = bias * h + 2 * _norm_parameters(cfg) + 2 * cfg.head_size * int(cfg.qk_norm)
     m = cfg.moe
     if m.is_moe_block(index):  # router; routed experts (stacked, no biases); shared experts as one wider MLP
         f = m.d_ff or cfg.hidden
@@ -77,8 +78,9 @@ def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s weight-matrix elements on one of `tp` tensor-parallel ranks: block_parameters without the
     biases and norms."""
     h, bias, m = cfg.d_model, int(cfg.bias), cfg.moe
-    kv = cfg.kv_heads * (h // cfg.n_head)
-    vectors = bias * (h + 2 * kv) // tp + bias * h + 2 * _norm_parameters(cfg)
+    kv = cfg.kv_heads * cfg.head_size
+    vectors = bias * (cfg.attention_width + 2 * kv) // tp + bias * h + 2 * _norm_parameters(cfg)
+    vectors += 2 * cfg.head_size * int(cfg.qk_norm)
     f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
     if f:
         up = 2 if cfg.mlp == "swiglu" else 1
@@ -90,13 +92,13 @@ def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
     adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
     columns beside a row-parallel one); the routed experts have none."""
-    lora, m, h = cfg.lora, cfg.moe, cfg.d_model
+    lora, m, h, a = cfg.lora, cfg.moe, cfg.d_model, cfg.attention_width
     if not lora.enabled:
         return 0
-    kv = cfg.kv_heads * (h // cfg.n_head)
+    kv = cfg.kv_heads * cfg.head_size
     f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
     # projection -> (in, out, column-parallel)
-    shapes = {"q_proj": (h, h, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (h, h, False)}
+    shapes = {"q_proj": (h, a, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (a, h, False)}
     if f:
         shapes.update(fc_in=(h, f, True), fc_out=(f, h, False))
         if cfg.mlp == "swiglu":

@@ -1,8 +1,9 @@
-"""The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) under every layout family: each
-reproduces the unsplit llama-tiny, step for step, in 2- and 4-rank process groups (tests/workers/layout_worker.py), and
-3-D
-(pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too.
-Its forward against transformers' LlamaForCausalLM and its parameter counts are in test_model.py."""
+"""The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) with Qwen3's two additions (a norm
+over each query and key head, heads wider than d_model / n_head) under every layout family: each reproduces the
+unsplit qwen3-tiny, step for step, in 2- and 4-rank process groups (tests/workers/layout_worker.py), and 3-D
+(pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too. qwen3-tiny is llama-tiny with those
+two, so one group holds both families' modules. Their forwards against transformers' LlamaForCausalLM and
+Qwen3ForCausalLM and their parameter counts are in test_model.py and test_qwen3.py."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from harness.layouts import (
 
 pytestmark = pytest.mark.slow
 
-COMMON = f"model=llama-tiny {GROUP_RUN}"
+COMMON = f"model=qwen3-tiny {GROUP_RUN}"
 # On 2 ranks what needs one degree of 2, on 4 what needs two (conftest.layout_groups).
 LAYOUTS = {
     2: [
         "parallel=ddp train.compile=true",
         "parallel=fsdp train.activation_checkpointing=full",
-        # 2 key/value heads per rank with their 4 query heads; every rank runs the whole batch, in 2 micro-batches
+        # 2 key/value heads per rank with their 4 query heads and both head norms; the whole batch on every rank, in
+        # 2 micro-batches
         "parallel=tp parallel.sequence_parallel=true train.micro_batch_size=4",
         "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=false train.micro_batch_size=4",
         "parallel=pp parallel.pp_schedule=1f1b",

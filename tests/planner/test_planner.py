@@ -49,7 +49,10 @@ def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
     return layout_cost(candidate, work, machine), work, machine
 
 
-@pytest.mark.parametrize("model", ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b"])
+@pytest.mark.parametrize(
+    "model",
+    ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b", "qwen3-tiny", "qwen3-8b"],
+)
 def test_parameter_count_from_the_config_is_the_models(model):
     cfg = _composed(f"model={model}")
     meta = meta_model(cfg.model, 50257)
@@ -111,15 +114,17 @@ def test_korthikanti_activations_per_layer():
     assert layer_activations(s, b, h, a, 1, False, "none", False) == sbh * 34  # fused attention: no score matrix
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "qwen3-tiny"])
 def test_layer_terms_count_what_a_block_saves_for_backward(preset):
     """The tensors one block keeps for its backward (parameters aside), counted by autograd's saved-tensor hook,
     equal layer_terms' s·b·h units less the two dropout masks Korthikanti always counts (there is no dropout here):
     GPT-2's 32; llama-tiny's grouped-query k and v (4 of 8 heads), SwiGLU's four d_ff-wide tensors and RMSNorm's
-    extra normalised copies. Measured in fp32, so halved to 16-bit units, where grouped key/value heads reach SDPA
-    repeated (model/gpt.py: causal_attention) and it keeps those: 4 (1 - kv_heads / n_head) units more than in half
-    precision, which the planner counts; tolerance: the per-row norm statistics, the attention's log-sum-exp and the
-    rotation tables, under 1%."""
+    extra normalised copies; qwen3-tiny's attention twice as wide and its normalised queries and keys. Measured in
+    fp32, so halved to 16-bit units, where grouped key/value heads reach SDPA repeated (model/gpt.py:
+    causal_attention) and it keeps those: 4 (1 - kv_heads / n_head) units more (times the heads' width against
+    d_model) than in half precision, which the planner counts; tolerance: the per-row norm statistics, the
+    attention's log-sum-exp and the rotation tables, under 1.5% (qwen3-tiny's (t, head_dim) tables are 1% of its
+    block's activations at this narrow width; a real model's are hundreds of times less)."""
     from llmtrain.model import build_model
     from llmtrain.planner.memory import layer_terms
 
@@ -138,9 +143,10 @@ def test_layer_terms_count_what_a_block_saves_for_backward(preset):
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         block(torch.randn(b, s, h, requires_grad=True))
     terms = layer_terms(model.cfg)
-    repeated = 4 * (1 - model.cfg.kv_heads / model.cfg.n_head)
+    heads = model.cfg.attention_width / model.cfg.d_model  # qwen3-tiny's heads are 2 x d_model / n_head wide
+    repeated = 4 * (1 - model.cfg.kv_heads / model.cfg.n_head) * heads
     expected = terms.replicated + terms.split - 2 + repeated
-    assert sum(saved.values()) / (s * b * h * 4) * 2 == pytest.approx(expected, rel=0.01)
+    assert sum(saved.values()) / (s * b * h * 4) * 2 == pytest.approx(expected, rel=0.015)
 
 
 def test_context_parallel_divides_activations_and_adds_the_ring():
