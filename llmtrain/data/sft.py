@@ -9,8 +9,12 @@ window stays one int64 array through shuffling, batching and checkpoints; the mi
 untrained token UNSCORED (stream.RankSlice), and the loss is the mean over trained targets.
 
 The assistant's tokens are found by rendering growing prefixes of the conversation: assistant turn i spans the
-tokens between the render up to its prompt (with the generation prompt) and the render up to its end. A template
-whose renders are not prefixes of one another cannot be split so and is refused by name.
+tokens between the render up to its prompt (with the generation prompt) and the render up to its end. Where those
+renders are prefixes of the whole conversation's, it is one sample with every assistant turn trained. A template
+that renders an earlier turn otherwise than a last one (Qwen3's keeps a last answer's reasoning in <think> and
+drops an earlier one's) gives one sample per assistant turn instead: the conversation up to that turn, rendered as
+the template renders it, with that turn trained, so each answer is learned as the model is asked for it. A template
+whose render up to a turn does not begin with that turn's prompt cannot be split at all and is refused by name.
 
 Windows: with `train.attention=document` whole conversations follow each other in a window, each ended by the
 tokenizer's end-of-text token, which separates packed documents (model/documents.py): a conversation never attends
@@ -146,18 +150,23 @@ def _renders(backend, messages: list[dict]) -> list[str]:
     return texts
 
 
-def _marked(encoded: list[np.ndarray], where: str) -> np.ndarray:
-    """The whole conversation's tokens, the assistant's kept as ids and the rest untrained, from its renders'."""
+def _marked(encoded: list[np.ndarray], where: str) -> list[np.ndarray]:
+    """The conversation's samples from its renders' tokens, the assistant's kept as ids and the rest untrained: the
+    whole conversation, or, where the template renders an earlier turn otherwise within the conversation than as
+    its last (Qwen3 drops an earlier answer's reasoning), one sample per assistant turn, the conversation up to it."""
     whole, spans = encoded[0], encoded[1:]
-    trained = np.zeros(len(whole), dtype=bool)
-    for prompt, turn in zip(spans[::2], spans[1::2]):
-        if not (_starts_with(turn, prompt) and _starts_with(whole, turn)):
-            raise ConfigError(
-                f"{where}: the chat template renders a conversation's first turns differently alone and within it, "
-                f"so the assistant's tokens cannot be told apart: use a template that renders turn by turn"
-            )
-        trained[len(prompt) : len(turn)] = True
-    return np.where(trained, whole, untrained(whole))
+    turns = list(zip(spans[::2], spans[1::2]))
+    if not all(_starts_with(turn, prompt) for prompt, turn in turns):
+        raise ConfigError(
+            f"{where}: the chat template renders a conversation's turns differently after the generation prompt than "
+            f"with the answer, so the assistant's tokens cannot be told apart: use a template that renders turn by turn"
+        )
+    if all(_starts_with(whole, turn) for _, turn in turns):
+        trained = np.zeros(len(whole), dtype=bool)
+        for prompt, turn in turns:
+            trained[len(prompt) : len(turn)] = True
+        return [np.where(trained, whole, untrained(whole))]
+    return [np.concatenate([untrained(turn[: len(prompt)]), turn[len(prompt) :]]) for prompt, turn in turns]
 
 
 def _starts_with(tokens: np.ndarray, prefix: np.ndarray) -> bool:
@@ -165,8 +174,9 @@ def _starts_with(tokens: np.ndarray, prefix: np.ndarray) -> bool:
 
 
 def tokenized(conversations: list[list[dict]], tokenizer: Tokenizer, backend, what: str) -> list[np.ndarray]:
-    """Each conversation's tokens, marked (the assistant's trained), rendered and encoded in batches (with a progress
-    bar on the first rank when there are many)."""
+    """The conversations' samples (`_marked`: one a conversation, or one an assistant turn), their tokens marked (the
+    assistant's trained), rendered and encoded in batches (with a progress bar on the first rank when there are
+    many)."""
     from tqdm import tqdm
 
     result: list[np.ndarray] = []
@@ -178,7 +188,7 @@ def tokenized(conversations: list[list[dict]], tokenizer: Tokenizer, backend, wh
             renders = [_renders(backend, messages) for messages in chunk]
             encoded = iter(tokenizer.encode_batch([text for texts in renders for text in texts]))
             for i, texts in enumerate(renders):
-                result.append(_marked([next(encoded) for _ in texts], f"{what}, conversation {start + i}"))
+                result.extend(_marked([next(encoded) for _ in texts], f"{what}, conversation {start + i}"))
             bar.update(len(chunk))
     return result
 
@@ -228,7 +238,7 @@ class Conversations:
 
     def describe(self) -> str:
         trained = sum(int((t >= 0).sum()) for t in self.tokens)
-        line = f"{len(self.tokens):,} conversations, {trained:,} trained tokens"
+        line = f"{len(self.tokens):,} samples, {trained:,} trained tokens"
         if self.cut:
             line += (
                 f"; {self.cut:,} longer than a window of {self.window} tokens are cut to it, dropping "

@@ -266,3 +266,58 @@ def test_the_offline_conversation_file_is_one_sft_reads(chat, tmp_path):
     assert len(conversations) == 60 and sum(len(c) == 4 for c in conversations) == 20
     assert all(c[0]["content"].startswith("What does the ") for c in conversations)
     assert all((tokens >= 0).any() for tokens in tokenized(conversations, tokenizer, backend, "train"))
+
+
+def _released(template: str, specials: list[str], eos: str, bos: str | None = None):
+    """(our tokenizer, its transformers backend) with a released chat template (harness.corpora)."""
+    from harness.corpora import RELEASED_TEMPLATES, chat_tokenizer
+
+    from llmtrain.data.tokenizers import FastTokenizer
+
+    backend = chat_tokenizer((RELEASED_TEMPLATES / template).read_text(), specials, eos, bos)
+    return FastTokenizer(backend, backend.convert_tokens_to_ids(eos), len(backend)), backend
+
+
+def test_qwen3s_template_trains_each_answer_as_the_model_is_asked_for_it():
+    """Qwen3's released template keeps a last answer's reasoning in <think> (an empty block where there is none)
+    and drops an earlier one's, so a two-turn conversation renders its first answer otherwise alone than within it:
+    it becomes two samples, each the conversation up to an answer with that answer trained, reasoning and <think>
+    block included, and nothing else (the system, the questions, the earlier answer as history, the headers)."""
+    tokenizer, backend = _released("qwen3.jinja", ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>")
+    messages = [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Return the sum of a sequence of numbers."},
+        {"role": "assistant", "content": "<think>\nAdd them in turn.\n</think>\n\nUse sum."},
+        {"role": "user", "content": "And their product?"},
+        {"role": "assistant", "content": "Use math.prod."},
+    ]
+    first, second = tokenized([messages], tokenizer, backend, "qwen3")
+    assert tokenizer.decode(window_tokens(first)) == backend.apply_chat_template(messages[:3], tokenize=False)
+    assert tokenizer.decode(window_tokens(second)) == backend.apply_chat_template(messages, tokenize=False)
+    assert "Add them in turn" not in tokenizer.decode(window_tokens(second))  # the earlier reasoning, dropped
+    trained = [tokenizer.decode(sample[sample >= 0]) for sample in (first, second)]
+    assert trained == [
+        "<think>\nAdd them in turn.\n</think>\n\nUse sum.<|im_end|>\n",
+        "<think>\n\n</think>\n\nUse math.prod.<|im_end|>\n",
+    ]
+
+
+def test_gemma3s_template_folds_the_system_turn_and_names_the_assistant_model():
+    """Gemma 3's released template has no system role (it opens the first user turn with the system text), names
+    the assistant `model` and trims each turn: one sample, its answers trained with their end of turn, its
+    beginning-of-text, headers, system text and questions not."""
+    tokenizer, backend = _released(
+        "gemma3.jinja", ["<bos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", bos="<bos>"
+    )
+    messages = [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Return the sum of a sequence of numbers."},
+        {"role": "assistant", "content": " Use sum. "},
+        {"role": "user", "content": "And their product?"},
+        {"role": "assistant", "content": "Use math.prod."},
+    ]
+    (sample,) = tokenized([messages], tokenizer, backend, "gemma3")
+    rendered = tokenizer.decode(window_tokens(sample))
+    assert rendered == backend.apply_chat_template(messages, tokenize=False)
+    assert rendered.startswith("<bos><start_of_turn>user\nAnswer in one line.\n\nReturn the sum")
+    assert tokenizer.decode(sample[sample >= 0]) == "Use sum.<end_of_turn>\nUse math.prod.<end_of_turn>\n"

@@ -27,20 +27,33 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Path]:
-    """A transformers tokenizer with CHAT_TEMPLATE (a small BPE of the document corpus) and a .jsonl of
-    conversations made of the corpus's lines: one to three user/assistant turns, some with a system turn, some
-    written as prompt/response pairs. (tokenizer directory, conversations file)."""
+# Released chat templates, as their models' tokenizer_config.json carry them (the Jinja files inference projects
+# keep, e.g. llama.cpp's models/templates): Qwen3's (Qwen3-0.6B; the dense releases share it) and Gemma 3's (its
+# instruction-tuned releases).
+RELEASED_TEMPLATES = Path(__file__).with_name("chat_templates")
+
+
+def chat_tokenizer(template: str, specials: list[str], eos: str, bos: str | None = None):
+    """A transformers tokenizer (a small BPE of the document corpus) with `template` and its special tokens."""
     from transformers import PreTrainedTokenizerFast
 
     from llmtrain.data.tokenizers import train_bpe
 
     lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
     backend = train_bpe(lines, 512)
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, bos_token=bos)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Path]:
+    """A transformers tokenizer with CHAT_TEMPLATE (a small BPE of the document corpus) and a .jsonl of
+    conversations made of the corpus's lines: one to three user/assistant turns, some with a system turn, some
+    written as prompt/response pairs. (tokenizer directory, conversations file)."""
+    tokenizer = chat_tokenizer(CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
     tokenizer.save_pretrained(directory / "tokenizer")
+    lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
     records = []
     for i in range(conversations):
         turns = 1 + i % 3
