@@ -15,17 +15,23 @@ from llmtrain.domains import DirectoryOrHub, Flag, ListOf, Number, OneOf, Text, 
 
 @dataclass
 class RopeScalingConfig:
-    """Llama 3's stretching of the slow rotary frequencies (llmtrain/model/rope.py); the numbers are Llama 3.1's."""
+    """Stretched rotary frequencies (llmtrain/model/rope.py): Llama 3's of the slow ones (the numbers are Llama
+    3.1's), or a linear one of all."""
 
     type: str = key(
         "none",
-        OneOf(("none", "llama3")),
-        "`none` (plain RoPE) or `llama3`: Llama 3's stretch of the slow rotary frequencies (transformers' `rope_type: "
-        "llama3`). Rotations with more than `high_freq_factor` turns over the original context keep their frequency, "
-        "those with fewer than `low_freq_factor` slow by `factor`, the band between blends the two. `llama3.2-1b` "
-        "sets Meta's (32, 1, 4, 8192), so its weights load with `model.init_from`",
+        OneOf(("none", "llama3", "linear")),
+        "`none` (plain RoPE), `llama3`: Llama 3's stretch of the slow rotary frequencies (transformers' `rope_type: "
+        "llama3`): rotations with more than `high_freq_factor` turns over the original context keep their frequency, "
+        "those with fewer than `low_freq_factor` slow by `factor`, the band between blends the two (`llama3.2-1b` "
+        "sets Meta's (32, 1, 4, 8192), so its weights load with `model.init_from`); or `linear`: every frequency "
+        "slowed by `factor` (positions interpolated; Gemma 3 4B's global blocks, factor 8)",
     )
-    factor: float = key(8.0, Number(low=1), "`llama3`: the stretched context is `factor` × `original_max_seq_len`")
+    factor: float = key(
+        8.0,
+        Number(low=1),
+        "`llama3`: the stretched context is `factor` × `original_max_seq_len`; `linear`: every rotation slows by it",
+    )
     low_freq_factor: float = key(
         1.0,
         positive(),
@@ -166,7 +172,27 @@ class ModelConfig:
         "mismatch names the keys). Use its tokenizer: `data.tokenizer.kind=hf data.tokenizer.name=<same>`",
     )
     # The Llama family's choices (GPT-2's are the defaults): conf/model/llama-tiny.yaml and the presets set them.
-    norm: str = key("layernorm", OneOf(("layernorm", "rmsnorm")), "`layernorm` (GPT-2) or `rmsnorm` (Llama)")
+    norm: str = key(
+        "layernorm",
+        OneOf(("layernorm", "rmsnorm", "offset_rmsnorm")),
+        "`layernorm` (GPT-2), `rmsnorm` (Llama, Qwen3) or `offset_rmsnorm` (Gemma: RMSNorm computed in fp32 whose "
+        "weight is stored as its offset from one, x̂ · (1 + w), starting at zero)",
+    )
+    sandwich_norm: bool = key(
+        False,
+        Flag(),
+        "a norm on the attention's and the MLP's outputs too, before each joins the residual stream (Gemma 2 and 3: "
+        "four norms a block)",
+    )
+    embedding_scale: bool = key(
+        False, Flag(), "multiply the token embeddings by sqrt(d_model), in their dtype (Gemma; the tied head is not)"
+    )
+    rope_local_theta: Optional[float] = key(
+        None,
+        positive(),
+        "the rotary base of the blocks with a sliding window (`model.sliding_window`), which rotate without "
+        "`model.rope_scaling` (Gemma 3: 1e4 beside the global blocks' 1e6); null: every block rotates alike",
+    )
     position: str = key(
         "learned",
         OneOf(("learned", "rope")),
@@ -174,12 +200,13 @@ class ModelConfig:
         "convention)",
     )
     rope_theta: float = key(10000.0, positive(), "base of the rotary frequencies (SmolLM2 1e5, Llama 3 5e5)")
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: type=llama3 stretches it
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: llama3 or linear stretches it
     mlp: str = key(
         "gelu",
-        OneOf(("gelu", "swiglu")),
-        "`gelu` (GPT-2's fc_in, GELU, fc_out) or `swiglu` (fc_out(silu(fc_gate(x)) · fc_in(x)); `model.d_ff` is its "
-        "hidden width, null = 8/3·d_model rounded up to 64)",
+        OneOf(("gelu", "swiglu", "geglu")),
+        "`gelu` (GPT-2's fc_in, GELU, fc_out), `swiglu` (fc_out(silu(fc_gate(x)) · fc_in(x))) or `geglu` (Gemma: "
+        "fc_out(gelu_tanh(fc_gate(x)) · fc_in(x))); `model.d_ff` is the hidden width, null = 4·d_model (gelu) or "
+        "8/3·d_model rounded up to 64 (the gated two)",
     )
     n_kv_head: Optional[int] = key(
         None,

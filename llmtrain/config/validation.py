@@ -51,6 +51,11 @@ def validate(cfg) -> None:
         validate_rope_scaling(m.rope_scaling)
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
+        if m.mlp == "geglu":
+            raise ConfigError(
+                "model.mlp=geglu with model.moe.num_experts > 0: experts compute SwiGLU (model.mlp=swiglu) or GELU "
+                "(model.mlp=gelu); set one of those, or model.moe.num_experts=0"
+            )
     validate_optim(cfg.optim)
     validate_flat_slices(cfg.optim, cfg.parallel.layout)
     if cfg.optim.offload and cfg.parallel.cpu_offload:

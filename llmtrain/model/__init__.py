@@ -64,7 +64,11 @@ def model_group_of(gpt_cfg: GPTConfig, model_cfg):
     shape["rope_scaling"] = (
         dataclasses.replace(model_cfg.rope_scaling, type="none")
         if scaling is None
-        else dataclasses.replace(model_cfg.rope_scaling, type="llama3", **dataclasses.asdict(scaling))
+        else dataclasses.replace(
+            model_cfg.rope_scaling,
+            type=scaling.kind,
+            **{name: value for name, value in dataclasses.asdict(scaling).items() if name != "kind"},
+        )
     )
     return dataclasses.replace(model_cfg, name="checkpoint", init_from=None, **shape)
 
@@ -77,6 +81,7 @@ def rope_scaling(scaling_cfg) -> RopeScaling | None:
         low_freq_factor=float(scaling_cfg.low_freq_factor),
         high_freq_factor=float(scaling_cfg.high_freq_factor),
         original_max_seq_len=int(scaling_cfg.original_max_seq_len),
+        kind=scaling_cfg.type,
     )
 
 

@@ -51,14 +51,19 @@ class GPTConfig:
     bias: bool = True
     vocab_multiple: int = 1  # pad the embedding and head to a multiple of this (GPUs and tensor parallelism)
     # The Llama family's choices (GPT-2's are the defaults):
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: str = "layernorm"  # layernorm | rmsnorm | offset_rmsnorm (Gemma's x̂ · (1 + w))
     position: str = "learned"  # learned (an embedding per position) | rope (rotary, on queries and keys)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # Llama 3's stretched low frequencies (llmtrain/model/rope.py)
-    mlp: str = "gelu"  # gelu | swiglu (a gated MLP: down(silu(gate(x)) * up(x)))
+    mlp: str = "gelu"  # gelu | swiglu | geglu (gated MLPs: down(act(gate(x)) * up(x)), silu or tanh-GELU)
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     head_dim: int | None = None  # one head's width; None: d_model // n_head (Qwen3 sets its own)
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
+    # Gemma's choices: norms on the attention's and MLP's outputs too, embeddings times sqrt(d_model), and the
+    # sliding-window blocks' own rotary base (without rope_scaling; None: every block rotates alike)
+    sandwich_norm: bool = False
+    embedding_scale: bool = False
+    rope_local_theta: float | None = None
     tie_embeddings: bool = True  # the LM head is the token embedding
     norm_eps: float = 1e-5
     moe: MoEConfig = MoEConfig()  # mixture-of-experts blocks (llmtrain/model/moe.py); none by default
@@ -81,11 +86,27 @@ class GPTConfig:
             }
         )
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every block's attention window, in order (None: the whole context)."""
+        return tuple(self.window_of(layer) for layer in range(self.n_layer))
+
     def window_of(self, layer: int) -> int | None:
         """Block `layer`'s attention window in keys; None: the whole context."""
         if not self.sliding_window:
             return None
         return self.sliding_window[layer % len(self.sliding_window)] or None
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP has a gate projection (SwiGLU, GeGLU): three matrices, not two."""
+        return self.mlp != "gelu"
+
+    def rope_of(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """Block `layer`'s rotary base and scaling: a sliding-window block's own base where the model has one."""
+        if self.rope_local_theta is not None and self.window_of(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @property
     def hidden(self) -> int:
@@ -166,19 +187,19 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention, or grouped-query attention when the model has fewer key/value heads (each serves
     n_head / n_kv_head consecutive query heads, so a tensor-parallel rank's query heads find their keys on it)."""
 
-    def __init__(self, cfg: GPTConfig, window: int | None = None):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        self.window = window  # attention to the last `window` keys (None: all)
+        self.window = cfg.window_of(layer)  # attention to the last `window` keys (None: all)
         self.head_dim = cfg.head_size
-        self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.position == "rope" else None
+        self.rope = cfg.rope_of(layer) if cfg.position == "rope" else None
         kv_width = cfg.kv_heads * self.head_dim
         self.q_proj = linear(cfg.d_model, cfg.attention_width, cfg.bias, cfg.lora, "q_proj")
         self.k_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "k_proj")
         self.v_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "v_proj")
         self.out_proj = linear(cfg.attention_width, cfg.d_model, cfg.bias, cfg.lora, "out_proj")
         # One weight of a head's width for all heads: a tensor-parallel rank normalises its own heads with it.
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
@@ -218,55 +239,75 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT-2's fc_out(gelu(fc_in(x))), or with mlp=swiglu Llama's fc_out(silu(fc_gate(x)) * fc_in(x))."""
+    """GPT-2's fc_out(gelu(fc_in(x))), with mlp=swiglu Llama's fc_out(silu(fc_gate(x)) * fc_in(x)), with mlp=geglu
+    Gemma's fc_out(gelu_tanh(fc_gate(x)) * fc_in(x))."""
 
     def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
         hidden = hidden or cfg.hidden
         self.fc_in = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_in")
-        self.fc_gate = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_gate") if cfg.mlp == "swiglu" else None
+        self.fc_gate = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_gate") if cfg.gated_mlp else None
         self.fc_out = linear(hidden, cfg.d_model, cfg.bias, cfg.lora, "fc_out")
+        self.gate = F.silu if cfg.mlp == "swiglu" else partial(F.gelu, approximate="tanh")
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fc_gate is not None:
-            hidden = F.silu(self.fc_gate(x)) * self.fc_in(x)
+            hidden = self.gate(self.fc_gate(x)) * self.fc_in(x)
         else:
             hidden = F.gelu(self.fc_in(x), approximate="tanh")
         return self.dropout(self.fc_out(hidden))
 
 
-def make_norm(cfg: GPTConfig) -> nn.Module:
+class OffsetRMSNorm(nn.RMSNorm):
+    """Gemma's RMSNorm: normalised in fp32 and scaled by (1 + w), its weight stored as the offset from one (zero
+    at initialisation), the result in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normalised = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (normalised * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(cfg: GPTConfig, width: int | None = None) -> nn.Module:
+    """The model's norm over `width` features (None: the residual stream's)."""
+    width = width or cfg.d_model
+    if cfg.norm == "offset_rmsnorm":
+        return OffsetRMSNorm(width, eps=cfg.norm_eps)
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        return nn.RMSNorm(width, eps=cfg.norm_eps)
+    return nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def make_mixture(cfg: GPTConfig) -> MoE:
     m = cfg.moe
     hidden = m.d_ff or cfg.hidden
     shared = MLP(cfg, hidden * m.shared_experts) if m.shared_experts else None
-    return MoE(cfg.d_model, hidden, cfg.mlp == "swiglu", m, shared)
+    return MoE(cfg.d_model, hidden, cfg.gated_mlp, m, shared)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of experts in
-    the blocks model.moe picks."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with model.sandwich_norm each branch's
+    output normalised too before it joins the residual stream (Gemma). The MLP is a mixture of experts in the
+    blocks model.moe picks."""
 
     def __init__(self, cfg: GPTConfig, index: int, recompute: str = "none"):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, cfg.window_of(index))
+        self.attn = CausalSelfAttention(cfg, index)
+        self.attn_post_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.mlp_norm = make_norm(cfg)
         self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
+        self.mlp_post_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.recompute = recompute  # what backward recomputes (train.activation_checkpointing, model/recompute.py)
 
     def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
         return recomputed(partial(self._residual, documents=documents), self.recompute, x)
 
     def _residual(self, x: torch.Tensor, documents: PackedDocuments | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), documents=documents)
-        return x + self.mlp(self.mlp_norm(x))
+        attended = self.attn(self.attn_norm(x), documents=documents)
+        x = x + (attended if self.attn_post_norm is None else self.attn_post_norm(attended))
+        transformed = self.mlp(self.mlp_norm(x))
+        return x + (transformed if self.mlp_post_norm is None else self.mlp_post_norm(transformed))
 
 
 # Residual-branch output projections: GPT-2 scales their initial std by 1/sqrt(2 * n_layer) so the residual
@@ -329,6 +370,8 @@ class GPT(LayeredModel):
         packed = None if documents is None else self.sequence.documents(documents, windows)
         if self.tok_emb is not None and self.emb_dropout is not None:
             embedded = self.tok_emb(x)
+            if self.cfg.embedding_scale:  # Gemma rounds the factor to the embedding's dtype first
+                embedded = embedded * torch.tensor(self.cfg.d_model**0.5, dtype=embedded.dtype)
             if self.pos_emb is not None:
                 positions = self.sequence.positions(x.shape[1], x.device) if packed is None else packed.positions
                 embedded = embedded + self.pos_emb(positions)
@@ -366,6 +409,8 @@ class GPT(LayeredModel):
         module = self.get_submodule(module_name)
         if kind in ADAPTERS:
             init_adapter(kind, full, generator)
+        elif isinstance(module, OffsetRMSNorm):
+            full.zero_()  # a scale of 1 + 0
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             full.fill_(1.0 if kind == "weight" else 0.0)
         elif isinstance(module, Experts):
@@ -450,6 +495,6 @@ def inactive_expert_parameters(cfg: GPTConfig) -> int:
     m = cfg.moe
     if not m.num_experts:
         return 0
-    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * (m.d_ff or cfg.hidden)
+    per_expert = (3 if cfg.gated_mlp else 2) * cfg.d_model * (m.d_ff or cfg.hidden)
     blocks = sum(m.is_moe_block(i) for i in range(cfg.n_layer))
     return blocks * (m.num_experts - m.top_k) * per_expert

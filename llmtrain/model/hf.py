@@ -1,6 +1,6 @@
 """The Hugging Face families llmtrain converts to and from, in one table. Each family's module (hf_gpt2.py,
-hf_llama.py, hf_qwen3.py, hf_mixtral.py) knows its tensor names and its config; this one picks the family of a model
-config or of a directory, and is what model.init_from, export and sampling call."""
+hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_gemma3.py) knows its tensor names and its config; this one picks the
+family of a model config or of a directory, and is what model.init_from, export and sampling call."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3
+from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3
 from llmtrain.model.gpt import GPT, GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
 
@@ -29,6 +29,17 @@ class Family:
     hf_config: Callable[[GPTConfig, int], Any]  # the transformers config of our model (and an eos id)
     state_dict: Callable[[GPT], dict[str, torch.Tensor]]  # the transformers state dict of our whole model
 
+
+GEMMA3 = Family(
+    "gemma3_text",
+    "Gemma3ForCausalLM",
+    "model=gemma3-1b",
+    hf_gemma3.check_gemma3,
+    hf_gemma3.gemma3_config_of,
+    hf_gemma3.Gemma3Weights,
+    hf_gemma3.gemma3_hf_config,
+    hf_gemma3.to_gemma3_state_dict,
+)
 
 FAMILIES = {
     family.model_type: family
@@ -73,8 +84,11 @@ FAMILIES = {
             hf_mixtral.mixtral_hf_config,
             hf_mixtral.to_mixtral_state_dict,
         ),
+        GEMMA3,
     )
 }
+# Gemma 3's multimodal releases (4B and up): their text model is a Gemma3ForCausalLM's, read from inside them.
+IMPORTED_AS = {**FAMILIES, "gemma3": GEMMA3}
 
 
 def family_of(cfg: GPTConfig) -> Family:
@@ -90,6 +104,8 @@ def family_of(cfg: GPTConfig) -> Family:
         )
     if cfg.moe.num_experts:
         name = "mixtral"
+    elif cfg.norm == "offset_rmsnorm":
+        name = "gemma3_text"
     else:
         name = "qwen3" if cfg.qk_norm else "llama" if hf_llama.is_llama(cfg) else "gpt2"
     family = FAMILIES[name]
@@ -103,17 +119,17 @@ def hf_weights(path: str, cfg: GPTConfig) -> Callable[[str, torch.Tensor], None]
     directory = local_hf_directory(path)
     family = family_of(cfg)
     held = _model_type(path, directory)
-    if held != family.model_type:
+    if IMPORTED_AS[held] is not family:
         raise ConfigError(
             f"model.init_from={path} holds a {held} model but the model config is a {family.model_type}: choose a "
-            f"{held} preset (e.g. {FAMILIES[held].preset}) with the checkpoint's shape"
+            f"{held} preset (e.g. {IMPORTED_AS[held].preset}) with the checkpoint's shape"
         )
     return family.weights(directory, cfg)
 
 
 def hf_config_of(directory: str) -> GPTConfig:
     """Our config of the model a Hugging Face directory holds."""
-    return FAMILIES[_model_type(directory, directory)].config_of(directory)
+    return IMPORTED_AS[_model_type(directory, directory)].config_of(directory)
 
 
 def _model_type(path: str, directory: str) -> str:
@@ -125,10 +141,10 @@ def _model_type(path: str, directory: str) -> str:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"model.init_from={path}: {config_file} is not a readable JSON file ({error})") from None
     model_type = described.get("model_type") if isinstance(described, dict) else None
-    if model_type not in FAMILIES:
+    if model_type not in IMPORTED_AS:
         architectures = ", ".join((described.get("architectures") or []) if isinstance(described, dict) else [])
         raise ConfigError(
             f"model.init_from={path} holds a {model_type!r} model ({architectures or 'no architectures listed'}), "
-            f"which llmtrain does not import: it imports {', '.join(FAMILIES)}"
+            f"which llmtrain does not import: it imports {', '.join(IMPORTED_AS)}"
         )
     return model_type

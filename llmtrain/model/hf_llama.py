@@ -81,6 +81,8 @@ def llama_hf_config(cfg: GPTConfig, eos_id: int):
 def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
     if scaling is None:
         return None
+    if scaling.kind == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
     return {
         "rope_type": "llama3",
         "factor": scaling.factor,
@@ -114,25 +116,33 @@ def llama_config_of(path: str) -> GPTConfig:
     return config_from_llama_like(LlamaConfig.from_pretrained(path), path)
 
 
-def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
-    """Our config of a transformers config of the Llama family (Llama, Mixtral), plus `extra` fields."""
-    # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+def rope_of(rope: dict, path: str, theta: float | None = None) -> tuple[float, RopeScaling | None]:
+    """(base, scaling) of a transformers rope description (`rope_parameters`, or `rope_scaling` beside `theta`)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "linear"):
         raise ConfigError(
             f"model.init_from={path} uses rope_scaling of type {kind!r}, which llmtrain does not model (only Llama "
-            f"3's 'llama3'): start from a checkpoint without it"
+            f"3's 'llama3' and 'linear'): start from a checkpoint without it"
         )
-    theta = getattr(c, "rope_theta", None) or rope["rope_theta"]
-    scaling = None
-    if kind == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
+    base = float(theta or rope["rope_theta"])
+    if kind == "default":
+        return base, None
+    if kind == "linear":
+        return base, RopeScaling(float(rope["factor"]), 1.0, 4.0, 8192, kind="linear")
+    scaling = RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(rope["original_max_position_embeddings"]),
+    )
+    return base, scaling
+
+
+def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
+    """Our config of a transformers config of the Llama family (Llama, Qwen3, Mixtral), plus `extra` fields."""
+    # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    theta, scaling = rope_of(rope, path, getattr(c, "rope_theta", None))
     return GPTConfig(
         vocab_size=c.vocab_size,
         n_layer=c.num_hidden_layers,
@@ -143,7 +153,7 @@ def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
         bias=False,
         norm="rmsnorm",
         position="rope",
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         mlp="swiglu",
         n_kv_head=c.num_key_value_heads,
@@ -195,15 +205,19 @@ class LlamaWeights:
         self.cfg = cfg
         self._keys, self._read = lazy_tensors(directory)
 
+    def key_of(self, name: str) -> str:
+        """The checkpoint's tensor that our parameter `name` is."""
+        key = hf_name(name)
+        if name == "lm_head.weight" and key not in self._keys:  # a tied checkpoint keeps the head as the embedding
+            key = "model.embed_tokens.weight"
+        return key
+
     def __call__(self, name: str, full: torch.Tensor) -> None:
         cfg = self.cfg
         if name == "lm_head.bias":
             full.copy_(vocabulary_mask(cfg))
             return
-        key = hf_name(name)
-        if name == "lm_head.weight" and key not in self._keys:  # a tied checkpoint keeps the head as the embedding
-            key = "model.embed_tokens.weight"
-        tensor = self._read(key)
+        tensor = self._read(self.key_of(name))
         if name in ("tok_emb.weight", "lm_head.weight"):  # our vocabulary padding rows stay zero
             tensor = torch.cat([tensor, tensor.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, cfg.d_model)])
         full.copy_(tensor)

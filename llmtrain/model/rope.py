@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE) in transformers' Llama convention, and Llama 3's stretching of its low
-frequencies ("llama3" rope scaling), so that a Llama checkpoint computes here what it computed where it was trained.
+frequencies ("llama3" rope scaling) or a linear one of all ("linear"), so that a Llama or Gemma 3 checkpoint computes
+here what it computed where it was trained.
 
 Dimension i < d/2 of a head pairs with i + d/2 (the half-split rotation, not interleaved pairs) and turns by
 position x f_i, with f_i = theta^(-2i/d).
@@ -15,15 +16,17 @@ import torch
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's frequency-dependent interpolation: rotations that complete a turn within
+    """`kind` llama3: Llama 3.1's frequency-dependent interpolation: rotations that complete a turn within
     original_max_seq_len / high_freq_factor positions keep their frequency, rotations slower than
     original_max_seq_len / low_freq_factor positions slow down by `factor`, and the band between blends the two,
-    so a model pretrained on original_max_seq_len tokens reads `factor` times longer contexts."""
+    so a model pretrained on original_max_seq_len tokens reads `factor` times longer contexts. `kind` linear: every
+    rotation slows by `factor` (position interpolation; Gemma 3's global blocks), the other fields unused."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_seq_len: int
+    kind: str = "llama3"  # model.rope_scaling.type
 
 
 def frequencies(
@@ -33,6 +36,8 @@ def frequencies(
     base = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     if scaling is None:
         return base
+    if scaling.kind == "linear":
+        return base / scaling.factor
     turns_in_context = scaling.original_max_seq_len * base / (2 * math.pi)  # original context / wavelength
     # 0 at (and below) low_freq_factor turns, 1 at (and above) high_freq_factor turns
     blend = ((turns_in_context - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(

@@ -215,6 +215,8 @@ def _projections_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "attn_norm": SequenceParallel(),
+        "attn_post_norm": SequenceParallel(),  # Gemma's norms of each branch's output, on its sequence chunk
+        "mlp_post_norm": SequenceParallel(),
         "attn": gather_sequence,
         "attn.q_proj": AdaptedColwise(),
         "attn.k_proj": AdaptedColwise(),

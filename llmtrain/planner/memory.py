@@ -179,9 +179,10 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     GELU's input and output 2 x 2 x d_ff / d_model or SwiGLU's gate, up, silu(gate) and product 4 x 2 x d_ff /
     d_model. RMSNorm in eager mode keeps its normalised input besides its input, 2 more per norm (a fused kernel
     keeps only the input: then this overestimates by 4)."""
-    mlp = (8 if cfg.mlp == "swiglu" else 4) * cfg.hidden / cfg.d_model
-    norms = 4.0 if cfg.norm == "rmsnorm" else 0.0
-    mlp_inputs = (2 if cfg.mlp == "swiglu" else 1) * cfg.hidden / cfg.d_model  # the gate's and the up projection's
+    mlp = (8 if cfg.gated_mlp else 4) * cfg.hidden / cfg.d_model
+    # RMSNorm's normalised copies (and with sandwich norms, two more norms and the branch outputs they read)
+    norms = (4.0 if cfg.norm != "layernorm" else 0.0) + (8.0 if cfg.sandwich_norm else 0.0)
+    mlp_inputs = (2 if cfg.gated_mlp else 1) * cfg.hidden / cfg.d_model  # the gate's and the up projection's
     heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)
     grouped = cfg.kv_heads / cfg.n_head
     head_norms = 4 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries and keys, before and after their norm

@@ -51,15 +51,20 @@ def _norm_parameters(cfg: GPTConfig) -> int:
     return cfg.d_model * (1 + int(cfg.bias and cfg.norm == "layernorm"))  # RMSNorm: a scale, no bias
 
 
+def _block_norm_parameters(cfg: GPTConfig) -> int:
+    """A block's norms: before attention and the MLP, after each too (sandwich norms), the query and key heads'."""
+    return (4 if cfg.sandwich_norm else 2) * _norm_parameters(cfg) + 2 * cfg.head_size * int(cfg.qk_norm)
+
+
 def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s parameters on one of `tp` tensor-parallel ranks (blocks differ when some are mixtures of
     experts)."""
     h, a, bias = cfg.d_model, cfg.attention_width, int(cfg.bias)
     kv = cfg.kv_heads * cfg.head_size  # the width of k and v (grouped-query attention: narrower than q's)
-    up = 2 if cfg.mlp == "swiglu" else 1  # fc_in, and SwiGLU's gate
+    up = 2 if cfg.gated_mlp else 1  # fc_in, and a gated MLP's gate
     split = h * (a + 2 * kv) + bias * (a + 2 * kv) + a * h  # column-parallel q, k, v; row-parallel out_proj
     # out_proj's bias; the two norms; the query and key heads' norms
-    replicated = bias * h + 2 * _norm_parameters(cfg) + 2 * cfg.head_size * int(cfg.qk_norm)
+    replicated = bias * h + _block_norm_parameters(cfg)
     m = cfg.moe
     if m.is_moe_block(index):  # router; routed experts (stacked, no biases); shared experts as one wider MLP
         f = m.d_ff or cfg.hidden
@@ -79,11 +84,10 @@ def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     biases and norms."""
     h, bias, m = cfg.d_model, int(cfg.bias), cfg.moe
     kv = cfg.kv_heads * cfg.head_size
-    vectors = bias * (cfg.attention_width + 2 * kv) // tp + bias * h + 2 * _norm_parameters(cfg)
-    vectors += 2 * cfg.head_size * int(cfg.qk_norm)
+    vectors = bias * (cfg.attention_width + 2 * kv) // tp + bias * h + _block_norm_parameters(cfg)
     f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
     if f:
-        up = 2 if cfg.mlp == "swiglu" else 1
+        up = 2 if cfg.gated_mlp else 1
         vectors += bias * up * f // tp + bias * h
     return block_parameters(cfg, tp, index) - vectors
 
@@ -101,7 +105,7 @@ def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     shapes = {"q_proj": (h, a, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (a, h, False)}
     if f:
         shapes.update(fc_in=(h, f, True), fc_out=(f, h, False))
-        if cfg.mlp == "swiglu":
+        if cfg.gated_mlp:
             shapes["fc_gate"] = (h, f, True)
     return sum(
         lora.rank * ((n_in + n_out // tp) if column else (n_in // tp + n_out))
@@ -115,7 +119,7 @@ def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     m = cfg.moe
     if not m.is_moe_block(index):
         return 0
-    up = 2 if cfg.mlp == "swiglu" else 1
+    up = 2 if cfg.gated_mlp else 1
     return m.num_experts * (up + 1) * cfg.d_model * (m.d_ff or cfg.hidden) // tp
 
 

@@ -51,7 +51,10 @@ def _plan(candidate: Candidate, *overrides: str, sizes: StateBytes = ZERO):
 
 @pytest.mark.parametrize(
     "model",
-    ["tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b", "qwen3-tiny", "qwen3-8b"],
+    [
+        *("tiny", "gpt2", "gpt2-xl", "gpt3-2.7b", "llama-tiny", "smollm2-135m", "llama3.2-1b"),
+        *("qwen3-tiny", "qwen3-8b", "gemma3-tiny", "gemma3-4b"),
+    ],
 )
 def test_parameter_count_from_the_config_is_the_models(model):
     cfg = _composed(f"model={model}")
@@ -114,7 +117,7 @@ def test_korthikanti_activations_per_layer():
     assert layer_activations(s, b, h, a, 1, False, "none", False) == sbh * 34  # fused attention: no score matrix
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "qwen3-tiny", "gemma3-tiny"])
 def test_layer_terms_count_what_a_block_saves_for_backward(preset):
     """The tensors one block keeps for its backward (parameters aside), counted by autograd's saved-tensor hook,
     equal layer_terms' s·b·h units less the two dropout masks Korthikanti always counts (there is no dropout here):
