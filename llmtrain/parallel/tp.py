@@ -185,8 +185,8 @@ def _block_plan(sequence_parallel: bool, mixture: bool = False) -> dict[str, Par
 # Query and key norms (Qwen3) see this rank's heads, dimension 2 of (batch, t, heads, head_dim): their one weight is
 # replicated and its gradient, a partial sum over each rank's heads, summed (as a sequence-parallel norm's is).
 _HEAD_NORMS: dict[str, ParallelStyle] = {
-    "attn.q_norm": SequenceParallel(sequence_dim=2),
-    "attn.k_norm": SequenceParallel(sequence_dim=2),
+    "attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
 }
 
 
@@ -215,8 +215,9 @@ def _projections_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "attn_norm": SequenceParallel(),
-        "attn_post_norm": SequenceParallel(),  # Gemma's norms of each branch's output, on its sequence chunk
-        "mlp_post_norm": SequenceParallel(),
+        # Gemma's norms of each branch's output, on its sequence chunk, added to the residual stream's chunk
+        "attn_post_norm": SequenceParallel(use_local_output=True),
+        "mlp_post_norm": SequenceParallel(use_local_output=True),
         "attn": gather_sequence,
         "attn.q_proj": AdaptedColwise(),
         "attn.k_proj": AdaptedColwise(),
