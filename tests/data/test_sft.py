@@ -160,20 +160,22 @@ def test_packed_conversations_are_separated_by_a_special_token_none_of_them_hold
 
 # -- fine-tuning with low-rank adapters under the layouts -----------------------------------------------------------
 LORA = "model.lora.rank=4"
-# Fine-tuning a Llama with adapters on every projection, against one process: adapters split as their base matrix
-# under tensor and sequence parallelism (adapter dropout, whose masks are the unsplit tensor's, there: one
-# data-parallel replica), the frozen base held in bf16 by FSDP, a frozen tied embedding across pipeline stages
-# (no gradient to sum), packed conversations split over a context-parallel ring, and full fine-tuning on the same
-# masked targets; packed under document masking, and one conversation to a window under causal attention.
+# Fine-tuning a Llama, a Qwen3 or a Gemma 3 with adapters on every projection, against one process: adapters split
+# as their base matrix under tensor and sequence parallelism beside Qwen3's head norms (adapter dropout, whose masks
+# are the unsplit tensor's, there: one data-parallel replica), Gemma 3's frozen base held in bf16 by FSDP and split
+# three ways (3d), a frozen tied embedding across pipeline stages (no gradient to sum), packed conversations split
+# over a context-parallel ring, and full fine-tuning on the same masked targets; packed under document masking, and
+# one conversation to a window under causal attention.
+QWEN3, GEMMA3 = "model=qwen3-tiny", "model=gemma3-tiny"
 SFT_LAYOUTS = {
     2: [
-        f"{LORA} model.lora.dropout=0.1 parallel=tp parallel.sequence_parallel=true",
-        f"{LORA} {BF16} parallel=fsdp",
+        f"{QWEN3} {LORA} model.lora.dropout=0.1 parallel=tp parallel.sequence_parallel=true",
+        f"{GEMMA3} {LORA} {BF16} parallel=fsdp",
         f"{LORA} model.tie_embeddings=true parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",
         f"{LORA} train.attention=causal parallel=zero1",
         "parallel=ddp",
     ],
-    4: [f"{LORA} parallel=3d", f"{LORA} parallel=fsdp parallel.cp=2"],
+    4: [f"{GEMMA3} {LORA} parallel=3d", f"{LORA} parallel=fsdp parallel.cp=2"],
 }
 
 
