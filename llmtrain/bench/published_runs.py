@@ -87,7 +87,9 @@ class LlamaPrediction:
 
 def predict_llama(run: PublishedLlamaRun) -> LlamaPrediction:
     config = cast(RootConfig, OmegaConf.to_object(compose_config(run.overrides())))
-    cost = configured_cost(config, run.gpus, min(config.hardware.gpus_per_node, run.gpus), LLAMA31_VOCABULARY, True)
+    # torchtitan's loss upcasts all of a micro-batch's logits to fp32 at once, eagerly (its compile takes the blocks)
+    ranks_per_node = min(config.hardware.gpus_per_node, run.gpus)
+    cost = configured_cost(config, run.gpus, ranks_per_node, LLAMA31_VOCABULARY, True, loss="whole")
     tokens = config.train.batch_size * run.seq_len / cost.step_time_s / run.gpus
     return LlamaPrediction(run, tokens, max(rank.total for rank in cost.ranks) / GIB)
 

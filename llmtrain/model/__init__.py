@@ -14,6 +14,7 @@ from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import (
     GPT,
     GPTConfig,
+    chunked_cross_entropy,
     cross_entropy_loss,
     flops_per_token,
     num_parameters,
@@ -149,6 +150,7 @@ __all__ = [
     "ParameterInit",
     "auxiliary_loss_scale",
     "build_model",
+    "chunked_cross_entropy",
     "cross_entropy_loss",
     "family_class",
     "summed_cross_entropy",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model import summed_cross_entropy
+from llmtrain.model import chunked_cross_entropy, summed_cross_entropy
 from llmtrain.model.documents import document_starts
 from llmtrain.model.scoring import UNSCORED
 from llmtrain.parallel.context import shard_tokens
@@ -40,7 +40,8 @@ class StepSetup:
     counts_scored: bool
     # The summed cross-entropy of the step's losses: with train.compile a graph of its own where the logits are
     # whole (not tensor parallelism's vocabulary shards), which reads the logits once to upcast and reduce them
-    # instead of writing an fp32 copy of (tokens x vocabulary) first, as the eager loss does.
+    # instead of writing an fp32 copy of (tokens x vocabulary) first; eagerly, over vocabulary shards as it is,
+    # and over whole logits a chunk of positions at a time (model.chunked_cross_entropy).
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     compiles_loss: bool  # whether cross_entropy is that graph
 
@@ -66,7 +67,14 @@ class StepSetup:
         unscored_input = None if plan.train.score_after_eos else eos_id
         counts_scored = masked_targets or unscored_input is not None
         compiled = plan.train.compile and plan.degrees.tp == 1
-        cross_entropy = torch.compile(summed_cross_entropy) if compiled else summed_cross_entropy
+        vocabulary_split = plan.degrees.tp > 1 and plan.parallel.loss_parallel
+        cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            torch.compile(summed_cross_entropy)
+            if compiled
+            else summed_cross_entropy
+            if vocabulary_split
+            else chunked_cross_entropy
+        )
         return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored, cross_entropy, compiled)
 
     def loss_context(self) -> AbstractContextManager:

@@ -60,9 +60,14 @@ def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: 
     return AutoLayout(resolved, chosen.train_values(), summary)
 
 
-def configured_cost(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool) -> LayoutCost:
-    """The planner's memory, traffic and step time for the layout `cfg` configures, with the sizes llmtrain holds."""
+def configured_cost(
+    cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool, loss: str | None = None
+) -> LayoutCost:
+    """The planner's memory, traffic and step time for the layout `cfg` configures, with the sizes llmtrain holds
+    (`loss`: another loss form than llmtrain's for this config, planner/memory.py's LOSS_FORMS)."""
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
+    if loss is not None:
+        work = replace(work, loss=loss)
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     return layout_cost(describe_layout(cfg.parallel, world_size), work, machine)
 

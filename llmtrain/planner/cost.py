@@ -76,13 +76,15 @@ class Workload:
     parameters: int | None = None  # "what if" override of the model's parameter count (model states only)
     optimizer: str = "adamw"  # optim.name
     whole_matrices: str = "spread"  # optim.whole_matrices: how Muon assembles split matrices
+    loss: str = "chunked"  # how the loss holds the logits (memory.LOSS_FORMS): train.compile's fused, or eager
 
     def step(self, candidate: Candidate) -> StepShape:
         """One rank's step of this workload under `candidate`, with the micro-batch size and recomputation it
         turns where it turns them."""
         micro_batch_size = candidate.micro_batch_size or self.micro_batch_size
         rows, microbatches = candidate.micro_batching(self.batch_size, micro_batch_size)
-        return StepShape(self.gpt, self.seq_len, rows, microbatches, candidate.recompute or self.recompute, self.sizes)
+        recompute = candidate.recompute or self.recompute
+        return StepShape(self.gpt, self.seq_len, rows, microbatches, recompute, self.sizes, self.loss)
 
 
 @dataclass

@@ -111,4 +111,5 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         parameters=int(cfg.plan.parameters) if cfg.plan.parameters else None,
         optimizer=cfg.optim.name,
         whole_matrices=cfg.optim.whole_matrices,
+        loss="fused" if t.compile else "chunked",
     )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt import LOSS_CHUNK_VALUES, GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
 
@@ -78,6 +78,7 @@ class StepShape:
     microbatches: int
     recompute: str
     sizes: StateBytes
+    loss: str = "chunked"  # a LOSS_FORMS name
 
 
 @dataclass(frozen=True)
@@ -256,19 +257,42 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
         total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
     total *= sizes.compute / 2
     if held.last:
-        # Per micro-batch in flight, the loss keeps its fp32 log-probabilities, and a pipeline's last stage also
-        # the logits it returned; backward adds two fp32 gradients of that size (the log-probabilities' and the
-        # logits').
-        vocab_split = d.tp if candidate.loss_parallel else 1
-        logits_in_flight = step.microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
-        kept = 4 + (sizes.compute if d.pp > 1 else 0)
-        total += (logits_in_flight * kept + 2 * 4) * s * b * gpt.padded_vocab_size / vocab_split
+        total += loss_activations(candidate, step, s * b)
     if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):
         # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
         # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state
         # counted as gradients) exist only once that buffer is reduced, so the buffer adds the rest.
         total += held.trainable * 4 * (1 - 1 / d.dp_shard_cp)
     return total + gradient_being_reduced(candidate, held, sizes)
+
+
+# How a run's loss holds the logits (parallel/step_setup.py): `chunked`, llmtrain's eager loss, a chunk of positions
+# at a time where they exceed one (model.chunked_cross_entropy); `fused`, train.compile's graph, which never writes
+# them in fp32; `whole`, an eager loss over all of them at once (torchtitan's, which its published runs used).
+LOSS_FORMS = ("chunked", "fused", "whole")
+
+
+def loss_activations(candidate: Candidate, step: StepShape, positions: int) -> float:
+    """What the loss over a micro-batch of `positions` holds at its peak, per micro-batch in flight. Whole (over
+    vocabulary shards, which llmtrain never chunks, or values that fit one chunk): its fp32 log-probabilities kept
+    (and a pipeline's last stage also the logits it returned), two fp32 gradients of that size in backward (the
+    log-probabilities' and the logits'). Chunked: the logits kept in the compute dtype, their gradient beside them,
+    and one chunk's fp32 log-probabilities and their two gradients. Fused: the logits and their gradient alone."""
+    d, vocabulary = candidate.degrees, step.gpt.padded_vocab_size
+    logits_in_flight = step.microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
+    values = positions * vocabulary
+    split = candidate.loss_parallel and d.tp > 1
+    form = "whole" if split else "chunked" if step.loss == "fused" and d.tp > 1 else step.loss
+    if form == "whole" or (form == "chunked" and values <= chunk_values(vocabulary)):
+        kept = 4 + (step.sizes.compute if d.pp > 1 else 0)
+        return (logits_in_flight * kept + 2 * 4) * values / (d.tp if split else 1)
+    chunk = 3 * 4 * chunk_values(vocabulary) if form == "chunked" else 0
+    return (logits_in_flight + 1) * step.sizes.compute * values + chunk
+
+
+def chunk_values(vocabulary: int) -> int:
+    """The fp32 values in one of the chunked loss's chunks: whole rows of the vocabulary."""
+    return max(1, LOSS_CHUNK_VALUES // vocabulary) * vocabulary
 
 
 def gradient_being_reduced(candidate: Candidate, held: Holding, sizes: StateBytes) -> float:

@@ -362,3 +362,33 @@ def test_grouped_query_attention_reaches_a_fused_kernel_in_every_precision(dtype
     assert handed == ([(8, False)] if dtype == torch.float32 else [(2, True)])
     repeated = (z.repeat_interleave(4, dim=1) for z in (k, v))
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, *repeated, is_causal=True))
+
+
+def test_the_chunked_loss_is_the_whole_one_and_keeps_no_fp32_logits_for_backward(monkeypatch):
+    """chunked_cross_entropy over bf16 logits of 4 x 24 positions, 7 positions a chunk (LOSS_CHUNK_VALUES lowered to
+    7 rows of a 1,000-token vocabulary), some targets unscored: the same loss and logits gradient as the whole
+    summed_cross_entropy (the chunks' sums added in another order: within 1e-6), with and without gradients; what
+    it keeps for backward is the bf16 logits, where the whole loss keeps its fp32 log-probabilities."""
+    from llmtrain.model import chunked_cross_entropy, gpt, summed_cross_entropy
+    from llmtrain.model.scoring import UNSCORED
+
+    monkeypatch.setattr(gpt, "LOSS_CHUNK_VALUES", 7 * 1000)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 24, 1000, generator=generator).bfloat16()
+    targets = torch.randint(0, 1000, (4, 24), generator=generator)
+    targets[:, ::5] = UNSCORED
+    results = {}
+    for name, loss_fn in (("whole", summed_cross_entropy), ("chunked", chunked_cross_entropy)):
+        leaf = logits.clone().requires_grad_(True)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = loss_fn(leaf, targets)
+        loss.backward()
+        with torch.no_grad():
+            assert loss_fn(logits, targets).item() == pytest.approx(loss.item(), rel=1e-6)
+        largest_fp32 = max((t.numel() for t in saved if t.dtype == torch.float32), default=0)
+        results[name] = loss.item(), leaf.grad, largest_fp32
+    (whole, whole_grad, whole_kept), (chunked, chunked_grad, chunked_kept) = results["whole"], results["chunked"]
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    torch.testing.assert_close(chunked_grad, whole_grad)
+    assert whole_kept == logits.numel() and chunked_kept == 0
