@@ -381,7 +381,12 @@ def test_the_chunked_loss_is_the_whole_one_and_keeps_no_fp32_logits_for_backward
     for name, loss_fn in (("whole", summed_cross_entropy), ("chunked", chunked_cross_entropy)):
         leaf = logits.clone().requires_grad_(True)
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+        def keep(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             loss = loss_fn(leaf, targets)
         loss.backward()
         with torch.no_grad():
