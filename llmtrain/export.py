@@ -1,16 +1,19 @@
 """Export a checkpoint of the GPT class (model.family=gpt) as a Hugging Face GPT-2, Llama (LlamaForCausalLM, for
-model.norm=rmsnorm, position=rope, mlp=swiglu, bias=false) or Mixtral (the Llama family with a mixture of experts in
-every block): safetensors weights, config.json and the tokenizer files, which
-`transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load.
+model.norm=rmsnorm, position=rope, mlp=swiglu, bias=false), Qwen3 (the Llama family with query and key norms),
+Mixtral (the Llama family with a mixture of experts in every block) or Gemma 3 (Gemma3ForCausalLM: its norms,
+GeGLU, sliding windows; llmtrain/model/hf.py picks the family): safetensors weights, config.json and the tokenizer
+files, which `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)`
+load.
 
     python -m llmtrain.export outputs/<run>/checkpoints/step-00000300 exported/
     python -m llmtrain.export outputs/<run> exported/        # the run's latest complete checkpoint
 
 A model fine-tuned with low-rank adapters (model.lora) is exported merged (each adapted weight W + alpha/rank BA),
-and its adapters alone in PEFT's format in exported/adapter/ (Llama and Mixtral: GPT-2's are merged only), for
+and its adapters alone in PEFT's format in exported/adapter/ (Llama, Qwen3 and Mixtral: GPT-2's and Gemma 3's are
+merged only), for
 `peft.PeftModel.from_pretrained(<the base>, "exported/adapter")`.
 
-The reverse: train from GPT-2, Llama or Mixtral weights in this format with `model.init_from=<directory or hub name>`.
+The reverse: train from such weights with `model.init_from=<directory or hub name>`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,6 @@ def export(checkpoint: str, out_dir: str) -> None:
         if family.model_type in PEFT_FAMILIES:
             save_peft_adapter(model, read_meta(checkpoint)["base"]["init_from"], os.path.join(out_dir, "adapter"))
         model = merged(model)
-    if any(model.cfg.sliding_window):
-        raise ConfigError(
-            f"model.sliding_window={list(model.cfg.sliding_window)}: the transformers classes it would export to "
-            f"(GPT-2, Llama, Mixtral) attend over the whole context in every block, so they would compute another model"
-        )
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
     hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, tokenizer.eos_token_id))
     hf_model.load_state_dict(family.state_dict(model))

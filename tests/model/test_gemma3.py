@@ -118,3 +118,12 @@ def test_a_gemma3_with_what_ours_does_not_model_is_refused_in_one_line(tmp_path)
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0") as refused:
         build_model(cfg.model, VOCAB, seed=1)
     assert "\n" not in str(refused.value)
+
+
+def test_windows_outside_gemma3_have_no_hugging_face_class():
+    """A Llama-family model with sliding windows would export to LlamaForCausalLM, which attends over the whole
+    context in every block: refused in one line, before export writes anything."""
+    cfg = meta_model(compose_config(["model=llama-tiny", "model.sliding_window=[8,0]"]).model, VOCAB).cfg
+    with pytest.raises(ConfigError, match=r"model.sliding_window=\[8, 0\]: LlamaForCausalLM") as refused:
+        family_of(cfg)
+    assert "\n" not in str(refused.value)
