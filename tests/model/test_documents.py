@@ -214,7 +214,7 @@ def test_a_windowed_run_trains_end_to_end_and_refuses_an_export_that_would_compu
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "exported").exists()
-    assert "model.sliding_window=[8, 0]: the transformers classes" in done.stderr.strip().splitlines()[-1]
+    assert "model.sliding_window=[8, 0]: GPT2LMHeadModel" in done.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.releases

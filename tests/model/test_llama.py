@@ -1,10 +1,9 @@
-"""The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) with Qwen3's two additions (a norm
-over each query and key head, heads wider than d_model / n_head) under every layout family: each reproduces the
-unsplit qwen3-tiny, step for step, in 2- and 4-rank process groups (tests/workers/layout_worker.py), and 3-D
-(pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too. qwen3-tiny is llama-tiny with those
-two, so one group holds both families' modules; Gemma 3's text model runs in the same groups under tensor and
-sequence parallelism, a pipeline and FSDP with tensor parallelism. Their forwards against transformers' classes and
-their parameter counts are in test_model.py, test_qwen3.py and test_gemma3.py."""
+"""The Llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention) under every layout family: each
+reproduces the unsplit llama-tiny, step for step, in 2- and 4-rank process groups (tests/workers/layout_worker.py), and
+3-D (pipeline x FSDP x tensor parallel) in an 8-rank one, for GPT-2's family too. Its forward against transformers'
+LlamaForCausalLM and its parameter counts are in test_model.py. Qwen3's and Gemma 3's additions run in other groups:
+tests/parallel/test_parallel.py (bf16 FSDP with tensor parallelism, an interleaved pipeline over FSDP) and
+tests/data/test_sft.py (with adapters: tensor and sequence parallelism, bf16 FSDP, 3-D)."""
 
 from __future__ import annotations
 
@@ -20,27 +19,20 @@ from harness.layouts import (
 
 pytestmark = pytest.mark.slow
 
-COMMON = f"model=qwen3-tiny {GROUP_RUN}"
-# Gemma 3's text model beside it in the same groups (its own unsplit reference): a sliding-window block (16 of the 32
-# positions, rotary base 1e4) and a global one, sandwich norms, (1 + w) norms, GeGLU, the scaled embedding.
-GEMMA3 = "model=gemma3-tiny model.sliding_window=[16,0]"
+COMMON = f"model=llama-tiny {GROUP_RUN}"
 # On 2 ranks what needs one degree of 2, on 4 what needs two (conftest.layout_groups).
 LAYOUTS = {
     2: [
         "parallel=ddp train.compile=true",
         "parallel=fsdp train.activation_checkpointing=full",
-        # 2 key/value heads per rank with their 4 query heads and both head norms; the whole batch on every rank, in
-        # 2 micro-batches
+        # 2 key/value heads per rank with their 4 query heads; every rank runs the whole batch, in 2 micro-batches
         "parallel=tp parallel.sequence_parallel=true train.micro_batch_size=4",
         "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=false train.micro_batch_size=4",
         "parallel=pp parallel.pp_schedule=1f1b",
-        f"{GEMMA3} parallel=tp parallel.sequence_parallel=true train.micro_batch_size=4",
-        f"{GEMMA3} parallel=pp parallel.pp_schedule=1f1b",
     ],
     4: [
         "parallel=hsdp parallel.dp_shard=2 train.activation_checkpointing=selective",
         "parallel=fsdp_tp",
-        f"{GEMMA3} parallel=fsdp_tp",
         f"{FOUR_BLOCKS} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
         f"{FOUR_BLOCKS} parallel=pp_tp parallel.pp_schedule=zbv parallel.pp_stages_per_rank=2",
     ],

@@ -1,6 +1,6 @@
 """Qwen3 (dense): the presets' parameter counts and the tiny model's logits against transformers' Qwen3ForCausalLM,
 its weights in both directions (model.init_from of a saved Qwen3, and the export map into one), and the refusals.
-Every layout's parity with one process runs on qwen3-tiny in test_llama.py's groups."""
+Its layouts' parity with one process runs in tests/parallel/test_parallel.py and tests/data/test_sft.py."""
 
 from __future__ import annotations
 

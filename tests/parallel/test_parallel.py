@@ -89,8 +89,10 @@ LAYOUTS = {
         f"{BF16} parallel=pp_fsdp parallel.pp_schedule=1f1b_reference",
         f"{BF16} parallel=pp_tp train.micro_batch_size=4",
         f"{BF16} parallel=fsdp parallel.cp=2",
-        f"model=llama-tiny {BF16} parallel=fsdp_tp train.micro_batch_size=4",
-        f"model=llama-tiny {FOUR_BLOCKS} {BF16} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b"
+        # Gemma 3's text model (a sliding-window block and a global one with their own rotary bases, sandwich and
+        # (1 + w) norms, GeGLU, the scaled embedding) and Qwen3's (head norms, heads wider than d_model / n_head)
+        f"model=gemma3-tiny model.sliding_window=[16,0] {BF16} parallel=fsdp_tp train.micro_batch_size=4",
+        f"model=qwen3-tiny {FOUR_BLOCKS} {BF16} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b"
         " parallel.pp_stages_per_rank=2",
         f"model=moe-tiny {BF16} parallel=fsdp parallel.ep=2",
         f"model=mixtral-tiny {BF16} parallel=fsdp_tp parallel.tp=2",
