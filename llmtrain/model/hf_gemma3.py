@@ -24,7 +24,14 @@ from typing import Any
 
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, GPTConfig
-from llmtrain.model.hf_llama import LLAMA_SHAPE_KEYS, LlamaWeights, hf_rope_scaling, rope_of
+from llmtrain.model.hf_llama import (
+    LLAMA_SHAPE_KEYS,
+    LlamaWeights,
+    decoder_fields,
+    decoder_shape,
+    hf_rope_scaling,
+    rope_of,
+)
 
 _MODULES = {
     "attn_norm": "input_layernorm",
@@ -92,13 +99,7 @@ def gemma3_hf_config(cfg: GPTConfig, eos_id: int):
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(hf_rope_scaling(cfg.rope_scaling) or {})}
     return Gemma3TextConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.hidden,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_size,
+        **decoder_fields(cfg, eos_id),
         query_pre_attn_scalar=cfg.head_size,
         sliding_window=sliding_window_of(cfg) or cfg.max_seq_len,
         layer_types=["full_attention" if w is None else "sliding_attention" for w in cfg.layer_windows],
@@ -106,13 +107,7 @@ def gemma3_hf_config(cfg: GPTConfig, eos_id: int):
             "full_attention": full,
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=True,
-        attention_dropout=cfg.attention_dropout,
         hidden_activation="gelu_pytorch_tanh",
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
     )
 
 
@@ -140,26 +135,15 @@ def gemma3_config_of(path: str) -> GPTConfig:
     theta, scaling = rope_of(rope["full_attention"], path)
     local_theta, _ = rope_of(rope["sliding_attention"], path)
     return GPTConfig(
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        d_model=c.hidden_size,
-        max_seq_len=c.max_position_embeddings,
-        d_ff=c.intermediate_size,
-        bias=False,
+        **decoder_shape(c),
         norm="offset_rmsnorm",
-        position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         mlp="geglu",
-        n_kv_head=c.num_key_value_heads,
-        head_dim=c.head_dim,
         qk_norm=True,
         sandwich_norm=True,
         embedding_scale=True,
-        tie_embeddings=True,
-        norm_eps=c.rms_norm_eps,
         sliding_window=tuple(c.sliding_window if kind == "sliding_attention" else 0 for kind in c.layer_types),
     )
 

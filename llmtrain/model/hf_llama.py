@@ -54,10 +54,9 @@ def hf_name(name: str) -> str:
     return {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(name, name)
 
 
-def llama_hf_config(cfg: GPTConfig, eos_id: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def decoder_fields(cfg: GPTConfig, eos_id: int) -> dict:
+    """The transformers config fields every Llama-like decoder (Llama, Qwen3, Mixtral, Gemma 3) spells alike."""
+    return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=cfg.hidden,
@@ -66,15 +65,23 @@ def llama_hf_config(cfg: GPTConfig, eos_id: int):
         num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_size,
         max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds both into rope_parameters
-        rope_scaling=hf_rope_scaling(cfg.rope_scaling),
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
-        mlp_bias=False,
         attention_dropout=cfg.attention_dropout,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
+    )
+
+
+def llama_hf_config(cfg: GPTConfig, eos_id: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **decoder_fields(cfg, eos_id),
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds both into rope_parameters
+        rope_scaling=hf_rope_scaling(cfg.rope_scaling),
+        mlp_bias=False,
     )
 
 
@@ -138,30 +145,31 @@ def rope_of(rope: dict, path: str, theta: float | None = None) -> tuple[float, R
     return base, scaling
 
 
-def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
-    """Our config of a transformers config of the Llama family (Llama, Qwen3, Mixtral), plus `extra` fields."""
-    # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-    theta, scaling = rope_of(rope, path, getattr(c, "rope_theta", None))
-    return GPTConfig(
+def decoder_shape(c) -> dict:
+    """Our GPTConfig fields of a transformers decoder config that every Llama-like one (Llama, Qwen3, Mixtral,
+    Gemma 3) spells alike."""
+    return dict(
         vocab_size=c.vocab_size,
         n_layer=c.num_hidden_layers,
         n_head=c.num_attention_heads,
         d_model=c.hidden_size,
         max_seq_len=c.max_position_embeddings,
         d_ff=c.intermediate_size,
-        bias=False,
-        norm="rmsnorm",
-        position="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
-        mlp="swiglu",
         n_kv_head=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None),
         tie_embeddings=c.tie_word_embeddings,
         norm_eps=c.rms_norm_eps,
-        **extra,
+        bias=False,
+        position="rope",
     )
+
+
+def config_from_llama_like(c, path: str, **extra) -> GPTConfig:
+    """Our config of a transformers config of the Llama family (Llama, Qwen3, Mixtral), plus `extra` fields."""
+    # transformers 5 keeps the base and the scaling in rope_parameters; 4 has rope_theta and rope_scaling
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    theta, scaling = rope_of(rope, path, getattr(c, "rope_theta", None))
+    return GPTConfig(**decoder_shape(c), norm="rmsnorm", mlp="swiglu", rope_theta=theta, rope_scaling=scaling, **extra)
 
 
 LLAMA_SHAPE_KEYS = (

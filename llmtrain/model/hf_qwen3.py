@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPTConfig
-from llmtrain.model.hf_llama import LLAMA_SHAPE_KEYS, LlamaWeights, config_from_llama_like, is_llama
+from llmtrain.model.hf_llama import (
+    LLAMA_SHAPE_KEYS,
+    LlamaWeights,
+    config_from_llama_like,
+    decoder_fields,
+    is_llama,
+)
 
 
 def is_qwen3(cfg: GPTConfig) -> bool:
@@ -33,24 +39,9 @@ def check_qwen3(cfg: GPTConfig) -> None:
 def qwen3_hf_config(cfg: GPTConfig, eos_id: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.hidden,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_size,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-        use_sliding_window=False,
-        attention_dropout=cfg.attention_dropout,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-    )
+    fields = decoder_fields(cfg, eos_id)
+    # transformers 5 folds rope_theta into rope_parameters
+    return Qwen3Config(**fields, rope_theta=cfg.rope_theta, use_sliding_window=False)  # type: ignore[call-arg]
 
 
 def qwen3_config_of(path: str) -> GPTConfig:
