@@ -56,6 +56,7 @@ def test_gemma3_parameter_counts_equal_transformers(preset):
     assert num_parameters(ours) - ours.cfg.padding_parameters == reference.num_parameters()
 
 
+@pytest.mark.slow  # writes and reads a model directory
 @pytest.mark.parametrize("linear", [False, True], ids=["rope", "linear-stretched global rope"])
 def test_a_hugging_face_gemma3_initialises_our_model_with_its_logits(tmp_path, linear):
     """Gemma's (1 + w) norms in fp32 around both branches and over each query and key head, GeGLU, the embedding
@@ -70,6 +71,7 @@ def test_a_hugging_face_gemma3_initialises_our_model_with_its_logits(tmp_path, l
         assert (ours(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_the_language_model_of_a_multimodal_gemma3_release_initialises_ours(tmp_path):
     """A multimodal release keeps the text model's tensors under `language_model` and its shape in `text_config`:
     import reads both."""
@@ -105,6 +107,7 @@ def test_our_gemma3_exports_into_transformers_with_our_logits():
         assert (ours(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_a_gemma3_of_another_window_is_refused_naming_the_key(tmp_path):
     _hf_gemma3(tmp_path, sliding_window=8)
     cfg = compose_config([*GEMMA3, f"model.init_from={tmp_path}"])
@@ -112,6 +115,7 @@ def test_a_gemma3_of_another_window_is_refused_naming_the_key(tmp_path):
         build_model(cfg.model, VOCAB, seed=1)
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_a_gemma3_with_what_ours_does_not_model_is_refused_in_one_line(tmp_path):
     _hf_gemma3(tmp_path, final_logit_softcapping=30.0)
     cfg = compose_config([*GEMMA3, f"model.init_from={tmp_path}"])

@@ -47,6 +47,7 @@ def test_qwen3_parameter_counts_equal_transformers(preset):
     assert num_parameters(ours) - ours.cfg.padding_parameters == reference.num_parameters()
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_a_hugging_face_qwen3_initialises_our_model_with_its_logits(tmp_path):
     """Query and key norms before the rotation, heads of 32 over a width of 128, grouped-query attention, rotary
     base 1e6: our qwen3-tiny started from a saved Qwen3ForCausalLM computes its logits."""
@@ -81,6 +82,7 @@ def test_our_qwen3_exports_into_transformers_with_our_logits(tied):
         assert (ours(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_a_qwen3_of_another_head_width_is_refused_naming_the_key(tmp_path):
     _hf_qwen3(tmp_path, head_dim=16)
     cfg = compose_config([*QWEN3, f"model.init_from={tmp_path}"])
