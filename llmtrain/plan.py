@@ -190,6 +190,11 @@ class ParallelPlan:
                     f"parallel.{dim}={getattr(d, dim)} but parallel={self.name} does not split over "
                     f"{dim} (it uses {uses}): set parallel.{dim}=1 or choose a layout that has it"
                 )
+        if d.tp > 1 and model.quantize_base != "none":
+            raise ConfigError(
+                f"model.quantize_base={model.quantize_base} with parallel.tp={d.tp}: tensor parallelism would split "
+                f"NF4 weights by columns, which NF4's row blocks cannot; use a layout without tp (fsdp, hsdp, ddp, pp)"
+            )
         if d.tp > 1:
             check_tensor_parallel(model, d.tp, t.seq_len, p.sequence_parallel)
         if d.cp > 1:

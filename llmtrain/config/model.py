@@ -237,3 +237,11 @@ class ModelConfig:
     )
     moe: MoEGroupConfig = field(default_factory=MoEGroupConfig)
     lora: LoRAGroupConfig = field(default_factory=LoRAGroupConfig)
+    quantize_base: str = key(
+        "none",
+        OneOf(("none", "nf4")),
+        "`nf4` (QLoRA): the frozen base's block weights held in 4-bit NormalFloat with double-quantised block scales "
+        "(torchao, the `fp8` extra; 0.52 bytes a weight against bf16's 2; `model/quantize.py`), dequantised per "
+        "matmul, beside adapters that train in the compute dtype; needs `model.lora.rank` > 0. `none`: the compute "
+        "dtype",
+    )

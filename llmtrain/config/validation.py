@@ -100,6 +100,13 @@ def validate_lora(cfg) -> None:
             f"train.float8={float8} with model.lora.rank={rank}: float8 layers would replace the adapted ones; set "
             f"train.float8=none to train adapters"
         )
+    if cfg.model.quantize_base != "none":
+        if not rank:
+            raise ConfigError(
+                f"model.quantize_base={cfg.model.quantize_base} freezes the base in 4 bits, which cannot train: set "
+                f"model.lora.rank (16, say) to train adapters beside it, or model.quantize_base=none"
+            )
+        require_extra("torchao", f"model.quantize_base={cfg.model.quantize_base}", "fp8")
 
 
 def validate_optim(optim) -> None:

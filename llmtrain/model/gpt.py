@@ -32,6 +32,7 @@ from llmtrain.model.dropout import Dropout
 from llmtrain.model.lora import ADAPTERS, LoRAConfig, freeze_base, init_adapter, linear
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
+from llmtrain.model.quantize import quantize_base
 from llmtrain.model.recompute import recomputed
 from llmtrain.model.rope import RopeScaling, frequencies, rotate, rotation
 
@@ -72,6 +73,7 @@ class GPTConfig:
     # every block global). model/documents.py masks each block's attention to its query's last `window` keys.
     sliding_window: tuple[int, ...] = ()
     lora: LoRAConfig = LoRAConfig()  # low-rank adapters on the projections it targets, the rest frozen (model/lora.py)
+    quantize_base: str = "none"  # none | nf4: the frozen base's block weights in 4-bit NormalFloat (model/quantize.py)
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
@@ -359,6 +361,8 @@ class GPT(LayeredModel):
                 self.lm_head.bias.requires_grad_(False)
         if cfg.lora.enabled:
             freeze_base(self)
+        if cfg.quantize_base == "nf4":
+            quantize_base(self)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual

@@ -23,6 +23,7 @@ from llmtrain.model.gpt import GPT
 from llmtrain.model.hf import family_of
 from llmtrain.model.hf_llama import hf_name
 from llmtrain.model.lora import ADAPTERS, LoRAConfig, LoRALinear
+from llmtrain.model.quantize import dequantized
 
 # The Hugging Face families whose adapters PEFT can hold as we train them.
 PEFT_FAMILIES = ("llama", "qwen3", "mixtral")
@@ -70,9 +71,10 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
 
 
 def merged(model: GPT) -> GPT:
-    """The same model (of its family) without adapters: each adapted layer's weight is W + (alpha / rank) B A."""
-    plain = type(model)(replace(model.cfg, lora=LoRAConfig()))
-    state = {name: t for name, t in model.state_dict().items() if name.rpartition(".")[2] not in ADAPTERS}
+    """The same model (of its family) without adapters: each adapted layer's weight is W + (alpha / rank) B A (an
+    NF4 base dequantised: the model exported computes what the trained one did)."""
+    plain = type(model)(replace(model.cfg, lora=LoRAConfig(), quantize_base="none"))
+    state = {name: dequantized(t) for name, t in model.state_dict().items() if name.rpartition(".")[2] not in ADAPTERS}
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoRALinear):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.model.dropout import Dropout
+from llmtrain.model.quantize import dequantized
 
 # The adapters' parameter names in an adapted layer: A, then B.
 ADAPTERS = ("lora_a", "lora_b")
@@ -62,8 +63,9 @@ class LoRALinear(nn.Linear):
         return super().forward(x) + update * self.scale
 
     def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / rank) · B A: the plain linear layer this one computes (without dropout)."""
-        return self.weight + self.scale * (self.lora_b @ self.lora_a)
+        """W + (alpha / rank) · B A: the plain linear layer this one computes (without dropout; W dequantised where
+        NF4 holds it)."""
+        return dequantized(self.weight) + self.scale * (self.lora_b @ self.lora_a)
 
 
 def linear(in_features: int, out_features: int, bias: bool, lora: LoRAConfig, projection: str) -> nn.Linear:

@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from llmtrain.model.quantize import empty_nf4, is_nf4, quantized_piece
+
 ParameterInit = Callable[[str, torch.Tensor], None]
 # How a laid-out meta model gets its memory and values: `materialize`, or a dry run's fake allocation.
 Materializer = Callable[[nn.Module, torch.device, ParameterInit], None]
@@ -50,7 +52,9 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
         # drawn (or read) in fp32 at least: a weight held in bf16 gets the rounding of the fp32 value it would be
         full = torch.empty(param.shape, dtype=torch.promote_types(param.dtype, torch.float32))
         init(name, full)
-        if isinstance(param, DTensor):
+        if is_nf4(param):
+            _set_quantized(model, name, param, full)
+        elif isinstance(param, DTensor):
             # Every rank drew the same whole tensor; each keeps its block without communicating. The block comes
             # from the offsets DCP itself uses, as views of the whole tensor: no copy of it under any placement
             # (FSDP over TP included), where distribute_tensor would make one.
@@ -61,6 +65,25 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
         else:
             param.copy_(full)
         del full
+
+
+def _set_quantized(model: nn.Module, name: str, param: torch.Tensor, full: torch.Tensor | None) -> None:
+    """Parameter `name` becomes this rank's rows of `full`'s NF4 quantisation, or without `full` an NF4 tensor of
+    their shape and undefined values (allocation). A new parameter each time: an NF4 tensor moved off the meta
+    device keeps meta parts, and FSDP takes the new one up at its first step."""
+    rows, first = param.shape[0], 0
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        rows, first = shape[0], offset[0]
+    if full is None:
+        value = empty_nf4(rows, param.shape[1], param.device)
+    else:
+        value = quantized_piece(full, rows, first, param.device)
+    if isinstance(param, DTensor):
+        value = DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
+    setattr(*_owner(model, name), nn.Parameter(value, requires_grad=False))
 
 
 def allocate(model: nn.Module, device: torch.device) -> None:
@@ -75,6 +98,9 @@ def allocate(model: nn.Module, device: torch.device) -> None:
             module._parameters[attribute] = None
     model.to_empty(device=device)
     retie(model, tied)
+    for name, param in list(model.named_parameters()):
+        if is_nf4(param):
+            _set_quantized(model, name, param, None)
 
 
 def materialize(model: nn.Module, device: torch.device, init: ParameterInit) -> None:

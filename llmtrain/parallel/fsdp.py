@@ -28,8 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import Experts
+from llmtrain.model.quantize import GROUP, is_nf4, nf4_shards_fit
 from llmtrain.plan import Degrees
 
 
@@ -44,6 +46,7 @@ def apply_fsdp(
     """Shard every block, then the root, over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). With expert
     parallelism, `experts` = (mesh, data-parallel size): each mixture's experts first become a unit of their own
     over that mesh, dividing their gradients by the whole data-parallel size (expert.py says why)."""
+    check_nf4_shards(model, shards_of(mesh))
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if param_dtype is not None:
         hold_frozen_in(model, param_dtype)
@@ -96,8 +99,21 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     its shard takes half the memory and its all-gather casts nothing (FSDP wants one dtype among the trainable
     parameters alone). Set in place, so tied parameters stay one."""
     for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point():
+        # (an NF4 weight, model.quantize_base, says it is bf16 and would dequantise on any `to`)
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def check_nf4_shards(model: nn.Module, shards: int) -> None:
+    """A one-line ConfigError when an NF4 weight (model.quantize_base) cannot split into `shards` row shards of
+    whole NF4 groups: FSDP splits its codes, scales and factors alike."""
+    for name, param in model.named_parameters():
+        if is_nf4(param) and not nf4_shards_fit(param, shards):
+            raise ConfigError(
+                f"model.quantize_base=nf4: {name} ({' x '.join(map(str, param.shape))}) does not split into "
+                f"{shards} FSDP shards of whole {GROUP}-weight NF4 groups: shard over fewer ranks (parallel.dp_shard)"
+                f" or use parallel=ddp"
+            )
 
 
 def shards_of(mesh: DeviceMesh) -> int:

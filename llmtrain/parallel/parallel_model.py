@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
 from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize
+from llmtrain.model.quantize import dequantized, is_nf4
 from llmtrain.model.scoring import RowStatistic
 from llmtrain.parallel.accumulation import Accumulation
 from llmtrain.parallel.data_parallel import DataParallel
@@ -96,6 +97,8 @@ class ParallelModel:
         frozen = [param for param in self.module.parameters() if not param.requires_grad and param.ndim == 2]
         if frozen and all(param.dtype == torch.bfloat16 for param in frozen):
             self.precision_description += "; the frozen base held in bf16"
+        if quantized := sum(is_nf4(param) for param in frozen):
+            self.precision_description += f"; {quantized} of its {len(frozen)} weight matrices in NF4"
         if steps.float8 is not None:
             self.precision_description += "; " + float8_summary(steps.float8, self.module)
         if steps.compile != "none":
@@ -174,8 +177,10 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model's weights as full CPU tensors under the unsplit model's names, on rank 0
         (None on the other ranks), whatever the layout holds (replicas, ZeRO-1 buffers, FSDP shards, stages).
-        Gathered one tensor at a time: the other ranks drop each one as soon as it is gathered."""
-        return self.executor.full_state_dict()
+        Gathered one tensor at a time: the other ranks drop each one as soon as it is gathered. An NF4 base
+        (model.quantize_base) is written dequantised, as the model computes with it: any unsplit model loads it."""
+        state = self.executor.full_state_dict()
+        return None if state is None else {name: dequantized(tensor) for name, tensor in state.items()}
 
     def model_and_optimizer_state(self) -> tuple[dict, dict]:
         """Model and optimizer state as this rank holds it (DTensor shards where sharded), keyed by the unsplit

@@ -149,6 +149,7 @@ def _scaled(held: Holding, factor: float) -> Holding:
         largest_unit=round(held.largest_unit * factor),
         matrices=round(held.matrices * factor),
         largest_reduced=round(held.largest_reduced * factor),
+        quantized=round(held.quantized * factor),
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OPTIMIZERS
 from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config, meta_model
+from llmtrain.model.quantize import nf4_bytes_per_weight
 from llmtrain.parallel.float8 import float8_weight_share
 from llmtrain.planner.cost import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
 from llmtrain.planner.links import Links
@@ -37,6 +38,7 @@ def _with_precisions(sizes: StateBytes, cfg) -> StateBytes:
         optimizer=sizes.optimizer - fewer,
         float8_share=float8_gathered_share(cfg),
         optimizer_on_host=cfg.optim.offload,
+        nf4=nf4_bytes_per_weight() if cfg.model.quantize_base == "nf4" else 0.0,
     )
     return _with_optimizer(sizes, cfg.optim.name)
 

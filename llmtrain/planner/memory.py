@@ -52,6 +52,7 @@ class StateBytes:
     # train.float8=tensorwise: the share of the blocks' Linear weights float8 converts, which FSDP gathers in float8
     float8_share: float = 0.0
     optimizer_on_host: bool = False  # optim.offload: the optimizer's bytes are in host memory, not the device's
+    nf4: float = 0.0  # model.quantize_base=nf4: bytes of a base weight NF4 holds (Holding.quantized), held and gathered
 
     def optimizer_bytes(self, trainable: float, matrices: float) -> float:
         return (trainable - matrices) * self.optimizer + matrices * self.matrix_optimizer
@@ -60,10 +61,11 @@ class StateBytes:
         """Bytes per parameter FSDP gathers of `held`: the compute dtype, or 1 for the blocks' Linear weights
         float8 converts under float8 all-gathers (the experts' stacked weights and everything outside the blocks
         stay)."""
-        if not self.float8_share or not held.total:
+        if not held.total:
             return self.compute
+        nf4 = held.quantized / held.total
         share = self.float8_share * (held.matrices - held.experts) / held.total
-        return share * FLOAT8_BYTES + (1 - share) * self.compute
+        return share * FLOAT8_BYTES + nf4 * self.nf4 + (1 - share - nf4) * self.compute
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,9 @@ def model_states(candidate: Candidate, held: Holding, sizes: StateBytes) -> tupl
     n = candidate.degrees.dp_shard_cp if candidate.sharding != "optimizer" else candidate.degrees.dp
     # FSDP holds a frozen weight (the base beside low-rank adapters) as it gathers it, in the compute dtype
     frozen = sizes.compute if candidate.sharding in ("gradients", "parameters") else sizes.param
-    params, trainable = held.trainable * sizes.param + held.frozen * min(frozen, sizes.param), held.trainable
+    plain_frozen = held.frozen - held.quantized
+    params = held.trainable * sizes.param + plain_frozen * min(frozen, sizes.param) + held.quantized * sizes.nf4
+    trainable = held.trainable
     optimizer = 0.0 if sizes.optimizer_on_host else sizes.optimizer_bytes(trainable, held.matrices)
     sharding = candidate.sharding
     if sharding == "none":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.parallel.pipeline.split import rank_stages
 from llmtrain.plan import Degrees, stage_layers
 from llmtrain.planner.candidates import Candidate
@@ -41,6 +42,7 @@ class Holding:
     # the last block's elements, and of them its routed experts': FSDP keeps it gathered from forward to backward
     last_block: int = 0
     last_block_experts: int = 0
+    quantized: int = 0  # of frozen: the base's block weights held in NF4 (model.quantize_base)
 
     @property
     def total(self) -> int:
@@ -92,26 +94,41 @@ def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     return block_parameters(cfg, tp, index) - vectors
 
 
-def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
-    adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
-    columns beside a row-parallel one); the routed experts have none."""
-    lora, m, h, a = cfg.lora, cfg.moe, cfg.d_model, cfg.attention_width
-    if not lora.enabled:
-        return 0
+def block_projections(cfg: GPTConfig, index: int = 0) -> dict[str, tuple[int, int, bool]]:
+    """Block `index`'s linear projections (a mixture's shared experts as one MLP; not its router or routed
+    experts): name -> (in, out, column-parallel)."""
+    m, h, a = cfg.moe, cfg.d_model, cfg.attention_width
     kv = cfg.kv_heads * cfg.head_size
     f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
-    # projection -> (in, out, column-parallel)
     shapes = {"q_proj": (h, a, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (a, h, False)}
     if f:
         shapes.update(fc_in=(h, f, True), fc_out=(f, h, False))
         if cfg.gated_mlp:
             shapes["fc_gate"] = (h, f, True)
+    return shapes
+
+
+def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
+    adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
+    columns beside a row-parallel one); the routed experts have none."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return 0
     return sum(
         lora.rank * ((n_in + n_out // tp) if column else (n_in // tp + n_out))
-        for name, (n_in, n_out, column) in shapes.items()
+        for name, (n_in, n_out, column) in block_projections(cfg, index).items()
         if name in lora.targets
     )
+
+
+def block_quantized(cfg: GPTConfig, index: int = 0) -> int:
+    """Block `index`'s weights NF4 holds under model.quantize_base=nf4 (model/quantize.py): its projections' that
+    are whole NF4 groups (tensor parallelism never runs with it)."""
+    if cfg.quantize_base != "nf4" or not cfg.lora.enabled:
+        return 0
+    sizes = [n_in * n_out for n_in, n_out, _ in block_projections(cfg, index).values()]
+    return sum(size for size in sizes if size % NF4_GROUP == 0)
 
 
 def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
@@ -185,4 +202,5 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         largest_reduced=largest_reduced,
         last_block=last_block,
         last_block_experts=last_block_experts,
+        quantized=sum(block_quantized(cfg, i) for i in indices),
     )

@@ -67,6 +67,7 @@ from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.plan import ParallelPlan, check_layout
 from llmtrain.planner.auto import configured_cost
 from llmtrain.runtime import Runtime
+from llmtrain.train.memory import storage_tensors
 from llmtrain.train.report import write_json_atomic
 
 MIB, GIB = 2**20, 2**30
@@ -305,10 +306,11 @@ class LiveMemory(TorchDispatchMode):
         self.peak_kinds: dict[str, int] = {}
         self._kinds_at = 0
         self._resize = torch.UntypedStorage.resize_
-        self._parameter_keys = {_storage(p)._cdata for p in self.parameters}
-        self._state_keys = {_storage(t)._cdata for t in state} - self._parameter_keys
+        self._parameter_keys = {storage._cdata for p in self.parameters for storage in _storages(p)}
+        self._state_keys = {storage._cdata for t in state for storage in _storages(t)} - self._parameter_keys
         for tensor in [*self.parameters, *module.buffers(), *state]:
-            self._add(_storage(tensor))
+            for storage in _storages(tensor):
+                self._add(storage)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -332,7 +334,8 @@ class LiveMemory(TorchDispatchMode):
     def _read_kinds(self) -> None:
         self._kinds_at = self.peak
         live = self.live.keys()
-        grads = {_storage(p.grad)._cdata for p in self.parameters if p.grad is not None} - self._parameter_keys
+        grads = {s._cdata for p in self.parameters if p.grad is not None for s in _storages(p.grad)}
+        grads -= self._parameter_keys
         kinds = {
             "parameters": self._parameter_keys & live,
             "gradients": grads & live,
@@ -348,7 +351,8 @@ class LiveMemory(TorchDispatchMode):
             # while this mode is set aside (inside the DTensor op), is what it holds. Meta tensors are DTensor's
             # shape arithmetic.
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-                self._add(_storage(tensor))
+                for storage in _storages(tensor):
+                    self._add(storage)
         return out
 
     def __enter__(self):
@@ -368,9 +372,11 @@ class LiveMemory(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
-    """The storage of a tensor, or of a DTensor's local part (read without dispatching an op)."""
-    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages of a tensor, or of a DTensor's local part (read without dispatching an op); of the plain
+    tensors inside a wrapper subclass (an NF4 weight's codes and scales), not the wrapper's nominal one."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return [inner.untyped_storage() for inner in storage_tensors(local)]
 
 
 def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig, rank: int) -> dict[str, Any]:

@@ -30,17 +30,17 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
     storages = {}
     for tensor in tensors:
-        for local in _storage_tensors(local_tensor(tensor)):
+        for local in storage_tensors(local_tensor(tensor)):
             storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     return sum(storages.values())
 
 
-def _storage_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+def storage_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors holding `tensor`'s data: itself, or those inside a wrapper subclass (torchao's float8
     weights, 8-bit optimizer moments: codes and scales)."""
     if is_traceable_wrapper_subclass(tensor):
         for name in tensor.__tensor_flatten__()[0]:
-            yield from _storage_tensors(getattr(tensor, name))
+            yield from storage_tensors(getattr(tensor, name))
     else:
         yield tensor
 

@@ -163,12 +163,17 @@ LORA = "model.lora.rank=4"
 # Fine-tuning a Llama, a Qwen3 or a Gemma 3 with adapters on every projection, against one process: adapters split
 # as their base matrix under tensor and sequence parallelism beside Qwen3's head norms (adapter dropout, whose masks
 # are the unsplit tensor's, there: one data-parallel replica), Gemma 3's frozen base held in bf16 by FSDP and split
-# three ways (3d), a frozen tied embedding across pipeline stages (no gradient to sum), packed conversations split
-# over a context-parallel ring, and full fine-tuning on the same masked targets; packed under document masking, and
-# one conversation to a window under causal attention.
+# three ways (3d), a base held in NF4 (QLoRA) left out of DDP's broadcast and gathered in NF4 by FSDP, a frozen tied
+# embedding across pipeline stages (no gradient to sum), packed conversations split over a context-parallel ring,
+# and full fine-tuning on the same masked targets; packed under document masking, and one conversation to a window
+# under causal attention.
 QWEN3, GEMMA3 = "model=qwen3-tiny", "model=gemma3-tiny"
+# QLoRA (model.quantize_base=nf4) at widths whose projections split into whole NF4 groups over two FSDP shards
+QLORA = f"model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 {LORA} model.quantize_base=nf4"
 SFT_LAYOUTS = {
     2: [
+        f"{QLORA} parallel=ddp",
+        f"{QLORA} parallel=fsdp",
         f"{QWEN3} {LORA} model.lora.dropout=0.1 parallel=tp parallel.sequence_parallel=true",
         f"{GEMMA3} {LORA} {BF16} parallel=fsdp",
         f"{LORA} model.tie_embeddings=true parallel=pp parallel.pp_schedule=1f1b parallel.microbatches=4",

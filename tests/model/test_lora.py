@@ -79,12 +79,15 @@ def test_float8_with_adapters_is_refused_in_one_line():
         validate(cfg)
 
 
-def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it():
-    """What one process holds of a model with adapters (fp32 weights, gradients and AdamW's moments for the
-    adapters alone), measured on the built model, is what the planner counts from the config."""
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize):
+    """What one process holds of a model with adapters (fp32 weights, or an NF4 base at 0.516 bytes a weight;
+    gradients and AdamW's moments for the adapters alone), measured on the built model, is what the planner counts
+    from the config."""
     from omegaconf import OmegaConf
 
     from llmtrain.job import build_parallel_model
+    from llmtrain.model.quantize import is_nf4
     from llmtrain.plan import Degrees
     from llmtrain.planner.candidates import Candidate
     from llmtrain.planner.inputs import llmtrain_state_bytes
@@ -93,12 +96,22 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it():
     from llmtrain.runtime import Runtime
     from llmtrain.train.memory import held_bytes
 
-    config = OmegaConf.to_object(compose_config(["model=llama-tiny", "model.lora.rank=4", "parallel=single"]))
+    if quantize == "nf4":
+        pytest.importorskip("torchao")  # the `fp8` extra: installed by CI
+    # widths whose projections are whole NF4 groups (model/quantize.py)
+    widths = ["model.d_model=256", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=512"]
+    config = OmegaConf.to_object(
+        compose_config(["model=llama-tiny", *widths, "model.lora.rank=4", f"model.quantize_base={quantize}"])
+    )
     one_process = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
     model = build_parallel_model(config, one_process, 257)
     measured = held_bytes(model.module, model.optimizer, config.optim)
     held = holding(model.module.cfg)
     assert held.trainable == trainable_parameters(model.module) and held.trainable < held.total / 20
+    quantized = [p for p in model.module.parameters() if is_nf4(p)]
+    assert held.quantized == sum(p.numel() for p in quantized) and bool(quantized) == (quantize == "nf4")
     sizes = llmtrain_state_bytes(config, bf16=False)
     params, grads, optimizer, _ = model_states(Candidate("single", Degrees()), held, sizes)
+    # each NF4 matrix also holds its 16 levels and its scales' mean (34 bytes), which the planner leaves out
+    params += 34 * len(quantized)
     assert (params, grads, optimizer) == (measured.params, measured.grads, measured.optimizer)
