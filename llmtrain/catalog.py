@@ -463,9 +463,9 @@ ADAMW_MOMENTS = 2
 # optim.state_bits -> bytes per element of each AdamW moment: fp32, or torchao's 8-bit codes with one fp32 scale per
 # block of 256 (llmtrain/optim/__init__.py).
 MOMENT_BYTES: dict[int, float] = {32: 4.0, 8: 1.0 + 4 / 256}
-# data.source: where the text comes from (llmtrain/data/sources.py), or prepared token stores (data/prepared.py,
-# data/mixture.py).
-DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft")
+# data.source: where the text comes from (llmtrain/data/sources.py), prepared token stores (data/prepared.py,
+# data/mixture.py), conversations (data/sft.py) or preference pairs (data/preference.py).
+DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft", "preference")
 # data.tokenizer.kind (llmtrain/data/tokenizers.py describes each).
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the

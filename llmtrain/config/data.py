@@ -20,6 +20,7 @@ from llmtrain.domains import (
     WritableDirectory,
     at_least,
     key,
+    positive,
 )
 
 
@@ -50,18 +51,20 @@ class DataConfig:
     source: str = key(
         MISSING,
         OneOf(catalog.DATA_SOURCES),
-        "`stdlib`, `local`, `hf`, `prepared`, `mix` or `sft` (conversations for fine-tuning, `data/sft.py`): set by "
-        "the `data` option",
+        "`stdlib`, `local`, `hf`, `prepared`, `mix`, `sft` (conversations for fine-tuning, `data/sft.py`) or "
+        "`preference` (prompt, chosen and rejected answers for DPO, `data/preference.py`): set by the `data` option",
     )
     path: Optional[str] = key(
         None,
         ExistingPath("glob"),
         "`local`: a file, a folder (searched recursively) or a glob of `.txt`, `.jsonl`, `.parquet`; `prepared`: the "
         "directory `llmtrain.data.prepare` wrote; `sft`: `.jsonl` / `.parquet` conversations (`messages` or "
-        "`prompt` + `response`)",
+        "`prompt` + `response`); `preference`: `.jsonl` / `.parquet` pairs (`prompt`, `chosen`, `rejected`)",
     )
     name: Optional[str] = key(
-        None, Text(), "`hf` (and `sft` without a `path`): the dataset's name on the hub (`HuggingFaceFW/fineweb-edu`)"
+        None,
+        Text(),
+        "`hf` (and `sft`, `preference` without a `path`): the dataset's name on the hub (`HuggingFaceFW/fineweb-edu`)",
     )
     subset: Optional[str] = key(None, Text(), "`hf`: the dataset's configuration on the hub (e.g. `sample-10BT`)")
     split: str = key("train", Text(), "`hf`: the split to train on")
@@ -73,8 +76,8 @@ class DataConfig:
     val_path: Optional[str] = key(
         None,
         ExistingPath("glob"),
-        "`local` and `sft`: validation files (a file, a folder or a glob); null holds out `val_fraction` of the text "
-        "(of the conversations, for `sft`)",
+        "`local`, `sft` and `preference`: validation files (a file, a folder or a glob); null holds out "
+        "`val_fraction` of the text (of the conversations or pairs, for `sft` and `preference`)",
     )
     val_fraction: float = key(
         0.02,
@@ -84,6 +87,12 @@ class DataConfig:
         "every run; 0.05 for `local` (a one-file corpus of ~1 MB validates with the defaults), 0.005 for `hf`",
     )
     text_field: str = key("text", Text(), "the jsonl / parquet / hub column holding the text")
+    beta: float = key(
+        0.1,
+        positive(),
+        "`preference`: DPO's β, how far the policy may move from the reference (the base, adapters off) for a "
+        "margin: the loss is -log σ(β (chosen log-ratio - rejected log-ratio)); 0.1 as TRL's DPOConfig",
+    )
     doc_shuffle_buffer: int = key(
         1000,
         at_least(0),
@@ -118,6 +127,6 @@ def reads_prepared_stores(data_cfg) -> bool:
 
 
 def reads_local_files(data_cfg) -> bool:
-    """data=local, and data=sft given a path: files named by data.path (and data.val_path), which
+    """data=local, and data=sft or preference given a path: files named by data.path (and data.val_path), which
     llmtrain.data.files finds."""
-    return data_cfg.source in ("local", "sft") and bool(data_cfg.path)
+    return data_cfg.source in ("local", "sft", "preference") and bool(data_cfg.path)

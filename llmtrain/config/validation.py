@@ -66,6 +66,7 @@ def validate(cfg) -> None:
     if t.float8 != "none":
         require_extra("torchao", f"train.float8={t.float8}", "fp8")
     validate_lora(cfg)
+    validate_preference(cfg)
     if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
         raise ConfigError(
             f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
@@ -178,15 +179,33 @@ def validate_data(d) -> None:
 
 
 def _validate_conversations(d) -> None:
-    """data=sft: conversations from files or the hub, rendered by a transformers tokenizer's chat template."""
-    if d.source != "sft":
+    """data=sft and data=preference: conversations (pairs) from files or the hub, rendered by a transformers
+    tokenizer's chat template."""
+    if d.source not in ("sft", "preference"):
         return
+    what = "conversations" if d.source == "sft" else "preference pairs"
     if not d.path and not d.name:
         raise ConfigError(
-            "data=sft needs conversations: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
+            f"data={d.source} needs {what}: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
         )
     if d.tokenizer.kind != "hf":
         raise ConfigError(
-            f"data.tokenizer.kind={d.tokenizer.kind}: data=sft renders conversations with a chat template, which only "
+            f"data.tokenizer.kind={d.tokenizer.kind}: data={d.source} renders {what} with a chat template, which only "
             f"a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's directory>"
+        )
+
+
+def validate_preference(cfg) -> None:
+    """data=preference: pairs that no split parts, and a reference to compare with (the base, adapters off)."""
+    if cfg.data.source != "preference":
+        return
+    if cfg.train.micro_batch_size % 2:
+        raise ConfigError(
+            f"train.micro_batch_size={cfg.train.micro_batch_size}: data=preference trains pairs (a chosen and a "
+            f"rejected answer, a row each) that must share a micro-batch: set an even train.micro_batch_size"
+        )
+    if not cfg.model.lora.rank:
+        raise ConfigError(
+            "data=preference compares the model with its reference, the base with the adapters switched off: set "
+            "model.lora.rank (16, say); a full fine-tune's frozen reference copy is not built"
         )

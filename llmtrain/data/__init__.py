@@ -53,6 +53,7 @@ class Data:
     validation: list[ValidationSet]  # empty when eval is disabled
     description: str  # for the start summary
     masks_targets: bool = False  # some tokens are context only, their targets untrained (fine-tuning, packing.py)
+    pairs: bool = False  # rows come in preference pairs, chosen then rejected (data/preference.py, train/dpo.py)
     separator: int | None = None  # the token between packed documents where it is not the tokenizer's end-of-text
 
     @property
@@ -114,6 +115,8 @@ def build_data(
     conversations share windows."""
     if data_cfg.source == "sft":
         return _conversations(data_cfg, tokenizer, reading, packs_documents)
+    if data_cfg.source == "preference":
+        return _preferences(data_cfg, tokenizer, reading)
     if data_cfg.source == "mix":
         return _mixture(data_cfg, tokenizer, reading, steps)
     seq_len, train_slice, val_slice = reading.seq_len, reading.train, reading.validation
@@ -202,6 +205,40 @@ def _conversations(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataRead
     description = f"sft: {train.describe()}, {windows}; trained on the assistant's tokens"
     batches = sft.ConversationBatches(train, reading.seed, reading.train, reading.position)
     return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, separator=separator)
+
+
+def _preferences(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading) -> Data:
+    """build_data for data=preference: each pair's two answers after its prompt, a window each, trained on the
+    answers' tokens."""
+    from llmtrain.data import preference, sft
+
+    val_slice, window = reading.validation, reading.seq_len + 1
+    backend = sft.chat_template_of(tokenizer, data_cfg.tokenizer.name)
+    splits = [TRAIN, VALIDATION] if val_slice is not None else [TRAIN]
+    marked = {
+        split: preference.tokenized_pairs(
+            sft.read_records(data_cfg, split, preference.pair_of), tokenizer, backend, f"{split} pairs"
+        )
+        for split in splits
+    }
+    if not marked[TRAIN]:
+        raise ConfigError("data=preference found no training pairs: check data.path / data.name and data.val_fraction")
+    train = sft.Conversations.of(marked[TRAIN], window, tokenizer.eos_id, packed=False, group=2)
+    validation = []
+    if val_slice is not None:
+        held_out = marked[VALIDATION]
+        if len(held_out) < val_slice.batch_size:
+            raise ConfigError(
+                f"the held-out pairs fill {len(held_out)} windows, {val_slice.batch_size} needed (train.eval_batches x "
+                f"train.batch_size): lower train.eval_batches, raise data.val_fraction or name validation pairs with "
+                f"data.val_path"
+            )
+        rows = sft.Conversations.of(held_out, window, tokenizer.eos_id, packed=False).windows(range(len(held_out)))
+        validation = [ValidationSet(None, 1.0, val_slice.rows(rows[: val_slice.batch_size]))]
+    pairs = f"{len(train.tokens) // 2:,} pairs, {train.describe().replace(' samples', ' answers', 1)}"
+    description = f"preference: {pairs}; each answer a window after its prompt, trained on the answer's tokens"
+    batches = sft.ConversationBatches(train, reading.seed, reading.train, reading.position)
+    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, pairs=True)
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -41,6 +42,8 @@ from llmtrain.data.stream import RankSlice
 from llmtrain.data.tokenizers import FastTokenizer, Tokenizer
 from llmtrain.errors import ConfigError, first_line
 from llmtrain.hub import from_hub
+
+T = TypeVar("T")
 
 # Conversations rendered and tokenised together: the fast tokenizer encodes a batch in parallel.
 RENDER_BATCH = 256
@@ -87,28 +90,35 @@ def _records_of_file(path: str, key: str) -> Iterator[tuple[str, object]]:
 
 
 def read_conversations(data_cfg, split: str) -> list[list[dict]]:
-    """The conversations of `split` ("train" or "validation"): the files of data.path (data.val_path) or the hub
-    dataset's split (data.val_split); without those, validation holds out data.val_fraction of the conversations,
-    chosen by a hash of each one (the same on every run and every rank)."""
+    """The conversations of `split` ("train" or "validation"): read_records of each record's messages."""
+    return read_records(data_cfg, split, _messages_of)
+
+
+def read_records(data_cfg, split: str, parse: Callable[[object, str], T]) -> list[T]:
+    """What `parse` makes of each record (given where it is) of `split` ("train" or "validation"): the files of
+    data.path (data.val_path) or the hub dataset's split (data.val_split); without those, validation holds out
+    data.val_fraction of them, chosen by a hash of each one (the same on every run and every rank)."""
     validation = split == "validation"
     separate = data_cfg.val_path if data_cfg.path else data_cfg.val_split
     if validation and separate is not None:
-        return list(_conversations(data_cfg, "data.val_path" if data_cfg.path else "data.val_split"))
-    every = _conversations(data_cfg, "data.path" if data_cfg.path else "data.split")
+        return [
+            parse(r, where) for where, r in _records(data_cfg, "data.val_path" if data_cfg.path else "data.val_split")
+        ]
+    every = (parse(r, where) for where, r in _records(data_cfg, "data.path" if data_cfg.path else "data.split"))
     if separate is not None:
         return list(every)
-    return [c for c in every if _held_out(c, data_cfg.val_fraction) == validation]
+    return [item for item in every if _held_out(item, data_cfg.val_fraction) == validation]
 
 
-def _held_out(messages: list[dict], fraction: float) -> bool:
-    return zlib.crc32(json.dumps(messages, sort_keys=True).encode()) / 2**32 < fraction
+def _held_out(item: object, fraction: float) -> bool:
+    return zlib.crc32(json.dumps(item, sort_keys=True).encode()) / 2**32 < fraction
 
 
-def _conversations(data_cfg, key: str) -> Iterator[list[dict]]:
+def _records(data_cfg, key: str) -> Iterator[tuple[str, object]]:
+    """(where, record) of each record data.path (data.val_path) or the hub dataset's split names."""
     if key in ("data.path", "data.val_path"):
         for path in local_data_files(getattr(data_cfg, key.removeprefix("data."))):
-            for where, record in _records_of_file(path, key):
-                yield _messages_of(record, where)
+            yield from _records_of_file(path, key)
         return
     import datasets
 
@@ -120,7 +130,7 @@ def _conversations(data_cfg, key: str) -> Iterator[list[dict]]:
         repo_type="dataset",
     )
     for row, record in enumerate(rows):
-        yield _messages_of(record, f"dataset {data_cfg.name} ({split}), row {row}")
+        yield f"dataset {data_cfg.name} ({split}), row {row}", record
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------
@@ -129,8 +139,8 @@ def chat_template_of(tokenizer: Tokenizer, name: str | None):
     backend = getattr(tokenizer, "backend", None)
     if not isinstance(tokenizer, FastTokenizer) or not hasattr(backend, "apply_chat_template"):
         raise ConfigError(
-            "data=sft renders conversations with a transformers tokenizer's chat template: set data.tokenizer.kind=hf "
-            "data.tokenizer.name=<the model's directory or hub name>"
+            "data=sft and data=preference render text with a transformers tokenizer's chat template: set "
+            "data.tokenizer.kind=hf data.tokenizer.name=<the model's directory or hub name>"
         )
     if not getattr(backend, "chat_template", None):
         raise ConfigError(
@@ -156,12 +166,12 @@ def _marked(encoded: list[np.ndarray], where: str) -> list[np.ndarray]:
     its last (Qwen3 drops an earlier answer's reasoning), one sample per assistant turn, the conversation up to it."""
     whole, spans = encoded[0], encoded[1:]
     turns = list(zip(spans[::2], spans[1::2]))
-    if not all(_starts_with(turn, prompt) for prompt, turn in turns):
+    if not all(starts_with(turn, prompt) for prompt, turn in turns):
         raise ConfigError(
             f"{where}: the chat template renders a conversation's turns differently after the generation prompt than "
             f"with the answer, so the assistant's tokens cannot be told apart: use a template that renders turn by turn"
         )
-    if all(_starts_with(whole, turn) for _, turn in turns):
+    if all(starts_with(whole, turn) for _, turn in turns):
         trained = np.zeros(len(whole), dtype=bool)
         for prompt, turn in turns:
             trained[len(prompt) : len(turn)] = True
@@ -169,7 +179,7 @@ def _marked(encoded: list[np.ndarray], where: str) -> list[np.ndarray]:
     return [np.concatenate([untrained(turn[: len(prompt)]), turn[len(prompt) :]]) for prompt, turn in turns]
 
 
-def _starts_with(tokens: np.ndarray, prefix: np.ndarray) -> bool:
+def starts_with(tokens: np.ndarray, prefix: np.ndarray) -> bool:
     return len(prefix) <= len(tokens) and bool(np.array_equal(tokens[: len(prefix)], prefix))
 
 
@@ -206,15 +216,17 @@ class Conversations:
     packed: bool
     cut: int
     cut_trained: int
+    group: int = 1  # samples that stay together, in order, when an epoch shuffles them (a preference pair: 2)
 
     @classmethod
-    def of(cls, marked: list[np.ndarray], window: int, separator: int, packed: bool) -> Conversations:
+    def of(cls, marked: list[np.ndarray], window: int, separator: int, packed: bool, group: int = 1) -> Conversations:
         """`marked` conversations (`tokenized`) in windows of `window` tokens; `packed`: several to a window, each
-        ended by `separator` (`packing_separator`), which occurs in none of them."""
+        ended by `separator` (`packing_separator`), which occurs in none of them; `group`: consecutive samples
+        shuffled as one."""
         ended = [np.append(t, untrained(np.int64(separator))) if packed else t for t in marked]
         cut = [t for t in ended if len(t) > window]
         cut_trained = sum(int((t[window:] >= 0).sum()) for t in cut)
-        return cls([t[:window] for t in ended], window, separator, packed, len(cut), cut_trained)
+        return cls([t[:window] for t in ended], window, separator, packed, len(cut), cut_trained, group)
 
     def windows(self, order: np.ndarray | range) -> np.ndarray:
         """(n, window) windows of the conversations in `order`, each padded with untrained separators."""
@@ -234,7 +246,8 @@ class Conversations:
         return np.stack(rows) if rows else np.zeros((0, self.window), dtype=np.int64)
 
     def epoch(self, seed: int, epoch: int) -> np.ndarray:
-        return self.windows(np.random.default_rng([seed, epoch]).permutation(len(self.tokens)))
+        groups = np.random.default_rng([seed, epoch]).permutation(len(self.tokens) // self.group)
+        return self.windows((groups[:, None] * self.group + np.arange(self.group)).ravel())
 
     def describe(self) -> str:
         trained = sum(int((t >= 0).sum()) for t in self.tokens)

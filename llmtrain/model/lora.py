@@ -11,6 +11,8 @@ and the adapters are found by name.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +59,11 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Parameter(torch.empty(out_features, lora.rank))
         self.scale = lora.scale
         self.lora_dropout = Dropout(lora.dropout)
+        self.adapting = True  # False: the base layer alone (adapters_disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapting:
+            return super().forward(x)
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
         return super().forward(x) + update * self.scale
 
@@ -73,6 +78,20 @@ def linear(in_features: int, out_features: int, bias: bool, lora: LoRAConfig, pr
     if lora.adapts(projection):
         return LoRALinear(in_features, out_features, bias, lora)
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """`model` computes as its frozen base inside: every adapted layer without its update (preference tuning's
+    reference model, with no second copy of the weights)."""
+    layers = [module for module in model.modules() if isinstance(module, LoRALinear)]
+    for layer in layers:
+        layer.adapting = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapting = True
 
 
 def freeze_base(model: nn.Module) -> None:

@@ -13,6 +13,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 UNSCORED = -100  # a target position no statistic reads (F.cross_entropy's ignore_index)
+# A step's targets carry a weight per position where they have this many dimensions (rows, positions, 2): the
+# target id (exact in fp32 below 2^24) and the weight of its loss (preference tuning's, train/dpo.py). The layouts
+# split them as plain targets (rows over ranks and micro-batches, positions over context-parallel ranks).
+WEIGHTED_TARGETS = 3
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -46,6 +50,23 @@ def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Summed in fp64: a long document's thousands of token losses keep the precision of each.
     columns = (losses.view_as(targets).double().sum(1), scored.sum(1), greedy.sum(1))
     return torch.stack([column.to(torch.float64) for column in columns], dim=1)
+
+
+def weighted_cross_entropy(logits: torch.Tensor, weighted: torch.Tensor) -> torch.Tensor:
+    """The next-token cross-entropy (fp32) at each scored position times its weight, summed. `weighted`: (rows,
+    positions, 2), each position's target id and its weight (WEIGHTED_TARGETS)."""
+    targets, weights = weighted[..., 0].long(), weighted[..., 1]
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
+    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
+        losses = losses.full_tensor()
+    return (losses * weights.flatten()).sum()
+
+
+def weighted_targets(targets: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """(rows, positions) target ids and a weight for each row -> the (rows, positions, 2) weighted targets a step
+    trains on in place of plain ones (WEIGHTED_TARGETS)."""
+    weights = row_weights.to(torch.float32)[:, None].expand(targets.shape)
+    return torch.stack([targets.to(torch.float32), weights], dim=-1)
 
 
 def next_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

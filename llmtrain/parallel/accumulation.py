@@ -47,7 +47,7 @@ class Accumulation:
             with self._data_parallel.accumulating(self.module, i == count - 1), setup.loss_context():
                 with setup.precision(), auxiliary_loss_scale(1 / count):
                     logits = self.module(inputs.to(device), **documents)
-                    loss = setup.cross_entropy(logits, targets.to(device)) * scale
+                    loss = setup.loss(logits, targets.to(device)) * scale
                 (loss / count).backward()
             total += full_tensor(loss.detach())
         return total / count

@@ -14,7 +14,7 @@ import torch
 from llmtrain.errors import ConfigError
 from llmtrain.model import chunked_cross_entropy, summed_cross_entropy
 from llmtrain.model.documents import document_starts
-from llmtrain.model.scoring import UNSCORED
+from llmtrain.model.scoring import UNSCORED, WEIGHTED_TARGETS, weighted_cross_entropy
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.mesh import RankMesh, sum_over
 from llmtrain.parallel.precision import PrecisionContext
@@ -77,6 +77,13 @@ class StepSetup:
         )
         return cls(plan, mesh, runtime, precision, separator, unscored_input, counts_scored, cross_entropy, compiled)
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed training loss: the cross-entropy, each position's weighted where the targets
+        carry weights (scoring.WEIGHTED_TARGETS)."""
+        if targets.ndim == WEIGHTED_TARGETS:
+            return weighted_cross_entropy(logits, targets)
+        return self.cross_entropy(logits, targets)
+
     def loss_context(self) -> AbstractContextManager:
         """Context around the loss and its backward (tensor parallelism computes it on vocabulary shards)."""
         return loss_context(self.plan.degrees.tp, self.plan.parallel.loss_parallel)
@@ -98,7 +105,9 @@ class StepSetup:
         """The micro-batches with the target at each end-of-text token unscored where train.score_after_eos is off."""
         if self.unscored_input is None:
             return micro_batches
-        return [(x, y.masked_fill(x == self.unscored_input, UNSCORED)) for x, y in micro_batches]
+        # weighted targets (scoring.WEIGHTED_TARGETS) were made from scored ones
+        return [(x, y if y.ndim == WEIGHTED_TARGETS else y.masked_fill(x == self.unscored_input, UNSCORED))
+                for x, y in micro_batches]  # fmt: skip
 
     def loss_scale(self, micro_batches: MicroBatches, pieces: int) -> float | torch.Tensor:
         """What a micro-batch's summed loss (over this rank's scored targets) is multiplied by so that the means the
@@ -108,6 +117,8 @@ class StepSetup:
         otherwise the counts (of whole rows, the same on each context-parallel rank) are summed over the
         data-parallel ranks, on the device, without a host read."""
         ranks = self.plan.dp_size * self.plan.degrees.cp * pieces
+        if micro_batches and micro_batches[0][1].ndim == WEIGHTED_TARGETS:  # the weights hold the normalisation
+            return ranks
         if not self.counts_scored:
             return ranks / (sum(targets.numel() for _, targets in micro_batches) * self.plan.dp_size)
         counts = [(targets != UNSCORED).sum() for _, targets in micro_batches]

@@ -32,6 +32,7 @@ from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.tensors import full_tensor
 from llmtrain.runtime import Runtime
 from llmtrain.train.downstream import evaluate_tasks
+from llmtrain.train.dpo import REWARDS, DirectPreference
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.observers import Observers, StepObserver
 
@@ -69,6 +70,7 @@ class StepResults:
     trained_tokens: float
     expert_load: list[float]
     observed: list[float]
+    preference: list[float]  # data=preference: dpo.REWARDS's values (the loss is DPO's); empty otherwise
 
 
 @dataclass
@@ -147,6 +149,7 @@ class Trainer:
         self._preemption = preemption
         self.state = parts.state
         self._tasks = parts.tasks
+        self._preference = DirectPreference(parts.model, parts.config.data.beta) if parts.data.pairs else None
         self._task_every = parts.config.eval.every or self._train.eval_every
         self._val_bytes_per_token = self._measured_val_bytes_per_token()
         self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
@@ -181,8 +184,15 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """`val_loss` and `val_bpb`: over the validation sets (one, or a mixture's sources), their mean weighted by
-        the sources' weights, and each named set's own `val_loss/<source>`."""
+        the sources' weights, and each named set's own `val_loss/<source>`; with preference pairs, DPO's loss and
+        rewards on the held-out pairs (`val_loss`, `val_rewards/...`)."""
         self.model.module.eval()
+        if self._preference is not None:
+            (held_out,) = self._data.validation
+            values = self._preference.validation(self._val_slice.micro_batches(held_out.rows, self._runtime.device))
+            self.model.module.train()
+            names = list(values)
+            return dict(zip(names, torch.stack(list(values.values())).tolist()))
         # One host read for all the sets: the device runs every set's forwards without waiting in between.
         losses = torch.stack(
             [
@@ -217,12 +227,18 @@ class Trainer:
         begin_step_memory(self._runtime.device)
         rows = self._data.train.next()
         micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
+        preference = torch.zeros(0, device=self._runtime.device)
+        if self._preference is not None:
+            self._observers.phase_begins(step, "reference and policy log-probabilities")
+            micro_batches, statistics = self._preference.weighted(micro_batches)
         self._observers.phase_begins(step, "forward/backward")
         loss = self.model.reduce_mean(self.model.forward_backward(micro_batches))
+        if self._preference is not None:  # DPO's loss, not the weighted loss its gradient was taken of
+            loss, preference = statistics[0], statistics[1:]
         loss = self._observers.gradients_computed(step, loss)
         self._observers.phase_begins(step, "clipping")
         grad_norm = self.model.clip_grad_norm(self._grad_clip)
-        results = self._read_results(step, loss, grad_norm, rows)
+        results = self._read_results(step, loss, grad_norm, rows, preference)
         seconds = self._seconds_since_last_read(started)
         self._stop_requested = results.agreed >= STOP
         self._clock_save_due = results.agreed == CLOCK_SAVE
@@ -233,6 +249,7 @@ class Trainer:
             "grad_norm": results.grad_norm,
         }
         record.update(_expert_balance(results.expert_load))
+        record.update(zip(REWARDS, results.preference))
         self._observers.results_read(step, results.observed, record)
         # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         self._observers.phase_begins(step, "optimizer")
@@ -251,23 +268,26 @@ class Trainer:
         self.state.train_seconds += seconds
         return record, seconds
 
-    def _read_results(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, rows: np.ndarray) -> StepResults:
+    def _read_results(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, rows: np.ndarray, preference: torch.Tensor
+    ) -> StepResults:
         """Collective: the step's one host synchronisation. Loss, norm and stop flag come over together, with the
-        targets trained, the experts' load and what the observers asked for. The optimizer step depends on them (a
-        non-finite step leaves the weights untouched), so it cannot be skipped. Each comes to the compute device
-        first: with parallel.cpu_offload the gradient norm is a host tensor."""
+        targets trained, the experts' load, DPO's rewards and what the observers asked for. The optimizer step
+        depends on them (a non-finite step leaves the weights untouched), so it cannot be skipped. Each comes to the
+        compute device first: with parallel.cpu_offload the gradient norm is a host tensor."""
         agreed = self._agreed_flag()
         load = self.model.expert_load()
         loads = [] if load is None else [load]
         observed = self._observers.values_to_read(step)
         self._observers.phase_begins(step, "reading the step's results")
         trained = self._trained_tokens(rows)
-        scalars = [full_tensor(loss), grad_norm, agreed, trained, *loads, *observed]
+        scalars = [full_tensor(loss), grad_norm, agreed, trained, preference, *loads, *observed]
         loss_value, norm_value, agreed_value, trained_value, *rest = torch.cat(
             [value.to(device=self._runtime.device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
+        rewards, rest = rest[: preference.numel()], rest[preference.numel() :]
         counted = sum(tensor.numel() for tensor in loads)
-        return StepResults(loss_value, norm_value, agreed_value, trained_value, rest[:counted], rest[counted:])
+        return StepResults(loss_value, norm_value, agreed_value, trained_value, rest[:counted], rest[counted:], rewards)
 
     def _seconds_since_last_read(self, started: float) -> float:
         """A step's time runs from the step before's read to this one's: the device is waited for only there, so the

@@ -37,6 +37,7 @@ REQUIRED = {
     "data=prepared": ["data.path={tmp}"],
     "data=mix": ["data.sources=[{{name:web,path:{tmp},weight:1}}]"],
     "data=sft": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2"],
+    "data=preference": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2", "model.lora.rank=16"],
 }
 
 register_schemas()

@@ -65,3 +65,28 @@ def write_chat_data(directory: Path, conversations: int = 240) -> tuple[Path, Pa
     path = directory / "conversations.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return directory / "tokenizer", path
+
+
+def write_preference_data(directory: Path, pairs: int = 120) -> tuple[Path, Path]:
+    """CHAT_TEMPLATE's tokenizer (write_chat_data's) and a .jsonl of preference pairs made of the corpus's lines: a
+    prompt and two answers, as text, or as messages (every third pair, some with a system turn). (tokenizer
+    directory, pairs file)."""
+    tokenizer, _ = write_chat_data(directory, conversations=0)
+    lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
+    records = []
+    for i in range(pairs):
+        prompt, chosen, rejected = (lines[(11 * i + j) % len(lines)] for j in range(3))
+        if i % 3:
+            records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+            continue
+        system = [{"role": "system", "content": "Answer in one line."}] if i % 2 else []
+        records.append(
+            {
+                "prompt": [*system, {"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    path = directory / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return tokenizer, path

@@ -135,7 +135,7 @@ class Pipeline:
 
     # -- one step -------------------------------------------------------------------------------------------
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.setup.cross_entropy(logits, targets) * self._loss_scale
+        return self.setup.loss(logits, targets) * self._loss_scale
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One step's micro-batches through the schedule, which cuts their concatenation again: the mean micro-batch

@@ -1,0 +1,162 @@
+"""Preference tuning (data=preference, llmtrain/data/preference.py; DPO, llmtrain/train/dpo.py): pairs rendered with
+the chat template and kept together, a step's loss, rewards and gradients against a referee that computes DPO
+from the definition, and every layout against one process."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from harness.corpora import write_preference_data
+from harness.layouts import TWO_BLOCKS, assert_matches_single, layout_groups
+from omegaconf import OmegaConf
+
+from llmtrain.config import validate
+from llmtrain.data.preference import pair_of, tokenized_pairs
+from llmtrain.data.sft import chat_template_of
+from llmtrain.data.tokenizers import load_tokenizer
+from llmtrain.errors import ConfigError
+from llmtrain.model.scoring import UNSCORED
+from llmtrain.runtime import Runtime
+from llmtrain.tools import compose_config
+from llmtrain.train.dpo import REWARDS, DirectPreference
+
+ONE_PROCESS = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return write_preference_data(tmp_path_factory.mktemp("pairs"))
+
+
+def _overrides(tokenizer, pairs_file) -> list[str]:
+    return [
+        "data=preference", f"data.path={pairs_file}", "data.tokenizer.kind=hf", f"data.tokenizer.name={tokenizer}",
+        "data.val_fraction=0.1", "model=llama-tiny", "model.n_layer=2", "model.lora.rank=4", "train.seq_len=64",
+        "train.batch_size=8", "train.micro_batch_size=2", "train.device=cpu", "logging.wandb.mode=disabled",
+    ]  # fmt: skip
+
+
+def test_a_pair_is_its_prompt_as_context_then_each_answer_trained(pairs):
+    """Text and messages give the same pair; each answer's window is the prompt (rendered with the generation
+    prompt, untrained) then the answer with the template's end of turn (trained)."""
+    tokenizer_dir, pairs_file = pairs
+    tokenizer = load_tokenizer(compose_config(_overrides(tokenizer_dir, pairs_file)).data)
+    backend = chat_template_of(tokenizer, str(tokenizer_dir))
+    text = pair_of({"prompt": "Say yes.", "chosen": "Yes.", "rejected": "No."}, "record 1")
+    messages = {
+        "prompt": [{"role": "user", "content": "Say yes."}],
+        "chosen": {"role": "assistant", "content": "Yes."},
+        "rejected": [{"role": "assistant", "content": "No."}],
+    }
+    assert pair_of(messages, "record 2") == text
+    chosen, rejected = tokenized_pairs([text], tokenizer, backend, "pairs")
+    prompt = tokenizer.encode_batch(["<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"])[0]
+    for marked, answer in ((chosen, "Yes."), (rejected, "No.")):
+        assert np.array_equal(~marked[: len(prompt)], prompt)  # context: stored as complements (packing.untrained)
+        assert (marked[len(prompt) :] >= 0).all()
+        assert tokenizer.decode(marked[len(prompt) :].tolist()) == f"{answer}<|im_end|>\n"
+
+
+def test_bad_pairs_and_settings_are_refused_in_one_line(pairs, tmp_path):
+    with pytest.raises(ConfigError, match=r"record 7 is not a preference pair \(fields: prompt, chosen\)"):
+        pair_of({"prompt": "a", "chosen": "b"}, "record 7")
+    with pytest.raises(ConfigError, match="`chosen` and `rejected` are the assistant's answers"):
+        pair_of({"prompt": "a", "chosen": {"role": "user", "content": "b"}, "rejected": "c"}, "record 8")
+    base = _overrides(*pairs)
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size=3: data=preference trains pairs .* even"):
+        validate(compose_config([*base, "train.micro_batch_size=3", "train.batch_size=6"]))
+    with pytest.raises(
+        ConfigError, match="data=preference compares the model with its reference, .* set model.lora.rank"
+    ):
+        validate(compose_config([*base, "model.lora.rank=0"]))
+
+
+def _answer_log_probabilities(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its scored targets, from the logits' log-softmax: the referee's own sums."""
+    log_probs = torch.log_softmax(model(inputs).float(), dim=-1)
+    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (targets != UNSCORED)).sum(dim=1)
+
+
+def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path):
+    """One process's step on adapters moved off zero: DPO's loss and rewards, recomputed from the definition (a
+    copy of the model for the policy; another with its adapters zeroed for the reference; log-softmax sums), are the
+    step's; the adapters' gradients of the weighted cross-entropy it trains on are autograd's of that loss."""
+    from llmtrain.job import build_training
+
+    beta = 0.3
+    config = compose_config([*_overrides(*pairs), f"data.beta={beta}", "train.eval_every=0"])
+    parts = build_training(OmegaConf.to_object(config), ONE_PROCESS, str(tmp_path / "run"))
+    try:
+        model = parts.model
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.module.named_parameters():
+                if name.endswith("lora_b"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        micro_batches = parts.train_slice.micro_batches(parts.data.train.next())
+        referee, reference = copy.deepcopy(model.module), copy.deepcopy(model.module)
+        weighted, statistics = DirectPreference(model, beta).weighted(micro_batches)
+        model.forward_backward(weighted)
+    finally:
+        parts.data.close()
+    inputs, targets = (torch.cat(part) for part in zip(*micro_batches))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("lora_b"):
+                param.zero_()
+        reference_lp = _answer_log_probabilities(reference, inputs, targets)
+    rewards = beta * (_answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
+    margins = rewards[:, 0] - rewards[:, 1]
+    loss = -F.logsigmoid(margins).mean()
+    loss.backward()
+    expected = [loss, rewards[:, 0].mean(), rewards[:, 1].mean(), margins.mean(), (margins > 0).double().mean()]
+    # a reward is β times a difference of two fp32 sums of about -200, whose unit in the last place is 1.5e-5
+    assert statistics.tolist() == pytest.approx([value.item() for value in expected], rel=1e-5, abs=beta * 1.5e-5)
+    assert len(REWARDS) == len(expected) - 1 and 0.0 < margins.abs().min()  # the adapters moved every answer
+    ours = dict(model.module.named_parameters())
+    compared = 0
+    for name, param in referee.named_parameters():
+        if param.grad is not None:
+            # fp32 sums in other orders: within 1e-4 of the tensor's largest element
+            torch.testing.assert_close(ours[name].grad, param.grad, rtol=0, atol=1e-4 * param.grad.abs().max().item())
+            compared += 1
+    assert compared == sum(1 for name, _ in referee.named_parameters() if name.rpartition(".")[2].startswith("lora"))
+
+
+# DPO under the layouts, against one process: pairs split over data-parallel ranks, their rows' log-probabilities
+# summed over a context-parallel ring and over tensor parallelism's sequence shards, pipeline micro-batches of whole
+# pairs, and QLoRA's NF4 base under FSDP as the reference.
+QLORA_WIDTHS = "model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 model.quantize_base=nf4"
+DPO_LAYOUTS = {
+    2: [
+        "parallel=ddp",
+        "parallel=fsdp",
+        "parallel=tp parallel.sequence_parallel=true",
+        "parallel=pp parallel.microbatches=2",
+        "parallel=fsdp parallel.cp=2",
+        f"{QLORA_WIDTHS} parallel=fsdp",
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def dpo_results(tmp_path_factory, pairs) -> dict:
+    tokenizer, pairs_file = pairs
+    common = (
+        f"data=preference data.path={pairs_file} data.tokenizer.kind=hf data.tokenizer.name={tokenizer} "
+        f"data.val_fraction=0.1 model=llama-tiny {TWO_BLOCKS} model.lora.rank=4 train.seq_len=64 train.batch_size=8 "
+        f"train.micro_batch_size=2 optim.warmup_steps=1 optim.lr=3e-3"
+    )
+    return layout_groups(tmp_path_factory, common, DPO_LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", DPO_LAYOUTS[2])
+def test_dpo_under_a_layout_matches_one_process(layout, dpo_results):
+    assert_matches_single(dpo_results, layout)
+    assert dpo_results[layout]["losses"][0] == pytest.approx(np.log(2))  # the policy starts as its reference
