@@ -77,6 +77,8 @@ class Workload:
     optimizer: str = "adamw"  # optim.name
     whole_matrices: str = "spread"  # optim.whole_matrices: how Muon assembles split matrices
     loss: str = "chunked"  # how the loss holds the logits (memory.LOSS_FORMS): train.compile's fused, or eager
+    # forward passes a step makes without gradients besides training's: DPO's reference and policy (train/dpo.py)
+    forwards_alone: int = 0
 
     def step(self, candidate: Candidate) -> StepShape:
         """One rank's step of this workload under `candidate`, with the micro-batch size and recomputation it
@@ -227,9 +229,10 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         ring_s = max(ring_s, rank_ring)
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
     n_params = whole_model_parameters(gpt) - gpt.padding_parameters
-    flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank
-    if step.recompute == "full":
-        flops *= 4 / 3  # the forward runs twice
+    # a forward is a third of a training step's flops (backward two): full recomputation runs it once more, and
+    # DPO twice more without gradients
+    forwards = 1 + (step.recompute == "full") + work.forwards_alone
+    flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank * (forwards + 2) / 3
     compute = flops / (machine.peak_flops * machine.mfu)
     exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps

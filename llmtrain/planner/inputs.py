@@ -114,4 +114,5 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         optimizer=cfg.optim.name,
         whole_matrices=cfg.optim.whole_matrices,
         loss="fused" if t.compile else "chunked",
+        forwards_alone=2 if cfg.data.source == "preference" else 0,
     )

@@ -103,6 +103,8 @@ def _format(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
+    if "rewards/margins" in record:  # preference tuning (train/dpo.py)
+        parts.append(f"margin {record['rewards/margins']:.3f} acc {record['rewards/accuracies']:.2f}")
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")

@@ -160,3 +160,22 @@ def dpo_results(tmp_path_factory, pairs) -> dict:
 def test_dpo_under_a_layout_matches_one_process(layout, dpo_results):
     assert_matches_single(dpo_results, layout)
     assert dpo_results[layout]["losses"][0] == pytest.approx(np.log(2))  # the policy starts as its reference
+
+
+def test_the_planner_counts_dpos_two_forward_passes_without_gradients(pairs):
+    """A DPO step computes a forward pass (a third of a training step's flops) twice more: the reference's and the
+    policy's log-probabilities. Full recomputation adds its own rerun on top."""
+    from llmtrain.plan import Degrees
+    from llmtrain.planner.candidates import Candidate
+    from llmtrain.planner.cost import layout_cost
+    from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
+
+    def compute_seconds(*overrides: str) -> float:
+        cfg = compose_config([*_overrides(*pairs), "hardware=rtx4080x4", *overrides])
+        work = workload_for(cfg, 514, llmtrain_state_bytes(cfg, True))
+        return layout_cost(Candidate("single", Degrees()), work, machine_for(cfg, 1, 1, True)).compute_s
+
+    sft = ("data=sft", "train.micro_batch_size=2")
+    assert compute_seconds() == pytest.approx(compute_seconds(*sft) * 5 / 3)
+    recomputed = "train.activation_checkpointing=full"
+    assert compute_seconds(recomputed) == pytest.approx(compute_seconds(*sft, recomputed) * 6 / 4)
