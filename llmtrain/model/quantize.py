@@ -59,17 +59,13 @@ def base_weights(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
                 yield module, "weight"
 
 
-def quantize_base(model: nn.Module) -> int:
+def quantize_base(model: nn.Module) -> None:
     """Replace the frozen linear weights of `model`'s blocks by NF4 tensors of their shape (values come with
-    materialisation: quantized_piece); returns how many."""
-    to_nf4 = import_torchao(NF4_MODULE).to_nf4
-    count = 0
+    materialisation: quantized_piece)."""
     for module, attribute in list(base_weights(model)):
         weight = getattr(module, attribute)
-        nf4 = to_nf4(torch.empty(weight.shape, dtype=QUANTISED_FROM, device=weight.device), BLOCK, SCALER_BLOCK)
+        nf4 = empty_nf4(weight.shape[0], weight.shape[1], weight.device)
         setattr(module, attribute, nn.Parameter(nf4, requires_grad=False))
-        count += 1
-    return count
 
 
 def empty_nf4(rows: int, columns: int, device: torch.device) -> torch.Tensor:
