@@ -19,8 +19,10 @@ the values when the model is materialised (model/materialize.py).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -28,11 +30,23 @@ from torch import nn
 
 from llmtrain.optional import import_torchao
 
-NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+# Where torchao keeps NF4: since 0.18, and before (0.17, the GPU images' torchao for torch 2.11).
+NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 BLOCK = 64  # weights sharing one scale
 SCALER_BLOCK = 256  # scales sharing one int8 quantisation factor
 GROUP = BLOCK * SCALER_BLOCK  # the weights whose codes, scales and factor split together
 QUANTISED_FROM = torch.bfloat16
+
+
+@functools.cache
+def _nf4() -> ModuleType:
+    """torchao's NF4 module, wherever this torchao keeps it."""
+    for name in NF4_MODULES:
+        try:
+            return import_torchao(name)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"torchao keeps no NF4 tensor where llmtrain looks ({', '.join(NF4_MODULES)})")
 
 
 def nf4_bytes_per_weight(factor_bytes: int = 2) -> float:
@@ -71,7 +85,7 @@ def quantize_base(model: nn.Module) -> None:
 def empty_nf4(rows: int, columns: int, device: torch.device) -> torch.Tensor:
     """An NF4 tensor of shape (rows, columns) on `device`, its codes and scales allocated, not computed (allocation
     of a model whose values come next, or of a dry run's fake one: quantising would cost as much as the step)."""
-    nf4 = import_torchao(NF4_MODULE)
+    nf4 = _nf4()
     numel, dtype = rows * columns, QUANTISED_FROM
     shape = torch.Size((rows, columns))
     return nf4.nf4_constructor(
@@ -90,9 +104,9 @@ def empty_nf4(rows: int, columns: int, device: torch.device) -> torch.Tensor:
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether `tensor` (a parameter, or a DTensor's local part) is NF4: a check that imports nothing, for the many
     runs without torchao."""
-    module = sys.modules.get(NF4_MODULE)
     local = getattr(tensor, "_local_tensor", tensor)
-    return module is not None and isinstance(local, module.NF4Tensor)
+    modules = (sys.modules.get(name) for name in NF4_MODULES)
+    return any(module is not None and isinstance(local, module.NF4Tensor) for module in modules)
 
 
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,7 +118,7 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
 def quantized_piece(full: torch.Tensor, rows: int, first_row: int, device: torch.device) -> torch.Tensor:
     """Rows [first_row, first_row + rows) of the NF4 quantisation of the whole weight `full`, on `device`: every
     rank quantises the same whole tensor and keeps its rows (the module docstring says why)."""
-    nf4 = import_torchao(NF4_MODULE).to_nf4(full.to(device, QUANTISED_FROM), BLOCK, SCALER_BLOCK)
+    nf4 = _nf4().to_nf4(full.to(device, QUANTISED_FROM), BLOCK, SCALER_BLOCK)
     if rows == full.shape[0]:
         return nf4
     return torch.split(nf4, rows)[first_row // rows]

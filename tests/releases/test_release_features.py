@@ -1,6 +1,6 @@
 """The release tier's second layout group (tests/releases/test_releases.py says what the tier is): context and expert
 parallelism, and features whose torch APIs move between releases: float8 all-gathers with 8-bit moments under FSDP,
-packed documents over the ring, experts over ranks, low-rank adapters over a frozen base."""
+packed documents over the ring, experts over ranks, low-rank adapters over a frozen NF4 base (QLoRA) in bf16."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ FEATURE_LAYOUTS = [
     "train.float8=tensorwise train.float8_layers=all optim.state_bits=8 parallel=fsdp",
     f"{DOCUMENTS} parallel=fsdp parallel.cp=2",
     "model=moe-tiny parallel=fsdp parallel.ep=2",
-    "model=llama-tiny model.lora.rank=4 parallel=fsdp",
+    # QLoRA in bf16: NF4's FSDP all-gather extension beside FSDP's mixed precision, with the frozen rest held in bf16
+    "model=llama-tiny model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 model.lora.rank=4 "
+    "model.quantize_base=nf4 train.precision=bf16 parallel=fsdp",
 ]
 
 
