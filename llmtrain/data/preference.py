@@ -16,9 +16,10 @@ train.micro_batch_size, which the config's check asks for).
 from __future__ import annotations
 
 import numpy as np
+import torch.distributed as dist
 
 from llmtrain.data.packing import untrained
-from llmtrain.data.sft import starts_with
+from llmtrain.data.sft import RENDER_BATCH, is_message, starts_with
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
 
@@ -44,10 +45,7 @@ def pair_of(record: object, where: str) -> dict[str, list[dict]]:
             if isinstance(value, dict)
             else value
         )
-    messages = [m for part in pair.values() for m in part] if isinstance(pair["prompt"], list) else []
-    if not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages
-    ):
+    if not all(isinstance(part, list) and part and all(is_message(m) for m in part) for part in pair.values()):
         raise ConfigError(f"{where}: the prompt and answers need text or messages with a `role` and a text `content`")
     if not all(m["role"] == "assistant" for answer in ANSWERS for m in pair[answer]):
         raise ConfigError(f"{where}: `chosen` and `rejected` are the assistant's answers: give them the assistant role")
@@ -56,21 +54,34 @@ def pair_of(record: object, where: str) -> dict[str, list[dict]]:
 
 def tokenized_pairs(pairs: list[dict[str, list[dict]]], tokenizer: Tokenizer, backend, what: str) -> list[np.ndarray]:
     """Each pair's two answers after its prompt, in order (chosen, rejected, chosen, ...), the answers' tokens
-    trained and the prompt's untrained."""
-    texts = []
-    for pair in pairs:
-        texts.append(backend.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True))
-        texts.extend(backend.apply_chat_template(pair["prompt"] + pair[a], tokenize=False) for a in ANSWERS)
-    encoded = tokenizer.encode_batch(texts)
-    marked = []
-    for i in range(len(pairs)):
-        prompt, *answers = encoded[3 * i : 3 * i + 3]
-        for answer in answers:
-            if not starts_with(answer, prompt) or len(answer) == len(prompt):
-                raise ConfigError(
-                    f"{what}, pair {i}: the chat template renders the prompt differently before an answer than with "
-                    f"its generation prompt (or the answer is empty), so the answer's tokens cannot be told apart: "
-                    f"use a template that renders turn by turn"
-                )
-            marked.append(np.concatenate([untrained(answer[: len(prompt)]), answer[len(prompt) :]]))
+    trained and the prompt's untrained; rendered and encoded in batches, with a progress bar on the first rank when
+    there are many."""
+    from tqdm import tqdm
+
+    marked: list[np.ndarray] = []
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    show = first_rank and len(pairs) > 4 * RENDER_BATCH
+    with tqdm(total=len(pairs), desc=f"tokenising {what}", unit=" pairs", disable=not show) as bar:
+        for start in range(0, len(pairs), RENDER_BATCH):
+            chunk = pairs[start : start + RENDER_BATCH]
+            texts = []
+            for pair in chunk:
+                texts.append(backend.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True))
+                texts.extend(backend.apply_chat_template(pair["prompt"] + pair[a], tokenize=False) for a in ANSWERS)
+            encoded = tokenizer.encode_batch(texts)
+            for i in range(len(chunk)):
+                prompt, *answers = encoded[3 * i : 3 * i + 3]
+                marked.extend(_answer_marked(answer, prompt, f"{what}, pair {start + i}") for answer in answers)
+            bar.update(len(chunk))
     return marked
+
+
+def _answer_marked(answer: np.ndarray, prompt: np.ndarray, where: str) -> np.ndarray:
+    """An answer's window: its prompt's tokens untrained, then its own trained."""
+    if not starts_with(answer, prompt) or len(answer) == len(prompt):
+        raise ConfigError(
+            f"{where}: the chat template renders the prompt differently before an answer than with its generation "
+            f"prompt (or the answer is empty), so the answer's tokens cannot be told apart: use a template that "
+            f"renders turn by turn"
+        )
+    return np.concatenate([untrained(answer[: len(prompt)]), answer[len(prompt) :]])

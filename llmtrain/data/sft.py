@@ -63,11 +63,16 @@ def _messages_of(record: object, where: str) -> list[dict]:
             f"{where} is not a conversation (fields: {fields}): give each record `messages: [{{role, content}}, ...]` "
             f"or `prompt` with `response`"
         )
-    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages):
+    if not all(is_message(m) for m in messages):
         raise ConfigError(f"{where}: each message needs a `role` and a text `content`: fix that record")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where} has no assistant turn, so nothing of it would be trained: remove it or answer it")
     return messages
+
+
+def is_message(message: object) -> bool:
+    """Whether `message` is a chat message: a `role` and a text `content`."""
+    return isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message
 
 
 def _records_of_file(path: str, key: str) -> Iterator[tuple[str, object]]:

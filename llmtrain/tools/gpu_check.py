@@ -136,10 +136,11 @@ ROWWISE_EVERYWHERE = ("train.float8=rowwise", "train.float8_layers=all")
 def single_gpu_checks(llama: list[str], whole_llama: list[str]) -> list[Check]:
     """In the order they run: first what only a GPU shows and the run's own layouts had never run on one (one-rank
     FSDP over NCCL with each optimizer, mixture and float8, a float8 FSDP resume, the step's device syncs, ring
-    attention's kernels, compiled bf16's MFU), each after its reference; then the rest. bf16 eager without
-    activation checkpointing is the reference of most. A budget (--budget) cuts the tail. `llama`: the overrides
-    of the Llama rows' model; `whole_llama`: those of the row whose MFU is held to MFU_TARGETS."""
+    attention's kernels, compiled bf16's MFU, QLoRA's NF4 base), each after its reference; then the rest. bf16
+    eager without activation checkpointing is the reference of most. A budget (--budget) cuts the tail. `llama`:
+    the overrides of the Llama rows' model; `whole_llama`: those of the row whose MFU is held to MFU_TARGETS."""
     experts = ["model.moe.num_experts=8", "model.moe.every=2"]
+    adapters, nf4 = ["model.lora.rank=16"], ["model.quantize_base=nf4"]
     n = LOW_PRECISION_STEPS
     fsdp = "parallel=fsdp"
     float8_saved = Check("fsdp float8 save", [fsdp, "train.float8=tensorwise", "checkpoint.every=5"], nproc=1)
@@ -216,6 +217,11 @@ def single_gpu_checks(llama: list[str], whole_llama: list[str]) -> list[Check]:
             steps=n,  # the reference's learning-rate schedule
             speed=True,
         ),
+        # QLoRA: adapters over torchao's NF4 base (each matmul dequantises its weight on the GPU) against the same
+        # adapters over a bf16 base, then under one-rank FSDP, whose all-gather moves the NF4 codes and scales
+        Check("lora", [*adapters, "train.precision=bf16"], speed=True),
+        Check("qlora", [*adapters, *nf4, "train.precision=bf16"], reference="lora", tolerance=0.03, speed=True),
+        Check("fsdp qlora 1 rank", [fsdp, *adapters, *nf4], reference="qlora", tolerance=0.03, nproc=1),
     ]
     rest = [Check("fp32", ["train.precision=fp32"], reference="bf16", tolerance=0.03)]
     for compiled in (False, True):
@@ -273,6 +279,7 @@ SPEED_TARGETS: list[tuple[str, str, float | None]] = [
     ("muon", "bf16", None),
     ("moe eager", "bf16", None),
     ("dropout compiled", "compiled none", None),
+    ("qlora", "lora", None),  # what dequantising the base each matmul costs against a bf16 base
 ]
 # Model FLOPs utilisation a row is held to: llama3.2-1b whole, bf16 compiled at sequence 2,048.
 MFU_TARGETS = {"llama3.2-1b": 0.45}

@@ -64,6 +64,8 @@ def test_a_pair_is_its_prompt_as_context_then_each_answer_trained(pairs):
 def test_bad_pairs_and_settings_are_refused_in_one_line(pairs, tmp_path):
     with pytest.raises(ConfigError, match=r"record 7 is not a preference pair \(fields: prompt, chosen\)"):
         pair_of({"prompt": "a", "chosen": "b"}, "record 7")
+    with pytest.raises(ConfigError, match="record 9: the prompt and answers need text or messages"):
+        pair_of({"prompt": "a", "chosen": 5, "rejected": "c"}, "record 9")
     with pytest.raises(ConfigError, match="`chosen` and `rejected` are the assistant's answers"):
         pair_of({"prompt": "a", "chosen": {"role": "user", "content": "b"}, "rejected": "c"}, "record 8")
     base = _overrides(*pairs)
