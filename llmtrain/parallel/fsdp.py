@@ -51,6 +51,9 @@ def apply_fsdp(
     if param_dtype is not None:
         hold_frozen_in(model, param_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Over one shard FSDP gathers nothing, and torch 2.13's one-shard path copies only the first of a tensor
+    # subclass's all-gather inputs (NF4 has three): NF4 weights then stay whole, outside FSDP, as they would be.
+    whole = {param for param in model.parameters() if is_nf4(param)} if shards_of(mesh) == 1 else None
 
     def shard(modules: nn.Module | list[nn.Module], on: DeviceMesh, reshard: bool) -> None:
         fully_shard(
@@ -60,6 +63,7 @@ def apply_fsdp(
             mp_policy=mixed,
             offload_policy=offload,
             shard_placement_fn=experts_placement(modules, on),
+            ignored_params=whole,
         )
 
     blocks = list(model.blocks.values())

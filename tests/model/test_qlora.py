@@ -179,3 +179,38 @@ def test_the_planner_fits_llama_8b_qlora_on_one_16_gb_card_where_bf16_lora_does_
     assert layout_cost(Candidate("fsdp", Degrees(dp_shard=4)), work, machine).fits
     offered = enumerate_candidates(4, 4, cfg.model, cfg.train, "all", "1f1b")
     assert offered and all(candidate.degrees.tp == 1 for candidate in offered)
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp_over_one_rank_steps_as_one_process():
+    """Over one shard FSDP gathers nothing, so the NF4 weights stay whole, outside it (torch 2.13's one-shard path
+    would copy only the first of NF4's three all-gather inputs): the step's loss and the adapters' gradients are
+    one process's."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.job import build_parallel_model
+    from llmtrain.runtime import Runtime
+
+    widths = ["model.d_model=256", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=512", "model.n_layer=2"]
+    one_process = Runtime(rank=0, world_size=1, local_rank=0, device=CPU, launcher="none")
+    tokens = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    micro_batches = [(tokens[:, :-1], tokens[:, 1:])]
+    steps = {}
+    for layout in ("single", "fsdp"):
+        config = compose_config(["model=llama-tiny", *widths, "model.lora.rank=4", "model.quantize_base=nf4",
+                                 f"parallel={layout}", "train.micro_batch_size=4", "train.batch_size=4"])  # fmt: skip
+        model = build_parallel_model(OmegaConf.to_object(config), one_process, 257)
+        with torch.no_grad():  # adapters off zero, so that every one has a gradient (one shard: the whole tensor)
+            for name, param in model.module.named_parameters():
+                if name.endswith("lora_b"):
+                    value = torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.02
+                    getattr(param, "_local_tensor", param).copy_(value)
+        loss = model.forward_backward(micro_batches)
+        grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for name, p in model.module.named_parameters() if p.grad is not None}  # fmt: skip
+        steps[layout] = (loss.item(), grads, sum(is_nf4(p) for p in model.module.parameters()))
+    (loss, grads, nf4), (fsdp_loss, fsdp_grads, fsdp_nf4) = steps["single"], steps["fsdp"]
+    assert nf4 == fsdp_nf4 == 14 and fsdp_loss == pytest.approx(loss, rel=1e-6)
+    assert grads.keys() == fsdp_grads.keys() and all(
+        torch.allclose(fsdp_grads[name], grad, rtol=1e-5, atol=1e-7) for name, grad in grads.items()
+    )
