@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
@@ -180,6 +181,11 @@ class ParallelModel:
         Gathered one tensor at a time: the other ranks drop each one as soon as it is gathered. An NF4 base
         (model.quantize_base) is written dequantised, as the model computes with it: any unsplit model loads it."""
         state = self.executor.full_state_dict()
+        # NF4 shards are gathered part by part through functional collectives that nothing waits for by name;
+        # gloo's barrier waits for every collective of its group issued before it, so none is left in flight
+        for group in {id(p.device_mesh): p.device_mesh.get_group() for p in self.module.parameters()
+                      if is_nf4(p) and isinstance(p, DTensor)}.values():  # fmt: skip
+            dist.barrier(group=group)
         return None if state is None else {name: dequantized(tensor) for name, tensor in state.items()}
 
     def model_and_optimizer_state(self) -> tuple[dict, dict]:
