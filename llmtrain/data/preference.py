@@ -16,10 +16,9 @@ train.micro_batch_size, which the config's check asks for).
 from __future__ import annotations
 
 import numpy as np
-import torch.distributed as dist
 
 from llmtrain.data.packing import untrained
-from llmtrain.data.sft import RENDER_BATCH, is_message, starts_with
+from llmtrain.data.sft import is_message, rendered_and_marked, starts_with
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
 
@@ -54,26 +53,17 @@ def pair_of(record: object, where: str) -> dict[str, list[dict]]:
 
 def tokenized_pairs(pairs: list[dict[str, list[dict]]], tokenizer: Tokenizer, backend, what: str) -> list[np.ndarray]:
     """Each pair's two answers after its prompt, in order (chosen, rejected, chosen, ...), the answers' tokens
-    trained and the prompt's untrained; rendered and encoded in batches, with a progress bar on the first rank when
-    there are many."""
-    from tqdm import tqdm
+    trained and the prompt's untrained."""
 
-    marked: list[np.ndarray] = []
-    first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    show = first_rank and len(pairs) > 4 * RENDER_BATCH
-    with tqdm(total=len(pairs), desc=f"tokenising {what}", unit=" pairs", disable=not show) as bar:
-        for start in range(0, len(pairs), RENDER_BATCH):
-            chunk = pairs[start : start + RENDER_BATCH]
-            texts = []
-            for pair in chunk:
-                texts.append(backend.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True))
-                texts.extend(backend.apply_chat_template(pair["prompt"] + pair[a], tokenize=False) for a in ANSWERS)
-            encoded = tokenizer.encode_batch(texts)
-            for i in range(len(chunk)):
-                prompt, *answers = encoded[3 * i : 3 * i + 3]
-                marked.extend(_answer_marked(answer, prompt, f"{what}, pair {start + i}") for answer in answers)
-            bar.update(len(chunk))
-    return marked
+    def render(pair: dict[str, list[dict]]) -> list[str]:  # the prompt with its generation prompt, then each answer
+        prompt = backend.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True)
+        return [prompt, *(backend.apply_chat_template(pair["prompt"] + pair[a], tokenize=False) for a in ANSWERS)]
+
+    def mark(encoded: list[np.ndarray], where: str) -> list[np.ndarray]:
+        prompt, *answers = encoded
+        return [_answer_marked(answer, prompt, where) for answer in answers]
+
+    return rendered_and_marked(pairs, tokenizer, render, mark, what, "pair")
 
 
 def _answer_marked(answer: np.ndarray, prompt: np.ndarray, where: str) -> np.ndarray:

@@ -190,20 +190,34 @@ def starts_with(tokens: np.ndarray, prefix: np.ndarray) -> bool:
 
 def tokenized(conversations: list[list[dict]], tokenizer: Tokenizer, backend, what: str) -> list[np.ndarray]:
     """The conversations' samples (`_marked`: one a conversation, or one an assistant turn), their tokens marked (the
-    assistant's trained), rendered and encoded in batches (with a progress bar on the first rank when there are
-    many)."""
+    assistant's trained)."""
+    return rendered_and_marked(
+        conversations, tokenizer, lambda messages: _renders(backend, messages), _marked, what, "conversation"
+    )
+
+
+def rendered_and_marked(
+    items: list[T],
+    tokenizer: Tokenizer,
+    render: Callable[[T], list[str]],
+    mark: Callable[[list[np.ndarray], str], list[np.ndarray]],
+    what: str,
+    unit: str,
+) -> list[np.ndarray]:
+    """The samples `mark` makes of each item's renders' tokens (given where the item is), rendered and encoded in
+    batches of RENDER_BATCH items, with a progress bar on the first rank when there are many."""
     from tqdm import tqdm
 
     result: list[np.ndarray] = []
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    show = first_rank and len(conversations) > 4 * RENDER_BATCH
-    with tqdm(total=len(conversations), desc=f"tokenising {what}", unit=" conversations", disable=not show) as bar:
-        for start in range(0, len(conversations), RENDER_BATCH):
-            chunk = conversations[start : start + RENDER_BATCH]
-            renders = [_renders(backend, messages) for messages in chunk]
+    show = first_rank and len(items) > 4 * RENDER_BATCH
+    with tqdm(total=len(items), desc=f"tokenising {what}", unit=f" {unit}s", disable=not show) as bar:
+        for start in range(0, len(items), RENDER_BATCH):
+            chunk = items[start : start + RENDER_BATCH]
+            renders = [render(item) for item in chunk]
             encoded = iter(tokenizer.encode_batch([text for texts in renders for text in texts]))
             for i, texts in enumerate(renders):
-                result.extend(_marked([next(encoded) for _ in texts], f"{what}, conversation {start + i}"))
+                result.extend(mark([next(encoded) for _ in texts], f"{what}, {unit} {start + i}"))
             bar.update(len(chunk))
     return result
 

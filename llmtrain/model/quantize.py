@@ -60,26 +60,24 @@ def quantizable(weight: torch.Tensor) -> bool:
     return weight.ndim == 2 and weight.numel() % GROUP == 0
 
 
-def base_weights(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
-    """(module, "weight") of each frozen linear weight in `model`'s blocks NF4 holds (not the routers, whose few
-    weights choose experts: kept exact, as QLoRA keeps every layer outside the blocks)."""
+def base_linears(model: nn.Module) -> Iterator[nn.Linear]:
+    """The linear layers in `model`'s blocks whose frozen weight NF4 holds (not the routers, whose few weights choose
+    experts: kept exact, as QLoRA keeps every layer outside the blocks)."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         return
     for name, module in blocks.named_modules():
         if isinstance(module, nn.Linear) and not name.endswith("router"):
-            weight = module.weight
-            if not weight.requires_grad and quantizable(weight):
-                yield module, "weight"
+            if not module.weight.requires_grad and quantizable(module.weight):
+                yield module
 
 
 def quantize_base(model: nn.Module) -> None:
     """Replace the frozen linear weights of `model`'s blocks by NF4 tensors of their shape (values come with
     materialisation: quantized_piece)."""
-    for module, attribute in list(base_weights(model)):
-        weight = getattr(module, attribute)
-        nf4 = empty_nf4(weight.shape[0], weight.shape[1], weight.device)
-        setattr(module, attribute, nn.Parameter(nf4, requires_grad=False))
+    for linear in list(base_linears(model)):
+        rows, columns = linear.weight.shape
+        linear.weight = nn.Parameter(empty_nf4(rows, columns, linear.weight.device), requires_grad=False)
 
 
 def empty_nf4(rows: int, columns: int, device: torch.device) -> torch.Tensor:
