@@ -25,15 +25,18 @@ from warm_python import ADDRESS
 from harness.paths import REPO, WORKERS
 
 
-def free_port(low: int = 0, high: int = 0) -> int:
-    """A port nobody listens on: any (low=high=0) or one in [low, high)."""
-    for candidate in [0] if high == 0 else random.sample(range(low, high), 200):
+def free_port(low: int = 20000, high: int = 32768) -> int:
+    """A port nobody listens on, in [low, high). The default range lies below Linux's ephemeral ports (32768 up):
+    a port the kernel handed out as free may be taken as the local end of another process's connection before the
+    launcher that was given it binds it (seconds later, after torchrun's start-up), and two "nodes" meeting there
+    then both fail to host or reach the rendezvous store."""
+    for candidate in random.sample(range(low, high), 200):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", candidate))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            return candidate
     raise RuntimeError("no free port")
 
 

@@ -57,7 +57,7 @@ def test_torchrun_environment():
 def test_srun_environment_without_torchrun(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    job_id = 20000 * 7 + free_port(20000, 40000) - 20000  # the runtime derives port 20000 + job_id % 20000
+    job_id = 20000 * 7 + free_port() - 20000  # the runtime derives port 20000 + job_id % 20000
     env = {
         "SLURM_PROCID": "{rank}",
         "SLURM_LOCALID": "{rank}",
