@@ -1,25 +1,43 @@
 """The planner's per-rank memory and traffic beside the dry run's, over a grid of layouts x families x
 recomputation x world sizes (llmtrain/tools/dry_run.py: training's own build and steps on fake tensors).
 
-    python -m llmtrain.bench.planner_vs_dry_run                  # the grid below, a table of measured / planned
-    python -m llmtrain.bench.planner_vs_dry_run --quick out.json # the part tests/planner/test_planner.py holds the
-    planner to
+    python -m llmtrain.bench.planner_vs_dry_run grid.json        # the whole grid (~460 dry runs), its table
+    python -m llmtrain.bench.planner_vs_dry_run --sample 20261205:6  # 6 points of it drawn with a seed
+    python -m llmtrain.bench.planner_vs_dry_run --replan grid.json   # those rows against today's planner
+    python -m llmtrain.bench.planner_vs_dry_run --quick          # 7 points
 
-Each row is one dry run (rank 0 of the world size, and for pipelines also the last rank); the columns are the
-planner's error per kind of memory at the step's peak (parameters, gradients, optimizer state, activations and
-temporaries, the peak) and per collective's bytes, as planned / measured - 1.
+The grid: every layout family the dry run runs (fsdp, zero2, hsdp, tp and fsdp_tp with and without sequence
+parallelism, pp under GPipe and 1F1B, pp_fsdp under every schedule, 3d, fsdp with context and with expert
+parallelism) x GPT-2's, Llama's and Mixtral's families x no, selective and full recomputation x 4, 64 and 1,024
+ranks, where training accepts the combination. Each row is one dry run (rank 0, and for pipelines also the last
+rank); the columns are the planner's error per kind of memory at the step's peak (parameters, gradients, optimizer
+state, activations and temporaries, the peak) and per collective's bytes, as planned / measured - 1. Then per
+layout family each term's median |error| and worst error, and the points outside the bounds the tests hold
+(tests/planner/test_dry_run.py draws a sample of the grid each day).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
+import math
+import multiprocessing
+import random
+import statistics
+import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
-from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.tools.dry_run import dry_run, dry_run_config
+from omegaconf import OmegaConf
+
+from llmtrain.config import RootConfig
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet
+from llmtrain.planner.auto import auto_plans
+from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, choose
+from llmtrain.tools import compose_config
+from llmtrain.tools.dry_run import GPT2_VOCABULARY, dry_run, dry_run_config, planned_for, ranks_to_run
 
 KINDS = ("parameters", "gradients", "optimizer state", "activations and temporaries")
 # Models whose activations outweigh their states at these shapes: GPT-2's family (learned positions, LayerNorm,
@@ -31,17 +49,35 @@ FAMILIES = {
 }
 SHAPE_LAYERS = 4
 SHAPE = [f"model.n_layer={SHAPE_LAYERS}", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
+# Every layout family the dry run runs. Pipelines of one stage per rank run as deep as the model (pp = ranks), the
+# schedules with two stages per rank as pp_fsdp (pp 2 over 4 stages).
+TWO_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 LAYOUTS = {
     "fsdp": ["parallel=fsdp"],
     "zero2": ["parallel=zero2"],
     "hsdp": ["parallel=hsdp", "parallel.dp_shard=2"],
+    "tp": ["parallel=tp", "parallel.sequence_parallel=true"],
+    "tp no sp": ["parallel=tp"],
     "fsdp_tp": ["parallel=fsdp_tp", "parallel.tp=2"],
     "fsdp_tp no sp": ["parallel=fsdp_tp", "parallel.tp=2", "parallel.sequence_parallel=false"],
     "pp gpipe": ["parallel=pp", "parallel.pp_schedule=gpipe"],
+    "pp 1f1b": ["parallel=pp", "parallel.pp_schedule=1f1b"],
     "pp_fsdp": ["parallel=pp_fsdp", "parallel.pp=2"],
+    **{
+        f"pp_fsdp {schedule}": [
+            "parallel=pp_fsdp",
+            "parallel.pp=2",
+            f"parallel.pp_schedule={schedule}",
+            "parallel.pp_stages_per_rank=2",
+        ]
+        for schedule in TWO_STAGE_SCHEDULES
+    },
     "3d": ["parallel=3d", "parallel.pp=2", "parallel.tp=2"],
+    "fsdp cp2": ["parallel=fsdp", "parallel.cp=2"],
     "fsdp ep2": ["parallel=fsdp", "parallel.ep=2"],
 }
+RECOMPUTES = ("none", "selective", "full")
+WORLD_SIZES = (4, 64, 1024)
 
 
 @dataclass(frozen=True)
@@ -53,7 +89,9 @@ class Point:
     rank: int = 0  # a pipeline's first stage holds the most micro-batches in flight, its last the logits
 
     def overrides(self) -> list[str]:
-        batch = 2 * self.world_size  # one micro-batch of 2 rows per data-parallel rank, or more
+        # one micro-batch of 2 rows per data-parallel rank, or more; the schedules of two stages per rank need as
+        # many micro-batches as stages
+        batch = 2 * self.world_size * (2 if self.layout.split()[-1] in TWO_STAGE_SCHEDULES else 1)
         return [
             *LAYOUTS[self.layout],
             *FAMILIES[self.family],
@@ -74,35 +112,130 @@ def grid(quick: bool) -> list[Point]:
             *(Point("3d", "llama", "selective", 8, rank) for rank in (0, 7)),
             Point("fsdp ep2", "mixtral", "none", 4),
         ]
-    recomputes, worlds = ("none", "selective", "full"), (4, 64)
-    points = [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, recomputes, worlds) if _runs(Point(*p))]
-    return points + [replace(p, rank=p.world_size - 1) for p in points if "pp" in p.layout or p.layout == "3d"]
+    points = [point for point in combinations() if runs(point)]
+    return points + [replace(p, rank=p.world_size - 1) for p in points if pipelined(p)]
 
 
-def _runs(point: Point) -> bool:
-    """What the harness accepts: a pipeline stage per rank at least; experts (only Mixtral's family has them)
-    spread over ranks only without selective recomputation."""
-    if point.layout == "pp gpipe":
-        return point.world_size <= SHAPE_LAYERS
-    if "ep" in point.layout:
-        return point.family == "mixtral" and point.recompute != "selective"
+def combinations() -> list[Point]:
+    """Every layout x family x recomputation x world size, whether training accepts it or not (cheap to list)."""
+    return [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, RECOMPUTES, WORLD_SIZES)]
+
+
+def sample(seed: int, count: int) -> list[Point]:
+    """`count` points of the whole grid drawn with `seed`: a pipeline at its first or last rank."""
+    draw = random.Random(seed)
+    points = combinations()
+    draw.shuffle(points)
+    chosen: list[Point] = []
+    for point in points:
+        if len(chosen) == count:
+            break
+        if runs(point):
+            last = pipelined(point) and draw.random() < 0.5
+            chosen.append(replace(point, rank=point.world_size - 1) if last else point)
+    return chosen
+
+
+def pipelined(point: Point) -> bool:
+    return point.layout.startswith("pp") or point.layout == "3d"
+
+
+def runs(point: Point) -> bool:
+    """What training accepts (llmtrain/plan.py's checks, as a dry run's config makes them); experts in Mixtral's
+    family only; the schedules of two stages per rank up to 64 ranks (at 1,024 they repeat pp_fsdp's sharding)."""
+    if "ep" in point.layout and point.family != "mixtral":
+        return False
+    if point.layout.split()[-1] in TWO_STAGE_SCHEDULES and point.world_size > 64:
+        return False
+    try:
+        dry_run_config(point.overrides())
+    except ConfigError:
+        return False
     return True
 
 
 def compare(point: Point) -> dict[str, Any]:
-    result = dry_run(dry_run_config(point.overrides()), point.rank)
-    planned = result["planned"]
-    errors = {kind: _error(planned[kind], result["kinds"][kind]) for kind in KINDS}
-    errors["peak"] = _error(planned["peak"], result["peak"])
-    for op, nbytes in result["bytes"].items():
-        errors[op] = _error(planned["bytes"].get(op, 0), nbytes)
-    return {
+    """The planner's error on `point`; a layout the dry run finds failing is a row with its one-line error."""
+    try:
+        result = dry_run(dry_run_config(point.overrides()), point.rank)
+    except ConfigError as error:
+        return {"point": point.__dict__, "error": str(error)}
+    row = {
         "point": point.__dict__,
-        "errors": errors,
+        "pp_rank": result["pp_rank"],
         "measured": result["kinds"],
+        "measured_peak": result["peak"],
         "measured_bytes": result["bytes"],
-        "planned": planned,
     }
+    return with_errors(row, result["planned"])
+
+
+def compare_all(points: list[Point], jobs: int) -> list[dict[str, Any]]:
+    """`compare` on every point, `jobs` at a time in processes of their own, with a progress line per point."""
+    if jobs == 1:
+        rows = []
+        for number, point in enumerate(points, 1):
+            print(f"[{number}/{len(points)}] {point}", file=sys.stderr, flush=True)
+            rows.append(compare(point))
+        return rows
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(compare, point): index for index, point in enumerate(points)}
+        done: dict[int, dict[str, Any]] = {}
+        for future in concurrent.futures.as_completed(futures):
+            done[futures[future]] = future.result()
+            print(f"[{len(done)}/{len(points)}] {points[futures[future]]}", file=sys.stderr, flush=True)
+    return [done[index] for index in range(len(points))]
+
+
+def with_errors(row: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
+    """`row`'s measurements beside `planned` (the dry run's `planned`), as planned / measured - 1 per kind."""
+    errors = {kind: _error(planned[kind], row["measured"][kind]) for kind in KINDS}
+    errors["peak"] = _error(planned["peak"], row["measured_peak"])
+    for op, nbytes in row["measured_bytes"].items():
+        errors[op] = _error(planned["bytes"].get(op, 0), nbytes)
+    return {**row, "planned": planned, "errors": errors}
+
+
+def replan(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of an earlier run (its JSON output) against the planner as it is now, without dry-running again:
+    a planner change checked over the whole grid in seconds."""
+    replanned = []
+    for row in rows:
+        if "error" in row:
+            replanned.append(row)
+            continue
+        config = dry_run_config(Point(**row["point"]).overrides())
+        planned = planned_for(config, config.model.vocab_size or GPT2_VOCABULARY, row["pp_rank"])
+        replanned.append(with_errors(row, planned))
+    return replanned
+
+
+def auto_pick(point: Point, plannable_share: float = 0.5) -> dict[str, Any]:
+    """parallel=auto for `point`'s model, batch and recomputation on `point.world_size` ranks of 8 per node, on a
+    device whose memory binds: the planner's peak of the layout `plannable_share` of the way up its candidates'
+    peaks fits, with the planner's error bound kept free (cost.PEAK_ERROR_BOUND). The pick is dry-run at every
+    pipeline stage; returns the pick, the usable memory and the largest peak measured (None: nothing fits)."""
+    common = [*FAMILIES[point.family], *SHAPE, f"train.batch_size={2 * point.world_size}",
+              f"train.activation_checkpointing={point.recompute}", "hardware=h100x8"]  # fmt: skip
+    config = cast(RootConfig, OmegaConf.to_object(compose_config([*common, "parallel=fsdp"])))
+    vocab, ranks_per_node = config.model.vocab_size or GPT2_VOCABULARY, min(8, point.world_size)
+    plans, machine = auto_plans(config, point.world_size, ranks_per_node, vocab, True, config.parallel.pp_schedule)
+    peaks = sorted(plan.heaviest.total for plan in plans)
+    plannable = peaks[min(len(peaks) - 1, int(plannable_share * len(peaks)))]
+    usable = plannable / (1 - PEAK_ERROR_BOUND)
+    memory_gib = (usable + machine.reserved_bytes) / GIB
+    machine = replace(machine, memory_bytes=memory_gib * GIB)
+    decision = choose([replace(plan, fits=plan.heaviest.total <= machine.plannable_bytes) for plan in plans], machine)
+    result: dict[str, Any] = {"point": point.__dict__, "usable": machine.usable_bytes, "pick": None, "peak": None}
+    if decision.chosen is None:
+        return result
+    pick = decision.chosen.candidate.command_line().split()
+    dry = dry_run_config([*common, *pick, f"hardware.device_memory_gib={memory_gib}",
+                          f"dry_run.world_size={point.world_size}"])  # fmt: skip
+    measured = [dry_run(dry, rank)["peak"] for rank in ranks_to_run(dry)]
+    result.update(pick=" ".join(pick), planned=decision.chosen.heaviest.total, peak=max(measured))
+    return result
 
 
 def _error(planned: float, measured: float) -> float:
@@ -112,27 +245,89 @@ def _error(planned: float, measured: float) -> float:
     return planned / measured - 1
 
 
+SUMMARY_TERMS = ("peak", "activations and temporaries", "parameters", "optimizer state", "all_gather",
+                 "reduce_scatter", "all_reduce")  # fmt: skip
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     columns = [*KINDS, "peak", "all_gather", "reduce_scatter", "all_reduce"]
     short = {"optimizer state": "optimizer", "activations and temporaries": "activations"}
     lines = [
-        f"{'layout':14}{'family':8}{'recompute':11}{'ranks':>6}{'rank':>6}"
-        + "".join(f"{short.get(c, c):>16}" for c in columns)
+        f"{'layout':26}{'family':8}{'recompute':11}{'ranks':>6}{'rank':>6}"
+        + "".join(f"{short.get(c, c):>13}" for c in columns)
     ]
     for row in rows:
-        p, e = row["point"], row["errors"]
-        cells = "".join(f"{e[c]:+16.1%}" if c in e else f"{'':>16}" for c in columns)
-        lines.append(f"{p['layout']:14}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{p['rank']:6d}{cells}")
+        p = row["point"]
+        where = f"{p['layout']:26}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{p['rank']:6d}"
+        if "error" in row:
+            lines.append(f"{where}  {row['error']}")
+            continue
+        e = row["errors"]
+        lines.append(where + "".join(f"{e[c]:+13.1%}" if c in e else f"{'':>13}" for c in columns))
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per layout family and over the grid, each term's median |error| and its worst error (planned / measured -
+    1), as a markdown table; then how many points fall outside the bounds the tests hold the grid to."""
+    measured = [row for row in rows if "error" not in row]
+    families: dict[str, list[dict[str, Any]]] = {}
+    for row in measured:
+        families.setdefault(row["point"]["layout"], []).append(row)
+    lines = [
+        "| layout | points | " + " | ".join(SUMMARY_TERMS) + " |",
+        "|---|---|" + "---|" * len(SUMMARY_TERMS),
+    ]
+    for name, group in [*families.items(), ("all", measured)]:
+        cells = [_median_and_worst([row["errors"].get(term) for row in group]) for term in SUMMARY_TERMS]
+        lines.append(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
+    outside = [row for row in measured if not holds(row)]
+    failed = len(rows) - len(measured)
+    lines.append(
+        f"\n{len(measured)} points measured ({failed} failed to build or step); {len(outside)} outside "
+        f"{PEAK_BOUND:.0%} of the peak or {ACTIVATIONS_BOUND:.0%} of activations"
+    )
+    return "\n".join(lines)
+
+
+def _median_and_worst(errors: list[float | None]) -> str:
+    found = [e for e in errors if e is not None and math.isfinite(e)]
+    if not found:
+        return ""
+    return f"{statistics.median(abs(e) for e in found):.1%}, {max(found, key=abs):+.1%}"
+
+
+# What tests/planner/test_dry_run.py holds every point of the grid to: the peak within the bound auto keeps free.
+PEAK_BOUND, ACTIVATIONS_BOUND = PEAK_ERROR_BOUND, 0.25
+
+
+def holds(row: dict[str, Any]) -> bool:
+    errors = row["errors"]
+    return abs(errors["peak"]) <= PEAK_BOUND and abs(errors["activations and temporaries"]) <= ACTIVATIONS_BOUND
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m llmtrain.bench.planner_vs_dry_run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="the small grid the tests run")
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.bench.planner_vs_dry_run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="the small grid of 7 points")
+    parser.add_argument("--sample", metavar="SEED:COUNT", help="COUNT points of the whole grid drawn with SEED")
+    parser.add_argument("--jobs", type=int, default=1, help="dry runs at once, each in a process of its own")
+    parser.add_argument("--replan", metavar="JSON", help="an earlier run's rows against today's planner (no dry run)")
     parser.add_argument("output", nargs="?", help="also write every row as JSON here")
     args = parser.parse_args()
-    rows = [compare(point) for point in grid(args.quick)]
+    if args.replan:
+        with open(args.replan, encoding="utf-8") as f:
+            rows = replan(json.load(f))
+    else:
+        if args.sample:
+            seed, count = (int(part) for part in args.sample.split(":"))
+            points = sample(seed, count)
+        else:
+            points = grid(args.quick)
+        rows = compare_all(points, args.jobs)
     print(table(rows))
+    print()
+    print(summary(rows))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

@@ -131,7 +131,8 @@ def experts_placement(
 ) -> Callable[[nn.Parameter], Shard | None] | None:
     """Where FSDP splits the expert weights under `modules` (E x d x f each): by expert (dim 0, FSDP's default)
     while every shard gets one, by their second dimension once the shards outnumber the experts, as torchtitan's
-    (split by expert, the ranks past the last expert would hold padding only, and the others whole experts).
+    (split by expert, the ranks past the last expert would hold padding only, and the others whole experts); FSDP
+    splits a dimension other than the first only evenly, so where the second does not divide, by expert.
     Tensor-parallel experts (DTensors already split along their width) stay split by expert. None (dim 0 for
     everything) where nothing changes."""
     shards = shards_of(mesh)
@@ -141,7 +142,7 @@ def experts_placement(
         for expert_module in part.modules()
         if isinstance(expert_module, Experts)
         for param in expert_module.parameters(recurse=False)
-        if param.shape[0] < shards and not isinstance(param, DTensor)
+        if param.shape[0] < shards and param.shape[1] % shards == 0 and not isinstance(param, DTensor)
     }
     if not by_columns:
         return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
-from llmtrain.planner.cost import GIB, Decision, LayoutCost, choose, layout_cost
+from llmtrain.planner.cost import GIB, Decision, LayoutCost, Machine, choose, layout_cost
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 
 
@@ -26,6 +26,15 @@ class AutoLayout:
 
 def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool, pp_schedule: str) -> Decision:
     """The planner's choice among every layout for this world, with the sizes llmtrain holds."""
+    plans, machine = auto_plans(cfg, world_size, ranks_per_node, vocab_size, bf16, pp_schedule)
+    return choose(plans, machine)
+
+
+def auto_plans(
+    cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16: bool, pp_schedule: str
+) -> tuple[list[LayoutCost], Machine]:
+    """Every layout parallel=auto weighs for this world (each also with smaller micro-batches and more
+    recomputation), planned with the sizes llmtrain holds, and the machine they are planned for."""
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", pp_schedule)
@@ -38,7 +47,7 @@ def auto_decision(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf
         )
     t = cfg.train
     variants = with_knobs(candidates, t.micro_batch_size, t.activation_checkpointing)
-    return choose([layout_cost(c, work, machine) for c in variants], machine)
+    return [layout_cost(c, work, machine) for c in variants], machine
 
 
 def auto_layout(cfg, parallel: ParallelConfig, world_size: int, ranks_per_node: int, vocab_size: int,

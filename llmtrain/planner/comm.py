@@ -43,7 +43,7 @@ from llmtrain.catalog import MOMENT_BYTES, schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
-from llmtrain.planner.memory import StepShape
+from llmtrain.planner.memory import StepShape, residual_bytes
 from llmtrain.planner.shapes import Holding
 
 # The ops a plan names, as comm_bench and the counter name them.
@@ -131,6 +131,10 @@ def tensor_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape
     if d.tp == 1:
         return traffic
     h, max_seq_len, bias = cfg.d_model, cfg.max_seq_len, cfg.bias
+    # bf16 where FSDP casts the weights; under autocast the residual stream and the norms' outputs, which these
+    # collectives carry into and out of the blocks, are fp32 (the projections' partial sums reduced with
+    # sequence parallelism are bf16)
+    stream = residual_bytes(candidate, sizes)
     activation = step.rows * step.seq_len // d.cp * h * sizes.compute
     exchanges = (4 * held.blocks + int(held.first) + int(held.last)) * k
     # A mixture's MLP all-reduces its routed slots (top_k per token) forward and their gradient backward, and
@@ -144,7 +148,8 @@ def tensor_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape
     regathers = 2 * held.blocks * k if step.recompute != "none" else 0
     rereduces = 2 * held.blocks * k if step.recompute == "full" else 0
     if candidate.sequence_parallel:
-        traffic.add("all_gather", (exchanges + regathers) * activation, exchanges + regathers)
+        gathered = (exchanges + regathers) * activation * stream / sizes.compute
+        traffic.add("all_gather", gathered, exchanges + regathers)
         exchanges -= 2 * held.mixtures * k
         traffic.add("reduce_scatter", (exchanges + rereduces) * activation, exchanges + rereduces)
         # replicated weights used on sequence shards: their partial gradients are summed once per step
@@ -155,7 +160,8 @@ def tensor_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape
         traffic.add("all_reduce", replicated * sizes.grad, norms * norm_tensors + positions)
     else:
         exchanges -= 2 * held.mixtures * k
-        traffic.add("all_reduce", (exchanges + rereduces) * activation, exchanges + rereduces)
+        reduced = (exchanges + rereduces) * activation * stream / sizes.compute
+        traffic.add("all_reduce", reduced, exchanges + rereduces)
     if held.last and candidate.loss_parallel:  # the loss on vocabulary shards: max, sum of exponentials, target
         traffic.add("all_reduce", 3 * step.rows * step.seq_len // d.cp * 4 * k, 3 * k)
     return traffic
@@ -170,8 +176,8 @@ def pipeline_traffic(candidate: Candidate, pp_rank: int, step: StepShape) -> Tra
     style = schedule_spec(candidate.pp_schedule).style
     n_stages = d.pp * candidate.pp_stages_per_rank
     h = cfg.d_model
-    residual_bytes = step.sizes.compute if candidate.spec.fsdp_shards(d.dp * d.cp) else 4
-    activation = step.rows * step.seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * residual_bytes
+    stream = residual_bytes(candidate, step.sizes)
+    activation = step.rows * step.seq_len // d.cp * h // (d.tp if candidate.sequence_parallel else 1) * stream
     stages = rank_stages(pp_rank, d.pp, candidate.pp_stages_per_rank, style)
     for stage in stages:
         if stage + 1 < n_stages and stage_rank(stage + 1, d.pp, style) != pp_rank:

@@ -44,6 +44,10 @@ from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
 
 GIB = 2**30
 TIE_TOLERANCE = 0.03
+# How far the planner's peak per rank may fall below the dry run's over llmtrain.bench.planner_vs_dry_run's grid
+# (tests/planner/test_dry_run.py holds it there): a layout fits when its planned peak leaves that much of the usable
+# memory free, so that what the pick really holds fits.
+PEAK_ERROR_BOUND = 0.15
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class Machine:
     @property
     def usable_bytes(self) -> float:
         return self.memory_bytes - self.reserved_bytes
+
+    @property
+    def plannable_bytes(self) -> float:
+        """What a layout's planned peak may take: the usable memory less the planner's error bound."""
+        return self.usable_bytes * (1 - PEAK_ERROR_BOUND)
 
 
 @dataclass(frozen=True)
@@ -228,29 +237,32 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         dp_s, exposed_s = max(dp_s, rank_dp), max(exposed_s, rank_exposed)
         ring_s = max(ring_s, rank_ring)
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
-    n_params = whole_model_parameters(gpt) - gpt.padding_parameters
+    whole = holding(gpt)
+    # low-rank adapters: their weights are matmuls too, and the frozen base's weights need no gradient
+    adapters = whole.trainable if gpt.lora.enabled else 0
+    n_params = whole_model_parameters(gpt) - gpt.padding_parameters + adapters
     # a forward is a third of a training step's flops (backward two): full recomputation runs it once more, and
     # DPO twice more without gradients
     forwards = 1 + (step.recompute == "full") + work.forwards_alone
-    flops = flops_per_token(gpt, n_params, work.seq_len) * tokens_per_rank * (forwards + 2) / 3
+    per_token = flops_per_token(gpt, n_params, work.seq_len, adapters if gpt.lora.enabled else None)
+    flops = per_token * tokens_per_rank * (forwards + 2) / 3
     compute = flops / (machine.peak_flops * machine.mfu)
     exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)
-    whole = holding(gpt)
     matrix_share = whole.matrices / whole.trainable
     per_param = bytes_per_parameter(c, replace(work.sizes, optimizer=work.sizes.optimizer_bytes(1, matrix_share)))
     return LayoutCost(
         candidate=c,
         ranks=ranks,
         traffic=traffic,
-        fits=heaviest.total <= machine.usable_bytes,
+        fits=heaviest.total <= machine.plannable_bytes,
         compute_s=compute,
         bubble_s=compute * _bubble_fraction(c, step.microbatches),
         comm_s=dp_s + exposed_s + ring_s,
         exposed_comm_s=exposed,
-        max_parameters=int(machine.usable_bytes // per_param),
-        max_parameters_with_activations=max(0, int((machine.usable_bytes - heaviest.activations) // per_param)),
+        max_parameters=int(machine.usable_bytes // per_param),  # model states: exact (the dry run agrees to 1%)
+        max_parameters_with_activations=max(0, int((machine.plannable_bytes - heaviest.activations) // per_param)),
     )
 
 
@@ -277,7 +289,7 @@ class Decision:
 
 def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
     """The fastest layout that fits (ties within 3% to the simplest), the runner-up, and why, in one line."""
-    usable = machine.usable_bytes / GIB
+    usable = machine.plannable_bytes / GIB
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
     too_big = list(dict.fromkeys(p.name for p in plans if not p.fits and p.name not in {f.name for f in fitting}))
     if not plans:
@@ -287,7 +299,8 @@ def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
         return Decision(
             None,
             smallest,
-            f"no layout fits {usable:.1f} GiB per rank: the smallest, {smallest.name}, needs "
+            f"no layout fits {usable:.1f} GiB per rank (the usable memory less the planner's "
+            f"{PEAK_ERROR_BOUND:.0%} error bound): the smallest, {smallest.name}, needs "
             f"{smallest.heaviest.total / GIB:.1f} GiB",
         )
     fastest = fitting[0].step_time_s

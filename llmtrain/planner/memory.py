@@ -176,6 +176,15 @@ class LayerTerms:
     # outputs and the attention's (q, k and v, SDPA's output, the MLP's d_ff-wide inputs), which tensor
     # parallelism splits. GPT-2: 1 + 2 + 1 + 4 = 8.
     selective_split: float = 8.0
+    # `replicated` under autocast (bf16 over fp32 weights, where FSDP does not cast): the residual stream and the
+    # norms' saved tensors in fp32, and each projection's own bf16 copy of its input (q, k and v each, the MLP's
+    # one or two). GPT-2: 8 + 2 x 4 = 16.
+    autocast_replicated: float = 16.0
+    stream: float = 1.0  # the residual stream's bytes against bf16's: 2 under autocast
+
+    def under_autocast(self) -> LayerTerms:
+        """These terms where autocast computes (replicated tensors as autocast keeps them, an fp32 stream)."""
+        return replace(self, replicated=self.autocast_replicated, stream=2.0)
 
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
@@ -187,7 +196,8 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     mlp = (8 if cfg.gated_mlp else 4) * cfg.hidden / cfg.d_model
     # RMSNorm's normalised copies (and with sandwich norms, two more norms and the branch outputs they read)
     norms = (4.0 if cfg.norm != "layernorm" else 0.0) + (8.0 if cfg.sandwich_norm else 0.0)
-    mlp_inputs = (2 if cfg.gated_mlp else 1) * cfg.hidden / cfg.d_model  # the gate's and the up projection's
+    mlp_projections = 2 if cfg.gated_mlp else 1  # the up projection, and the gate's
+    mlp_inputs = mlp_projections * cfg.hidden / cfg.d_model
     heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)
     grouped = cfg.kv_heads / cfg.n_head
     head_norms = 4 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries and keys, before and after their norm
@@ -195,6 +205,7 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
         replicated=10.0 + norms,
         split=(4 + 4 * grouped) * heads + head_norms + mlp,
         selective_split=(2 + 2 * grouped) * heads + mlp_inputs,
+        autocast_replicated=8.0 + 2 * norms + 2 * (3 + mlp_projections),
     )
 
 
@@ -215,11 +226,14 @@ def layer_activations(
     back to the residual stream (the attention's and the MLP's) one whole-width output (the matmul's partial sum)
     and, under tensor parallelism, its reduction, which the policy keeps so that backward does not communicate
     again: the reduce-scatter's 1/t with sequence parallelism, the all-reduce's whole width without (a functional
-    collective: a new tensor beside the partial sum). Held to the dry run (tests/planner/test_planner.py)."""
+    collective: a new tensor beside the partial sum). Under autocast (LayerTerms.under_autocast) the residual
+    stream is fp32 (the block's input twice as large) and every projection casts its input itself. Held to the dry
+    run (llmtrain.bench.planner_vs_dry_run)."""
+    stream = terms.stream
     if recompute == "full":
-        return 2 * s * b * h / (t if sequence_parallel else 1)
+        return stream * 2 * s * b * h / (t if sequence_parallel else 1)
     if recompute == "selective":
-        residual = 1 / t if sequence_parallel else 1.0
+        residual = stream * (1 / t if sequence_parallel else 1.0)
         reduced = (2 / t if sequence_parallel else 2.0) if t > 1 else 0.0
         return 2 * s * b * h * (residual + terms.selective_split / t + 2 + reduced)
     scores = 5 * a * s / h if scores_stored else 0.0
@@ -247,19 +261,39 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, m: int, stages_
     return float(min(m, pp + 1))  # dualpipev
 
 
+def under_autocast(candidate: Candidate, sizes: StateBytes) -> bool:
+    """Whether the layout computes in bf16 by autocast over fp32 weights: where FSDP does not shard the
+    parameters (and so does not gather bf16 copies), parallel/precision.py."""
+    d = candidate.degrees
+    return sizes.compute == 2 and not candidate.spec.fsdp_shards(d.dp * d.cp)
+
+
+def residual_bytes(candidate: Candidate, sizes: StateBytes) -> float:
+    """Bytes of an element of the residual stream: fp32 under autocast (its adds run in fp32), else the compute
+    dtype's."""
+    return 4 if under_autocast(candidate, sizes) else sizes.compute
+
+
 def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepShape) -> float:
     """Bytes of activations pipeline rank `pp_rank` holds at its peak, and the temporaries beside them."""
     d, gpt, sizes = candidate.degrees, step.gpt, step.sizes
     s, b, h, a = step.seq_len // d.cp, step.rows, gpt.d_model, gpt.n_head  # a cp rank's tokens
     scores_stored, terms = gpt.attention_dropout > 0, layer_terms(gpt)
-    per_layer = layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, step.recompute, scores_stored, terms)
+    sp = candidate.sequence_parallel
+    autocast = under_autocast(candidate, sizes)
+    if autocast:
+        terms = terms.under_autocast()
+    per_layer = layer_activations(s, b, h, a, d.tp, sp, step.recompute, scores_stored, terms)
     in_flight = in_flight_microbatches(
         candidate.pp_schedule, d.pp, pp_rank, step.microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
     )
     total = in_flight * held.blocks * per_layer
     if step.recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
-        total += layer_activations(s, b, h, a, d.tp, candidate.sequence_parallel, "none", scores_stored, terms)
+        total += layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms)
     total *= sizes.compute / 2
+    if autocast and step.recompute != "full":
+        # each micro-batch's forward casts the weights to bf16 afresh, and its matmuls keep the casts to backward
+        total += in_flight * 2 * held.matrices
     if held.last:
         total += loss_activations(candidate, step, s * b)
     if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):

@@ -49,49 +49,108 @@ class Holding:
         return self.trainable + self.frozen
 
 
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One parameter of a rank's part as FSDP splits it: `rows` along its first dimension (the one it shards),
+    `columns` the elements of each row."""
+
+    rows: int
+    columns: int
+    trainable: bool = True
+    matrix: bool = False  # a block's weight matrix (Muon's; a router and the experts count)
+    expert: bool = False  # a routed expert's stacked weights
+    adapter: bool = False  # a low-rank adapter's A or B
+    quantized: bool = False  # an NF4 base weight (model.quantize_base): FSDP splits it by whole NF4 groups
+    second: int = 0  # an expert weight's second dimension, which FSDP splits once its shards outnumber the experts
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.columns
+
+    def sharded(self, shards: int, ep: int = 1, tp: int = 1) -> int:
+        """The elements FSDP holds of this tensor over `shards` ranks, padding included: each shard ceil(rows /
+        shards) rows, the last ones padded where the rows run out (NF4 weights split by whole groups, unpadded).
+        Routed experts: split over ep by expert first, FSDP over the shards / ep left, by expert, or by their
+        second dimension where those shards outnumber a rank's experts, divide it evenly and neither ep nor tp
+        split them (parallel/fsdp.py's experts_placement). shards * the first shard, which is what a rank holds."""
+        if not self.expert:
+            return self.numel if shards == 1 or self.quantized else shards * -(-self.rows // shards) * self.columns
+        left = shards // ep if shards > ep else 1
+        if left == 1:
+            return self.numel
+        experts = self.rows // ep
+        if ep == 1 and tp == 1 and experts < left and self.second % left == 0:
+            per_index = self.numel // self.second
+            return left * -(-self.second // left) * per_index
+        return ep * left * -(-experts // left) * self.columns
+
+
+def _norm(cfg: GPTConfig) -> list[PlannedTensor]:
+    """A norm's scale, and LayerNorm's bias where the model has biases (RMSNorm: a scale only)."""
+    return [PlannedTensor(cfg.d_model, 1)] * (1 + int(cfg.bias and cfg.norm == "layernorm"))
+
+
 def _norm_parameters(cfg: GPTConfig) -> int:
-    return cfg.d_model * (1 + int(cfg.bias and cfg.norm == "layernorm"))  # RMSNorm: a scale, no bias
+    return _total(_norm(cfg))
 
 
-def _block_norm_parameters(cfg: GPTConfig) -> int:
-    """A block's norms: before attention and the MLP, after each too (sandwich norms), the query and key heads'."""
-    return (4 if cfg.sandwich_norm else 2) * _norm_parameters(cfg) + 2 * cfg.head_size * int(cfg.qk_norm)
+def _linear(cfg: GPTConfig, name: str, n_in: int, n_out: int, column: bool, tp: int) -> list[PlannedTensor]:
+    """A projection's weight (out x in, split over tp by its output rows when column-parallel, by its input
+    columns when row-parallel) and bias (split with a column-parallel weight); low-rank adapters beside it where
+    lora.targets names it, the base then frozen and, under model.quantize_base=nf4, in NF4 when it is whole NF4
+    groups (quantize.py)."""
+    rows, columns = (n_out // tp, n_in) if column else (n_out, n_in // tp)
+    lora = cfg.lora
+    adapted = lora.enabled and name in lora.targets
+    frozen = lora.enabled
+    quantized = cfg.quantize_base == "nf4" and lora.enabled and (n_in * n_out) % NF4_GROUP == 0
+    tensors = [PlannedTensor(rows, columns, trainable=not frozen, matrix=True, quantized=quantized)]
+    if cfg.bias:
+        tensors.append(PlannedTensor(n_out // tp if column else n_out, 1, trainable=not frozen))
+    if adapted:  # A (rank x in), B (out x rank), the split side as the weight's
+        tensors += [PlannedTensor(lora.rank, columns, matrix=True, adapter=True),
+                    PlannedTensor(rows, lora.rank, matrix=True, adapter=True)]  # fmt: skip
+    return tensors
+
+
+def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTensor]:
+    """Block `index`'s parameters on one of `tp` tensor-parallel ranks: column-parallel q, k, v (k and v as wide
+    as the key/value heads) and MLP inputs, row-parallel attention output and MLP output, replicated norms; a
+    mixture's router, routed experts (stacked E x d x f, no biases, split over tp by hidden units) and shared
+    experts as one wider MLP."""
+    h, m = cfg.d_model, cfg.moe
+    frozen = cfg.lora.enabled  # the adapters alone train; the base is frozen, experts included
+    tensors: list[PlannedTensor] = []
+    for name, (n_in, n_out, column) in block_projections(cfg, index).items():
+        tensors += _linear(cfg, name, n_in, n_out, column, tp)
+    # the norms before attention and the MLP, after each too (sandwich norms); the query and key heads' scales
+    norms = (4 if cfg.sandwich_norm else 2) * _norm(cfg) + 2 * int(cfg.qk_norm) * [PlannedTensor(cfg.head_size, 1)]
+    tensors += [PlannedTensor(t.rows, t.columns, trainable=not frozen) for t in norms]
+    if m.is_moe_block(index):
+        f = (m.d_ff or cfg.hidden) // tp
+        tensors.append(PlannedTensor(m.num_experts, h, trainable=not frozen, matrix=True))  # the router
+        stacked = (2 if cfg.gated_mlp else 1) * [(h, f)] + [(f, h)]  # w_in (, w_gate): E x h x f; w_out: E x f x h
+        tensors += [
+            PlannedTensor(m.num_experts, n * k, trainable=not frozen, matrix=True, expert=True, second=n)
+            for n, k in stacked
+        ]
+    return tensors
+
+
+def _total(tensors: list[PlannedTensor], **kind: bool) -> int:
+    return sum(t.numel for t in tensors if all(getattr(t, key) == value for key, value in kind.items()))
 
 
 def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s parameters on one of `tp` tensor-parallel ranks (blocks differ when some are mixtures of
-    experts)."""
-    h, a, bias = cfg.d_model, cfg.attention_width, int(cfg.bias)
-    kv = cfg.kv_heads * cfg.head_size  # the width of k and v (grouped-query attention: narrower than q's)
-    up = 2 if cfg.gated_mlp else 1  # fc_in, and a gated MLP's gate
-    split = h * (a + 2 * kv) + bias * (a + 2 * kv) + a * h  # column-parallel q, k, v; row-parallel out_proj
-    # out_proj's bias; the two norms; the query and key heads' norms
-    replicated = bias * h + _block_norm_parameters(cfg)
-    m = cfg.moe
-    if m.is_moe_block(index):  # router; routed experts (stacked, no biases); shared experts as one wider MLP
-        f = m.d_ff or cfg.hidden
-        replicated += h * m.num_experts
-        split += m.num_experts * (up + 1) * h * f
-        f *= m.shared_experts
-    else:
-        f = cfg.hidden
-    if f:
-        split += up * h * f + bias * up * f + f * h  # column-parallel fc_in (, gate); row-parallel fc_out
-        replicated += bias * h
-    return split // tp + replicated
+    """Block `index`'s parameters on one of `tp` tensor-parallel ranks, its adapters apart (blocks differ when some
+    are mixtures of experts)."""
+    return _total(block_tensors(cfg, tp, index), adapter=False)
 
 
 def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s weight-matrix elements on one of `tp` tensor-parallel ranks: block_parameters without the
     biases and norms."""
-    h, bias, m = cfg.d_model, int(cfg.bias), cfg.moe
-    kv = cfg.kv_heads * cfg.head_size
-    vectors = bias * (cfg.attention_width + 2 * kv) // tp + bias * h + _block_norm_parameters(cfg)
-    f = ((m.d_ff or cfg.hidden) * m.shared_experts) if m.is_moe_block(index) else cfg.hidden
-    if f:
-        up = 2 if cfg.gated_mlp else 1
-        vectors += bias * up * f // tp + bias * h
-    return block_parameters(cfg, tp, index) - vectors
+    return _total(block_tensors(cfg, tp, index), matrix=True, adapter=False)
 
 
 def block_projections(cfg: GPTConfig, index: int = 0) -> dict[str, tuple[int, int, bool]]:
@@ -112,45 +171,45 @@ def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
     adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
     columns beside a row-parallel one); the routed experts have none."""
-    lora = cfg.lora
-    if not lora.enabled:
-        return 0
-    return sum(
-        lora.rank * ((n_in + n_out // tp) if column else (n_in // tp + n_out))
-        for name, (n_in, n_out, column) in block_projections(cfg, index).items()
-        if name in lora.targets
-    )
+    return _total(block_tensors(cfg, tp, index), adapter=True)
 
 
 def block_quantized(cfg: GPTConfig, index: int = 0) -> int:
     """Block `index`'s weights NF4 holds under model.quantize_base=nf4 (model/quantize.py): its projections' that
     are whole NF4 groups (tensor parallelism never runs with it)."""
-    if cfg.quantize_base != "nf4" or not cfg.lora.enabled:
-        return 0
-    sizes = [n_in * n_out for n_in, n_out, _ in block_projections(cfg, index).values()]
-    return sum(size for size in sizes if size % NF4_GROUP == 0)
+    return _total(block_tensors(cfg, 1, index), quantized=True)
 
 
 def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
     """Block `index`'s routed experts on one of `tp` tensor-parallel ranks (0 in a dense block)."""
-    m = cfg.moe
-    if not m.is_moe_block(index):
-        return 0
-    up = 2 if cfg.gated_mlp else 1
-    return m.num_experts * (up + 1) * cfg.d_model * (m.d_ff or cfg.hidden) // tp
+    return _total(block_tensors(cfg, tp, index), expert=True)
+
+
+def embedding_tensors(cfg: GPTConfig, tp: int = 1) -> list[PlannedTensor]:
+    """The token embedding (split by vocabulary rows over tp) and learned positions (replicated)."""
+    positions = [PlannedTensor(cfg.max_seq_len, cfg.d_model)] if cfg.position == "learned" else []
+    return [PlannedTensor(cfg.padded_vocab_size // tp, cfg.d_model), *positions]
+
+
+def head_tensors(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> list[PlannedTensor]:
+    """The final norm and LM head: its weight only when it is not the embedding's; a padded vocabulary's frozen
+    -inf bias."""
+    tensors = _norm(cfg)
+    if own_weight or not cfg.tie_embeddings:
+        tensors.append(PlannedTensor(cfg.padded_vocab_size // tp, cfg.d_model))
+    if cfg.padded_vocab_size > cfg.vocab_size:
+        tensors.append(PlannedTensor(cfg.padded_vocab_size // tp, 1, trainable=False))
+    return tensors
 
 
 def embedding_parameters(cfg: GPTConfig, tp: int = 1) -> int:
-    positions = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
-    return cfg.padded_vocab_size * cfg.d_model // tp + positions
+    return _total(embedding_tensors(cfg, tp))
 
 
 def head_parameters(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> tuple[int, int]:
-    """(trainable, frozen) of the final norm and LM head; the weight counts only when it is not the embedding's."""
-    norm = _norm_parameters(cfg)
-    weight = cfg.padded_vocab_size * cfg.d_model // tp if own_weight or not cfg.tie_embeddings else 0
-    mask = cfg.padded_vocab_size // tp if cfg.padded_vocab_size > cfg.vocab_size else 0
-    return norm + weight, mask
+    """(trainable, frozen) of the final norm and LM head."""
+    tensors = head_tensors(cfg, tp, own_weight)
+    return _total(tensors, trainable=True), _total(tensors, trainable=False)
 
 
 def whole_model_parameters(cfg: GPTConfig) -> int:
@@ -159,30 +218,39 @@ def whole_model_parameters(cfg: GPTConfig) -> int:
     return blocks + embedding_parameters(cfg) + head_parameters(cfg)[0]
 
 
+def fsdp_shards(candidate: Candidate) -> int:
+    """The ranks FSDP shards each parameter over in `candidate`'s layout: 1 where it shards nothing."""
+    return candidate.degrees.dp_shard_cp if candidate.sharding in ("parameters", "gradients") else 1
+
+
 def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0) -> Holding:
     """What pipeline rank `pp_rank` of `candidate`'s layout (each a tensor-parallel rank) holds, the whole model
-    without one; a block's FSDP unit gathers 1/ep of its experts."""
+    without one; a block's FSDP unit gathers 1/ep of its experts. Where FSDP shards, every count is of FSDP's
+    padded tensors (PlannedTensor.sharded): what its shards hold, gather and reduce."""
     layout = candidate or Candidate("single", Degrees())
     tp, pp, ep, stages_per_rank = layout.degrees.tp, layout.degrees.pp, layout.degrees.ep, layout.pp_stages_per_rank
+    shards = fsdp_shards(layout)
+
+    def size(tensors: list[PlannedTensor], **kind: bool) -> int:
+        return sum(
+            t.sharded(shards, ep, tp) for t in tensors if all(getattr(t, key) == value for key, value in kind.items())
+        )
+
     n_stages = pp * stages_per_rank
     mine = rank_stages(pp_rank, pp, stages_per_rank, schedule_spec(layout.pp_schedule).style) if pp > 1 else [0]
     layers = stage_layers(cfg.n_layer, n_stages, layout.pp_edge_blocks) if pp > 1 else [range(cfg.n_layer)]
     indices = [i for stage in mine for i in layers[stage]]
-    blocks = len(indices)
     first, last = 0 in mine, n_stages - 1 in mine
-    root_trainable, frozen = 0, 0
-    if first:
-        root_trainable += embedding_parameters(cfg, tp)
-    if last:
-        head, frozen = head_parameters(cfg, tp, own_weight=pp > 1)
-        root_trainable += head
-    adapters = [block_adapters(cfg, tp, i) for i in indices]
-    per_block = [block_parameters(cfg, tp, i) + adapter for i, adapter in zip(indices, adapters)]
-    experts = [expert_parameters(cfg, tp, i) for i in indices]
+    root_tensors = (embedding_tensors(cfg, tp) if first else []) + (head_tensors(cfg, tp, pp > 1) if last else [])
+    root_trainable, frozen = size(root_tensors, trainable=True), size(root_tensors, trainable=False)
+    in_blocks = [block_tensors(cfg, tp, i) for i in indices]
+    adapters = [size(tensors, adapter=True) for tensors in in_blocks]
+    per_block = [size(tensors) for tensors in in_blocks]
+    experts = [size(tensors, expert=True) for tensors in in_blocks]
     gathered_blocks = [block - share + share // ep for block, share in zip(per_block, experts)]
     root = root_trainable + frozen
     trainable = sum(per_block) + root_trainable
-    matrices = sum(block_matrices(cfg, tp, i) for i in indices) + sum(adapters)
+    matrices = sum(size(tensors, matrix=True) for tensors in in_blocks)
     largest_reduced = max([*gathered_blocks, root_trainable])
     last_block, last_block_experts = (per_block[-1], experts[-1]) if indices else (0, 0)
     if cfg.lora.enabled:  # the adapters alone train; the base is frozen, experts included
@@ -193,7 +261,7 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         frozen=frozen,
         root=root,
         largest_unit=max([*gathered_blocks, root]),
-        blocks=blocks,
+        blocks=len(indices),
         first=first,
         last=last,
         experts=sum(experts),
@@ -202,5 +270,5 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         largest_reduced=largest_reduced,
         last_block=last_block,
         last_block_experts=last_block_experts,
-        quantized=sum(block_quantized(cfg, i) for i in indices),
+        quantized=sum(size(tensors, quantized=True) for tensors in in_blocks),
     )

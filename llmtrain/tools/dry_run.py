@@ -215,7 +215,12 @@ def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             fake = FakeFromAllocation(FakeTensorMode(allow_non_fake_inputs=True), stack)
             # the last id ends documents (train.attention=document): the steps' tokens are made up anyway
-            model = build_parallel_model(config, runtime, vocab_size, materializer=fake, eos_id=vocab_size - 1)
+            try:
+                model = build_parallel_model(config, runtime, vocab_size, materializer=fake, eos_id=vocab_size - 1)
+            except ConfigError:
+                raise
+            except Exception as error:  # what training would crash on at start-up, in one line
+                raise ConfigError(f"the layout fails to build on rank {rank}: {first_line(error)}") from error
             fake.enter()  # a model without parameters to allocate
             _answer_the_pipeline_vote(model, config)
             _route_evenly(model.module)
@@ -227,7 +232,7 @@ def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
         _clear_sharding_prop_cache()
     measured["rank"], measured["seconds"] = rank, time.perf_counter() - started
     pp_rank = model.executor.pp_rank
-    measured["planned"] = _planned(config, vocab_size, pp_rank)
+    measured["planned"] = planned_for(config, vocab_size, pp_rank)
     measured["pp_rank"] = pp_rank
     measured["layout"] = model.plan.describe()
     measured["precision"] = model.precision_description
@@ -401,7 +406,7 @@ def _steps(model: ParallelModel, plan: ParallelPlan, config: DryRunRootConfig, r
     return {"peak": memory.peak, "kinds": memory.peak_kinds, "calls": dict(tally.calls), "bytes": dict(tally.bytes)}
 
 
-def _planned(config: DryRunRootConfig, vocab_size: int, pp_rank: int) -> dict[str, Any]:
+def planned_for(config: DryRunRootConfig, vocab_size: int, pp_rank: int) -> dict[str, Any]:
     """The planner's numbers for a rank at pipeline position `pp_rank`, with the sizes llmtrain holds (as
     llmtrain.bench.layout_memory), on nodes of hardware.gpus_per_node ranks."""
     world = config.dry_run.world_size

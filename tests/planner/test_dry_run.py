@@ -3,58 +3,82 @@ and the planner held to it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
+import datetime
+import os
 
 import pytest
-from harness.paths import REPO
-from harness.processes import python
 
-from llmtrain.bench.planner_vs_dry_run import FAMILIES, SHAPE
+from llmtrain.bench.planner_vs_dry_run import FAMILIES, SHAPE, Point, auto_pick, compare, holds, sample
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model
+from llmtrain.planner import cost
 from llmtrain.tools import compose_config
 from llmtrain.tools.dry_run import dry_run, dry_run_config
 
 TINY = ["model=tiny", "model.vocab_size=256", "train.seq_len=64", "train.micro_batch_size=1"]  # refusals
 
 
-@pytest.mark.slow
-def test_the_planner_is_held_to_the_dry_run_over_a_grid_of_layouts(tmp_path):
-    """The quick grid of llmtrain.bench.planner_vs_dry_run (hsdp and fsdp_tp with and without sequence
-    parallelism on Llama's family, fsdp on GPT-2's, 4 ranks; 3d on Llama's at 8 ranks, first and last pipeline
-    stage; selective recomputation; Mixtral's family with its experts over 2 of 4 ranks, none), each a dry run. The dry
-    run's own oracle is arithmetic: GPT-2's every first dimension splits evenly over 4 FSDP ranks, so a rank holds
-    exactly a quarter of the fp32 weights and of AdamW's two moments (plus one step counter per tensor). The
-    planner, for every point: model states within 1%, the step's peak within 15%, activations and temporaries
-    within 30%, and each collective carrying 1% or more of the step's bytes within 20% (today's worst, the
-    margins' reason: activations and temporaries -19% on the 3-D pipeline's first stage, the peak -9% on
-    Mixtral's experts over 2 ranks, the all-reduces of Llama's fsdp_tp without sequence parallelism -18%;
-    docs/planner.md)."""
-    output = tmp_path / "grid.json"
-    command = [python(), "-m", "llmtrain.bench.planner_vs_dry_run", "--quick", str(output)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(output.read_text())
-    assert len(rows) == 7
+def grid_seed() -> int:
+    """Today's date as YYYYMMDD, so that each day's run draws other points of the grid (no fixed list to tune the
+    planner to); LLMTRAIN_GRID_SEED repeats a run's draw."""
+    return int(os.environ.get("LLMTRAIN_GRID_SEED") or datetime.date.today().strftime("%Y%m%d"))
 
-    gpt2 = rows[0]
-    assert gpt2["point"] == {"layout": "fsdp", "family": "gpt2", "recompute": "selective", "world_size": 4, "rank": 0}
+
+@pytest.mark.slow
+def test_the_dry_run_measures_an_even_fsdp_split_exactly():
+    """The dry run's own oracle is arithmetic: GPT-2's every first dimension splits evenly over 4 FSDP ranks, so a
+    rank holds exactly a quarter of the fp32 weights and of AdamW's two moments (plus one step counter per
+    tensor)."""
+    row = compare(Point("fsdp", "gpt2", "selective", 4))
     config = compose_config([*FAMILIES["gpt2"], *SHAPE])
     parameters = list(meta_model(config.model, 256).parameters())
     assert all(p.shape[0] % 4 == 0 for p in parameters)
     weights = 4 * sum(p.numel() for p in parameters)
-    assert gpt2["measured"]["parameters"] == weights // 4
-    assert gpt2["measured"]["optimizer state"] == 2 * weights // 4 + 4 * len(parameters)
+    assert row["measured"]["parameters"] == weights // 4
+    assert row["measured"]["optimizer state"] == 2 * weights // 4 + 4 * len(parameters)
 
-    for row in rows:
-        errors, point = row["errors"], row["point"]
-        assert abs(errors["parameters"]) < 0.01 and abs(errors["optimizer state"]) < 0.01, point
-        assert abs(errors["peak"]) < 0.15 and abs(errors["activations and temporaries"]) < 0.30, (point, errors)
+
+@pytest.mark.slow
+def test_the_planner_holds_to_the_dry_run_on_a_sample_of_the_whole_grid():
+    """Six points drawn from llmtrain.bench.planner_vs_dry_run's whole grid (every layout family, GPT-2's, Llama's
+    and Mixtral's, each recomputation, 4 to 1,024 ranks, a pipeline at its first or last rank), a new draw each
+    day: the planner's peak per rank within 15% of the dry run's (the bound parallel=auto keeps free), its
+    activations and temporaries within 25%, its parameters and optimizer state within 1%, and each collective
+    carrying 1% or more of the step's bytes within 25%. The whole grid's table: docs/planner.md."""
+    seed = grid_seed()
+    for point in sample(seed, 6):
+        row = compare(point)
+        where = f"{point} (LLMTRAIN_GRID_SEED={seed} draws it again)"
+        assert "error" not in row, (where, row.get("error"))
+        errors = row["errors"]
+        assert holds(row), (where, errors)
+        assert abs(errors["parameters"]) < 0.01 and abs(errors["optimizer state"]) < 0.01, (where, errors)
         traffic = sum(row["measured_bytes"].values())
         for op, nbytes in row["measured_bytes"].items():
             if nbytes >= 0.01 * traffic:
-                assert abs(errors[op]) < 0.20, (point, op, errors)
+                assert abs(errors[op]) < 0.25, (where, op, errors)
+
+
+@pytest.mark.slow
+def test_what_parallel_auto_picks_fits_when_dry_run_and_a_planner_error_found_before_would_not():
+    """auto's guarantee: for three drawn points' models and batches, on a device whose memory admits only half of
+    the candidates, the layout auto picks, dry-run at each of its pipeline stages, peaks within the usable memory.
+    The check catches a planner that errs as the planner did before this grid held it (activations 65% short on
+    a pipeline without FSDP, 83% under full recomputation): with its activations cut to a third, auto picks a
+    layout whose dry run does not fit."""
+    seed = grid_seed()
+    points = [p for p in sample(seed + 1, 12) if p.rank == 0][:3]
+    for point in points:
+        pick = auto_pick(point)
+        where = f"{point} (LLMTRAIN_GRID_SEED={seed} draws it again)"
+        assert pick["pick"] is not None, where
+        assert pick["peak"] <= pick["usable"], (where, pick)
+
+    short = cost.activations
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "activations", lambda *args: short(*args) / 3)
+        pick = auto_pick(Point("fsdp", "llama", "none", 4))
+    assert pick["pick"] is not None and pick["peak"] > pick["usable"], pick
 
 
 @pytest.mark.parametrize("layout", [["parallel=ddp"], ["parallel=pp", "parallel.pp_schedule=1f1b_reference"]])

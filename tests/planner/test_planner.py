@@ -23,7 +23,7 @@ from llmtrain.model import meta_model, num_parameters
 from llmtrain.optim import is_hidden_matrix
 from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
-from llmtrain.planner.cost import GIB, choose, layout_cost
+from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes, gradient_being_reduced, in_flight_microbatches, layer_activations
@@ -93,7 +93,9 @@ def test_model_states_are_the_zero_formulas(name):
     usable = 15 * GIB  # rtx4080x4: 16 GiB less plan.reserved_gib
     per_parameter = {"ddp": 16, "zero1": 4 + 12 / 4, "zero2": 2 + 16 / 4, "fsdp": 16 / 4, "hsdp": 16 / 2}[name]
     assert plan.max_parameters == int(usable // per_parameter)
-    assert plan.max_parameters_with_activations == int((usable - m.activations) // per_parameter)
+    # beside this batch's activations, with the planner's error bound kept free as `fits` keeps it
+    plannable = usable * (1 - PEAK_ERROR_BOUND)
+    assert plan.max_parameters_with_activations == int((plannable - m.activations) // per_parameter)
 
 
 def test_parameter_override_answers_what_if():
