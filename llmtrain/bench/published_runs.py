@@ -29,9 +29,11 @@ from llmtrain.planner.published import (
     PUBLISHED_LLAMA_RUNS,
     PUBLISHED_RUNS,
     SOURCE,
+    TORCHTITAN_CALIBRATING,
     TORCHTITAN_SOURCE,
     PublishedLlamaRun,
     PublishedRun,
+    calibrating,
 )
 from llmtrain.tools import compose_config
 
@@ -57,16 +59,22 @@ def predict(run: PublishedRun) -> Prediction:
 
 def table(predictions: list[Prediction]) -> str:
     columns = ["model", "machine", "GPUs", "sequence", "micro-batch", "checkpointing", "published tokens/s/GPU"]
-    lines = ["| " + " | ".join([*columns, "predicted", "error"]) + " |", "|---" * (len(columns) + 2) + "|"]
+    lines = ["| " + " | ".join([*columns, "predicted", "error", "row"]) + " |", "|---" * (len(columns) + 3) + "|"]
+    calibration = calibrating()
     for p in predictions:
         r = p.run
         lines.append(
             f"| MPT {r.model} | {r.hardware} | {r.gpus} | {r.seq_len} | {r.micro_batch} | "
             f"{'yes' if r.checkpointing else 'no'} | {r.tokens_per_gpu:,.0f} | {p.tokens_per_gpu:,.0f} | "
-            f"{p.error:+.1%} |"
+            f"{p.error:+.1%} | {'calibrates' if r in calibration else 'tests'} |"
         )
+    held_out = [abs(p.error) for p in predictions if p.run not in calibration]
     errors = [abs(p.error) for p in predictions]
-    lines += ["", f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; source: {SOURCE}"]
+    lines += [
+        "",
+        f"held-out half: median |error| {statistics.median(held_out):.1%}, worst {max(held_out):.1%}; all rows: "
+        f"median {statistics.median(errors):.1%}, worst {max(errors):.1%}; source: {SOURCE}",
+    ]
     return "\n".join(lines)
 
 
@@ -96,7 +104,7 @@ def predict_llama(run: PublishedLlamaRun) -> LlamaPrediction:
 
 def llama_table(predictions: list[LlamaPrediction]) -> str:
     columns = ["model", "GPUs", "layout", "sequence", "local batch", "checkpointing", "compile", "float8"]
-    measures = ["tokens/s/GPU published", "predicted", "error", "memory GiB published", "predicted", "error"]
+    measures = ["tokens/s/GPU published", "predicted", "error", "memory GiB published", "predicted", "error", "row"]
     lines = ["| " + " | ".join([*columns, *measures]) + " |", "|---" * (len(columns) + len(measures)) + "|"]
     for p in predictions:
         r = p.run
@@ -105,13 +113,16 @@ def llama_table(predictions: list[LlamaPrediction]) -> str:
             f"| Llama 3.1 {r.model.upper()} | {r.gpus} | {layout} | {r.seq_len} | {r.local_batch} | "
             f"{r.checkpointing} | {'yes' if r.compile else 'no'} | {'yes' if r.float8 else 'no'} | "
             f"{r.tokens_per_gpu:,.0f} | {p.tokens_per_gpu:,.0f} | {p.tokens_error:+.1%} | "
-            f"{r.memory_gib:.1f} | {p.memory_gib:.1f} | {p.memory_error:+.1%} |"
+            f"{r.memory_gib:.1f} | {p.memory_gib:.1f} | {p.memory_error:+.1%} | "
+            f"{'calibrates' if r in TORCHTITAN_CALIBRATING else 'tests'} |"
         )
-    tokens, memory = [abs(p.tokens_error) for p in predictions], [abs(p.memory_error) for p in predictions]
+    held_out = [p for p in predictions if p.run not in TORCHTITAN_CALIBRATING]
+    tokens, memory = [abs(p.tokens_error) for p in held_out], [abs(p.memory_error) for p in predictions]
     lines += [
         "",
-        f"tokens/s/GPU: median |error| {statistics.median(tokens):.1%}, worst {max(tokens):.1%}; memory: median "
-        f"|error| {statistics.median(memory):.1%}, worst {max(memory):.1%}; source: {TORCHTITAN_SOURCE}",
+        f"tokens/s/GPU, held-out rows: median |error| {statistics.median(tokens):.1%}, worst {max(tokens):.1%}; "
+        f"memory, every row: median |error| {statistics.median(memory):.1%}, worst {max(memory):.1%}; source: "
+        f"{TORCHTITAN_SOURCE}",
     ]
     return "\n".join(lines)
 

@@ -46,6 +46,26 @@ class HardwareConfig:
         "planner's predicted step times); a100x8's and h100x8's are the median of published runs "
         "([planner.md](planner.md#held-to-published-runs))",
     )
+    # What a feature does to the step's speed on this device (step speed with it / without it), as the device's
+    # measurements give it: gpu_check's speed section (llmtrain/tools/gpu_check.py) or published pairs of runs
+    # that differ only in it. 1: not measured here, counted as free.
+    compile_speed: float = key(
+        1.0, positive(), "step speed with `train.compile=true` against eager (the planner's predicted step times)"
+    )
+    float8_speed: float = key(
+        1.0, positive(), "step speed with `train.float8` against the same run compiled in bf16 (the planner's)"
+    )
+    document_mask_speed: float = key(
+        1.0,
+        positive(),
+        "step speed with `train.attention=document` (FlexAttention's masks) against the fused causal kernel",
+    )
+    selective_recompute_speed: float = key(
+        1.0,
+        positive(),
+        "step speed with `train.activation_checkpointing=selective` against none (full recomputation's cost is "
+        "counted as FLOPs: a forward more)",
+    )
     peer_to_peer: bool = key(
         True,
         Flag(),

@@ -518,10 +518,16 @@ def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int 
     lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         lookups += cfg.padded_vocab_size * cfg.d_model
-    keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
     matmuls = n_params - lookups - inactive_expert_parameters(cfg)
     frozen = matmuls - trainable if cfg.lora.enabled and trainable is not None else 0
-    return 6 * matmuls - 2 * frozen + 12 * cfg.attention_width * keys
+    return 6 * matmuls - 2 * frozen + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Of flops_per_token, the attention's score and value matmuls: 12 * (n_head * head size) per key a token
+    attends to in each layer (seq_len, or a sliding window's width)."""
+    keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
+    return 12 * cfg.attention_width * keys
 
 
 def inactive_expert_parameters(cfg: GPTConfig) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtrain.catalog import MOMENT_BYTES, OPTIMIZERS, schedule_spec
-from llmtrain.model.gpt import GPTConfig, flops_per_token
+from llmtrain.model.gpt import GPTConfig, attention_flops_per_token, flops_per_token
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
     Traffic,
@@ -51,6 +51,16 @@ PEAK_ERROR_BOUND = 0.15
 
 
 @dataclass(frozen=True)
+class FeatureSpeeds:
+    """Step speed with a feature against without it, as measured on the device (hardware.*_speed); 1: unmeasured."""
+
+    compile: float = 1.0
+    float8: float = 1.0
+    document_mask: float = 1.0
+    selective_recompute: float = 1.0
+
+
+@dataclass(frozen=True)
 class Machine:
     """What the plan runs on: ranks, memory and speed per rank, links."""
 
@@ -59,8 +69,9 @@ class Machine:
     memory_bytes: float  # per rank
     reserved_bytes: float  # of it, kept for the CUDA context, communication buffers and fragmentation
     peak_flops: float  # per rank, for the run's precision
-    mfu: float
+    mfu: float  # of eager bf16 training without the features `speeds` scales
     links: Links
+    speeds: FeatureSpeeds = FeatureSpeeds()
 
     @property
     def usable_bytes(self) -> float:
@@ -88,6 +99,20 @@ class Workload:
     loss: str = "chunked"  # how the loss holds the logits (memory.LOSS_FORMS): train.compile's fused, or eager
     # forward passes a step makes without gradients besides training's: DPO's reference and policy (train/dpo.py)
     forwards_alone: int = 0
+    compile: bool = False  # train.compile
+    float8: bool = False  # train.float8 other than none
+    document_mask: bool = False  # train.attention=document
+
+    def speeds(self, speeds: FeatureSpeeds, recompute: str) -> tuple[float, float]:
+        """The speed of (the weights' matmuls and what compiles around them, the attention kernel) against eager
+        bf16 without these features, on a device that measured `speeds`: compile and float8 act on the first
+        (the attention is one fused kernel either way, which float8 leaves in bf16), document masks on the
+        second, recomputation on both."""
+        matmuls = speeds.compile if self.compile else 1.0
+        matmuls *= speeds.float8 if self.float8 else 1.0
+        attention = speeds.document_mask if self.document_mask else 1.0
+        recomputing = speeds.selective_recompute if recompute == "selective" else 1.0
+        return matmuls * recomputing, attention * recomputing
 
     def step(self, candidate: Candidate) -> StepShape:
         """One rank's step of this workload under `candidate`, with the micro-batch size and recomputation it
@@ -245,8 +270,10 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     # DPO twice more without gradients
     forwards = 1 + (step.recompute == "full") + work.forwards_alone
     per_token = flops_per_token(gpt, n_params, work.seq_len, adapters if gpt.lora.enabled else None)
-    flops = per_token * tokens_per_rank * (forwards + 2) / 3
-    compute = flops / (machine.peak_flops * machine.mfu)
+    attention = attention_flops_per_token(gpt, work.seq_len)
+    matmul_speed, attention_speed = work.speeds(machine.speeds, step.recompute)
+    seconds_per_flop = (per_token - attention) / matmul_speed + attention / attention_speed
+    compute = seconds_per_flop * tokens_per_rank * (forwards + 2) / 3 / (machine.peak_flops * machine.mfu)
     exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)

@@ -10,7 +10,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config, meta_model
 from llmtrain.model.quantize import nf4_bytes_per_weight
 from llmtrain.parallel.float8 import float8_weight_share
-from llmtrain.planner.cost import GIB, Machine, Workload, host_matmul_flops, total_memory_gib
+from llmtrain.planner.cost import GIB, FeatureSpeeds, Machine, Workload, host_matmul_flops, total_memory_gib
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
 
@@ -98,6 +98,7 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
         peak_flops=peak,
         mfu=cfg.hardware.mfu,
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
+        speeds=FeatureSpeeds(hw.compile_speed, hw.float8_speed, hw.document_mask_speed, hw.selective_recompute_speed),
     )
 
 
@@ -115,4 +116,7 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         whole_matrices=cfg.optim.whole_matrices,
         loss="fused" if t.compile else "chunked",
         forwards_alone=2 if cfg.data.source == "preference" else 0,
+        compile=t.compile,
+        float8=t.float8 != "none",
+        document_mask=t.attention == "document",
     )

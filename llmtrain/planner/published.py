@@ -90,6 +90,19 @@ PUBLISHED_RUNS = (
     PublishedRun("70b", "a100x8", 64, 2048, 8, 2048, True, 410, 0.7110, 64862437376),
 )
 
+
+def calibrating(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> list[PublishedRun]:
+    """The half of MPT's rows the step time is calibrated on: every other row of each machine in the table's order
+    (its first, third, ...), whose median HFU is that machine's `hardware.mfu`. The other half tests it."""
+    seen: dict[str, int] = {}
+    chosen = []
+    for run in runs:
+        if seen.get(run.hardware, 0) % 2 == 0:
+            chosen.append(run)
+        seen[run.hardware] = seen.get(run.hardware, 0) + 1
+    return chosen
+
+
 TORCHTITAN_SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 LLAMA31_VOCABULARY = 128256
 # Llama 3.1's sizes: (n_layer, d_model, n_head, n_kv_head, d_ff).
@@ -152,3 +165,6 @@ PUBLISHED_LLAMA_RUNS = (
     PublishedLlamaRun("8b", 128, _FSDP, 128, 8192, 2, "selective", True, True, 8380, 61.8),
     PublishedLlamaRun("70b", 256, ("parallel=fsdp_tp", "parallel.tp=8"), 32, 8192, 16, "full", True, True, 829, 71.9),
 )
+# The rows h100x8's compile_speed and float8_speed come from: 8B on 8 GPUs at 8K eager, compiled, compiled with float8
+# (each pair differs in the one feature). The eight others test them, the 128-GPU triple pair for pair.
+TORCHTITAN_CALIBRATING = PUBLISHED_LLAMA_RUNS[:3]

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
+from llmtrain.model.gpt import attention_flops_per_token, flops_per_token
 from llmtrain.optim import is_hidden_matrix
 from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
@@ -422,35 +424,81 @@ def test_8bit_moments_float8_gathers_and_offload_shrink_the_state_and_the_wire()
 
 
 @pytest.mark.slow
-def test_the_planner_is_held_to_published_runs():
-    """MosaicML's published MPT runs (llmtrain/planner/published.py: 1 to 64 H100s and A100s, 760M to 70B
-    parameters, sequences of 2K to 32K, with and without checkpointing), each planned as llmtrain runs it. The
-    model llmtrain builds for each has exactly the published parameter count; the predicted tokens/s/GPU is within
-    40% of the published one for every run and within 15% at the median (measured today: median 10.1%, worst +36%
-    for a 32K sequence, whose attention runs below the machine's median efficiency)."""
-    from llmtrain.bench.published_runs import predict
-    from llmtrain.planner.published import PUBLISHED_RUNS
+def test_the_step_time_is_calibrated_on_half_the_published_runs_and_holds_on_the_other_half():
+    """Published runs (llmtrain/planner/published.py), each planned as llmtrain runs it. Calibration: hardware.mfu
+    of h100x8 and a100x8 is the median HFU of the calibration half of MPT's runs (every other row of each machine);
+    h100x8's compile_speed and float8_speed give, on the planner's split of the FLOPs (the weights' matmuls apart
+    from the attention), the published speed-ups of torchtitan's three 8-GPU rows. The held-out rows, which
+    calibrate nothing: MPT's other half within 35% each and 20% at the median (measured: median 16.4%, worst
+    29.5%), torchtitan's eight others' tokens/s within 35% and 25% at the median (15.8%, worst 22.3% at 256K
+    tokens); memory per GPU of every torchtitan row within 40% and 25% at the median (20.9%, worst +35.4% on 128
+    GPUs, where the published figure is the allocator's reserved bytes of torchtitan's code). The models llmtrain
+    builds for MPT's rows have exactly the published parameter counts."""
+    from llmtrain.bench.published_runs import predict, predict_llama
+    from llmtrain.planner.published import PUBLISHED_LLAMA_RUNS, PUBLISHED_RUNS, TORCHTITAN_CALIBRATING, calibrating
+
+    for machine in ("h100x8", "a100x8"):
+        hfu = statistics.median(run.hfu for run in calibrating() if run.hardware == machine)
+        assert _hardware([f"hardware={machine}"]).mfu == round(hfu, 2)
+    eager, compiled, float8 = (predict_llama(run) for run in TORCHTITAN_CALIBRATING)
+    published = [run.tokens_per_gpu for run in TORCHTITAN_CALIBRATING]
+    assert compiled.tokens_per_gpu / eager.tokens_per_gpu == pytest.approx(published[1] / published[0], rel=0.01)
+    assert float8.tokens_per_gpu / compiled.tokens_per_gpu == pytest.approx(published[2] / published[1], rel=0.01)
 
     predictions = [predict(run) for run in PUBLISHED_RUNS]
     assert [p.parameters for p in predictions] == [run.parameters for run in PUBLISHED_RUNS]
-    errors = [abs(p.error) for p in predictions]
-    assert max(errors) < 0.40, [(p.run.model, p.run.hardware, p.run.seq_len, round(p.error, 3)) for p in predictions]
-    assert sorted(errors)[len(errors) // 2] < 0.15
+    held_out = [abs(p.error) for p in predictions if p.run not in calibrating()]
+    assert max(held_out) < 0.35 and statistics.median(held_out) < 0.20, held_out
+    llama = [predict_llama(run) for run in PUBLISHED_LLAMA_RUNS]
+    tokens = [abs(p.tokens_error) for p in llama if p.run not in TORCHTITAN_CALIBRATING]
+    assert max(tokens) < 0.35 and statistics.median(tokens) < 0.25, tokens
+    memory = [abs(p.memory_error) for p in llama]
+    assert max(memory) < 0.40 and statistics.median(memory) < 0.25, memory
 
 
-@pytest.mark.slow
-def test_the_planner_is_held_to_published_memory():
-    """torchtitan's published Llama 3.1 runs (8B on 8 and 128 H100s with FSDP, with context parallelism up to 256K
-    tokens, 70B with FSDP and tensor parallelism on 256), each planned as llmtrain runs it: memory per GPU and
-    tokens/s/GPU within 40% of the published for every run, 25% at the median (measured today: memory median
-    20.8%, worst +35.4% on 128 GPUs, where the published figure is the allocator's reserved bytes of torchtitan's
-    code; tokens median 18.0%, worst +37.1%)."""
-    from llmtrain.bench.published_runs import predict_llama
-    from llmtrain.planner.published import PUBLISHED_LLAMA_RUNS
+@pytest.mark.slow  # a dozen Hydra compositions
+def test_the_step_time_knows_compile_float8_document_masks_recomputation_windows_and_adapters():
+    """gemma3-1b at 4,096 tokens on one H200 (conf/hardware/h200.yaml: the speeds its gpu_check measured): compile
+    and float8 speed the weights' matmuls, document masks slow the attention, selective recomputation the whole
+    step, full recomputation adds a forward's FLOPs; sliding windows cut the attention's FLOPs; low-rank adapters
+    the frozen weights' gradients. Each prediction against the same run without it, by the planner's split of the
+    FLOPs (attention apart)."""
+    base = ["model=gemma3-1b", "model.vocab_size=262144", "train.seq_len=4096", "train.batch_size=8",
+            "train.micro_batch_size=8", "train.precision=bf16", "hardware=h200"]  # fmt: skip
+    speeds = _hardware(["hardware=h200"])
 
-    predictions = [predict_llama(run) for run in PUBLISHED_LLAMA_RUNS]
-    for errors in ([abs(p.memory_error) for p in predictions], [abs(p.tokens_error) for p in predictions]):
-        assert max(errors) < 0.40 and sorted(errors)[len(errors) // 2] < 0.25, errors
+    def compute(*overrides: str) -> float:
+        cfg = _composed(*base, *overrides)
+        work = workload_for(cfg, 262144, configured_state_bytes(cfg, True))
+        return layout_cost(Candidate("single", Degrees()), work, machine_for(cfg, 1, 1, True)).compute_s
+
+    eager = compute("train.activation_checkpointing=none")
+    cfg = _composed(*base)
+    gpt = workload_for(cfg, 262144, ZERO).gpt
+    n = whole_model_parameters(gpt) - gpt.padding_parameters
+    attention = attention_flops_per_token(gpt, 4096) / flops_per_token(gpt, n, 4096)
+    matmuls = 1 - attention
+    assert compute("train.activation_checkpointing=none", "train.compile=true") == pytest.approx(
+        eager * (matmuls / speeds.compile_speed + attention), rel=1e-9
+    )
+    assert compute("train.activation_checkpointing=none", "train.compile=true", "train.float8=tensorwise") == (
+        pytest.approx(eager * (matmuls / (speeds.compile_speed * speeds.float8_speed) + attention), rel=1e-9)
+    )
+    assert compute("train.activation_checkpointing=none", "train.attention=document") == pytest.approx(
+        eager * (matmuls + attention / speeds.document_mask_speed), rel=1e-9
+    )
+    assert compute("train.activation_checkpointing=selective") == pytest.approx(
+        eager / speeds.selective_recompute_speed, rel=1e-9
+    )
+    assert compute("train.activation_checkpointing=full") == pytest.approx(eager * 4 / 3, rel=1e-9)
+    whole = workload_for(_composed(*base, "model.sliding_window=[0]"), 262144, ZERO).gpt  # every block global
+    longer = attention_flops_per_token(whole, 4096) / attention_flops_per_token(gpt, 4096)
+    assert longer > 3
+    assert compute("train.activation_checkpointing=none", "model.sliding_window=[0]") == pytest.approx(
+        eager * (matmuls + attention * longer), rel=1e-9
+    )
+    adapters = compute("train.activation_checkpointing=none", "model.lora.rank=16")
+    assert eager * 0.6 < adapters < eager * 0.8  # no gradient of a frozen weight: about 4N of 6N
 
 
 def _hardware(overrides: list[str]):
