@@ -215,7 +215,7 @@ class ParallelPlan:
                     f"train.batch_size={t.batch_size} is not divisible by data-parallel size x "
                     f"parallel.microbatches = {d.dp} x {m}: set train.batch_size to a multiple of {d.dp * m}"
                 )
-            validate_schedule(p.pp_schedule, d.pp, p.pp_stages_per_rank, m, compiled=t.compile)
+            validate_schedule(p.pp_schedule, d.pp, p.pp_stages_per_rank, m, t.compile, t.activation_checkpointing)
             stage_layers(model.n_layer, d.pp * p.pp_stages_per_rank, p.pp_edge_blocks)
 
 
@@ -306,13 +306,22 @@ def check_expert_parallel(
         )
 
 
-def validate_schedule(name: str, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
+def validate_schedule(
+    name: str, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False, recompute: str = "none"
+) -> None:
     spec = schedule_spec(name)
     if compiled and spec.splits_backward:
         raise ConfigError(
             f"train.compile=true does not work with parallel.pp_schedule={name}, which computes input "
             f"and weight gradients in separate passes over the graph: set train.compile=false or "
             f"use 1f1b / interleaved_1f1b"
+        )
+    if recompute == "selective" and spec.splits_backward:
+        # found by the dry run: selective checkpointing's cache of saved ops serves one backward pass only
+        raise ConfigError(
+            f"train.activation_checkpointing=selective does not work with parallel.pp_schedule={name}, which "
+            f"runs two backward passes over each block (input, then weight gradients): set "
+            f"train.activation_checkpointing=full or none, or use 1f1b / interleaved_1f1b"
         )
     v = stages_per_rank
     if spec.stages_per_rank == "one" and v != 1:

@@ -113,7 +113,13 @@ def grid(quick: bool) -> list[Point]:
             Point("fsdp ep2", "mixtral", "none", 4),
         ]
     points = [point for point in combinations() if runs(point)]
-    return points + [replace(p, rank=p.world_size - 1) for p in points if pipelined(p)]
+    return points + [last_stage(p) for p in points if pipelined(p)]
+
+
+def last_stage(point: Point) -> Point:
+    """`point` at the first rank of its pipeline's last stage (which holds the logits and the loss; the ranks
+    after it hold FSDP's last shards, where the rows may run out)."""
+    return replace(point, rank=ranks_to_run(dry_run_config(point.overrides()))[-1])
 
 
 def combinations() -> list[Point]:
@@ -122,7 +128,7 @@ def combinations() -> list[Point]:
 
 
 def sample(seed: int, count: int) -> list[Point]:
-    """`count` points of the whole grid drawn with `seed`: a pipeline at its first or last rank."""
+    """`count` points of the whole grid drawn with `seed`: a pipeline at its first or last stage."""
     draw = random.Random(seed)
     points = combinations()
     draw.shuffle(points)
@@ -132,7 +138,7 @@ def sample(seed: int, count: int) -> list[Point]:
             break
         if runs(point):
             last = pipelined(point) and draw.random() < 0.5
-            chosen.append(replace(point, rank=point.world_size - 1) if last else point)
+            chosen.append(last_stage(point) if last else point)
     return chosen
 
 
@@ -269,23 +275,29 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def summary(rows: list[dict[str, Any]]) -> str:
     """Per layout family and over the grid, each term's median |error| and its worst error (planned / measured -
-    1), as a markdown table; then how many points fall outside the bounds the tests hold the grid to."""
+    1) over the points the planner sizes, as a markdown table; then how many fall outside the target bounds, and
+    outside the margin parallel=auto keeps."""
     measured = [row for row in rows if "error" not in row]
     families: dict[str, list[dict[str, Any]]] = {}
     for row in measured:
         families.setdefault(row["point"]["layout"], []).append(row)
     lines = [
-        "| layout | points | " + " | ".join(SUMMARY_TERMS) + " |",
-        "|---|---|" + "---|" * len(SUMMARY_TERMS),
+        "| layout | points | the planner cannot size | " + " | ".join(SUMMARY_TERMS) + " |",
+        "|---|---|---|" + "---|" * len(SUMMARY_TERMS),
     ]
     for name, group in [*families.items(), ("all", measured)]:
-        cells = [_median_and_worst([row["errors"].get(term) for row in group]) for term in SUMMARY_TERMS]
-        lines.append(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
+        sized = [row for row in group if not row["planned"].get("unmodelled")]
+        cells = [_median_and_worst([row["errors"].get(term) for row in sized]) for term in SUMMARY_TERMS]
+        lines.append(f"| {name} | {len(group)} | {len(group) - len(sized)} | " + " | ".join(cells) + " |")
     outside = [row for row in measured if not holds(row)]
+    unsafe = [row for row in measured if not safe(row)]
+    unmodelled = [row for row in measured if row["planned"].get("unmodelled")]
     failed = len(rows) - len(measured)
     lines.append(
-        f"\n{len(measured)} points measured ({failed} failed to build or step); {len(outside)} outside "
-        f"{PEAK_BOUND:.0%} of the peak or {ACTIVATIONS_BOUND:.0%} of activations"
+        f"\n{len(measured)} points measured ({failed} failed to build or step); {len(unmodelled)} the planner says "
+        f"it cannot size (auto skips them); of the others, {len(outside)} outside {PEAK_BOUND:.0%} of the peak or "
+        f"{ACTIVATIONS_BOUND:.0%} of activations, {len(unsafe)} whose peak the planner puts more than "
+        f"{PEAK_ERROR_BOUND:.0%} short (the margin parallel=auto keeps free)"
     )
     return "\n".join(lines)
 
@@ -297,13 +309,23 @@ def _median_and_worst(errors: list[float | None]) -> str:
     return f"{statistics.median(abs(e) for e in found):.1%}, {max(found, key=abs):+.1%}"
 
 
-# What tests/planner/test_dry_run.py holds every point of the grid to: the peak within the bound auto keeps free.
-PEAK_BOUND, ACTIVATIONS_BOUND = PEAK_ERROR_BOUND, 0.25
+# The target for every point (issue 64): the peak within 15% of the dry run's, activations within 25%; the bench
+# counts the points short of it.
+PEAK_BOUND, ACTIVATIONS_BOUND = 0.15, 0.25
 
 
 def holds(row: dict[str, Any]) -> bool:
+    """Within the target bounds, or a layout the planner says it cannot size (which auto never picks)."""
     errors = row["errors"]
-    return abs(errors["peak"]) <= PEAK_BOUND and abs(errors["activations and temporaries"]) <= ACTIVATIONS_BOUND
+    within = abs(errors["peak"]) <= PEAK_BOUND and abs(errors["activations and temporaries"]) <= ACTIVATIONS_BOUND
+    return within or row["planned"].get("unmodelled") is not None
+
+
+def safe(row: dict[str, Any]) -> bool:
+    """What auto's guarantee rests on (tests/planner/test_dry_run.py holds every drawn point to it): the planned
+    peak short of the measured by no more than the margin auto keeps free (cost.PEAK_ERROR_BOUND), or a layout
+    the planner says it cannot size."""
+    return row["errors"]["peak"] >= -PEAK_ERROR_BOUND or row["planned"].get("unmodelled") is not None
 
 
 def main() -> None:

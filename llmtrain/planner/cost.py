@@ -45,9 +45,10 @@ from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
 GIB = 2**30
 TIE_TOLERANCE = 0.03
 # How far the planner's peak per rank may fall below the dry run's over llmtrain.bench.planner_vs_dry_run's grid
-# (tests/planner/test_dry_run.py holds it there): a layout fits when its planned peak leaves that much of the usable
+# (its worst today: 16.4% short, Llama's fsdp_tp without sequence parallelism at 64 ranks; tests/planner/
+# test_dry_run.py holds a daily sample to it): a layout fits when its planned peak leaves that much of the usable
 # memory free, so that what the pick really holds fits.
-PEAK_ERROR_BOUND = 0.15
+PEAK_ERROR_BOUND = 0.20
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ class LayoutCost:
     exposed_comm_s: float
     max_parameters: int
     max_parameters_with_activations: int
+    # What the planner's memory does not model for this layout, in words; such a layout never fits (auto skips it)
+    unmodelled: str | None = None
 
     @property
     def name(self) -> str:
@@ -186,6 +189,7 @@ def _scaled(held: Holding, factor: float) -> Holding:
         matrices=round(held.matrices * factor),
         largest_reduced=round(held.largest_reduced * factor),
         quantized=round(held.quantized * factor),
+        unpadded_trainable=round(held.unpadded_trainable * factor),
     )
 
 
@@ -277,20 +281,43 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
     exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
     heaviest = max(ranks, key=lambda r: r.total)
+    unmodelled = unmodelled_memory(c, gpt, step)
     matrix_share = whole.matrices / whole.trainable
     per_param = bytes_per_parameter(c, replace(work.sizes, optimizer=work.sizes.optimizer_bytes(1, matrix_share)))
     return LayoutCost(
         candidate=c,
         ranks=ranks,
         traffic=traffic,
-        fits=heaviest.total <= machine.plannable_bytes,
+        fits=heaviest.total <= machine.plannable_bytes and unmodelled is None,
         compute_s=compute,
         bubble_s=compute * _bubble_fraction(c, step.microbatches),
         comm_s=dp_s + exposed_s + ring_s,
         exposed_comm_s=exposed,
         max_parameters=int(machine.usable_bytes // per_param),  # model states: exact (the dry run agrees to 1%)
         max_parameters_with_activations=max(0, int((machine.plannable_bytes - heaviest.activations) // per_param)),
+        unmodelled=unmodelled,
     )
+
+
+def unmodelled_memory(c: Candidate, gpt: GPTConfig, step: StepShape) -> str | None:
+    """Why the planner's memory for this layout cannot be trusted to PEAK_ERROR_BOUND, where the dry run's grid
+    (llmtrain.bench.planner_vs_dry_run) shows a term it does not model; None where it can."""
+    d, m = c.degrees, gpt.moe
+    expert_shards = d.dp_shard_cp // d.ep if c.sharding in ("parameters", "gradients") else 1
+    if m.num_experts and expert_shards > m.num_experts // d.ep:
+        return (
+            f"FSDP splits each rank's {m.num_experts // d.ep} experts over {expert_shards} ranks, finer than by "
+            f"expert: its padding and copies of the gathered experts are not modelled"
+        )
+    if d.pp == 1:
+        return None
+    if m.num_experts:
+        return "experts inside pipeline stages: the routed slots each stage keeps per micro-batch in flight"
+    if schedule_spec(c.pp_schedule).splits_backward:
+        return f"parallel.pp_schedule={c.pp_schedule} defers weight gradients: what the deferred passes keep"
+    if not c.spec.fsdp_shards(d.dp * d.cp) and step.recompute != "none":
+        return "recomputation in pipeline stages without FSDP (autocast's casts of each micro-batch's rerun)"
+    return None
 
 
 def _dp_dim(c: Candidate, op: str) -> str:
@@ -322,7 +349,9 @@ def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
     if not plans:
         return Decision(None, None, "no layout can split this model and batch over these ranks")
     if not fitting:
-        smallest = min(plans, key=lambda p: p.heaviest.total)
+        smallest = min((p for p in plans if p.unmodelled is None), key=lambda p: p.heaviest.total, default=None)
+        if smallest is None:
+            return Decision(None, None, f"the planner cannot size any layout here: {plans[0].unmodelled}")
         return Decision(
             None,
             smallest,

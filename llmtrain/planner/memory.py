@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import LOSS_CHUNK_VALUES, GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
@@ -181,10 +182,21 @@ class LayerTerms:
     # one or two). GPT-2: 8 + 2 x 4 = 16.
     autocast_replicated: float = 16.0
     stream: float = 1.0  # the residual stream's bytes against bf16's: 2 under autocast
+    # of `replicated`, what sequence parallelism does not cut: under autocast, each projection's bf16 copy of
+    # its input, which it casts after the all-gather of the sequence
+    uncut: float = 0.0
 
     def under_autocast(self) -> LayerTerms:
         """These terms where autocast computes (replicated tensors as autocast keeps them, an fp32 stream)."""
-        return replace(self, replicated=self.autocast_replicated, stream=2.0)
+        casts = self.autocast_replicated - self.replicated_autocast_stream
+        return replace(self, replicated=self.autocast_replicated, stream=2.0, uncut=casts)
+
+    @property
+    def replicated_autocast_stream(self) -> float:
+        """Of `autocast_replicated`, the fp32 residual stream and norms' tensors (and the routing's)."""
+        return self.autocast_replicated - self.autocast_casts
+
+    autocast_casts: float = 8.0  # each projection's bf16 copy of its input: 2 x (q, k, v, the MLP's one or two)
 
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
@@ -194,6 +206,15 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     d_model. RMSNorm in eager mode keeps its normalised input besides its input, 2 more per norm (a fused kernel
     keeps only the input: then this overestimates by 4)."""
     mlp = (8 if cfg.gated_mlp else 4) * cfg.hidden / cfg.d_model
+    m = cfg.moe
+    # a mixture's share of the blocks: its routed experts keep their hidden tensors for each of a token's top_k
+    # slots, and the routing keeps the slots gathered (bf16) and their weighted outputs in fp32 (two copies)
+    mixtures = sum(m.is_moe_block(i) for i in range(cfg.n_layer)) / cfg.n_layer if m.num_experts else 0.0
+    if mixtures:
+        experts = (8 if cfg.gated_mlp else 4) * (m.d_ff or cfg.hidden) / cfg.d_model
+        shared = (8 if cfg.gated_mlp else 4) * (m.d_ff or cfg.hidden) * m.shared_experts / cfg.d_model
+        mlp = (1 - mixtures) * mlp + mixtures * (m.top_k * experts + shared)
+    routing = mixtures * m.top_k * (2 + 2 * 4)
     # RMSNorm's normalised copies (and with sandwich norms, two more norms and the branch outputs they read)
     norms = (4.0 if cfg.norm != "layernorm" else 0.0) + (8.0 if cfg.sandwich_norm else 0.0)
     mlp_projections = 2 if cfg.gated_mlp else 1  # the up projection, and the gate's
@@ -202,10 +223,11 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     grouped = cfg.kv_heads / cfg.n_head
     head_norms = 4 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries and keys, before and after their norm
     return LayerTerms(
-        replicated=10.0 + norms,
+        replicated=10.0 + norms + routing,
         split=(4 + 4 * grouped) * heads + head_norms + mlp,
         selective_split=(2 + 2 * grouped) * heads + mlp_inputs,
-        autocast_replicated=8.0 + 2 * norms + 2 * (3 + mlp_projections),
+        autocast_replicated=8.0 + 2 * norms + 2 * (3 + mlp_projections) + routing,
+        autocast_casts=2 * (3 + mlp_projections),
     )
 
 
@@ -238,26 +260,26 @@ def layer_activations(
         return 2 * s * b * h * (residual + terms.selective_split / t + 2 + reduced)
     scores = 5 * a * s / h if scores_stored else 0.0
     if sequence_parallel or t == 1:
-        return s * b * h * (terms.replicated + terms.split + scores) / t
+        return s * b * h * ((terms.replicated - terms.uncut + terms.split + scores) / t + terms.uncut)
     return s * b * h * (terms.replicated + (terms.split + scores) / t)
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, m: int, stages_per_rank: int) -> float:
     """Micro-batches whose activations (of all this rank's layers) pipeline rank `pp_rank` holds at its peak:
     GPipe runs every forward first; 1F1B lets rank r run pp - r ahead; interleaving adds the other virtual stages'
-    warm-up, 1 + (pp - 1)/(pp·v) times more on rank 0 (Narayanan et al., 2021); ZB-V holds 1F1B's pp; DualPipeV
-    one more."""
+    warm-up, 1 + (pp - 1)/(pp·v) times more on rank 0 (Narayanan et al., 2021), and ZB-V's V as much (the dry
+    run); DualPipeV pp + 1."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule in ("1f1b", "1f1b_reference"):
         return float(min(m, pp - pp_rank))
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
+    if schedule in ("interleaved_1f1b", "zero_bubble", "zbv"):
         v = stages_per_rank
+        if schedule_spec(schedule).splits_backward:  # deferred weight gradients keep the later ranks' as long
+            pp_rank = 0
         return min(m * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
-    if schedule == "zbv":
-        return float(min(m, pp))
     return float(min(m, pp + 1))  # dualpipev
 
 
@@ -288,20 +310,40 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
         candidate.pp_schedule, d.pp, pp_rank, step.microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
     )
     total = in_flight * held.blocks * per_layer
-    if step.recompute == "full" and held.blocks:  # the layer being recomputed holds its full activations meanwhile
-        total += layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms)
+    rerun = layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms)
+    if step.recompute == "full" and schedule_spec(candidate.pp_schedule).splits_backward and d.pp > 1:
+        # the input-gradient pass reruns each block, and its activations wait for the deferred weight-gradient
+        # pass: every micro-batch in flight holds them beside the checkpoint's input (the dry run: more than
+        # without recomputation)
+        total += in_flight * held.blocks * rerun
+    elif step.recompute == "full" and held.blocks:  # the layer being recomputed holds its activations meanwhile
+        total += rerun
     total *= sizes.compute / 2
     if autocast and step.recompute != "full":
         # each micro-batch's forward casts the weights to bf16 afresh, and its matmuls keep the casts to backward
         total += in_flight * 2 * held.matrices
+    if d.pp > 1:
+        # a stage keeps, per micro-batch in flight, the activation it received and the one it sent (the residual
+        # stream, cut by sequence parallelism), for their backward
+        boundaries = int(not held.first) + int(not held.last)
+        total += in_flight * boundaries * s * b * h / (d.tp if sp else 1) * residual_bytes(candidate, sizes)
     if held.last:
         total += loss_activations(candidate, step, s * b)
     if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):
         # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
         # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state
         # counted as gradients) exist only once that buffer is reduced, so the buffer adds the rest.
-        total += held.trainable * 4 * (1 - 1 / d.dp_shard_cp)
+        total += pipeline_gradient_buffer(candidate, held)
     return total + gradient_being_reduced(candidate, held, sizes)
+
+
+def pipeline_gradient_buffer(candidate: Candidate, held: Holding) -> float:
+    """The fp32 gradients FSDP accumulates whole inside a pipeline stage until the schedule reduces them, less
+    the shards the model state counts (0 without FSDP in the stages)."""
+    d = candidate.degrees
+    if d.pp == 1 or not candidate.spec.fsdp_shards(d.dp * d.cp):
+        return 0.0
+    return held.unpadded_trainable * 4 - held.trainable * 4 / d.dp_shard_cp
 
 
 # How a run's loss holds the logits (parallel/step_setup.py): `chunked`, llmtrain's eager loss, a chunk of positions
@@ -335,7 +377,10 @@ def chunk_values(vocabulary: int) -> int:
 
 def gradient_being_reduced(candidate: Candidate, held: Holding, sizes: StateBytes) -> float:
     """FSDP's unit being reduced: its gradient in the compute dtype and, where that is not fp32, the fp32 copy the
-    reduce-scatter takes. A temporary of every token count, beside the activations."""
+    reduce-scatter takes. A temporary of every token count, beside the activations. The unit has been resharded
+    by then (ZeRO-2 too, after its backward): its gathered copy, counted in `model_states`' gathered, is free, and
+    the reduction fills it first (the dry run's peak shows it)."""
     if candidate.sharding not in ("parameters", "gradients"):
         return 0.0
-    return held.largest_reduced * (sizes.compute + (4 if sizes.compute != 4 else 0))
+    reduced = held.largest_reduced * (sizes.compute + (4 if sizes.compute != 4 else 0))
+    return max(0.0, reduced - held.largest_unit * sizes.gathered(held))

@@ -43,6 +43,8 @@ class Holding:
     last_block: int = 0
     last_block_experts: int = 0
     quantized: int = 0  # of frozen: the base's block weights held in NF4 (model.quantize_base)
+    # trainable before FSDP's padding: what a gradient accumulated unsharded holds (a pipeline's, until reduced)
+    unpadded_trainable: int = 0
 
     @property
     def total(self) -> int:
@@ -243,6 +245,8 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
     first, last = 0 in mine, n_stages - 1 in mine
     root_tensors = (embedding_tensors(cfg, tp) if first else []) + (head_tensors(cfg, tp, pp > 1) if last else [])
     root_trainable, frozen = size(root_tensors, trainable=True), size(root_tensors, trainable=False)
+    every = [t for tensors in [root_tensors, *(block_tensors(cfg, tp, i) for i in indices)] for t in tensors]
+    unpadded_trainable = sum(t.numel for t in every if t.adapter or (t.trainable and not cfg.lora.enabled))
     in_blocks = [block_tensors(cfg, tp, i) for i in indices]
     adapters = [size(tensors, adapter=True) for tensors in in_blocks]
     per_block = [size(tensors) for tensors in in_blocks]
@@ -271,4 +275,5 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         last_block=last_block,
         last_block_experts=last_block_experts,
         quantized=sum(size(tensors, quantized=True) for tensors in in_blocks),
+        unpadded_trainable=unpadded_trainable,
     )

@@ -420,6 +420,7 @@ def planned_for(config: DryRunRootConfig, vocab_size: int, pp_rank: int) -> dict
         "peak": memory.total,
         "bytes": dict(traffic.bytes),
         "calls": dict(traffic.calls),
+        "unmodelled": cost.unmodelled,
     }
 
 
@@ -440,6 +441,9 @@ def report(results: list[dict[str, Any]], config: DryRunRootConfig) -> str:
         pairs = [(r["kinds"][kind], planned[kind]) for kind in first["kinds"]]
         pairs.append((r["peak"], planned["peak"]))
         lines.append(f"{r['rank']:6d}{r['pp_rank']:6d}" + "".join(_cell(m, p, scale, 2) for m, p in pairs))
+    if first["planned"]["unmodelled"]:
+        reason = first["planned"]["unmodelled"]
+        lines.append(f"the planner's memory is not trusted here ({reason}): parallel=auto never picks it")
     ops = sorted({op for r in results for op in [*r["calls"], *r["planned"]["bytes"]]})
     lines += ["", f"collectives in the step ({unit}), measured / planned, and the calls measured"]
     lines.append(f"{'rank':>6}{'stage':>6}" + "".join(f"{op:>27}" for op in ops))

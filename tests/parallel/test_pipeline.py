@@ -107,10 +107,15 @@ def test_schedules_refuse_what_they_cannot_run(schedule, pp, per_rank, m, messag
         validate_schedule(schedule, pp, per_rank, m)
 
 
-def test_compiled_blocks_only_with_schedules_that_run_backward_whole():
-    validate_schedule("1f1b", 2, 1, 4, compiled=True)
+def test_compiled_or_selectively_recomputed_blocks_only_with_schedules_that_run_backward_whole():
+    """Both fail at the first step of a schedule that splits backward in two (the dry run found the second)."""
+    validate_schedule("1f1b", 2, 1, 4, compiled=True, recompute="selective")
     with pytest.raises(ConfigError, match="train.compile=true does not work with parallel.pp_schedule=zbv"):
         validate_schedule("zbv", 2, 2, 4, compiled=True)
+    for schedule in ("zero_bubble", "zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=f"selective does not work with parallel.pp_schedule={schedule}"):
+            validate_schedule(schedule, 2, 2, 4, recompute="selective")
+    validate_schedule("zero_bubble", 2, 2, 4, recompute="full")
 
 
 @pytest.mark.parametrize(
