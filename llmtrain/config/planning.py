@@ -43,7 +43,8 @@ class HardwareConfig:
         0.4,
         Number(low=0, high=1, low_open=True),
         "fraction of `peak_tflops` a transformer's training compute reaches here, recomputation included (the "
-        "planner's predicted step times); a100x8's and h100x8's are the median of published runs "
+        "planner's predicted step times), in eager bf16 without the features `*_speed` scales; a100x8's and "
+        "h100x8's are the median HFU of half the published runs, the other half testing it "
         "([planner.md](planner.md#held-to-published-runs))",
     )
     # What a feature does to the step's speed on this device (step speed with it / without it), as the device's

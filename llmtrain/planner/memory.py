@@ -15,7 +15,8 @@ Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Lar
 per layer and micro-batch of s tokens × b sequences, width h, a heads, 16-bit activations, tensor degree t:
     no parallelism                       s·b·h·(34 + 5·a·s/h)
     tensor parallel                      s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    tensor + sequence parallel           s·b·h·(34 + 5·a·s/h)/t
+    tensor + sequence parallel           s·b·h·(34 + 5·a·s/h)/t, plus the projections' all-gathered inputs
+                                         (whole sequence) their matmuls keep: 6·(1 - 1/t)
     selective recompute                  the 5·a·s/h term (attention scores, softmax, its dropout) is dropped
     full recompute                       2·s·b·h (/t with sequence parallelism), plus one layer while it reruns
 The 5·a·s/h term exists only where attention weights are materialised: llmtrain's fused attention kernel stores
@@ -24,9 +25,11 @@ same tensors for any model of the family (grouped-query attention's narrower k a
 four stored hidden-width tensors: gate, up, silu(gate), their product). fp32 activations double everything. The
 last stage adds the logits and the fp32 log-probabilities the loss keeps, s·b·V·(compute bytes + 4)/t with loss
 parallelism.
-A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`); a
-context-parallel rank those of s/cp tokens (the ring keeps no score matrix: its per-layer tensors are the fused
-kernel's).
+A pipeline rank holds the activations of several micro-batches at its peak (`in_flight_microbatches`), and each
+one's stage input and output; a context-parallel rank those of s/cp tokens (the ring keeps no score matrix: its
+per-layer tensors are the fused kernel's). A mixture's blocks keep each token's top_k routed slots. Where no FSDP
+casts the weights, bf16 runs under autocast (LayerTerms.under_autocast). Every term is held to the dry run over
+llmtrain.bench.planner_vs_dry_run's grid (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -259,6 +262,11 @@ def layer_activations(
         reduced = (2 / t if sequence_parallel else 2.0) if t > 1 else 0.0
         return 2 * s * b * h * (residual + terms.selective_split / t + 2 + reduced)
     scores = 5 * a * s / h if scores_stored else 0.0
+    if sequence_parallel and t > 1 and not terms.uncut:
+        # the projections' all-gathered inputs (whole sequence, bf16) stay with the matmuls that saved them,
+        # beyond Korthikanti's sequence shards: about three a block (the 70B 3-D dry run in docs/planner.md)
+        gathered = 6 * (1 - 1 / t)
+        return s * b * h * ((terms.replicated + terms.split + scores) / t + gathered)
     if sequence_parallel or t == 1:
         return s * b * h * ((terms.replicated - terms.uncut + terms.split + scores) / t + terms.uncut)
     return s * b * h * (terms.replicated + (terms.split + scores) / t)
