@@ -174,6 +174,7 @@ class LayoutCost:
             "exposed_comm_s": self.exposed_comm_s,
             "max_parameters": self.max_parameters,
             "max_parameters_with_activations": self.max_parameters_with_activations,
+            "unmodelled": self.unmodelled,
         }
 
 
@@ -306,7 +307,7 @@ def unmodelled_memory(c: Candidate, gpt: GPTConfig, step: StepShape) -> str | No
     expert_shards = d.dp_shard_cp // d.ep if c.sharding in ("parameters", "gradients") else 1
     if m.num_experts and expert_shards > m.num_experts // d.ep:
         return (
-            f"FSDP splits each rank's {m.num_experts // d.ep} experts over {expert_shards} ranks, finer than by "
+            f"FSDP splits each rank's {m.num_experts // d.ep} expert(s) over {expert_shards} ranks, finer than by "
             f"expert: its padding and copies of the gathered experts are not modelled"
         )
     if d.pp == 1:
@@ -345,7 +346,11 @@ def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
     """The fastest layout that fits (ties within 3% to the simplest), the runner-up, and why, in one line."""
     usable = machine.plannable_bytes / GIB
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
-    too_big = list(dict.fromkeys(p.name for p in plans if not p.fits and p.name not in {f.name for f in fitting}))
+    fitting_names = {f.name for f in fitting}
+    unsized = list(dict.fromkeys(p.name for p in plans if p.unmodelled and p.name not in fitting_names))
+    too_big = list(
+        dict.fromkeys(p.name for p in plans if not p.fits and p.name not in fitting_names and p.name not in unsized)
+    )
     if not plans:
         return Decision(None, None, "no layout can split this model and batch over these ranks")
     if not fitting:
@@ -378,6 +383,8 @@ def choose(plans: list[LayoutCost], machine: Machine) -> Decision:
         )
     if too_big:
         reason += f"; too big: {', '.join(too_big)}"
+    if unsized:
+        reason += f"; not sized by the planner: {', '.join(unsized)}"
     return Decision(chosen, runner_up, reason)
 
 

@@ -30,7 +30,7 @@ from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
-from llmtrain.planner.cost import GIB, Decision, LayoutCost, choose, layout_cost
+from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
 from llmtrain.tools import compose_config
 
@@ -120,10 +120,17 @@ def format_table(plans: list[LayoutCost], facts: dict[str, Any]) -> str:
     for p in plans:
         m = p.heaviest
         cells = [p.name, *(f"{v / GIB:.2f}" for v in (m.parameters, m.gradients, m.optimizer, m.gathered,
-                 m.activations, m.total)), "yes" if p.fits else "NO", f"{p.comm_bytes_per_step / GIB:.2f}",
+                 m.activations, m.total)), "yes" if p.fits else "NO?" if p.unmodelled else "NO",
+                 f"{p.comm_bytes_per_step / GIB:.2f}",
                  f"{p.step_time_s:.3g}", f"{p.max_parameters / 1e9:.2f}B",
                  f"{p.max_parameters_with_activations / 1e9:.2f}B"]  # fmt: skip
         lines.append("  ".join(f"{c:>10}" for c in cells))
+    lines.append(
+        f"fits: the total within {1 - PEAK_ERROR_BOUND:.0%} of the usable memory (the rest kept for the planner's "
+        f"error, held to the dry run)"
+    )
+    unsized = {p.name: p.unmodelled for p in plans if p.unmodelled}
+    lines += [f"NO? {name}: the planner cannot size it ({why}); dry-run it" for name, why in unsized.items()]
     return "\n".join(lines)
 
 
