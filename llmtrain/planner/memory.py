@@ -184,6 +184,7 @@ class LayerTerms:
     # norms' saved tensors in fp32, and each projection's own bf16 copy of its input (q, k and v each, the MLP's
     # one or two). GPT-2: 8 + 2 x 4 = 16.
     autocast_replicated: float = 16.0
+    autocast_casts: float = 8.0  # of it, each projection's bf16 copy of its input: 2 x (q, k, v, the MLP's 1 or 2)
     stream: float = 1.0  # the residual stream's bytes against bf16's: 2 under autocast
     # of `replicated`, what sequence parallelism does not cut: under autocast, each projection's bf16 copy of
     # its input, which it casts after the all-gather of the sequence
@@ -191,15 +192,7 @@ class LayerTerms:
 
     def under_autocast(self) -> LayerTerms:
         """These terms where autocast computes (replicated tensors as autocast keeps them, an fp32 stream)."""
-        casts = self.autocast_replicated - self.replicated_autocast_stream
-        return replace(self, replicated=self.autocast_replicated, stream=2.0, uncut=casts)
-
-    @property
-    def replicated_autocast_stream(self) -> float:
-        """Of `autocast_replicated`, the fp32 residual stream and norms' tensors (and the routing's)."""
-        return self.autocast_replicated - self.autocast_casts
-
-    autocast_casts: float = 8.0  # each projection's bf16 copy of its input: 2 x (q, k, v, the MLP's one or two)
+        return replace(self, replicated=self.autocast_replicated, stream=2.0, uncut=self.autocast_casts)
 
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
