@@ -10,6 +10,8 @@ The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/p
   frozen bias (the -inf mask), split like the head;
 - a mixture block's router is replicated, its routed experts split by hidden units over tp (like the dense MLP),
   and under expert parallelism over ep as well: a rank gathers (FSDP) and computes only 1/ep of them.
+Each parameter is a PlannedTensor (its rows along the dimension FSDP splits): where FSDP shards, a rank's counts
+are of FSDP's padded shards, ceil(rows / N) rows each.
 """
 
 from __future__ import annotations
