@@ -174,6 +174,24 @@ def test_context_parallel_divides_activations_and_adds_the_ring():
     assert "parallel.cp=2" in cp.command_line()
 
 
+@pytest.mark.slow  # a meta model over 1,024 shards
+def test_fsdp_shards_are_counted_padded_as_fsdp_pads_them():
+    """FSDP gives each rank ceil(rows / N) rows of every parameter: over 1,024 ranks the tiny GPT's 256-row
+    tensors hold 4 rows a rank, not a quarter of one. The planner's parameters equal the meta model's, padded so;
+    a Mixtral whose 8 experts FSDP splits over 64 ranks is a layout it says it cannot size, which never fits."""
+    fp32 = StateBytes(param=4, grad=4, optimizer=8)
+    one_row = ("train.batch_size=1024", "train.micro_batch_size=1")
+    plan, _, _ = _plan(Candidate("fsdp", Degrees(dp_shard=1024)), *one_row, sizes=fp32)
+    parameters = meta_model(_composed(*UNPADDED).model, 256).parameters()
+    padded = sum(-(-p.shape[0] // 1024) * (p.numel() // p.shape[0]) for p in parameters)
+    assert plan.heaviest.parameters == 4 * padded
+    assert plan.unmodelled is None
+    cfg = _composed("model=mixtral-tiny", "model.vocab_size=256", "train.batch_size=64", "train.micro_batch_size=1")
+    work = workload_for(cfg, 256, ZERO)
+    experts = layout_cost(Candidate("fsdp", Degrees(dp_shard=64)), work, machine_for(cfg, 64, 8, True))
+    assert experts.unmodelled is not None and "experts" in experts.unmodelled and not experts.fits
+
+
 def test_pipeline_micro_batches_in_flight():
     assert in_flight_microbatches("gpipe", 4, 0, 8, 1) == 8
     assert [in_flight_microbatches("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
