@@ -197,10 +197,11 @@ class LayerTerms:
 
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
     """Korthikanti's count for this model: q and the attention output 2 + 2, k and v 2 x 2 x n_kv_head / n_head (each
-    x n_head · head size / d_model where heads are not d_model / n_head wide; query and key norms 4 more each),
+    x n_head · head size / d_model where heads are not d_model / n_head wide; query and key norms 8 more each),
     GELU's input and output 2 x 2 x d_ff / d_model or SwiGLU's gate, up, silu(gate) and product 4 x 2 x d_ff /
-    d_model. RMSNorm in eager mode keeps its normalised input besides its input, 2 more per norm (a fused kernel
-    keeps only the input: then this overestimates by 4)."""
+    d_model. RMSNorm as torch composes it outside CUDA keeps its input and the normalised copy both in fp32, 6 more
+    per norm than the 16-bit input Korthikanti counts (CUDA's fused kernel keeps only that input: there this
+    overestimates by 12 a block); the dry run measures the composed one."""
     mlp = (8 if cfg.gated_mlp else 4) * cfg.hidden / cfg.d_model
     m = cfg.moe
     # a mixture's share of the blocks: its routed experts keep their hidden tensors for each of a token's top_k
@@ -211,15 +212,19 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
         shared = (8 if cfg.gated_mlp else 4) * (m.d_ff or cfg.hidden) * m.shared_experts / cfg.d_model
         mlp = (1 - mixtures) * mlp + mixtures * (m.top_k * experts + shared)
     routing = mixtures * m.top_k * (2 + 2 * 4)
-    # RMSNorm's normalised copies (and with sandwich norms, two more norms and the branch outputs they read)
-    norms = (4.0 if cfg.norm != "layernorm" else 0.0) + (8.0 if cfg.sandwich_norm else 0.0)
+    # RMSNorm keeps its input and the normalised copy in fp32, 6 bytes an element beyond the 16-bit input counted
+    # in `replicated`; sandwich norms are two more, whose inputs (the branch outputs) nothing else keeps. Under
+    # autocast the norms' inputs are fp32 already, and only the normalised copies are more.
+    sandwich = 8.0 if cfg.sandwich_norm else 0.0
+    norms = (4.0 if cfg.norm != "layernorm" else 0.0) + sandwich
+    composed_norms = (12.0 if cfg.norm != "layernorm" else 0.0) + 2 * sandwich
     mlp_projections = 2 if cfg.gated_mlp else 1  # the up projection, and the gate's
     mlp_inputs = mlp_projections * cfg.hidden / cfg.d_model
     heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)
     grouped = cfg.kv_heads / cfg.n_head
-    head_norms = 4 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries and keys, before and after their norm
+    head_norms = 8 * (1 + grouped) * heads if cfg.qk_norm else 0.0  # queries' and keys' norms, as the blocks'
     return LayerTerms(
-        replicated=10.0 + norms + routing,
+        replicated=10.0 + composed_norms + routing,
         split=(4 + 4 * grouped) * heads + head_norms + mlp,
         selective_split=(2 + 2 * grouped) * heads + mlp_inputs,
         autocast_replicated=8.0 + 2 * norms + 2 * (3 + mlp_projections) + routing,
@@ -310,8 +315,24 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
     in_flight = in_flight_microbatches(
         candidate.pp_schedule, d.pp, pp_rank, step.microbatches if d.pp > 1 else 1, candidate.pp_stages_per_rank
     )
-    total = in_flight * held.blocks * per_layer
-    rerun = layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms)
+    per_microbatch = held.blocks * per_layer * sizes.compute / 2
+    if autocast and step.recompute != "full":
+        # each micro-batch's forward casts the weights to bf16 afresh, and its matmuls keep the casts to backward
+        per_microbatch += 2 * held.matrices
+    if d.pp > 1:
+        # a stage keeps, per micro-batch in flight, the activation it received and the one it sent (the residual
+        # stream, cut by sequence parallelism), for their backward
+        boundaries = int(not held.first) + int(not held.last)
+        per_microbatch += boundaries * s * b * h / (d.tp if sp else 1) * residual_bytes(candidate, sizes)
+    total = in_flight * per_microbatch
+    buffer = pipeline_gradient_buffer(candidate, held)
+    if buffer:
+        # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
+        # accumulates them whole, in fp32. The buffer is whole once the first micro-batch's backward is done, so it
+        # sits beside the micro-batches still in flight then, not all of them (the dry run: GPT-2's pp_fsdp)
+        after_first = min(in_flight, step.microbatches - 1)
+        total = max(total, after_first * per_microbatch + buffer)
+    rerun = layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms) * sizes.compute / 2
     if step.recompute == "full" and schedule_spec(candidate.pp_schedule).splits_backward and d.pp > 1:
         # the input-gradient pass reruns each block, and its activations wait for the deferred weight-gradient
         # pass: every micro-batch in flight holds them beside the checkpoint's input (the dry run: more than
@@ -319,22 +340,8 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
         total += in_flight * held.blocks * rerun
     elif step.recompute == "full" and held.blocks:  # the layer being recomputed holds its activations meanwhile
         total += rerun
-    total *= sizes.compute / 2
-    if autocast and step.recompute != "full":
-        # each micro-batch's forward casts the weights to bf16 afresh, and its matmuls keep the casts to backward
-        total += in_flight * 2 * held.matrices
-    if d.pp > 1:
-        # a stage keeps, per micro-batch in flight, the activation it received and the one it sent (the residual
-        # stream, cut by sequence parallelism), for their backward
-        boundaries = int(not held.first) + int(not held.last)
-        total += in_flight * boundaries * s * b * h / (d.tp if sp else 1) * residual_bytes(candidate, sizes)
     if held.last:
         total += loss_activations(candidate, step, s * b)
-    if d.pp > 1 and candidate.spec.fsdp_shards(d.dp * d.cp):
-        # torch's schedules reduce a stage's gradients once, after its last micro-batch: until then FSDP
-        # accumulates them whole, in fp32, beside the micro-batches in flight. Their shards (the model state
-        # counted as gradients) exist only once that buffer is reduced, so the buffer adds the rest.
-        total += pipeline_gradient_buffer(candidate, held)
     return total + gradient_being_reduced(candidate, held, sizes)
 
 
