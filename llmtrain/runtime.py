@@ -12,8 +12,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,20 @@ class Runtime:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def decided_by_main(self, decide: Callable[[], T]) -> T:
+        """Collective: `decide()` run on rank 0 alone (it may read or move files), its result on every rank; a
+        ConfigError it raises is raised on every rank, so none waits for a decision that never comes."""
+        try:
+            outcome: tuple[T | None, str | None] = (decide(), None) if self.is_main else (None, None)
+        except ConfigError as error:
+            if not self.distributed:
+                raise
+            outcome = (None, str(error))
+        value, refusal = self.from_main(outcome)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return cast(T, value)
 
     def abort(self) -> None:
         """Abort every process group: NCCL's kernels stop spinning on the device and its communicators are freed,

@@ -7,10 +7,14 @@ A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
   data.pt                             the training stream's position after the last step (rank 0), read back
                                       with `weights_only=True`: loading a checkpoint never runs code it holds;
   rng-<rank>.pt                       each rank's random generator states (dropout);
-  tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling.
+  tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling;
+  checksums.json                      the SHA-256 of every file above, written last (checkpoint/checksums.py).
 It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
 complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
-naming it, and the previous one is used. The `keep` newest complete checkpoints stay; older ones are deleted, and
+naming it, and the previous one is used. Before one is loaded, every file is checked against its checksum
+(`verify`): resuming with checkpoint.resume=auto sets a damaged latest one aside (`step-<n>.damaged`), names it and
+resumes from the one before; a checkpoint named explicitly, an export or an evaluation ends in one line naming the
+damaged file. The `keep` newest complete checkpoints stay; older ones are deleted, and
 one saved on the clock alone (checkpoint.every_minutes, `by_clock` in its meta.json) goes as soon as a newer one is
 complete.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -43,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from llmtrain import faults
-from llmtrain.checkpoint import safe_load
+from llmtrain.checkpoint import checksums, safe_load
 from llmtrain.checkpoint.safe_load import (
     DATA_POSITION,
     PICKLED_DATA_POSITION,
@@ -61,6 +66,7 @@ log = logging.getLogger("llmtrain")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_DAMAGED = re.compile(r"^step-\d{8}\.damaged(-\d+)?$")
 
 
 def _failure_reason(error: BaseException) -> str:
@@ -91,11 +97,9 @@ def is_checkpoint_name(path: str) -> bool:
 def incomplete_reason(path: str) -> str | None:
     """Why the checkpoint at `path` cannot be loaded, or None when it is complete: every file DCP's metadata
     names exists and is long enough, and our own files are there."""
-    for name in (".metadata", "meta.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} is missing"
-    if not any(os.path.isfile(os.path.join(path, name)) for name in (DATA_POSITION, PICKLED_DATA_POSITION)):
-        return f"{DATA_POSITION} is missing"
+    missing = _missing_file(path)
+    if missing:
+        return missing
     try:
         metadata = safe_load.read_dcp_metadata(path)
     except UnsafeCheckpointFile as error:
@@ -119,6 +123,21 @@ def incomplete_reason(path: str) -> str | None:
     return None
 
 
+def _missing_file(path: str) -> str | None:
+    """Which of the files every checkpoint has is missing, as a phrase (None: none is)."""
+    for name in (".metadata", "meta.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+    if not os.path.isfile(os.path.join(path, checksums.CHECKSUMS)):
+        return (
+            f"{checksums.CHECKSUMS} is missing (its write did not finish; one written before checkpoints carried "
+            f"checksums gets them from `python -m llmtrain.tools.upgrade_checkpoint {path}`, if you trust it)"
+        )
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (DATA_POSITION, PICKLED_DATA_POSITION)):
+        return f"{DATA_POSITION} is missing"
+    return None
+
+
 def complete_checkpoints(directory: str, warn: bool = True) -> list[str]:
     """Complete checkpoints in `directory`, oldest first; incomplete ones are left out (and reported: `warn`)."""
     if not os.path.isdir(directory):
@@ -137,6 +156,36 @@ def complete_checkpoints(directory: str, warn: bool = True) -> list[str]:
 
 class IncompleteCheckpoint(ValueError):
     """A path that names one checkpoint (step-<n>) which cannot be loaded; the message is the reason."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A complete checkpoint one of whose files is not as it was written; the message names the file."""
+
+
+def verify(path: str) -> None:
+    """Every file of the checkpoint at `path` hashed against its checksum (the whole checkpoint is read). Raises
+    DamagedCheckpoint naming the first that differs or is missing."""
+    found = checksums.damage(path)
+    if found:
+        raise DamagedCheckpoint(found)
+
+
+def set_aside_in(directory: str) -> list[str]:
+    """The checkpoints in `directory` that resuming set aside as damaged."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory) if _DAMAGED.match(name))
+
+
+def set_aside(path: str) -> str:
+    """Move the checkpoint at `path` out of the run's way (its step-* name is what resuming looks for), kept for
+    whoever wants to look at it: `step-<n>.damaged`, numbered if that exists."""
+    aside, number = f"{path}.damaged", 1
+    while os.path.exists(aside):
+        number += 1
+        aside = f"{path}.damaged-{number}"
+    os.replace(path, aside)
+    return aside
 
 
 def latest_checkpoint(path: str, warn: bool = True) -> str | None:
@@ -198,7 +247,16 @@ def restore_rng_states(path: str, rank: int) -> bool:
     file = os.path.join(path, f"rng-{rank}.pt")
     if not os.path.isfile(file):
         return False
-    states = torch.load(file, weights_only=True)
+    try:
+        states = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(
+            f"checkpoint {path}: rng-{rank}.pt holds more than generator states ({safe_load.what_it_asked(error)}) "
+            f"and was not loaded: resume from a checkpoint you wrote (checkpoint.resume=<its step-* directory>) or "
+            f"start afresh (checkpoint.resume=none)"
+        ) from None
+    except (OSError, EOFError, RuntimeError) as error:
+        raise damaged(path, f"rng-{rank}.pt", error) from None
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
@@ -215,14 +273,20 @@ def staging_options(device: torch.device) -> StagingOptions:
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer, with the fault points of checkpoint `step`'s write (llmtrain/faults.py)."""
+    """DCP's file writer, with the fault points of checkpoint `step`'s write (llmtrain/faults.py), hashing what
+    `rank` wrote (its shards and `also`, written before) as soon as it is written: in an async save, off the
+    training thread."""
 
-    def __init__(self, path: str, step: int):
+    def __init__(self, path: str, step: int, rank: int, also: tuple[str, ...]):
         super().__init__(path)
-        self.step = step
+        self.step, self.rank, self.also = step, rank, also
+        self.directory = path
 
     def write_data(self, plan, planner):
-        return faults.checkpoint_write(self.step, lambda: super(_Writer, self).write_data(plan, planner))
+        written = faults.checkpoint_write(self.step, lambda: super(_Writer, self).write_data(plan, planner))
+        shards = {result.storage_data.relative_path for result in written.wait()}
+        checksums.record_rank_files(self.directory, self.rank, [*shards, *self.also])
+        return written
 
 
 class CheckpointManager:
@@ -258,7 +322,8 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             self.runtime.barrier()
-            torch.save(rng_states(), os.path.join(tmp, f"rng-{self.runtime.rank}.pt"))
+            generators = f"rng-{self.runtime.rank}.pt"
+            torch.save(rng_states(), os.path.join(tmp, generators))
             if self.runtime.is_main:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
                     json.dump(meta, f)
@@ -268,14 +333,15 @@ class CheckpointManager:
             if self.use_async:
                 future = dcp.async_save(
                     state,
-                    storage_writer=_Writer(tmp, step),
+                    storage_writer=_Writer(tmp, step, self.runtime.rank, (generators,)),
                     process_group=self._group,
                     async_stager=self._stager_for_this_save(),
                     no_dist=not self.runtime.distributed,
                 )
                 self._pending = (cast(Future, future), tmp, final)
                 return
-            dcp.save(state, storage_writer=_Writer(tmp, step), no_dist=not self.runtime.distributed)
+            writer = _Writer(tmp, step, self.runtime.rank, (generators,))
+            dcp.save(state, storage_writer=writer, no_dist=not self.runtime.distributed)
         self._finish(tmp, final)
 
     def _stager_for_this_save(self) -> DefaultStager:
@@ -333,6 +399,8 @@ class CheckpointManager:
         """After every rank's shards are written: rank 0 renames the checkpoint complete and prunes old ones."""
         self.runtime.barrier()
         if self.runtime.is_main:
+            with self._write_failure(tmp):
+                checksums.seal(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old in complete_checkpoints(self.directory)[:-1]:

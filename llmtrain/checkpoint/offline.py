@@ -6,7 +6,14 @@ import os
 
 import torch
 
-from llmtrain.checkpoint.manager import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, read_meta
+from llmtrain.checkpoint.manager import (
+    DamagedCheckpoint,
+    IncompleteCheckpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    verify,
+)
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPT, GPTConfig, ParameterInit, family_class, pretrained_or_seeded
 from llmtrain.model.hf_files import local_hf_directory, weights_fingerprint
@@ -16,17 +23,21 @@ from llmtrain.model.materialize import allocate, write_parameters
 
 def find_checkpoint(path: str) -> str:
     """`path` itself when it is one checkpoint, else the latest complete one in it (a checkpoint directory, or a
-    run directory with checkpoints/)."""
+    run directory with checkpoints/), verified against its checksums: a damaged one is named, never read."""
     path = os.path.abspath(os.path.expanduser(path))
     try:
         found = latest_checkpoint(path) or latest_checkpoint(os.path.join(path, "checkpoints"))
     except IncompleteCheckpoint as reason:
         raise ConfigError(f"{path} is not a complete checkpoint: {reason}") from None
-    if found:
-        return found
-    raise ConfigError(
-        f"no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or a run directory"
-    )
+    if not found:
+        raise ConfigError(
+            f"no complete checkpoint in {path}: pass a step-* directory, a checkpoint directory or a run directory"
+        )
+    try:
+        verify(found)
+    except DamagedCheckpoint as damage:
+        raise ConfigError(f"checkpoint {found} is damaged: {damage}: use an earlier step-* directory") from None
+    return found
 
 
 def load_checkpoint_model(path: str) -> GPT:

@@ -57,11 +57,11 @@ def read_data_position(directory: str) -> dict:
             warnings.simplefilter("ignore")
             stored = torch.load(os.path.join(directory, DATA_POSITION), weights_only=True)
     except pickle.UnpicklingError as error:
-        raise UnsafeCheckpointFile(_what_it_asked(error)) from None
+        raise UnsafeCheckpointFile(what_it_asked(error)) from None
     return cast(dict, _arrays_from_tensors(stored))
 
 
-def _what_it_asked(error: pickle.UnpicklingError) -> str:
+def what_it_asked(error: pickle.UnpicklingError) -> str:
     """The global a weights-only read refused (e.g. `os.system`), from torch's message, which spans many lines."""
     found = re.search(r"GLOBAL (\S+)", str(error))
     return found.group(1) if found else "more than plain data"
@@ -99,7 +99,7 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise UnsafeCheckpointFile(f"entry {name} asks for {_what_it_asked(error)}") from None
+            raise UnsafeCheckpointFile(f"entry {name} asks for {what_it_asked(error)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[name], loaded)
         else:

@@ -15,12 +15,18 @@ import torch
 
 from llmtrain.checkpoint.manager import (
     CheckpointManager,
+    DamagedCheckpoint,
     IncompleteCheckpoint,
+    complete_checkpoints,
+    is_checkpoint_name,
     latest_checkpoint,
     load_checkpoint,
     read_data_position,
     read_meta,
     restore_rng_states,
+    set_aside,
+    set_aside_in,
+    verify,
 )
 from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
 from llmtrain.config import OptimConfig
@@ -33,22 +39,24 @@ from llmtrain.parallel.parallel_model import ParallelModel
 log = logging.getLogger("llmtrain")
 
 
-def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
-    """The checkpoint this run starts from: checkpoint.resume=auto -> the latest complete one in `directory`
-    (None when there is none), none -> None, a path -> that checkpoint (or the latest in that directory)."""
+def resume_path(checkpoint_cfg, directory: str) -> str | None:
+    """The checkpoint this run starts from, verified against its checksums: checkpoint.resume=auto -> the latest
+    intact one in `directory` (None when there is none; a damaged one set aside, named, and the one before it
+    taken), none -> None, a path -> that checkpoint (or the latest in that directory), which must be intact. Run on
+    one rank: it reads every file of the checkpoint it picks, and moves damaged ones."""
     resume = checkpoint_cfg.resume
     if resume == "none":
         return None
     if resume == "auto":
         try:
-            return latest_checkpoint(directory, warn=is_main)
+            return _latest_intact(directory)
         except IncompleteCheckpoint as reason:  # checkpoint.dir itself named a step-* directory
             raise ConfigError(
                 f"checkpoint.dir={directory} is an incomplete checkpoint ({reason}), not a directory "
                 f"of them: point checkpoint.dir at the directory that holds the step-* ones"
             ) from None
     try:
-        found = latest_checkpoint(os.path.abspath(os.path.expanduser(resume)), warn=is_main)
+        found = latest_checkpoint(os.path.abspath(os.path.expanduser(resume)))
     except IncompleteCheckpoint as reason:
         raise ConfigError(
             f"checkpoint.resume={resume} is not a complete checkpoint ({reason}): point it at "
@@ -59,7 +67,37 @@ def resume_path(checkpoint_cfg, directory: str, is_main: bool) -> str | None:
             f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
             f"directory or a checkpoint directory, or use checkpoint.resume=auto"
         )
+    try:
+        verify(found)
+    except DamagedCheckpoint as damage:
+        raise ConfigError(
+            f"checkpoint {found} is damaged: {damage}: resume from another step-* directory, or set "
+            f"checkpoint.resume=auto to take the latest intact one"
+        ) from None
     return found
+
+
+def _latest_intact(directory: str) -> str | None:
+    """The newest complete checkpoint in `directory` whose files match their checksums. Each damaged one on the
+    way is set aside and named; when none is intact and some were set aside (now or by an earlier run), a
+    ConfigError: the run does not start afresh over checkpoints it could not use without being told to."""
+    if is_checkpoint_name(directory):
+        return latest_checkpoint(directory)
+    for path in reversed(complete_checkpoints(directory)):
+        try:
+            verify(path)
+            return path
+        except DamagedCheckpoint as damage:
+            aside = set_aside(path)
+            log.warning(f"checkpoint {path} is damaged ({damage}): set aside as {aside}; trying the one before it")
+    damaged = set_aside_in(directory)
+    if damaged:
+        raise ConfigError(
+            f"no intact checkpoint is left in {directory} ({len(damaged)} damaged, set aside as step-*.damaged): "
+            f"start afresh with checkpoint.resume=none, or resume from a copy (checkpoint.resume=<its step-* "
+            f"directory>)"
+        )
+    return None
 
 
 def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:

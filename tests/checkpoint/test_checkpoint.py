@@ -38,7 +38,7 @@ from harness.runs import (
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from llmtrain.checkpoint import load_final_model
+from llmtrain.checkpoint import checksums, load_final_model
 from llmtrain.checkpoint.manager import (
     CheckpointManager,
     IncompleteCheckpoint,
@@ -213,6 +213,67 @@ def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
         dcp.save({"weights": torch.randn(64, 64)}, checkpoint_id=str(path), no_dist=True)
         (path / "meta.json").write_text("{}")
         torch.save({}, path / "data.pt")
+        checksums.seal(str(path))
+
+
+def _resealed(path: Path) -> Path:
+    """The checkpoint at `path` with checksums of its files as they now are: what an attacker who changed them
+    would write, so that what reads them, not the checksums, is what is tested."""
+    (path / checksums.CHECKSUMS).unlink()
+    checksums.seal(str(path))
+    return path
+
+
+def _flip(file: Path, count: int = 4096) -> None:
+    """`count` bytes in the middle of `file` inverted, its size unchanged: what a failing disk or a bad copy does."""
+    data = bytearray(file.read_bytes())
+    middle = max(0, len(data) // 2 - count // 2)
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    file.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(tmp_path, caplog):
+    """4 KiB flipped in the newest checkpoint's shard (size unchanged: the size checks pass), or in another's
+    data position: resuming with checkpoint.resume=auto names the file in a warning, sets the checkpoint aside as
+    step-*.damaged and takes the newest intact one; named explicitly, or exported, it is one line naming the
+    file. With none intact left, one line rather than a silent fresh start. A checkpoint without checksums is
+    incomplete, and the upgrade command, the user's word that it is intact, gives it some."""
+    checkpoints = tmp_path / "checkpoints"
+    _tiny_checkpoints(checkpoints, [5, 10, 15])
+    newest, middle = Path(checkpoint_path(str(checkpoints), 15)), Path(checkpoint_path(str(checkpoints), 10))
+    _flip(next(newest.glob("*.distcp")))
+    _flip(middle / "data.pt", count=8)
+    assert latest_checkpoint(str(checkpoints)) == str(newest)  # complete by its files' presence and sizes
+
+    for named in (str(newest), str(checkpoints)):
+        with pytest.raises(ConfigError, match=r"is damaged: __0_0.distcp does not match its checksum") as error:
+            resume_path(OmegaConf.structured(CheckpointConfig(resume=named)), str(tmp_path / "unused"))
+        assert "\n" not in str(error.value) and "weights_only" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"step-00000015 is damaged: __0_0.distcp does not match its checksum"):
+        find_checkpoint(str(tmp_path))  # export, evaluate and sampling
+    with caplog.at_level(logging.WARNING, logger="llmtrain"):
+        chosen = resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints))
+    assert chosen == checkpoint_path(str(checkpoints), 5)
+    for step, file in ((15, "__0_0.distcp"), (10, "data.pt")):
+        assert f"step-{step:08d} is damaged ({file} does not match its checksum): set aside as" in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step-00000005",
+        "step-00000010.damaged",
+        "step-00000015.damaged",
+    ]
+
+    _flip(next(Path(chosen).glob("*.distcp")))
+    with pytest.raises(ConfigError, match="^no intact checkpoint is left in .*3 damaged, set aside as step-"):
+        resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints))
+
+    legacy = Path(checkpoint_path(str(tmp_path / "legacy"), 3))
+    _tiny_checkpoints(legacy.parent, [3])
+    (legacy / checksums.CHECKSUMS).unlink()
+    with pytest.raises(IncompleteCheckpoint, match="checksums.json is missing .*upgrade_checkpoint"):
+        latest_checkpoint(str(legacy))
+    upgrade_checkpoint.main([str(legacy.parent)])
+    assert latest_checkpoint(str(legacy.parent)) == str(legacy)
+    assert checksums.damage(str(legacy)) is None
 
 
 @pytest.mark.releases
@@ -267,7 +328,7 @@ def test_one_lookup_finds_a_checkpoint_for_resume_export_and_sampling(tmp_path):
         find_checkpoint(str(tmp_path))
 
     def resume(value: str, directory: Path = tmp_path / "fresh"):
-        return resume_path(OmegaConf.structured(CheckpointConfig(resume=value)), str(directory), is_main=True)
+        return resume_path(OmegaConf.structured(CheckpointConfig(resume=value)), str(directory))
 
     assert resume("auto") is None and resume("auto", checkpoints) == latest and resume("none", checkpoints) is None
     assert resume(str(checkpoints)) == resume(latest) == latest
@@ -372,7 +433,7 @@ def _carrying_code(source: Path, destination: Path, marker: Path, part: str) -> 
     for name in names[:1] if part == "model" else names:
         state[part][name] = _RunsCode(marker)
     dcp.save(state, checkpoint_id=str(destination), no_dist=True)
-    return destination
+    return _resealed(destination)
 
 
 @pytest.mark.slow
@@ -388,6 +449,7 @@ def test_a_checkpoint_carrying_code_is_refused_by_resume_export_and_evaluate_and
     position = tmp_path / "position" / source.name
     shutil.copytree(source, position)
     torch.save({"epoch": _RunsCode(marker)}, position / "data.pt")
+    _resealed(position)
     rates = _carrying_code(source, tmp_path / "rates" / source.name, marker, "optimizer")
     for crafted, message in (
         (position, "data.pt holds more than data and was not loaded"),
@@ -408,6 +470,36 @@ def test_a_checkpoint_carrying_code_is_refused_by_resume_export_and_evaluate_and
     with pytest.raises(SystemExit) as exit_code:
         evaluate([str(weights), f"tasks=[{task}]", "train.device=cpu"])
     assert exit_code.value.code == 2 and not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_run_resumes_past_a_damaged_checkpoint_and_refuses_generator_states_that_run_code(train, reference, tmp_path):
+    """The PARITY run saving every 3 steps and at its end (checkpoints 9 and 10 kept), with 4 KiB flipped in the
+    last one's shard (its size unchanged): the rerun names the file in one warning, sets the checkpoint aside and
+    resumes from checkpoint 9 to the uninterrupted run, to the bit. A copy of checkpoint 9 whose rng-0.pt would
+    run code (its checksums rewritten to match, as an attacker would): resuming from it is one line and exit 2,
+    with no traceback and no advice to load it unsafely, and the payload never runs."""
+    first = train(*PARITY, "checkpoint.every=3", name="first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = first.run_dir / "checkpoints"
+    marker, crafted = tmp_path / "code-ran", tmp_path / "crafted" / "step-00000009"
+    shutil.copytree(checkpoints / "step-00000009", crafted)
+    torch.save({"cpu": _RunsCode(marker)}, crafted / "rng-0.pt")
+    _flip(next((checkpoints / "step-00000010").glob("*.distcp")))
+
+    resumed = train(*PARITY, "checkpoint.every=3", f"checkpoint.dir={checkpoints}", name="resumed")
+    output = resumed.stdout + resumed.stderr
+    named = [line for line in output.splitlines() if "is damaged" in line]
+    assert len(named) == 1 and "step-00000010 is damaged (__0_0.distcp does not match its checksum)" in named[0]
+    assert f"resumed   from {checkpoints / 'step-00000009'}" in output, output[-3000:]
+    assert_resumed_exactly(resumed, reference)
+    assert (checkpoints / "step-00000010.damaged").is_dir()
+
+    refused = train(*PARITY, f"checkpoint.resume={_resealed(crafted)}", name="refused")
+    errors = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and not marker.exists()
+    assert len(errors) == 1 and "rng-0.pt holds more than generator states" in errors[0], refused.stderr[-3000:]
+    assert "weights_only" not in refused.stderr
 
 
 @pytest.mark.slow

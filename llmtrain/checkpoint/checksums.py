@@ -1,0 +1,98 @@
+"""A checkpoint that proves itself: the SHA-256 of every file it holds, in `checksums.json`, written last.
+
+Each rank hashes what it wrote itself (its DCP shards and its generator states) right after writing them, in the
+thread that wrote them (an async save's background thread), into `.checksums-<rank>.json`; when every rank is
+done, rank 0 hashes its own small files (DCP's `.metadata`, meta.json, the data position, the tokenizer), merges
+the ranks' lists into `checksums.json` and renames the checkpoint complete. A checkpoint without `checksums.json`
+is incomplete. Before a checkpoint is loaded (a resume, an export, an evaluation, sampling), every file it lists is
+hashed again: a flipped byte anywhere is named, where a size check sees only missing or truncated files.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+
+CHECKSUMS = "checksums.json"
+_RANK_CHECKSUMS = ".checksums-{rank}.json"
+
+
+_CHUNK = 8 << 20
+
+
+def file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digests(directory: str, names: Iterable[str]) -> dict[str, str]:
+    return {name: file_digest(os.path.join(directory, name)) for name in sorted(set(names))}
+
+
+def _write_json(path: str, value: dict[str, str]) -> None:
+    """Written whole or not at all: a crash mid-write leaves no checksum file, never a short one."""
+    with open(f"{path}.partial", "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=0)
+    os.replace(f"{path}.partial", path)
+
+
+def record_rank_files(directory: str, rank: int, names: Iterable[str]) -> None:
+    """This rank's files of the checkpoint being written in `directory`, hashed as soon as they are written."""
+    _write_json(os.path.join(directory, _RANK_CHECKSUMS.format(rank=rank)), _digests(directory, names))
+
+
+def seal(directory: str) -> None:
+    """Rank 0, once every rank has recorded its files: every other file hashed, the ranks' lists merged into
+    `checksums.json`, the last file the checkpoint gets."""
+    listed: dict[str, str] = {}
+    rank_lists = glob.glob(os.path.join(glob.escape(directory), _RANK_CHECKSUMS.format(rank="*")))
+    for rank_list in rank_lists:
+        with open(rank_list, encoding="utf-8") as f:
+            listed.update(json.load(f))
+    rest = [name for name in _files(directory) if name not in listed]
+    listed.update(_digests(directory, rest))
+    _write_json(os.path.join(directory, CHECKSUMS), dict(sorted(listed.items())))
+    for rank_list in rank_lists:
+        os.remove(rank_list)
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory`, relative to it, but the checksum lists themselves."""
+    found = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name == CHECKSUMS or name.startswith(".checksums-"):
+                continue
+            found.append(os.path.relpath(os.path.join(root, name), directory))
+    return found
+
+
+def listed_files(directory: str) -> dict[str, str] | None:
+    """The files `checksums.json` lists with their digests; None when it is missing or unreadable."""
+    try:
+        with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
+            listed = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return listed if isinstance(listed, dict) else None
+
+
+def damage(directory: str) -> str | None:
+    """The first of the checkpoint's files that is not as it was written (missing, or its digest differs), as a
+    phrase; None when every listed file matches."""
+    listed = listed_files(directory)
+    if listed is None:
+        return f"{CHECKSUMS} is missing or unreadable"
+    for name, digest in listed.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if file_digest(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
