@@ -484,6 +484,9 @@ LORA_TARGETS = {
     "fc_in": "up_proj",
     "fc_out": "down_proj",
 }
+# train.on_spike (llmtrain/train/loop.py): what a loss spike does beyond its warning and `spike: true` in its
+# record: nothing more, or its update dropped as a non-finite step's is.
+SPIKE_ACTIONS = ("log", "skip")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # train.float8_layers: which of the blocks' eligible Linear layers float8 converts (llmtrain/parallel/float8.py).

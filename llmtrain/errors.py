@@ -15,11 +15,13 @@ class RunError(Exception):
     """A run that cannot go on, for a reason its message states in one line. `exit_code` is the process's exit
     status. `main_rank_speaks`: rank 0 prints the line for every rank (False: the rank it happened on prints it,
     as only that rank knows). `ranks_meet`: every rank raises it at the same point, so they meet before exiting
-    (False: a peer may never reach a meeting point)."""
+    (False: a peer may never reach a meeting point). `restartable`: a launcher's restart may find it gone (the
+    others end the run for good: a restarted worker leaves at once, llmtrain/exits.py)."""
 
     exit_code: ClassVar[int] = 1
     main_rank_speaks: ClassVar[bool] = True
     ranks_meet: ClassVar[bool] = False
+    restartable: ClassVar[bool] = False
     prefix: ClassVar[str] = "error: "
 
 
@@ -47,6 +49,15 @@ class CheckpointWriteError(RunError, RuntimeError):
     """A checkpoint could not be written; the previous one stays. DCP shares a rank's failure with every rank."""
 
     exit_code = 5
+
+
+class DataUnavailable(RunError):
+    """A streamed data source still failed with a network error after its retries (llmtrain/data/sources.py). Not
+    the configuration's fault: exit 1, which launch/slurm.sbatch requeues a limited number of times. Said by the
+    rank whose stream failed, the one that knows."""
+
+    main_rank_speaks = False
+    restartable = True
 
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry" — a checkpoint was saved.
@@ -123,3 +134,14 @@ def closed_pipe_is_quiet() -> Iterator[None]:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(CLOSED_PIPE_EXIT)
+
+
+def note_step(error: BaseException, step: int) -> None:
+    """Remember on `error` the training step it ended (where a crash happened is part of telling a bug, which
+    recurs at the same step, from the machine's fault)."""
+    error.__dict__.setdefault("llmtrain_step", step)
+
+
+def failed_step(error: BaseException) -> int | None:
+    """The training step `error` ended (note_step), None when it came from outside the steps."""
+    return error.__dict__.get("llmtrain_step")

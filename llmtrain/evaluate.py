@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 from omegaconf import OmegaConf
 
 from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help
-from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, first_line
+from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, exit_for, first_line
 from llmtrain.launch_env import launch_rank
 
 if TYPE_CHECKING:
@@ -123,9 +123,9 @@ def run_harness(lm, config: EvaluateRootConfig) -> dict:
     return results or {}  # lm-eval answers on the first local rank only
 
 
-def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
+def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime, observers: tuple = ()):
     """Collective: the checkpoint's model laid out by `config` on this rank, its weights loaded, as an lm-eval model
-    (llmtrain/lm_eval_model.py: LiveModel)."""
+    (llmtrain/lm_eval_model.py: LiveModel) whose scoring calls `observers` watch."""
     from transformers import AutoTokenizer
 
     from llmtrain.checkpoint.manager import load_checkpoint, read_meta
@@ -158,23 +158,44 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime):
     load_model_weights_state(model, state)
     model.module.eval()
     tokenizer = FastTokenizer(hf_tokenizer, eos_id=hf_tokenizer.eos_token_id, vocab_size=len(hf_tokenizer))
-    return LiveModel(model, tokenizer, gpt_cfg.max_seq_len, t.micro_batch_size, show_progress=runtime.is_main)
+    return LiveModel(
+        model,
+        tokenizer,
+        gpt_cfg.max_seq_len,
+        t.micro_batch_size,
+        show_progress=runtime.is_main,
+        rank=runtime.rank,
+        observers=observers,
+    )
 
 
 def evaluate(checkpoint: str, config: EvaluateRootConfig) -> dict:
     """Collective: lm-eval's results of the checkpoint's model laid out by `config` over this process group (on
-    rank 0; {} on the others)."""
+    rank 0; {} on the others). Under training's rules: the hang watchdog (train.hang_timeout; its stacks in the
+    checkpoint directory's evaluate/hang/), and a peer's death one line and exit 77, not a wait for the group's
+    timeout."""
     from llmtrain.runtime import init_runtime
+    from llmtrain.train.peer_loss import is_peer_loss, peer_lost
+    from llmtrain.train.watchdog import StepWatchdog
 
     runtime = init_runtime(config.train.device)
+    hang_dir = os.path.join(os.path.dirname(checkpoint), "evaluate")  # the watchdog's stacks go to its hang/
+    watchdog = StepWatchdog.for_run(config.train.hang_timeout, runtime, hang_dir)
+    observers = (watchdog,) if watchdog is not None else ()
     try:
         if not runtime.is_main:
             logging.getLogger().setLevel(logging.WARNING)
             os.environ["TQDM_DISABLE"] = "1"
-        results = run_harness(live_model(checkpoint, config, runtime), config)
-    except BaseException:
+        results = run_harness(live_model(checkpoint, config, runtime, observers), config)
+    except BaseException as error:
+        if isinstance(error, Exception) and runtime.distributed and is_peer_loss(error):
+            lost, speaks = peer_lost(error, runtime)
+            exit_for(lost, speaks, lambda _: runtime.abort())
         runtime.shutdown()
         raise
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     runtime.shutdown(synchronize=True)
     return results if runtime.is_main else {}
 

@@ -1,7 +1,9 @@
 """How a job's process ends, with the exit codes README lists. Before the process has a runtime, a ConfigError is
 one `error:` line, exit 2 and no run directory left behind. After, a RunError (bad input, divergence, out of
 memory, a checkpoint that could not be written, a stop signal, a hang) is its one line and exit code, recorded so
-that a launcher's restarts leave with it too; a peer's death is PeerLost; anything else keeps its traceback."""
+that a launcher's restarts leave with it too; a peer's death is PeerLost; anything else keeps its traceback. How
+each attempt ended goes to the run directory (attempts.py), where a crash that repeats an earlier attempt's ends
+the run for good."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 
+from llmtrain import attempts
 from llmtrain.errors import ConfigError, Preempted, RunError, exit_for
 from llmtrain.launch_env import launch_rank
 from llmtrain.plan import with_layouts_that_run
@@ -51,7 +54,7 @@ def run_to_exit(train: Callable[[], None], runtime: Runtime, run_dir: str, preem
     except RunError as error:
         _end_on_purpose(error, runtime, run_dir, preemption)
     except BaseException as error:
-        _end_after(error, runtime)
+        _end_after(error, runtime, run_dir)
     runtime.shutdown(synchronize=True)
 
 
@@ -63,7 +66,10 @@ def _end_on_purpose(error: RunError, runtime: Runtime, run_dir: str, preemption:
     if isinstance(error, ConfigError) and runtime.is_main:
         remove_if_empty_run(run_dir)
     if runtime.is_main or not error.main_rank_speaks:
-        record_end_on_purpose(runtime, error.exit_code, str(error))
+        if not error.restartable:
+            record_end_on_purpose(runtime, error.exit_code, str(error))
+        if not isinstance(error, ConfigError):  # bad input is no attempt at the run; its directory may be gone
+            attempts.record(run_dir, runtime.rank, error.exit_code, str(error))
     preempted = isinstance(error, Preempted)
 
     def shut_down(synchronize: bool) -> None:
@@ -74,11 +80,34 @@ def _end_on_purpose(error: RunError, runtime: Runtime, run_dir: str, preemption:
     exit_for(error, runtime.is_main, shut_down)
 
 
-def _end_after(error: BaseException, runtime: Runtime) -> NoReturn:
+def _end_after(error: BaseException, runtime: Runtime, run_dir: str) -> NoReturn:
     """A failure that is no RunError: a peer's death becomes PeerLost (one line, its exit code); anything else
-    keeps its traceback."""
+    keeps its traceback, and ends the run for good when it repeats an earlier attempt's crash."""
     if isinstance(error, Exception) and runtime.distributed and is_peer_loss(error):
         lost, speaks = peer_lost(error, runtime)
+        if speaks:
+            attempts.record(run_dir, runtime.rank, lost.exit_code, str(lost))
         exit_for(lost, speaks, lambda _: runtime.abort())  # a group with a dead member: torn down, not left
+    if isinstance(error, Exception):
+        _refuse_a_repeated_crash(error, runtime, run_dir)
     runtime.shutdown()  # no barrier: a failed rank's peers may never reach it
     raise error
+
+
+def _refuse_a_repeated_crash(error: Exception, runtime: Runtime, run_dir: str) -> None:
+    """Record where this rank crashed; when an earlier attempt crashed there too, say so in one line and keep the
+    launchers from starting the run again: a bug, not the machine, which every restart would meet."""
+    site = attempts.crash_site(error)
+    step = f" in step {site['step']}" if site["step"] is not None else ""
+    line = f"rank {runtime.rank} crashed with {site['error']}{step} at {site['where']}"
+    earlier = attempts.repeated_crash(run_dir, runtime.rank, site)
+    attempts.record(run_dir, runtime.rank, 1, line, site)
+    if earlier is None:
+        return
+    refusal = (
+        f"{line}, as in the attempt before: a bug that every restart would meet again, so the run ends here "
+        f"(exit 1, not restarted or requeued; the traceback follows)"
+    )
+    print(f"error: {refusal}", file=sys.stderr)
+    attempts.refuse_requeue(run_dir, refusal)
+    record_end_on_purpose(runtime, 1, refusal)

@@ -20,10 +20,19 @@ read once per process:
   slow_rank=r               with slow_seconds=s: rank r computes s seconds more in every step (a throttled device)
   inf_at_steps=3,4          those steps' loss and gradients become non-finite (an overflow)
   inf_grad_at_steps=3       those steps' gradients become non-finite, their loss stays finite
+  spike_at_steps=3,4        those steps' loss and gradients become SPIKE_SCALE times what they were: finite, a loss
+                            spike (what a batch of bad data does)
   oom_at_step=k             step k raises torch.OutOfMemoryError, as the CUDA allocator does
+  raise_at_step=k           step k raises KeyError in every attempt at the run: a bug, which no restart fixes
   hang_in_save_at_step=k    checkpoint k's shards are written, then its write never finishes (no .metadata, no
                             rename), in the background thread under checkpoint.async_save
   disk_full_at_step=k       checkpoint k's write fails with ENOSPC, as a full disk makes it
+  data_errors=n             n reads of a document from the streamed training data fail in a row with a network error
+                            (ConnectionError, as a hub stream or a stalled shared file system raises), each retried
+  data_stall_seconds=s      one read of a document from the streamed training data blocks s seconds first (a stalled
+                            stream: the watchdog names the phase "waiting for data")
+  data_fault_at_read=k      with data_errors or data_stall_seconds: from the process's k-th read of a document on,
+                            failed reads counted (1, the default: the first)
   host_reads=FILE           each step appends to FILE how many times the training thread read a tensor's value on
                             the host (item, tolist, float, int, bool): each one a device sync on a GPU. Reads
                             inside optimizer.step are left out (AdamW keeps its step counters on the host)
@@ -41,6 +50,7 @@ exit 2, and what is armed is said once, so a run that was meant to be real canno
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import threading
@@ -53,6 +63,8 @@ from typing import Any, NoReturn
 from llmtrain.errors import ConfigError
 
 ENVIRONMENT = "LLMTRAIN_FAULTS"
+# spike_at_steps's factor: far over train.spike_factor's default, and finite in fp32 and bf16 alike.
+SPIKE_SCALE = 100.0
 
 
 def _step_list(value: str) -> list[int]:
@@ -73,9 +85,14 @@ POINTS: dict[str, Callable[[str], object]] = {
     "slow_seconds": float,
     "inf_at_steps": _step_list,
     "inf_grad_at_steps": _step_list,
+    "spike_at_steps": _step_list,
     "oom_at_step": _step_list,
+    "raise_at_step": _step_list,
     "hang_in_save_at_step": _step_list,
     "disk_full_at_step": _step_list,
+    "data_errors": int,
+    "data_stall_seconds": float,
+    "data_fault_at_read": int,
     "host_reads": str,
     "device_syncs": str,
     "gpu_turn": str,
@@ -165,7 +182,7 @@ _turn: list[Any] = []  # gpu_turn's open lock file, kept from being closed
 
 def step_begins(step: int, rank: int) -> None:
     """At the start of training step `step` on `rank`: kill_at_step (kill_on_rank), slow_rank, oom_at_step,
-    gpu_turn."""
+    raise_at_step, gpu_turn."""
     _steps_begun.append(step)
     if len(_steps_begun) == 2 and rank == 0 and "gpu_turn" in armed():
         _take_turn(armed()["gpu_turn"])
@@ -179,6 +196,8 @@ def step_begins(step: int, rank: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated: oom_at_step)")
+    if step in _steps("raise_at_step"):
+        raise KeyError(f"simulated: raise_at_step={step}")
 
 
 def _take_turn(path: str) -> None:
@@ -191,14 +210,21 @@ def _take_turn(path: str) -> None:
 
 
 def gradients_computed(step: int, loss: Any, parameters: Iterator[Any]) -> Any:
-    """After step `step`'s backward, with its loss: inf_at_steps, inf_grad_at_steps. Returns the loss."""
+    """After step `step`'s backward, with its loss: inf_at_steps, inf_grad_at_steps, spike_at_steps. Returns the
+    loss."""
     if step in _steps("inf_at_steps") | _steps("inf_grad_at_steps"):
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.mul_(float("inf"))
-        if step in _steps("inf_at_steps"):
-            return loss * float("inf")
+        _scale_gradients(parameters, float("inf"))
+        return loss * float("inf") if step in _steps("inf_at_steps") else loss
+    if step in _steps("spike_at_steps"):
+        _scale_gradients(parameters, SPIKE_SCALE)
+        return loss * SPIKE_SCALE
     return loss
+
+
+def _scale_gradients(parameters: Iterator[Any], scale: float) -> None:
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.mul_(scale)
 
 
 def step_ends(started: float) -> None:
@@ -218,6 +244,22 @@ def checkpoint_write(step: int, write: Callable[[], Any]) -> Any:
         written.wait()  # the shards are on disk
         _hang()
     return written
+
+
+_document_reads = itertools.count(1)  # numbers this process's reads of a document while a data point is armed
+
+
+def document_read(source: str) -> None:
+    """Before a read of a document from the streamed training data of `source` (a try: a retry is another read):
+    data_stall_seconds, data_errors (data_fault_at_read)."""
+    points = armed()
+    if "data_errors" not in points and "data_stall_seconds" not in points:
+        return
+    read, first = next(_document_reads), int(points.get("data_fault_at_read", 1))
+    if read == first:
+        time.sleep(float(points.get("data_stall_seconds", 0)))
+    if first <= read < first + int(points.get("data_errors", 0)):
+        raise ConnectionError(errno.ECONNRESET, f"{source}: connection reset by peer (simulated: data_errors)")
 
 
 _HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from llmtrain import attempts
 from llmtrain.checkpoint import save_final_model
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.training import (
@@ -32,7 +33,7 @@ from llmtrain.config import RootConfig, WandbConfig
 from llmtrain.data import Data, DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.tasks import read_task
 from llmtrain.data.tokenizers import Tokenizer
-from llmtrain.errors import PREEMPTED_EXIT, ConfigError, RunError
+from llmtrain.errors import PREEMPTED_EXIT, ConfigError, RunError, note_step
 from llmtrain.exits import exits_on_config_error, leave_if_ended_on_purpose, run_to_exit
 from llmtrain.model import (
     GPT,
@@ -140,7 +141,7 @@ def _build_and_train(config: RootConfig, runtime: Runtime, run_dir: str, preempt
     record = loggers.record if loggers else lambda record: None
     trainer = Trainer(training, record, observers=observers, preemption=preemption)
     try:
-        state = trainer.run()
+        state = _steps(trainer)
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if isinstance(error, RunError) or not allocation_failed(error):
             raise
@@ -158,7 +159,18 @@ def _build_and_train(config: RootConfig, runtime: Runtime, run_dir: str, preempt
     profiler.write_memory("end of the run")
     layout_results = model.report(run_dir)
     if loggers:
-        _log_end_summary(training, state, loggers, profiler, layout_results, time.perf_counter() - wall_start)
+        wall_seconds = time.perf_counter() - wall_start
+        _log_end_summary(training, state, loggers, profiler, layout_results, wall_seconds, run_dir)
+
+
+def _steps(trainer: Trainer) -> LoopState:
+    """The trainer's steps; an error out of them carries the step it ended (a crash that repeats at the same step
+    is a bug, attempts.py)."""
+    try:
+        return trainer.run()
+    except Exception as error:
+        note_step(error, trainer.state.step + 1)
+        raise
 
 
 def _run_loggers(training: Components, run_dir: str) -> RunLoggers:
@@ -190,8 +202,10 @@ def _log_end_summary(
     profiler: StepProfiler,
     layout_results: dict,
     wall_seconds: float,
+    run_dir: str,
 ) -> None:
-    """The end summary: logged, and written to summary.json (last: it marks a completed run) and W&B."""
+    """The end summary: logged, and written to summary.json (last: it marks a completed run) and W&B; with how
+    the run's earlier attempts ended, where it was restarted or requeued."""
     config, runtime, t = training.config, training.runtime, training.config.train
     summary = end_summary(state.records, wall_seconds, state.train_seconds, t.batch_size * t.seq_len)
     summary.update(
@@ -205,6 +219,8 @@ def _log_end_summary(
     if (profile := profiler.summary()) is not None:
         summary["profile"] = profile
     summary["predicted"] = predicted(config, runtime, training.model_config.vocab_size)
+    if earlier := attempts.interruptions(run_dir):
+        summary["interruptions"] = earlier
     loggers.finish(summary, state.records)
     log.info("\n" + format_end_summary(summary))
 

@@ -17,35 +17,63 @@ Rows of similar length are batched together (longest first), each batch as wide 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from llmtrain import faults
 from llmtrain.data.tasks import scoring_rows
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
 from llmtrain.model.scoring import NEXT_TOKENS
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.train.downstream import score_rows
+from llmtrain.train.observers import Observers, StepObserver
 
 # Micro-batches each data-parallel rank runs per call: enough rows to keep every rank busy between the gathers.
 MICRO_BATCHES_PER_CALL = 8
 
 
 class LiveModel(TemplateLM):
-    """`model` (laid out on this rank) with the tokenizer it was trained with, answering lm-eval's requests."""
+    """`model` (laid out on this rank) with the tokenizer it was trained with, answering lm-eval's requests. Each
+    call that scores rows is a step to `observers` (the hang watchdog: phase "evaluating") and to the fault points."""
 
     def __init__(
-        self, model: ParallelModel, tokenizer: Tokenizer, max_length: int, micro_batch_size: int, show_progress: bool
+        self,
+        model: ParallelModel,
+        tokenizer: Tokenizer,
+        max_length: int,
+        micro_batch_size: int,
+        show_progress: bool,
+        rank: int = 0,
+        observers: tuple[StepObserver, ...] = (),
     ):
         super().__init__()
         self.model, self.tokenizer = model, tokenizer
+        # lm-eval's `rank` is its own process's place among its ranks (always 0 here: every rank runs it alike)
+        self.process_rank, self.observers, self.calls = rank, Observers(observers), 0
         self.max_length, self.micro_batch_size = max_length, micro_batch_size
         self.rows_per_call = micro_batch_size * model.plan.dp_size * MICRO_BATCHES_PER_CALL
         self.show_progress = show_progress
         self.max_gen_toks = 256  # lm-eval's default where a task sets none
+
+    @contextmanager
+    def _scoring_call(self) -> Iterator[None]:
+        """One call of the layout's forward path, watched as a training step is (a rank that stops making progress
+        ends the evaluation as it ends training)."""
+        self.calls += 1
+        call, started = self.calls, time.perf_counter()
+        self.observers.phase_begins(call, "evaluating")
+        faults.step_begins(call, self.process_rank)
+        faults.phase_begins(call, "evaluating", self.process_rank)
+        yield
+        self.observers.step_ends(call, time.perf_counter() - started)
 
     @property
     def eot_token_id(self) -> int:
@@ -92,7 +120,8 @@ class LiveModel(TemplateLM):
             for start in range(0, len(order), self.rows_per_call):
                 batch = order[start : start + self.rows_per_call]
                 inputs, targets = scoring_rows([kept[i] for i in batch], [scored[i] for i in batch], self.max_length)
-                sums = score_rows(self.model, inputs, targets, self.micro_batch_size).double().cpu()
+                with self._scoring_call():
+                    sums = score_rows(self.model, inputs, targets, self.micro_batch_size).double().cpu()
                 for i, (loss, count, greedy) in zip(batch, sums.tolist()):
                     answers[i] = (-loss, greedy == count)
                 progress.update(len(batch))
@@ -135,7 +164,8 @@ class LiveModel(TemplateLM):
             # Each row is scored at its last position (a placeholder target after it): the next token's there.
             rows = [np.asarray([*prompts[i], *generated[i], 0], dtype=np.int64) for i in active]
             inputs, targets = scoring_rows(rows, [1] * len(rows), self.max_length)
-            tokens = score_rows(self.model, inputs, targets, self.micro_batch_size, NEXT_TOKENS)
+            with self._scoring_call():
+                tokens = score_rows(self.model, inputs, targets, self.micro_batch_size, NEXT_TOKENS)
             still = []
             for i, token in zip(active, tokens[:, 0].long().tolist()):
                 if token != self.eot_token_id:

@@ -18,7 +18,7 @@ LAYERS = [
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"job", "exits", "spawn", "lm_eval_model"},
+    {"job", "exits", "attempts", "spawn", "lm_eval_model"},
     {"entry", "tools", "bench", "export", "generate"},
 ]
 

@@ -133,7 +133,26 @@ class TrainConfig:
         "bf16's (torchao's thresholds per recipe, measured on an H100); `all` every eligible one (both dimensions "
         "multiples of 16); the start summary names those kept in the compute dtype, and why",
     )
-    max_bad_steps: int = key(3, at_least(1), "consecutive non-finite steps before the run stops")
+    max_bad_steps: int = key(
+        3,
+        at_least(1),
+        "consecutive skipped steps (a non-finite loss or gradient norm, or a spike under `train.on_spike=skip`) "
+        "before the run stops",
+    )
+    spike_factor: float = key(
+        5.0,
+        Number(low=0),
+        "a step whose loss is over this many times the median loss of the last `train.spike_window` steps that "
+        "updated the weights is a spike: a warning naming the step and its batch, and `spike: true` in its record; "
+        "checked once the window is full (a resumed run refills it from the metrics logged); 0 = off",
+    )
+    spike_window: int = key(100, at_least(1), "steps whose median loss a spike is measured against")
+    on_spike: str = key(
+        "log",
+        OneOf(catalog.SPIKE_ACTIONS),
+        "`log`: the spike is reported and trained on; `skip`: its update is dropped as a non-finite step's is (the "
+        "weights and optimizer state left unchanged, `skipped: true`) and it counts towards `train.max_bad_steps`",
+    )
     hang_timeout: Optional[float] = key(
         None,
         Number(low=0),

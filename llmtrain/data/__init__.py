@@ -14,7 +14,7 @@ import numpy as np
 
 from llmtrain.config import DataConfig, reads_prepared_stores
 from llmtrain.data.prefetch import Batches, Prefetched
-from llmtrain.data.sources import TRAIN, VALIDATION, open_documents
+from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, source_name
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
 from llmtrain.errors import ConfigError
@@ -250,6 +250,7 @@ def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, s
         seed,
         data_cfg.doc_shuffle_buffer,
         data_cfg.window_shuffle_buffer,
+        source=source_name(data_cfg),
     )
 
 

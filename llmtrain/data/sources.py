@@ -11,24 +11,71 @@ The validation stream is the dataset's own validation split when `data.val_split
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import os
+import sys
 import sysconfig
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from time import sleep
+from typing import TypeVar
 
 import datasets
 from datasets import IterableDataset
 
 from llmtrain.data.files import local_data_files
-from llmtrain.errors import ConfigError, first_line
+from llmtrain.errors import ConfigError, DataUnavailable, first_line
 from llmtrain.hub import from_hub
+
+log = logging.getLogger("llmtrain")
+T = TypeVar("T")
 
 TRAIN, VALIDATION = "train", "validation"
 # Documents are held out for validation in pieces of about this many characters (cut at line ends).
 HOLDOUT_CHUNK_CHARS = 4096
+# A stream that failed with a network error is reopened where it stopped and read again after each of these waits
+# (seconds): about a minute in all, under the step watchdog's 300 s floor, so that a source that stays away ends
+# the run with its own line rather than as a hang. (A hub stream's reads also retry inside `datasets`, up to
+# 100 s each: a hub away for longer is named by the watchdog, its phase "waiting for data".)
+RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+# OSError numbers of a network, or of a shared file system behind one (NFS's stale handle, an evicted Lustre
+# client's EIO).
+NETWORK_ERRNOS = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.ENETRESET,
+        errno.ENOTCONN,
+        errno.EPIPE,
+        errno.ESTALE,
+        errno.EIO,
+        errno.EREMOTEIO,
+    }
+)
+# HTTP statuses of a server that is busy, restarting or rate-limiting: a later request may be answered.
+RETRIED_HTTP_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# The transport errors (a connection lost, refused or timed out) of the HTTP clients a hub stream reads through, by
+# module; those that are not OSErrors with a network errno. A client this process never imported cannot have
+# raised, so none is imported to check.
+CLIENT_NETWORK_ERRORS = {
+    "httpx": ("TransportError",),
+    "httpx2": ("TransportError",),  # huggingface_hub's
+    "requests.exceptions": ("ConnectionError", "Timeout", "ChunkedEncodingError"),
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError"),
+}
+PREPARED_STORE_ADVICE = (
+    "or tokenise it once where it can be read (python -m llmtrain.data.prepare ... prepare.out=DIR) and train with "
+    "data=prepared data.path=DIR"
+)
 
 
 def stdlib_files() -> list[str]:
@@ -253,3 +300,81 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
 
 def _split_side(batch: dict, fraction: float, validation: bool) -> dict:
     return {"text": _split_for(batch["text"], fraction, validation)}
+
+
+def source_name(data_cfg) -> str:
+    """The training documents' source as a message names it: its key and value."""
+    if data_cfg.source == "hf":
+        return f"data.name={data_cfg.name}"
+    if data_cfg.source == "local":
+        return f"data.path={data_cfg.path}"
+    return f"data={data_cfg.source}"
+
+
+def read_with_retries(read: Callable[[], T], reopen: Callable[[], None], source: str) -> T:
+    """`read()` from a stream of `source`. After a network error the stream is reopened where it stopped
+    (`reopen()`, which may read and fail as well) and read again, after each wait of RETRY_WAITS, each retry one
+    warning: a connection lost for a while costs a pause, not the run. Still failing after the last, a
+    DataUnavailable (exit 1, requeued) says so in one line. Any other error, which every try would meet again, is
+    raised at once."""
+    retries = 0
+    while True:
+        try:
+            if retries:
+                reopen()
+            return read()
+        except Exception as error:
+            if _offline(error):
+                raise ConfigError(
+                    f"{source} cannot be streamed with HF_HUB_OFFLINE=1: unset it where the hub is reachable, "
+                    f"{PREPARED_STORE_ADVICE}"
+                ) from None
+            if not is_network_error(error):
+                raise
+            if retries == len(RETRY_WAITS):
+                raise DataUnavailable(_unavailable(source, error)) from error
+            wait, retries = RETRY_WAITS[retries], retries + 1
+            log.warning(
+                f"{source}: {_described(error)}; reading again in {wait:g} s (retry {retries} of {len(RETRY_WAITS)})"
+            )
+        sleep(wait)
+
+
+def is_network_error(error: BaseException) -> bool:
+    """Whether `error` is a network's (or a shared file system's behind one), which a later try may not meet: a
+    connection lost, refused or timed out, an HTTP status a busy or restarting server sends. A missing file, a
+    refused token, an unknown dataset or damaged data meet every try alike and are not retried."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status is not None:
+        return status in RETRIED_HTTP_STATUSES
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in NETWORK_ERRNOS:
+        return True
+    return isinstance(error, _client_network_errors())
+
+
+def _client_network_errors() -> tuple[type[BaseException], ...]:
+    return tuple(
+        getattr(sys.modules[module], name)
+        for module, names in CLIENT_NETWORK_ERRORS.items()
+        if module in sys.modules
+        for name in names
+    )
+
+
+def _offline(error: BaseException) -> bool:
+    # huggingface_hub's OfflineModeIsEnabled is a ConnectionError, but HF_HUB_OFFLINE=1 meets every try alike.
+    return type(error).__name__ == "OfflineModeIsEnabled"
+
+
+def _unavailable(source: str, error: BaseException) -> str:
+    return (
+        f"{source} could not be read ({_described(error)}), still after {len(RETRY_WAITS)} retries over "
+        f"{sum(RETRY_WAITS):.0f} s: check the network, or the shared file system it is read from, then resume; "
+        f"{PREPARED_STORE_ADVICE}"
+    )
+
+
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {first_line(error)}"

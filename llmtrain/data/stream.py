@@ -20,10 +20,17 @@ import numpy as np
 import torch
 from datasets import IterableDataset
 
+from llmtrain import faults
 from llmtrain.data.packing import WindowPacker, pack_windows, tokenize_documents
+from llmtrain.data.sources import read_with_retries
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
 from llmtrain.model.scoring import UNSCORED
+
+# The source's position is copied after every this many documents read (a copy costs about 5 us, a tenth of reading
+# and tokenising a short document): a source reopened after a network error goes on from the last copy, reading
+# again the documents read since.
+POSITION_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,9 @@ class TrainingWindows:
     (a WindowPacker, as the validation windows are), and the windows pass a seeded shuffle buffer. Every stage keeps
     its state in plain attributes (the source's position is HF's own `state_dict`, the buffers are lists of
     immutable items, the generators numpy states), so `state_dict()` is a cheap snapshot and a resumed stream
-    yields exactly the windows the original would have.
+    yields exactly the windows the original would have. A read of the source that fails with a network error is
+    retried (sources.read_with_retries), the source reopened after the last document read: the windows are the
+    same as if it had not failed. `source` names the source in the retries' warnings and the last one's error.
     """
 
     def __init__(
@@ -83,12 +92,14 @@ class TrainingWindows:
         doc_shuffle_buffer: int,
         window_shuffle_buffer: int,
         tokenize_batch: int = 64,
+        source: str = "the training documents",
     ):
         self.documents = documents.shuffle(seed=seed, buffer_size=1)  # shard order only; the buffer is ours
         self.tokenizer = tokenizer
         self.seed = seed
         self.doc_buffer_size, self.window_buffer_size = doc_shuffle_buffer, window_shuffle_buffer
         self.tokenize_batch = tokenize_batch
+        self.source = source
         self.epoch = 0
         self.docs_in_epoch = 0
         self.doc_buffer: list[str] = []
@@ -97,6 +108,10 @@ class TrainingWindows:
         self.window_buffer: list[np.ndarray] = []
         self.window_rng = np.random.default_rng(seed)
         self._source: Iterator[dict] | None = None
+        # Where a source reopened after a network error goes on: its state_dict at the last copy (None: the epoch's
+        # start) and the documents read since.
+        self._source_position: dict | None = None
+        self._read_since_position = 0
 
     # -- position ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -119,8 +134,7 @@ class TrainingWindows:
         self.window_rng.bit_generator.state = state["window_rng"]
         self._source = None
         if state["source"] is not None:
-            self._source = self._open_epoch()
-            self.documents.load_state_dict(state["source"])
+            self._source = self._open_source(at=state["source"])
 
     # -- the stream -------------------------------------------------------------------------------------------
     def __iter__(self) -> TrainingWindows:
@@ -147,9 +161,7 @@ class TrainingWindows:
     def _next_document(self) -> str:
         """The next document out of the document shuffle buffer; an exhausted epoch starts the next one."""
         while True:
-            if self._source is None:
-                self._source = self._open_epoch()
-            example = next(self._source, None)
+            example = read_with_retries(self._read_example, self._reopen_source, self.source)
             if example is None:
                 if self.doc_buffer:  # drain the buffer before the next epoch
                     return self.doc_buffer.pop(int(self.doc_rng.integers(len(self.doc_buffer))))
@@ -170,9 +182,37 @@ class TrainingWindows:
             text, self.doc_buffer[i] = self.doc_buffer[i], example["text"]
             return text
 
-    def _open_epoch(self) -> Iterator[dict]:
+    def _read_example(self) -> dict | None:
+        """The source's next document, None at the end of the epoch (its first read opens it)."""
+        if self._source is None:
+            self._source = self._open_source(at=None)
+        faults.document_read(self.source)
+        example = next(self._source, None)
+        self._read_since_position += 1
+        if self._read_since_position == POSITION_EVERY:
+            self._source_position, self._read_since_position = self.documents.state_dict(), 0
+        return example
+
+    def _open_source(self, at: dict | None) -> Iterator[dict]:
+        """This epoch's documents from `at` (a state_dict of the source; None: the epoch's start), which is also where
+        the source reopens after a network error until its position is next copied."""
+        self._source_position, self._read_since_position = at, 0
+        return self._documents_from(at)
+
+    def _reopen_source(self) -> None:
+        """The source again, after the last document read: from the last copy of its position, past those read
+        since."""
+        documents = self._documents_from(self._source_position)
+        for _ in itertools.islice(documents, self._read_since_position):
+            pass
+        self._source = documents
+
+    def _documents_from(self, at: dict | None) -> Iterator[dict]:
         self.documents.set_epoch(self.epoch)
-        return iter(self.documents)
+        documents = iter(self.documents)  # a generator: nothing is read before its first next, after the state loads
+        if at is not None:
+            self.documents.load_state_dict(at)
+        return documents
 
 
 def validation_windows(documents: IterableDataset, tokenizer: Tokenizer, seq_len: int, count: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The training loop's fault points (llmtrain/faults.py) as one of its observers: where a test's run hangs, is
-killed, runs slow, runs out of memory or takes a non-finite step. Unarmed, each costs a dictionary lookup."""
+killed, runs slow, runs out of memory, takes a non-finite step or spikes. Unarmed, each costs a dictionary lookup."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from llmtrain.train.observers import StepObserver
 
 class FaultPoints(StepObserver):
     """The points armed in this process (LLMTRAIN_FAULTS), fired on `rank`; `module` holds the gradients a
-    non-finite step spoils."""
+    non-finite step or a spike spoils."""
 
     def __init__(self, rank: int, module: nn.Module):
         self._rank = rank

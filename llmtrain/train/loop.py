@@ -5,13 +5,17 @@ them (the hang watchdog, the straggler report, the profiler, the fault points) h
 observers.py.
 
 A step whose loss or gradient norm is not finite does not touch the weights: its gradients are dropped, the step
-is recorded with `skipped: true`, and after train.max_bad_steps such steps in a row the run stops."""
+is recorded with `skipped: true`, and after train.max_bad_steps such steps in a row the run stops. A finite loss
+over train.spike_factor times the recent median is a spike: a warning naming the step and its batch, `spike: true`
+in its record, and under train.on_spike=skip its update dropped as a non-finite step's is."""
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,7 +59,29 @@ class LoopState:
     step: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     train_seconds: float = 0.0
-    bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
+    bad_steps: int = 0  # consecutive steps skipped: a non-finite loss or gradient norm, or a spike under on_spike=skip
+
+
+class RecentLosses:
+    """The losses of the last `window` steps that updated the weights, against whose median a loss over `factor`
+    times it is a spike (factor 0: none is); `losses`, those of the steps before (a resumed run's, so that it judges
+    its steps as the uninterrupted run would have)."""
+
+    def __init__(self, factor: float, window: int, losses: Sequence[float] = ()):
+        self.factor = factor
+        self.losses: deque[float] = deque(losses, maxlen=window)
+
+    def spike_median(self, loss: float) -> float | None:
+        """The median `loss` is a spike against; None when it is not one, or the window is not yet full (early
+        losses fall too fast for a median of a few to judge by)."""
+        if self.factor == 0 or len(self.losses) < (self.losses.maxlen or 0):
+            return None
+        median = statistics.median(self.losses)
+        return median if loss > self.factor * median else None
+
+    def add(self, loss: float) -> None:
+        """The loss of a step whose update was applied."""
+        self.losses.append(loss)
 
 
 @dataclass(frozen=True)
@@ -148,6 +174,7 @@ class Trainer:
         self._observers = Observers(observers)
         self._preemption = preemption
         self.state = parts.state
+        self._recent_losses = self._agreed_recent_losses()
         self._tasks = parts.tasks
         self._preference = DirectPreference(parts.model, parts.config.data.beta) if parts.data.pairs else None
         self._task_every = parts.config.eval.every or self._train.eval_every
@@ -169,6 +196,17 @@ class Trainer:
     def _is_task_step(self, step: int) -> bool:
         every = self._task_every
         return bool(self._tasks) and every > 0 and (step % every == 0 or step == self._train.steps)
+
+    def _agreed_recent_losses(self) -> RecentLosses:
+        """Collective where spikes are watched for: the losses of the last train.spike_window steps that updated the
+        weights, as rank 0's records hold them. A resumed run's records are rank 0's metrics.jsonl, which another
+        rank may not see, or see while rank 0 rewrites it: windows that differed would split the ranks' decisions
+        under train.on_spike=skip."""
+        factor, window = self._train.spike_factor, self._train.spike_window
+        if factor == 0:
+            return RecentLosses(factor, window)
+        updated = [record["loss"] for record in self.state.records if not record.get("skipped")]
+        return RecentLosses(factor, window, self._runtime.from_main(updated[-window:]))
 
     def _measured_val_bytes_per_token(self) -> list[float]:
         """Collective: per validation set, the UTF-8 bytes per scored token (every rank holds as many rows)."""
@@ -225,6 +263,8 @@ class Trainer:
 
     def _step(self, step: int, started: float) -> tuple[dict[str, Any], float]:
         begin_step_memory(self._runtime.device)
+        # A phase of its own: a stream that stalls is then named in a hang report, not taken for a collective's wait
+        self._observers.phase_begins(step, "waiting for data")
         rows = self._data.train.next()
         micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
         preference = torch.zeros(0, device=self._runtime.device)
@@ -251,13 +291,11 @@ class Trainer:
         record.update(_expert_balance(results.expert_load))
         record.update(zip(REWARDS, results.preference))
         self._observers.results_read(step, results.observed, record)
-        # Loss and norm are reduced over all ranks, so every rank takes the same decision.
         self._observers.phase_begins(step, "optimizer")
-        if math.isfinite(results.loss) and math.isfinite(results.grad_norm):
+        if self._applies_update(record, results):
             self._optimizer.step()
             self.state.bad_steps = 0
-        else:
-            self._skip(record)
+            self._recent_losses.add(results.loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._lr_schedule.step()
         if self._data.masks_targets:
@@ -320,18 +358,49 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
-    def _skip(self, record: dict[str, Any]) -> None:
+    def _applies_update(self, record: dict[str, Any], results: StepResults) -> bool:
+        """Whether the step's update reaches the weights: not when its loss or gradient norm is not finite, nor
+        when its loss is a spike under train.on_spike=skip. Loss and norm are reduced over all ranks and the recent
+        losses are the same on each, so every rank takes the same decision."""
+        step, loss = record["step"], results.loss
+        if not (math.isfinite(loss) and math.isfinite(results.grad_norm)):
+            self._skip(record, f"step {step}: loss {loss}, gradient norm {results.grad_norm}: not finite")
+            return False
+        median = self._recent_losses.spike_median(loss)
+        if median is None:
+            return True
+        record["spike"] = True
+        spike = (
+            f"step {step}: loss {loss:.4g} is {loss / median:.1f}x the median of the last "
+            f"{len(self._recent_losses.losses)} steps ({median:.4g}): a spike ({self._batch_position(step)})"
+        )
+        if self._train.on_spike == "skip":
+            self._skip(record, spike)
+            return False
+        log.warning(spike)
+        return True
+
+    def _batch_position(self, step: int) -> str:
+        """Which batch of the data stream step `step` trained on, reproducibly: every step takes the next global
+        batch (a resumed run's data continues from its checkpoint's position), so it is batch step - 1 counting
+        from 0; a prepared store or a mixture also names the batch's sequences in its seeded order."""
+        position = f"batch {step - 1} of the data stream, counting from 0"
+        taken = self._data.train.state_dict().get("next_sample")  # the position after the batch
+        if taken is None:
+            return position
+        return f"{position}: its sequences {taken - self._train_slice.batch_size}-{taken - 1}"
+
+    def _skip(self, record: dict[str, Any], reason: str) -> None:
+        """Drop the step's update (its gradients are zeroed with the others'); after train.max_bad_steps such
+        steps in a row, stop the run."""
         record["skipped"] = True
         self.state.bad_steps += 1
-        log.warning(
-            f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: "
-            f"not finite, the weights were left unchanged ({self.state.bad_steps} such step(s) in a row)"
-        )
+        log.warning(f"{reason}: the weights were left unchanged ({self.state.bad_steps} skipped step(s) in a row)")
         if self.state.bad_steps >= self._train.max_bad_steps:
             raise TrainingDiverged(
-                f"step {record['step']}: {self.state.bad_steps} steps in a row with a non-finite loss or gradient "
-                f"norm (train.max_bad_steps={self._train.max_bad_steps}), the run stops; its last checkpoint is "
-                f"intact. Lower optim.lr, raise optim.warmup_steps, or check the data"
+                f"step {record['step']}: {self.state.bad_steps} steps in a row skipped for a non-finite loss or "
+                f"gradient norm or a loss spike (train.max_bad_steps={self._train.max_bad_steps}), the run stops; "
+                f"its last checkpoint is intact. Lower optim.lr, raise optim.warmup_steps, or check the data"
             )
 
     def run(self) -> LoopState:

@@ -68,8 +68,8 @@ class PreemptionWatch:
         rank, local_rank = self._rank
         if local_rank == 0:
             print(
-                f"llmtrain: {self.signal_name} received on rank {rank}: finishing this step, then saving a "
-                f"checkpoint and exiting with {PREEMPTED_EXIT}"
+                f"llmtrain: {self.signal_name} received on rank {rank}: once every rank has finished its step, "
+                f"they save a checkpoint and exit {PREEMPTED_EXIT} (a line says so when it is saved)"
                 + (" (Ctrl-C again to abort)" if self.signal_name == "SIGINT" else ""),
                 file=sys.stderr,
                 flush=True,

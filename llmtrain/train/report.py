@@ -115,6 +115,8 @@ def format_end_summary(summary: dict[str, Any]) -> str:
                 else ""
             )
         )
+    if "interruptions" in summary:
+        lines.append(f"restarted {len(summary['interruptions'])} time(s): " + "; ".join(summary["interruptions"]))
     if "unavailable" in summary.get("predicted", {}):
         lines.append(f"planner   no prediction: {summary['predicted']['unavailable']}")
     elif "predicted" in summary:

@@ -48,6 +48,8 @@ log = logging.getLogger("llmtrain")
 # The loop's phases, in the order a step runs them: a rank in an earlier one is behind the others.
 PHASES = (
     "starting the step",
+    "waiting for data",
+    "reference and policy log-probabilities",
     "forward/backward",
     "clipping",
     "reading the step's results",
@@ -56,6 +58,7 @@ PHASES = (
     "downstream tasks",
     "logging",
     "checkpoint",
+    "evaluating",  # llmtrain.evaluate's scoring calls, its steps
 )
 # Validation, the eval.tasks, logging (W&B over the network) and checkpoints may run longer than a step: this many
 # timeouts.

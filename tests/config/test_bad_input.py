@@ -183,7 +183,8 @@ def test_an_unknown_key_names_the_nearest_one():
     assert error_line(base, "train.stpes=5") == (
         "train.stpes is not a key: did you mean train.steps? (the keys of train: activation_checkpointing, "
         "attention, batch_size, compile, device, eval_batches, eval_every, float8, float8_layers, hang_timeout, "
-        "max_bad_steps, micro_batch_size, precision, save_model, score_after_eos, seq_len, steps)"
+        "max_bad_steps, micro_batch_size, on_spike, precision, save_model, score_after_eos, seq_len, spike_factor, "
+        "spike_window, steps)"
     )
     assert error_line(base, "+train.stpes=5").startswith("train.stpes is not a key: did you mean train.steps?")
     assert error_line(base, "+foo=1").startswith("foo is not a key (the keys of the config: checkpoint, data,")
@@ -274,6 +275,7 @@ def test_a_damaged_checkpoint_is_named_not_loaded(tmp_path):
     path = Path(checkpoint_path(str(tmp_path), 3))
     dcp.save({"weights": torch.randn(8, 8)}, checkpoint_id=str(path), no_dist=True)
     (path / "meta.json").write_text('{"step": 3')
+    (path / "checksums.json").write_text("{}")  # present: what is read is the files themselves
     torch.save({"epoch": 0}, path / "data.pt")
     (path / "data.pt").write_bytes((path / "data.pt").read_bytes()[:50])
     assert incomplete_reason(str(path)) == "meta.json is unreadable (JSONDecodeError)"

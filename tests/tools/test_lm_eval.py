@@ -8,17 +8,24 @@ layouts answer the adapter's requests as one process does in test_downstream's l
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from harness.processes import torchrun
+from harness.paths import REPO
+from harness.processes import python, rank_slots, torchrun, warm_interpreter
 
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.data.tasks import read_task, request_tokens
 from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer, train_bpe
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
+from llmtrain.faults import arm
 from llmtrain.runtime import Runtime
 from llmtrain.train.downstream import score_rows, task_accuracy
 
@@ -327,3 +334,32 @@ def test_two_tensor_parallel_ranks_give_one_process_results_through_the_command(
         for metric, value in alone[task].items():
             if isinstance(value, float):
                 assert split[task][metric] == pytest.approx(value, rel=1e-6), (task, metric)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_an_evaluation_in_seconds_as_it_ends_training(models, tasks, tmp_path):
+    """Two tensor-parallel ranks evaluating, rank 1 hung as its second scoring call starts: the hang watchdog
+    (train.hang_timeout=3) names it and writes every rank's stacks beside the checkpoint, and the evaluation ends
+    (exit 76; torchrun exits 1 whatever its workers exit with) in seconds, where the group's timeout would have
+    waited 30 minutes."""
+    checkpoint = tmp_path / "checkpoints" / Path(models[0]).name
+    shutil.copytree(models[0], checkpoint)
+    hang = arm(hang_at_step="2", hang_on_rank="1", hang_in_phase="evaluating")
+    command = ["llmtrain.evaluate", str(checkpoint), f"tasks=[{tasks[0] / 'words.yaml'}]", "parallel=tp"]
+    started = time.monotonic()
+    with rank_slots(2):
+        done = subprocess.run(
+            [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", *command]
+            + ["train.device=cpu", "bootstrap_iters=0", "train.hang_timeout=3"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, **warm_interpreter(), **hang},
+            cwd=REPO,
+        )
+    assert done.returncode != 0 and time.monotonic() - started < 120, done.stderr[-3000:]
+    assert "hang: no progress for" in done.stderr and "rank 1 in step 2 (evaluating)" in done.stderr, done.stderr[
+        -3000:
+    ]
+    stacks = sorted(p.name for p in (checkpoint.parent / "evaluate" / "hang").iterdir())
+    assert stacks == ["rank-0.txt", "rank-1.txt"]

@@ -27,7 +27,7 @@ def test_a_rank_killed_mid_run_is_named_and_the_launcher_restarts_the_job_from_i
     """Rank 1 kills itself as step 5 starts (once); rank 0 fails in the step's first collective and
     says, in one line, that rank 1 ended and that it exits 77. The launcher (torchrun --max-restarts=1, or train.py
     with parallel.max_restarts=1) starts both again; they resume from step 4's checkpoint and end as the
-    uninterrupted 2-rank ddp run does, to the bit."""
+    uninterrupted 2-rank ddp run does, to the bit, and its end summary says it was restarted once, and why."""
     options = dict(RESTARTING[launcher])
     run = run_train(
         tmp_path,
@@ -41,12 +41,16 @@ def test_a_rank_killed_mid_run_is_named_and_the_launcher_restarts_the_job_from_i
     )
     assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
-    lines = [line for line in output.splitlines() if "ended mid-run" in line]
+    lines = [line for line in output.splitlines() if "ended mid-run" in line and not line.startswith("restarted")]
     assert len(lines) == 1, output[-3000:]
     assert lines[0].startswith("error: rank 1 ended mid-run") and f"exit {PEER_LOST_EXIT}" in lines[0], lines
     assert "Traceback" not in output.split("resumed   from")[0], output[-3000:]
     assert "resumed   from" in output and "step-00000004" in output.split("resumed   from")[1].splitlines()[0]
     assert_resumed_exactly(run, layout_run("parallel=ddp", nproc=2))
+    # the end summary says what the run went through
+    interruptions = run.summary["interruptions"]
+    assert len(interruptions) == 1 and interruptions[0].startswith("exit 77: rank 1 ended mid-run"), interruptions
+    assert "restarted 1 time(s): exit 77: rank 1 ended mid-run" in output
 
 
 @pytest.mark.slow

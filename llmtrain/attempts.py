@@ -1,0 +1,108 @@
+"""What each attempt at a run ended with, kept in its run directory: a requeue or restart is for what the machine
+did (a hang, a lost peer, a stop signal), never for a bug, and the end summary says what the run went through.
+
+Every rank that ends a run other than by finishing appends one line to `<run dir>/attempts.jsonl`: the attempt
+(host, launcher process and restart count: a restart by torchrun or train.py, a Slurm requeue and a rerun by hand
+are each a new one), the rank, how it ended (its exit code and one line) and, for a crash, where: the exception's
+type, the step and the innermost frame of its traceback. A crash of a rank that crashed in the same place, at the
+same step, in an earlier attempt, is a bug that every restart would meet again: the run then ends with the
+traceback and exit 1, tells the launcher not to restart it, and leaves `<run dir>/not-requeued` for
+launch/slurm.sbatch, which requeues exit 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from typing import Any
+
+from llmtrain.errors import failed_step
+
+ATTEMPTS = "attempts.jsonl"
+NOT_REQUEUED = "not-requeued"
+_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def this_attempt() -> str:
+    """This process's attempt at the run: its host, the launcher that started it (the agent under torchrun or
+    train.py's launcher; else the process itself) and the agent's restart count."""
+    launcher = os.getppid() if _RESTART_COUNT in os.environ else os.getpid()
+    return f"{socket.gethostname()}:{launcher}:{os.environ.get(_RESTART_COUNT, '0')}"
+
+
+def crash_site(error: BaseException) -> dict[str, Any]:
+    """Where `error` happened: its type, the training step it ended (None outside the steps) and the innermost
+    frame of its traceback (file:line in function)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{_short(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "unknown"
+    return {"error": type(error).__name__, "step": failed_step(error), "where": where}
+
+
+def _short(filename: str) -> str:
+    """A traceback's file from its package folder on (the same file wherever the package is installed)."""
+    parts = filename.replace(os.sep, "/").split("/")
+    for anchor in ("llmtrain", "torch", "site-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) :])
+    return filename
+
+
+def record(run_dir: str, rank: int, exit_code: int, line: str, site: dict[str, Any] | None = None) -> None:
+    """Append how this rank's attempt ended. A lost run directory (a disk gone) loses only this record."""
+    entry = {"attempt": this_attempt(), "rank": rank, "exit_code": exit_code, "line": line, **(site or {})}
+    try:
+        with open(os.path.join(run_dir, ATTEMPTS), "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+    except OSError:
+        pass
+
+
+def ended(run_dir: str) -> list[dict[str, Any]]:
+    """Every attempt's end recorded in `run_dir`, oldest first (a line a crash cut short left out)."""
+    try:
+        with open(os.path.join(run_dir, ATTEMPTS), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return entries
+
+
+def repeated_crash(run_dir: str, rank: int, site: dict[str, Any]) -> dict[str, Any] | None:
+    """An earlier attempt's crash of `rank` at the same step and place, with the same type of error, as `site`;
+    None when this crash is new (or happened outside the steps, where a step cannot be compared)."""
+    if site["step"] is None:
+        return None
+    attempt = this_attempt()
+    for entry in ended(run_dir):
+        same = all(entry.get(key) == site[key] for key in ("error", "step", "where"))
+        if same and entry.get("rank") == rank and entry.get("attempt") != attempt:
+            return entry
+    return None
+
+
+def refuse_requeue(run_dir: str, line: str) -> None:
+    """Leave the reason launch/slurm.sbatch reads before requeueing an exit 1."""
+    try:
+        with open(os.path.join(run_dir, NOT_REQUEUED), "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
+def interruptions(run_dir: str) -> list[str]:
+    """The run's earlier attempts' ends, one phrase each (rank 0's line, else the first rank's that recorded one),
+    for the end summary."""
+    by_attempt: dict[str, dict[str, Any]] = {}
+    for entry in ended(run_dir):
+        kept = by_attempt.get(entry["attempt"])
+        if kept is None or (entry.get("rank") == 0 and kept.get("rank") != 0):
+            by_attempt[entry["attempt"]] = entry
+    return [f"exit {entry['exit_code']}: {entry['line']}" for entry in by_attempt.values()]

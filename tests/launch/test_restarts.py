@@ -1,0 +1,66 @@
+"""Restarts and requeues only for what the machine did: a crash that repeats an earlier attempt's, at the same step
+and place, ends the run for good (llmtrain/attempts.py), and a run that was restarted says so in its end summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness.runs import PARITY
+
+from llmtrain import attempts
+from llmtrain.errors import note_step
+from llmtrain.faults import arm
+
+
+def _crash(step: int | None) -> KeyError:
+    try:
+        raise KeyError("missing")
+    except KeyError as error:
+        if step is not None:
+            note_step(error, step)
+        return error
+
+
+def test_a_crash_repeats_only_from_another_attempt_at_the_same_step_and_place(tmp_path, monkeypatch):
+    """The same rank, error, step and frame from an earlier attempt is a repeat; from this attempt, at another
+    step, on another rank or outside the steps it is not. The summary gets one phrase per earlier attempt."""
+    site = attempts.crash_site(_crash(7))
+    assert site["error"] == "KeyError" and site["step"] == 7 and site["where"].endswith("in _crash")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    attempts.record(str(tmp_path), 1, 1, "rank 1 crashed", site)
+    assert attempts.repeated_crash(str(tmp_path), 1, site) is None  # this attempt's own record
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert attempts.repeated_crash(str(tmp_path), 1, site)["line"] == "rank 1 crashed"
+    assert attempts.repeated_crash(str(tmp_path), 0, site) is None
+    assert attempts.repeated_crash(str(tmp_path), 1, attempts.crash_site(_crash(8))) is None
+    assert attempts.repeated_crash(str(tmp_path), 1, attempts.crash_site(_crash(None))) is None
+    attempts.record(str(tmp_path), 0, 77, "rank 1 ended mid-run")
+    (tmp_path / attempts.ATTEMPTS).open("a").write('{"attempt": "cut sh')  # a line a crash cut short
+    assert attempts.interruptions(str(tmp_path)) == ["exit 1: rank 1 crashed", "exit 77: rank 1 ended mid-run"]
+
+
+@pytest.mark.slow
+def test_a_bug_that_repeats_after_a_restart_ends_the_run_with_its_traceback(train):
+    """Step 5 raises KeyError in every attempt (checkpoint 4 saved): train.py's launcher restarts the worker once,
+    it resumes from checkpoint 4 and fails the same way, which ends the run: one line naming the error, the step
+    and the place, the traceback, exit 1, no third attempt that trains, and the reason left for
+    launch/slurm.sbatch, which then does not requeue."""
+    run = train(
+        *PARITY,
+        "checkpoint.every=2",
+        "parallel.nproc=1",
+        "parallel.max_restarts=3",
+        env=arm(raise_at_step="5"),
+        ranks=1,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    refusals = [line for line in run.stderr.splitlines() if line.startswith("error: rank 0 crashed with KeyError")]
+    assert len(refusals) == 1 and " in step 5 at llmtrain/faults.py:" in refusals[0], run.stderr[-3000:]
+    assert "as in the attempt before" in refusals[0] and "Traceback" in run.stderr.split(refusals[0])[1]
+    later = [line for line in run.stderr.splitlines() if "as in the attempt before" in line and line not in refusals]
+    assert all(line.startswith("llmtrain: not restarted, as the run had ended on purpose") for line in later)
+    crashes = [json.loads(line) for line in (run.run_dir / attempts.ATTEMPTS).read_text().splitlines()]
+    assert [(c["exit_code"], c["step"]) for c in crashes] == [(1, 5), (1, 5)]
+    assert run.stderr.count("resumed   from") <= 1 and run.stdout.count("resumed   from") <= 1
+    assert (run.run_dir / attempts.NOT_REQUEUED).read_text().startswith("rank 0 crashed with KeyError in step 5")
