@@ -13,12 +13,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmtrain"
 # `if __name__ == "__main__":` block) is in the top layer wherever it lives.
 LAYERS = [
     {"errors", "faults", "optional", "catalog", "domains", "launch_env", "config", "plan", "hub", "runtime", "run_dir"}
-    | {"releases", "differences"},
+    | {"releases", "differences", "attempts"},
     {"model", "data", "optim"},
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"job", "exits", "attempts", "spawn", "lm_eval_model"},
+    {"job", "exits", "spawn", "lm_eval_model"},
     {"entry", "tools", "bench", "export", "generate"},
 ]
 

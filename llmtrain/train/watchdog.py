@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from llmtrain import attempts
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.runtime import Runtime, roll_call
 from llmtrain.train.flight_recorder import describe, flight_entries, flight_record, group_of, oldest_unfinished
@@ -223,7 +224,9 @@ class StepWatchdog(StepObserver):
         path = self._write_dump(here, stalled, because, flight_record(entries, reason))
         positions = self._gather(here)
         if min(positions) == self.runtime.rank:  # one line for the job, from the lowest rank that got this far
-            log.error(describe_hang(positions, self.runtime.world_size, stalled, self.directory))
+            line = describe_hang(positions, self.runtime.world_size, stalled, self.directory)
+            log.error(line)
+            attempts.record(os.path.dirname(self.directory), self.runtime.rank, HUNG_EXIT, line)
         else:
             log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s ({because}); where it was: {path}")
         for stream in (sys.stdout, sys.stderr):
