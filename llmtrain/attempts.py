@@ -7,7 +7,9 @@ are each a new one), the rank, how it ended (its exit code and one line) and, fo
 type, the step and the innermost frame of its traceback. A crash of a rank that crashed in the same place, at the
 same step, in an earlier attempt, is a bug that every restart would meet again: the run then ends with the
 traceback and exit 1, tells the launcher not to restart it, and leaves `<run dir>/not-requeued` for
-launch/slurm.sbatch, which requeues exit 1 otherwise.
+launch/slurm.sbatch, which requeues exit 1 otherwise. A rank out of memory in a step, where a smaller micro-batch
+divides the batch, leaves that micro-batch in `<run dir>/smaller-micro-batch.json`: the next attempt resumes with
+it (more gradient accumulation, the same global batch, so the same run).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from llmtrain.errors import failed_step
 
 ATTEMPTS = "attempts.jsonl"
 NOT_REQUEUED = "not-requeued"
+# The micro-batch a run that ran out of memory in a step resumes with (its restarts and requeues read it)
+SMALLER_MICRO_BATCH = "smaller-micro-batch.json"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
@@ -106,3 +110,30 @@ def interruptions(run_dir: str) -> list[str]:
         if kept is None or (entry.get("rank") == 0 and kept.get("rank") != 0):
             by_attempt[entry["attempt"]] = entry
     return [f"exit {entry['exit_code']}: {entry['line']}" for entry in by_attempt.values()]
+
+
+def resume_with_micro_batch(run_dir: str, micro_batch_size: int, reason: str) -> None:
+    """Leave the micro-batch the next attempt at the run resumes with, and why."""
+    path = os.path.join(run_dir, SMALLER_MICRO_BATCH)
+    with open(f"{path}.partial", "w", encoding="utf-8") as f:
+        json.dump({"micro_batch_size": micro_batch_size, "reason": reason}, f)
+    os.replace(f"{path}.partial", path)
+
+
+def micro_batch_to_resume_with(run_dir: str) -> tuple[int, str] | None:
+    """The micro-batch an earlier attempt that ran out of memory left for this one, and why (None: none did)."""
+    try:
+        with open(os.path.join(run_dir, SMALLER_MICRO_BATCH), encoding="utf-8") as f:
+            left = json.load(f)
+        return int(left["micro_batch_size"]), str(left["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def no_smaller_micro_batch(run_dir: str) -> None:
+    """A run out of memory at its smallest micro-batch: what an earlier attempt left is spent (launch/slurm.sbatch
+    requeues an exit 4 only while the file is there)."""
+    try:
+        os.remove(os.path.join(run_dir, SMALLER_MICRO_BATCH))
+    except FileNotFoundError:
+        pass

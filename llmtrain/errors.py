@@ -45,6 +45,13 @@ class OutOfMemory(RunError, RuntimeError):
     main_rank_speaks = False
 
 
+class OutOfMemoryRetried(OutOfMemory):
+    """Out of memory in a step where a smaller micro-batch is left to try (llmtrain/attempts.py): a restart or
+    requeue resumes with it, the global batch unchanged."""
+
+    restartable = True
+
+
 class CheckpointWriteError(RunError, RuntimeError):
     """A checkpoint could not be written; the previous one stays. DCP shares a rank's failure with every rank."""
 

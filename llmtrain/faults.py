@@ -23,6 +23,8 @@ read once per process:
   spike_at_steps=3,4        those steps' loss and gradients become SPIKE_SCALE times what they were: finite, a loss
                             spike (what a batch of bad data does)
   oom_at_step=k             step k raises torch.OutOfMemoryError, as the CUDA allocator does
+  oom_marker=PATH           with oom_at_step: only while PATH does not exist, created on the error (the restart,
+                            with a smaller micro-batch, then runs through)
   raise_at_step=k           step k raises KeyError in every attempt at the run: a bug, which no restart fixes
   hang_in_save_at_step=k    checkpoint k's shards are written, then its write never finishes (no .metadata, no
                             rename), in the background thread under checkpoint.async_save
@@ -87,6 +89,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "inf_grad_at_steps": _step_list,
     "spike_at_steps": _step_list,
     "oom_at_step": _step_list,
+    "oom_marker": str,
     "raise_at_step": _step_list,
     "hang_in_save_at_step": _step_list,
     "disk_full_at_step": _step_list,
@@ -192,7 +195,7 @@ def step_begins(step: int, rank: int) -> None:
         busy_until = time.thread_time() + float(armed()["slow_seconds"])
         while time.thread_time() < busy_until:  # compute, not a sleep: the thread's CPU time grows
             pass
-    if step in _steps("oom_at_step"):
+    if step in _steps("oom_at_step") and _once("oom_marker"):
         import torch
 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated: oom_at_step)")

@@ -4,6 +4,7 @@ exits.py's; what the run's device and parallel=auto decide, the planner's (plann
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ from llmtrain.config import RootConfig, WandbConfig
 from llmtrain.data import Data, DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
 from llmtrain.data.tasks import read_task
 from llmtrain.data.tokenizers import Tokenizer
-from llmtrain.errors import PREEMPTED_EXIT, ConfigError, RunError, note_step
+from llmtrain.errors import PREEMPTED_EXIT, ConfigError, OutOfMemory, OutOfMemoryRetried, RunError, note_step
 from llmtrain.exits import exits_on_config_error, leave_if_ended_on_purpose, run_to_exit
 from llmtrain.model import (
     GPT,
@@ -146,8 +147,7 @@ def _build_and_train(config: RootConfig, runtime: Runtime, run_dir: str, preempt
         if isinstance(error, RunError) or not allocation_failed(error):
             raise
         profiler.write_memory("out of memory")
-        where = f"in step {trainer.state.step + 1}"
-        raise out_of_memory(runtime.rank, where, runtime.device, t.micro_batch_size, _plan(runtime)) from None
+        raise _out_of_memory_in_step(config, runtime, run_dir, trainer.state.step + 1) from None
     finally:
         training.data.close()
         if loggers:
@@ -161,6 +161,48 @@ def _build_and_train(config: RootConfig, runtime: Runtime, run_dir: str, preempt
     if loggers:
         wall_seconds = time.perf_counter() - wall_start
         _log_end_summary(training, state, loggers, profiler, layout_results, wall_seconds, run_dir)
+
+
+def _out_of_memory_in_step(config: RootConfig, runtime: Runtime, run_dir: str, step: int) -> OutOfMemory:
+    """This rank's account of running out of memory in `step`. Where a smaller micro-batch fits the layout, it is
+    left for the next attempt (a restart or requeue then resumes with it, the run unchanged but for the
+    accumulation) and the error says so."""
+    t = config.train
+    lost = out_of_memory(runtime.rank, f"in step {step}", runtime.device, t.micro_batch_size, _plan(runtime))
+    smaller = _smaller_micro_batch(config, runtime.world_size)
+    if smaller is None:
+        attempts.no_smaller_micro_batch(run_dir)
+        return lost
+    attempts.resume_with_micro_batch(run_dir, smaller, f"rank {runtime.rank} ran out of memory in step {step}")
+    return OutOfMemoryRetried(
+        f"{lost}. A restart or requeue resumes with train.micro_batch_size={smaller} (the same global batch)"
+    )
+
+
+def _smaller_micro_batch(config: RootConfig, world_size: int) -> int | None:
+    """The largest micro-batch of at most half train.micro_batch_size that the layout takes for this batch; None
+    where the micro-batch is 1 already or no smaller one fits."""
+    for size in range(config.train.micro_batch_size // 2, 0, -1):
+        train = dataclasses.replace(config.train, micro_batch_size=size)
+        try:
+            ParallelPlan.of(config.parallel, train, config.model, world_size)
+        except ConfigError:
+            continue
+        return size
+    return None
+
+
+def _micro_batch_after_running_out(config: RootConfig, run_dir: str) -> RootConfig:
+    """`config` with the smaller micro-batch an earlier attempt at this run left when it ran out of memory."""
+    left = attempts.micro_batch_to_resume_with(run_dir)
+    if left is None or left[0] >= config.train.micro_batch_size:
+        return config
+    size, reason = left
+    log.warning(
+        f"train.micro_batch_size={size}, not {config.train.micro_batch_size}: {reason} "
+        f"({os.path.join(run_dir, attempts.SMALLER_MICRO_BATCH)}); the global batch is the same"
+    )
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch_size=size))
 
 
 def _steps(trainer: Trainer) -> LoopState:
@@ -255,6 +297,7 @@ def build_training(config: RootConfig, runtime: Runtime, run_dir: str) -> Compon
     """Everything before the first step, the one builder behind training, the tools and the tests: the layout
     (parallel=auto decided here), the data at its position, the model and optimizer laid out (restored from the
     checkpoint being resumed), and the start summary logged."""
+    config = _micro_batch_after_running_out(config, run_dir)
     tokenizer = build_tokenizer(config.data, runtime.is_main, runtime.barrier)
     _check_vocab(config, tokenizer.vocab_size)
     config, chosen_by_planner = resolved_for_device(config, runtime, tokenizer.vocab_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness.runs import PARITY
+from harness.runs import PARITY, assert_parity
 
 from llmtrain import attempts
 from llmtrain.errors import note_step
@@ -50,7 +50,7 @@ def test_a_bug_that_repeats_after_a_restart_ends_the_run_with_its_traceback(trai
         *PARITY,
         "checkpoint.every=2",
         "parallel.nproc=1",
-        "parallel.max_restarts=3",
+        "parallel.max_restarts=2",
         env=arm(raise_at_step="5"),
         ranks=1,
     )
@@ -64,3 +64,28 @@ def test_a_bug_that_repeats_after_a_restart_ends_the_run_with_its_traceback(trai
     assert [(c["exit_code"], c["step"]) for c in crashes] == [(1, 5), (1, 5)]
     assert run.stderr.count("resumed   from") <= 1 and run.stdout.count("resumed   from") <= 1
     assert (run.run_dir / attempts.NOT_REQUEUED).read_text().startswith("rank 0 crashed with KeyError in step 5")
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_a_step_restarts_with_a_smaller_micro_batch_and_the_same_run(train, reference, tmp_path):
+    """Step 5 runs out of memory once (checkpoint 4 saved, micro-batch 2): the error says the restart takes
+    micro-batch 1, train.py's launcher restarts the worker, which resumes from checkpoint 4 with it (twice the
+    accumulation, the same global batch) and ends as the uninterrupted run does, within the parity tolerance (the
+    per-sequence gradients summed in another grouping); its end summary names the out-of-memory attempt."""
+    run = train(
+        *PARITY,
+        "checkpoint.every=2",
+        "parallel.nproc=1",
+        "parallel.max_restarts=1",
+        env=arm(oom_at_step="5", oom_marker=str(tmp_path / "out-of-memory-once")),
+        ranks=1,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "rank 0 ran out of cpu memory in step 5" in output
+    assert "A restart or requeue resumes with train.micro_batch_size=1 (the same global batch)" in output
+    assert "train.micro_batch_size=1, not 2: rank 0 ran out of memory in step 5" in output
+    assert "micro 1 x accumulation 16" in output and "step-00000004" in output.split("resumed   from")[1]
+    assert_parity(run, reference)
+    ends = run.summary["interruptions"]
+    assert len(ends) == 1 and ends[0].startswith("exit 4: rank 0 ran out of cpu memory in step 5"), ends
