@@ -26,6 +26,8 @@ ATTEMPTS = "attempts.jsonl"
 NOT_REQUEUED = "not-requeued"
 # The micro-batch a run that ran out of memory in a step resumes with (its restarts and requeues read it)
 SMALLER_MICRO_BATCH = "smaller-micro-batch.json"
+# The steps at which a run rolled back from a loss spike leaves out the batch it would take (train.on_spike=rollback)
+LEFT_OUT_BATCHES = "left-out-batches.json"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
@@ -137,3 +139,21 @@ def no_smaller_micro_batch(run_dir: str) -> None:
         os.remove(os.path.join(run_dir, SMALLER_MICRO_BATCH))
     except FileNotFoundError:
         pass
+
+
+def leave_out_batch(run_dir: str, step: int) -> None:
+    """Note that the batch step `step` takes is to be left out by every later attempt (its loss spiked)."""
+    steps = sorted(batches_left_out(run_dir) | {step})
+    path = os.path.join(run_dir, LEFT_OUT_BATCHES)
+    with open(f"{path}.partial", "w", encoding="utf-8") as f:
+        json.dump(steps, f)
+    os.replace(f"{path}.partial", path)
+
+
+def batches_left_out(run_dir: str) -> set[int]:
+    """The steps at which this run leaves out the batch it would take, before taking the next."""
+    try:
+        with open(os.path.join(run_dir, LEFT_OUT_BATCHES), encoding="utf-8") as f:
+            return {int(step) for step in json.load(f)}
+    except (OSError, ValueError, TypeError):
+        return set()

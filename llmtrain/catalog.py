@@ -485,8 +485,9 @@ LORA_TARGETS = {
     "fc_out": "down_proj",
 }
 # train.on_spike (llmtrain/train/loop.py): what a loss spike does beyond its warning and `spike: true` in its
-# record: nothing more, or its update dropped as a non-finite step's is.
-SPIKE_ACTIONS = ("log", "skip")
+# record: nothing more, its update dropped as a non-finite step's is, or the run rolled back to its last checkpoint
+# with the spike's batch left out.
+SPIKE_ACTIONS = ("log", "skip", "rollback")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # train.float8_layers: which of the blocks' eligible Linear layers float8 converts (llmtrain/parallel/float8.py).

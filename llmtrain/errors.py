@@ -74,6 +74,19 @@ PREEMPTED_EXIT = 75
 HUNG_EXIT = 76
 
 
+# A loss spike under train.on_spike=rollback: restarted or requeued, the run resumes from its last complete
+# checkpoint with the spike's batch left out.
+ROLLED_BACK_EXIT = 78
+
+
+class RolledBack(RunError):
+    """Raised on every rank at a loss spike under train.on_spike=rollback, after its batch is noted to be left out."""
+
+    exit_code = ROLLED_BACK_EXIT
+    ranks_meet = True
+    restartable = True
+
+
 # A peer's process ended mid-run (killed, crashed, its node lost): requeued or restarted like a hang, resuming from
 # the last complete checkpoint.
 PEER_LOST_EXIT = 77

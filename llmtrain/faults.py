@@ -22,6 +22,8 @@ read once per process:
   inf_grad_at_steps=3       those steps' gradients become non-finite, their loss stays finite
   spike_at_steps=3,4        those steps' loss and gradients become SPIKE_SCALE times what they were: finite, a loss
                             spike (what a batch of bad data does)
+  spike_marker=PATH         with spike_at_steps: only while PATH does not exist, created at the first spike (a run
+                            rolled back past it then takes another batch there, which does not spike)
   oom_at_step=k             step k raises torch.OutOfMemoryError, as the CUDA allocator does
   oom_marker=PATH           with oom_at_step: only while PATH does not exist, created on the error (the restart,
                             with a smaller micro-batch, then runs through)
@@ -88,6 +90,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "inf_at_steps": _step_list,
     "inf_grad_at_steps": _step_list,
     "spike_at_steps": _step_list,
+    "spike_marker": str,
     "oom_at_step": _step_list,
     "oom_marker": str,
     "raise_at_step": _step_list,
@@ -218,7 +221,7 @@ def gradients_computed(step: int, loss: Any, parameters: Iterator[Any]) -> Any:
     if step in _steps("inf_at_steps") | _steps("inf_grad_at_steps"):
         _scale_gradients(parameters, float("inf"))
         return loss * float("inf") if step in _steps("inf_at_steps") else loss
-    if step in _steps("spike_at_steps"):
+    if step in _steps("spike_at_steps") and _once("spike_marker"):
         _scale_gradients(parameters, SPIKE_SCALE)
         return loss * SPIKE_SCALE
     return loss

@@ -406,6 +406,7 @@ def _components(
         n_trainable=trainable if gpt_cfg.lora.enabled else n_params,
         model_flops=flops_per_token(gpt_cfg, n_params, t.seq_len, trainable),
         wandb_id=wandb_id,
+        run_dir=os.path.abspath(run_dir),
         tasks=[read_task(path, data.tokenizer, t.seq_len, config.eval.limit) for path in config.eval.tasks or []],
     )
     return parts, memory

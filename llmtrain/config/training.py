@@ -151,7 +151,9 @@ class TrainConfig:
         "log",
         OneOf(catalog.SPIKE_ACTIONS),
         "`log`: the spike is reported and trained on; `skip`: its update is dropped as a non-finite step's is (the "
-        "weights and optimizer state left unchanged, `skipped: true`) and it counts towards `train.max_bad_steps`",
+        "weights and optimizer state left unchanged, `skipped: true`) and it counts towards `train.max_bad_steps`; "
+        "`rollback`: the run ends with exit 78, and its restart or requeue resumes from the last checkpoint with "
+        "the spike's batch left out (`<run dir>/left-out-batches.json`)",
     )
     hang_timeout: Optional[float] = key(
         None,

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from llmtrain import faults
+from llmtrain import attempts, faults
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.data.tasks import Task
 from llmtrain.data.tokenizers import token_byte_lengths
-from llmtrain.errors import Preempted, TrainingDiverged
+from llmtrain.errors import Preempted, RolledBack, TrainingDiverged
 from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
@@ -119,6 +119,7 @@ class Components:
     n_trainable: int  # n_params, or the low-rank adapters' alone
     model_flops: float  # per token
     wandb_id: str | None  # the W&B run this job continues (rank 0)
+    run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/attempts.py)
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
 
 
@@ -174,7 +175,10 @@ class Trainer:
         self._observers = Observers(observers)
         self._preemption = preemption
         self.state = parts.state
+        self._run_dir = parts.run_dir
         self._recent_losses = self._agreed_recent_losses()
+        # steps at which the batch they would take is left out: its loss spiked before a rollback (attempts.py)
+        self._left_out = attempts.batches_left_out(parts.run_dir)
         self._tasks = parts.tasks
         self._preference = DirectPreference(parts.model, parts.config.data.beta) if parts.data.pairs else None
         self._task_every = parts.config.eval.every or self._train.eval_every
@@ -265,6 +269,10 @@ class Trainer:
         begin_step_memory(self._runtime.device)
         # A phase of its own: a stream that stalls is then named in a hang report, not taken for a collective's wait
         self._observers.phase_begins(step, "waiting for data")
+        if step in self._left_out:
+            self._data.train.next()
+            if self._runtime.is_main:
+                log.warning(f"step {step}: the batch whose loss spiked before the run rolled back is left out")
         rows = self._data.train.next()
         micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
         preference = torch.zeros(0, device=self._runtime.device)
@@ -360,8 +368,9 @@ class Trainer:
 
     def _applies_update(self, record: dict[str, Any], results: StepResults) -> bool:
         """Whether the step's update reaches the weights: not when its loss or gradient norm is not finite, nor
-        when its loss is a spike under train.on_spike=skip. Loss and norm are reduced over all ranks and the recent
-        losses are the same on each, so every rank takes the same decision."""
+        when its loss is a spike under train.on_spike=skip; under rollback a spike ends the run (RolledBack) for its
+        restart to leave the batch out. Loss and norm are reduced over all ranks and the recent losses are the same
+        on each, so every rank takes the same decision."""
         step, loss = record["step"], results.loss
         if not (math.isfinite(loss) and math.isfinite(results.grad_norm)):
             self._skip(record, f"step {step}: loss {loss}, gradient norm {results.grad_norm}: not finite")
@@ -377,6 +386,13 @@ class Trainer:
         if self._train.on_spike == "skip":
             self._skip(record, spike)
             return False
+        if self._train.on_spike == "rollback":
+            if self._runtime.is_main:
+                attempts.leave_out_batch(self._run_dir, step)
+            raise RolledBack(
+                f"{spike}: rolled back: a restart or requeue resumes from the last complete checkpoint with this "
+                f"batch left out (exit {RolledBack.exit_code})"
+            )
         log.warning(spike)
         return True
 
@@ -384,7 +400,8 @@ class Trainer:
         """Which batch of the data stream step `step` trained on, reproducibly: every step takes the next global
         batch (a resumed run's data continues from its checkpoint's position), so it is batch step - 1 counting
         from 0; a prepared store or a mixture also names the batch's sequences in its seeded order."""
-        position = f"batch {step - 1} of the data stream, counting from 0"
+        taken_before = step - 1 + sum(1 for left_out in self._left_out if left_out <= step)
+        position = f"batch {taken_before} of the data stream, counting from 0"
         taken = self._data.train.state_dict().get("next_sample")  # the position after the batch
         if taken is None:
             return position

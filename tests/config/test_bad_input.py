@@ -145,6 +145,7 @@ def test_every_name_in_the_catalog_builds_what_it_names():
     assert list(PIPELINE_SCHEDULES) == list(SCHEDULES) and LAYOUT_CHOICES == (*LAYOUTS, "auto")
 
 
+@pytest.mark.slow  # seconds: every key walked / the whole plan table; the fast tier keeps under a minute
 def test_the_schema_walk_refuses_every_invalid_value_with_one_line_naming_its_key():
     base = _composed()
     validate(base)  # the defaults themselves are inside every domain

@@ -308,6 +308,7 @@ def test_measured_links_replace_the_hardware(tmp_path):
         Links(1.0, 1.0, str(tmp_path / "missing.csv"))
 
 
+@pytest.mark.slow  # seconds: every key walked / the whole plan table; the fast tier keeps under a minute
 def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     plan_tool.main(["model=gpt2-xl", "hardware=rtx4080x4", f"plan.out={out}"])

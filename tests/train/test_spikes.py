@@ -1,16 +1,18 @@
 """Loss spikes (train.spike_factor, train.spike_window, train.on_spike): a finite loss far over the recent median is
 reported with its step and batch, and under on_spike=skip its update never reaches the weights. In-process runs of
-the tiny model, a spike made by the spike_at_steps fault point."""
+the tiny model, a spike made by the spike_at_steps fault point; and a rollback through train.py's launcher."""
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import cast
 
 import pytest
 import torch
 from harness.corpora import DOCUMENT_CORPUS
+from harness.runs import PARITY
 from omegaconf import OmegaConf
 
 from llmtrain import faults
@@ -167,3 +169,32 @@ def test_a_resumed_run_judges_its_first_steps_by_the_losses_it_continues(arm, tm
         parts.data.close()
     resumed = trainer.state.records[-1]
     assert resumed["step"] == resumed_after + 1 and resumed.get("spike") and resumed["skipped"]
+
+
+@pytest.mark.slow
+def test_a_rollback_resumes_from_the_last_checkpoint_with_the_spikes_batch_left_out(train, reference, tmp_path):
+    """train.on_spike=rollback, a spike at step 6 (checkpoint 4 saved): the run ends with exit 78 naming the step
+    and its batch, train.py's launcher restarts it, and the restart resumes from checkpoint 4, repeats steps 5,
+    leaves out the batch step 6 took and trains on the next, with no spike; steps 1-5 are the uninterrupted run's,
+    step 6 another batch's, and the end summary names the rollback."""
+    run = train(
+        *PARITY,
+        "checkpoint.every=2",
+        "train.spike_window=3",
+        "train.on_spike=rollback",
+        "parallel.nproc=1",
+        "parallel.max_restarts=1",
+        env=faults.arm(spike_at_steps="6", spike_marker=str(tmp_path / "spiked-once")),
+        ranks=1,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert re.search(r"step 6: loss \S+ is \S+x the median of the last 3 steps .*: a spike \(batch 5 of", output)
+    assert "rolled back: a restart or requeue resumes from the last complete checkpoint" in output
+    assert "step 6: the batch whose loss spiked before the run rolled back is left out" in output
+    assert "step-00000004" in output.split("resumed   from")[1].splitlines()[0]
+    ours, theirs = [m["loss"] for m in run.metrics], [m["loss"] for m in reference.metrics]
+    assert len(ours) == 10 and ours[:5] == theirs[:5] and ours[5] != theirs[5]
+    assert not any(m.get("spike") for m in run.metrics)
+    ends = run.summary["interruptions"]
+    assert len(ends) == 1 and ends[0].startswith("exit 78: step 6: loss"), ends
