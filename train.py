@@ -16,7 +16,7 @@ from llmtrain.config import RootConfig, register_schemas, validate
 from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 from llmtrain.faults import check_armed
-from llmtrain.launch_env import launch_coordinates, launch_rank
+from llmtrain.launch_env import launch_coordinates, launch_rank, restart_count, under_a_restarting_agent
 from llmtrain.plan import check_layout
 from llmtrain.run_dir import exit_with_config_error
 
@@ -30,6 +30,10 @@ ENTRY_POINT = os.path.abspath(__file__)
 def main(cfg) -> None:
     from llmtrain.train.preemption import PreemptionWatch
 
+    if restart_count() > 0:  # a restart after the run ended on purpose leaves before checking anything
+        from llmtrain.exits import leave_if_ended_on_purpose
+
+        leave_if_ended_on_purpose()
     # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
     with PreemptionWatch() as preemption:
         try:
@@ -44,6 +48,10 @@ def main(cfg) -> None:
 
             check_data_files(cfg.data)
         except ConfigError as error:
+            if launch_rank() == 0 and under_a_restarting_agent():  # its restarts leave at once, not check it again
+                from llmtrain.runtime import record_end_on_purpose
+
+                record_end_on_purpose(None, ConfigError.exit_code, f"error: {error}")
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
         if armed and launch_rank() == 0:
             logging.getLogger("llmtrain").warning(armed)

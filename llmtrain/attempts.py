@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from llmtrain.errors import failed_step
+from llmtrain.launch_env import restart_count, under_a_restarting_agent
 
 ATTEMPTS = "attempts.jsonl"
 NOT_REQUEUED = "not-requeued"
@@ -28,14 +29,13 @@ NOT_REQUEUED = "not-requeued"
 SMALLER_MICRO_BATCH = "smaller-micro-batch.json"
 # The steps at which a run rolled back from a loss spike leaves out the batch it would take (train.on_spike=rollback)
 LEFT_OUT_BATCHES = "left-out-batches.json"
-_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 def this_attempt() -> str:
     """This process's attempt at the run: its host, the launcher that started it (the agent under torchrun or
     train.py's launcher; else the process itself) and the agent's restart count."""
-    launcher = os.getppid() if _RESTART_COUNT in os.environ else os.getpid()
-    return f"{socket.gethostname()}:{launcher}:{os.environ.get(_RESTART_COUNT, '0')}"
+    launcher = os.getppid() if under_a_restarting_agent() else os.getpid()
+    return f"{socket.gethostname()}:{launcher}:{restart_count()}"
 
 
 def crash_site(error: BaseException) -> dict[str, Any]:

@@ -44,6 +44,20 @@ def run_stamp() -> str:
     return time.strftime(STAMP_FORMAT)
 
 
+# Set by torchrun's agent (and the one parallel.nproc runs) in its workers: how many times it has started them again.
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def under_a_restarting_agent() -> bool:
+    """Whether an elastic agent started this process, one that may start it again after it fails."""
+    return RESTART_COUNT in os.environ
+
+
+def restart_count() -> int:
+    """How many times the agent that started this process has started its workers again (0: first, or none)."""
+    return int(os.environ.get(RESTART_COUNT, "0"))
+
+
 def launch_rank() -> int:
     """This process's global rank as its launcher (torchrun, srun) set it; 0 for a plain process."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
-from llmtrain.launch_env import launch_coordinates
+from llmtrain.launch_env import launch_coordinates, restart_count, under_a_restarting_agent
 
 # The flat collectives under their torch >= 2.10 names: the older ones warn on every call (once a rank); torch
 # 2.9, llmtrain's floor, has only those.
@@ -203,7 +203,7 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
             world_size=world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            store=_attempt_store(rank, world_size, timeout) if RESTART_COUNT in os.environ else None,
+            store=_attempt_store(rank, world_size, timeout) if under_a_restarting_agent() else None,
         )
     return runtime
 
@@ -225,15 +225,11 @@ def roll_call(runtime: Runtime, prefix: str, mine: str, seconds: float) -> dict[
         return {}
 
 
-# Set by torchrun's agent in its workers: how many times it has started them again.
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
-
-
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """torchrun's store with this attempt's keys under a prefix of their own. The store outlives the workers that
     torchrun restarts: without the prefix a restarted rank can read the address its dead predecessor published and
     gloo connects to nobody ("connectFullMesh failed ... Connection refused"), while its peer waits for it."""
-    return dist.PrefixStore(f"llmtrain/attempt-{os.environ[RESTART_COUNT]}", _agent_store(rank, world_size, timeout))
+    return dist.PrefixStore(f"llmtrain/attempt-{restart_count()}", _agent_store(rank, world_size, timeout))
 
 
 def _agent_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -247,15 +243,17 @@ def _agent_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dis
 _ENDED_ON_PURPOSE = "llmtrain/ended-on-purpose"
 
 
-def record_end_on_purpose(runtime: Runtime, exit_code: int, line: str) -> None:
+def record_end_on_purpose(runtime: Runtime | None, exit_code: int, line: str) -> None:
     """Under an agent that restarts its workers (torchrun --max-restarts, parallel.max_restarts): say that the run
     ended on purpose (stopped and saved, bad input, diverged), so that a restart leaves with the same code instead
-    of training on past a stop signal or failing the same way again. The record ends with the agent: a requeued
-    job starts without it."""
-    if RESTART_COUNT not in os.environ:
+    of training on past a stop signal or failing the same way again (`runtime` None: before this process has one,
+    e.g. a config refused by the checks train.py runs first). The record ends with the agent: a requeued job starts
+    without it."""
+    if not under_a_restarting_agent():
         return
+    rank, world_size = (runtime.rank, runtime.world_size) if runtime else launch_coordinates()[:2]
     try:
-        store = _agent_store(runtime.rank, runtime.world_size, datetime.timedelta(seconds=10))
+        store = _agent_store(rank, world_size, datetime.timedelta(seconds=10))
         store.set(_ENDED_ON_PURPOSE, f"{exit_code} {line}")
     except (RuntimeError, ValueError, dist.DistStoreError) as error:  # the agent is gone: no restart to tell
         logging.getLogger("llmtrain").warning("could not tell the launcher the run ended on purpose: %s", error)
@@ -264,7 +262,7 @@ def record_end_on_purpose(runtime: Runtime, exit_code: int, line: str) -> None:
 def ended_on_purpose() -> tuple[int, str] | None:
     """In a worker an agent started again: the exit code and line of a run that had ended on purpose
     (record_end_on_purpose), which this attempt leaves with at once; None for a restart after a failure."""
-    if int(os.environ.get(RESTART_COUNT, "0")) == 0:
+    if restart_count() == 0:
         return None
     rank, world_size, _, _ = launch_coordinates()
     try:

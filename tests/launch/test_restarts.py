@@ -89,3 +89,17 @@ def test_out_of_memory_in_a_step_restarts_with_a_smaller_micro_batch_and_the_sam
     assert_parity(run, reference)
     ends = run.summary["interruptions"]
     assert len(ends) == 1 and ends[0].startswith("exit 4: rank 0 ran out of cpu memory in step 5"), ends
+
+
+@pytest.mark.slow
+def test_bad_input_is_checked_once_however_many_restarts_the_launcher_has(train):
+    """torchrun --max-restarts=2 over a batch no micro-batch divides: the first attempt refuses it in one line (exit
+    2) and tells the agent, whose restarts leave at once saying so, without checking the config again."""
+    run = train("train.batch_size=15", "train.micro_batch_size=4", nproc=1, restarts=2)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: train.batch_size=15 is not divisible by train.micro_batch_size=4: set train.batch_size to a "
+        "multiple of 4"
+    ], run.stderr[-3000:]
+    left = [line for line in run.stderr.splitlines() if line.startswith("llmtrain: not restarted")]
+    assert len(left) == 2 and all(line.endswith(errors[0]) for line in left), run.stderr[-3000:]
