@@ -31,6 +31,8 @@ read once per process:
   hang_in_save_at_step=k    checkpoint k's shards are written, then its write never finishes (no .metadata, no
                             rename), in the background thread under checkpoint.async_save
   disk_full_at_step=k       checkpoint k's write fails with ENOSPC, as a full disk makes it
+  damage_checkpoint_at_step=k  once checkpoint k is complete, 4 KiB in the middle of its first shard are inverted,
+                            its size unchanged (a failing disk, a bad copy: what only its checksums can tell)
   data_errors=n             n reads of a document from the streamed training data fail in a row with a network error
                             (ConnectionError, as a hub stream or a stalled shared file system raises), each retried
   data_stall_seconds=s      one read of a document from the streamed training data blocks s seconds first (a stalled
@@ -96,6 +98,7 @@ POINTS: dict[str, Callable[[str], object]] = {
     "raise_at_step": _step_list,
     "hang_in_save_at_step": _step_list,
     "disk_full_at_step": _step_list,
+    "damage_checkpoint_at_step": _step_list,
     "data_errors": int,
     "data_stall_seconds": float,
     "data_fault_at_read": int,
@@ -250,6 +253,19 @@ def checkpoint_write(step: int, write: Callable[[], Any]) -> Any:
         written.wait()  # the shards are on disk
         _hang()
     return written
+
+
+def checkpoint_complete(path: str) -> None:
+    """Once the checkpoint at `path` (step-<n>) is complete: damage_checkpoint_at_step."""
+    step = int(os.path.basename(path).split("-")[1])
+    if step not in _steps("damage_checkpoint_at_step"):
+        return
+    shard = os.path.join(path, sorted(name for name in os.listdir(path) if name.endswith(".distcp"))[0])
+    with open(shard, "r+b") as f:
+        f.seek(max(0, os.path.getsize(shard) // 2 - 2048))
+        data = f.read(4096)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(byte ^ 0xFF for byte in data))
 
 
 _document_reads = itertools.count(1)  # numbers this process's reads of a document while a data point is armed

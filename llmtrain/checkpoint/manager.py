@@ -403,6 +403,7 @@ class CheckpointManager:
                 checksums.seal(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            faults.checkpoint_complete(final)
             for old in complete_checkpoints(self.directory)[:-1]:
                 if read_meta(old).get("by_clock"):  # a newer one is complete: it has done its job
                     shutil.rmtree(old, ignore_errors=True)

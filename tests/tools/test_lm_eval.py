@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness.paths import REPO
-from harness.processes import python, rank_slots, torchrun, warm_interpreter
+from harness.processes import free_port, python, rank_slots, torchrun, warm_interpreter
 
 from llmtrain.checkpoint.offline import find_checkpoint
 from llmtrain.data.tasks import read_task, request_tokens
@@ -363,3 +363,25 @@ def test_a_hung_rank_ends_an_evaluation_in_seconds_as_it_ends_training(models, t
     ]
     stacks = sorted(p.name for p in (checkpoint.parent / "evaluate" / "hang").iterdir())
     assert stacks == ["rank-0.txt", "rank-1.txt"]
+
+
+@pytest.mark.slow
+def test_a_rank_lost_mid_evaluation_is_named_by_the_rank_left_in_one_line(models, tasks, tmp_path):
+    """Two tensor-parallel ranks started without an agent (as srun starts them: nothing stops the survivor), rank 1
+    killed (SIGKILL) as its second scoring call starts: rank 0 names it in one line and exits 77 within seconds,
+    where it would have waited out the process group's timeout."""
+    port = free_port()
+    command = [python(), "-m", "llmtrain.evaluate", models[0], f"tasks=[{tasks[0] / 'words.yaml'}]", "parallel=tp"]
+    command += ["train.device=cpu", "bootstrap_iters=0"]
+    ranks = []
+    with rank_slots(2):
+        for rank in range(2):
+            env = {**os.environ, **warm_interpreter(), **arm(kill_at_step="2", kill_on_rank="1")}
+            env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+            env["MASTER_PORT"] = str(port)
+            ranks.append(subprocess.Popen(command, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+        survivor_stderr = ranks[0].communicate(timeout=240)[1]
+        ranks[1].wait(timeout=60)
+    errors = [line for line in survivor_stderr.splitlines() if line.startswith("error: ")]
+    assert ranks[0].returncode == 77 and ranks[1].returncode == -9, survivor_stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 ended mid-run"), survivor_stderr[-3000:]
