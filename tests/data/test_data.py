@@ -130,7 +130,10 @@ def test_batch_position_is_the_taken_batches_not_the_prefetched_ones(corpus):
     resumed_windows = _windows(cfg, seed=1)
     resumed_windows.load_state_dict(position)
     resumed = Prefetched(StreamedBatches(resumed_windows, RankSlice(8, 8, 0, 1)))
-    assert_same_windows([resumed.next() for _ in following], following)
+    resumed_batches = [resumed.next() for _ in following]
+    for prefetching in (batches, resumed):  # their threads would read on, into other tests' fault points
+        prefetching.close()
+    assert_same_windows(resumed_batches, following)
     assert not np.array_equal(taken[-1], following[0])
 
 
@@ -289,7 +292,9 @@ def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
         build_data(cfg, ByteTokenizer(), reading)
     assert "\n" not in str(error.value)
     cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
-    assert build_data(cfg, ByteTokenizer(), reading).validation[0].rows.shape == (128, 64)
+    data = build_data(cfg, ByteTokenizer(), reading)
+    data.close()  # its stream's reading thread would read on in the background, into other tests' fault points
+    assert data.validation[0].rows.shape == (128, 64)
 
 
 def test_a_streamed_source_on_many_data_parallel_ranks_points_at_prepare(corpus):
