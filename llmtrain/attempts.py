@@ -32,8 +32,9 @@ LEFT_OUT_BATCHES = "left-out-batches.json"
 
 
 def this_attempt() -> str:
-    """This process's attempt at the run: its host, the launcher that started it (the agent under torchrun or
-    train.py's launcher; else the process itself) and the agent's restart count."""
+    """This process's attempt at the run where its ranks have not agreed on a name (runtime.Runtime.attempt): its
+    host, the launcher that started it (the agent under torchrun or train.py's launcher; else the process itself)
+    and the agent's restart count."""
     launcher = os.getppid() if under_a_restarting_agent() else os.getpid()
     return f"{socket.gethostname()}:{launcher}:{restart_count()}"
 
@@ -55,9 +56,11 @@ def _short(filename: str) -> str:
     return filename
 
 
-def record(run_dir: str, rank: int, exit_code: int, line: str, site: dict[str, Any] | None = None) -> None:
-    """Append how this rank's attempt ended. A lost run directory (a disk gone) loses only this record."""
-    entry = {"attempt": this_attempt(), "rank": rank, "exit_code": exit_code, "line": line, **(site or {})}
+def record(
+    run_dir: str, attempt: str, rank: int, exit_code: int, line: str, site: dict[str, Any] | None = None
+) -> None:
+    """Append how this rank's part of `attempt` ended. A lost run directory (a disk gone) loses only this record."""
+    entry = {"attempt": attempt, "rank": rank, "exit_code": exit_code, "line": line, **(site or {})}
     try:
         with open(os.path.join(run_dir, ATTEMPTS), "a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
@@ -81,12 +84,11 @@ def ended(run_dir: str) -> list[dict[str, Any]]:
     return entries
 
 
-def repeated_crash(run_dir: str, rank: int, site: dict[str, Any]) -> dict[str, Any] | None:
-    """An earlier attempt's crash of `rank` at the same step and place, with the same type of error, as `site`;
-    None when this crash is new (or happened outside the steps, where a step cannot be compared)."""
+def repeated_crash(run_dir: str, attempt: str, rank: int, site: dict[str, Any]) -> dict[str, Any] | None:
+    """An attempt's before `attempt` crash of `rank` at the same step and place, with the same type of error, as
+    `site`; None when this crash is new (or happened outside the steps, where a step cannot be compared)."""
     if site["step"] is None:
         return None
-    attempt = this_attempt()
     for entry in ended(run_dir):
         same = all(entry.get(key) == site[key] for key in ("error", "step", "where"))
         if same and entry.get("rank") == rank and entry.get("attempt") != attempt:

@@ -69,7 +69,7 @@ def _end_on_purpose(error: RunError, runtime: Runtime, run_dir: str, preemption:
         if not error.restartable:
             record_end_on_purpose(runtime, error.exit_code, str(error))
         if not isinstance(error, ConfigError):  # bad input is no attempt at the run; its directory may be gone
-            attempts.record(run_dir, runtime.rank, error.exit_code, str(error))
+            attempts.record(run_dir, runtime.attempt, runtime.rank, error.exit_code, str(error))
     preempted = isinstance(error, Preempted)
 
     def shut_down(synchronize: bool) -> None:
@@ -86,7 +86,7 @@ def _end_after(error: BaseException, runtime: Runtime, run_dir: str) -> NoReturn
     if isinstance(error, Exception) and runtime.distributed and is_peer_loss(error):
         lost, speaks = peer_lost(error, runtime)
         if speaks:
-            attempts.record(run_dir, runtime.rank, lost.exit_code, str(lost))
+            attempts.record(run_dir, runtime.attempt, runtime.rank, lost.exit_code, str(lost))
         exit_for(lost, speaks, lambda _: runtime.abort())  # a group with a dead member: torn down, not left
     if isinstance(error, Exception):
         _refuse_a_repeated_crash(error, runtime, run_dir)
@@ -100,8 +100,8 @@ def _refuse_a_repeated_crash(error: Exception, runtime: Runtime, run_dir: str) -
     site = attempts.crash_site(error)
     step = f" in step {site['step']}" if site["step"] is not None else ""
     line = f"rank {runtime.rank} crashed with {site['error']}{step} at {site['where']}"
-    earlier = attempts.repeated_crash(run_dir, runtime.rank, site)
-    attempts.record(run_dir, runtime.rank, 1, line, site)
+    earlier = attempts.repeated_crash(run_dir, runtime.attempt, runtime.rank, site)
+    attempts.record(run_dir, runtime.attempt, runtime.rank, 1, line, site)
     if earlier is None:
         return
     refusal = (

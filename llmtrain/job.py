@@ -84,7 +84,9 @@ def run(cfg: DictConfig, preemption: PreemptionWatch, entry_point: str) -> None:
         preemption.attach(runtime)
     if not runtime.is_main:
         logging.getLogger().setLevel(logging.WARNING)
-    run_to_exit(lambda: _train(config, runtime, run_dir, preemption), runtime, run_dir, preemption)
+    # Watching from here: a hang while the model is built, a checkpoint read or the first step compiled is caught too
+    watchdog = StepWatchdog.for_run(config.train.hang_timeout, runtime, run_dir)
+    run_to_exit(lambda: _train(config, runtime, run_dir, preemption, watchdog), runtime, run_dir, preemption)
 
 
 def _run_workers(config: RootConfig, preemption: PreemptionWatch, entry_point: str, run_dir: str) -> None:
@@ -117,11 +119,13 @@ def _wandb_identity(wandb: WandbConfig, run_dir: str) -> tuple[str, str | None]:
     return name or os.path.relpath(run_dir), group
 
 
-def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
+def _train(
+    config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch, watchdog: StepWatchdog | None
+) -> None:
     """This rank's part of the job; an allocation that fails outside the steps (building the model or its state)
-    ends it as OutOfMemory, with what this rank held and what to change."""
+    ends it as OutOfMemory, with what this rank held and what to change. `watchdog` is closed however it ends."""
     try:
-        _build_and_train(config, runtime, run_dir, preemption)
+        _build_and_train(config, runtime, run_dir, preemption, watchdog)
     except (torch.OutOfMemoryError, RuntimeError) as error:  # before the first step: the model or its state
         if isinstance(error, RunError) or not allocation_failed(error):
             raise
@@ -129,16 +133,25 @@ def _train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: Preem
         raise out_of_memory(
             runtime.rank, where, runtime.device, config.train.micro_batch_size, _plan(runtime)
         ) from error
+    finally:
+        if watchdog is not None:
+            watchdog.close()
 
 
-def _build_and_train(config: RootConfig, runtime: Runtime, run_dir: str, preemption: PreemptionWatch) -> None:
+def _build_and_train(
+    config: RootConfig,
+    runtime: Runtime,
+    run_dir: str,
+    preemption: PreemptionWatch,
+    watchdog: StepWatchdog | None,
+) -> None:
     """Build, train to train.steps, save the final weights and report (rank 0: metrics, W&B, the end summary)."""
     wall_start = time.perf_counter()
     training = build_training(config, runtime, run_dir)
     config, model, t = training.config, training.model, training.config.train
     loggers = _run_loggers(training, run_dir) if runtime.is_main else None
     profiler = StepProfiler(config.profile, runtime, run_dir)
-    observers = _step_observers(training, profiler, run_dir)
+    observers = _step_observers(training, profiler, watchdog)
     record = loggers.record if loggers else lambda record: None
     trainer = Trainer(training, record, observers=observers, preemption=preemption)
     try:
@@ -221,12 +234,11 @@ def _run_loggers(training: Components, run_dir: str) -> RunLoggers:
     return RunLoggers(training.config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
 
 
-def _step_observers(training: Components, profiler: StepProfiler, run_dir: str) -> list[StepObserver]:
+def _step_observers(training: Components, profiler: StepProfiler, watchdog: StepWatchdog | None) -> list[StepObserver]:
     """What watches the steps: the profiler, the hang watchdog (train.hang_timeout), with more than one rank the
     straggler report (logging.straggler_threshold), and the fault points."""
     config, runtime = training.config, training.runtime
     observers: list[StepObserver] = [profiler]
-    watchdog = StepWatchdog.for_run(config.train.hang_timeout, runtime, run_dir)
     if watchdog is not None:
         observers.append(watchdog)
     threshold = config.logging.straggler_threshold

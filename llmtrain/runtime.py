@@ -13,12 +13,13 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from llmtrain.attempts import this_attempt
 from llmtrain.errors import ConfigError
 from llmtrain.launch_env import launch_coordinates, restart_count, under_a_restarting_agent
 
@@ -37,6 +38,8 @@ class Runtime:
     device: torch.device
     launcher: str  # torchrun | slurm | none
     notes: tuple[str, ...] = ()  # what was decided from the hardware at start, for the start summary
+    # This attempt at the run (attempts.py): the name its ranks agreed on under an agent that restarts them
+    attempt: str = field(default_factory=this_attempt)
 
     @property
     def is_main(self) -> bool:
@@ -187,7 +190,7 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     device = _pick_device(device_preference, local_rank, launcher)
     use_tf32_for_fp32_matmuls(device)
     notes = _decide_peer_to_peer(world_size) if device.type == "cuda" else ()
-    runtime = Runtime(rank, world_size, local_rank, device, launcher, notes)
+    attempt = this_attempt()
     if world_size > 1 and not dist.is_initialized():
         # The flight recorders the hang watchdog dumps and the straggler check reads (train/), read when the group
         # is made: the last collectives of each group, kept in a ring buffer at the cost of a record per
@@ -197,15 +200,18 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
         if device.type == "cuda":  # each NCCL kernel's time in its record: the straggler check's waits
             os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
         timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = None
+        if under_a_restarting_agent():
+            store, attempt = _attempt_store(rank, world_size, timeout)
         dist.init_process_group(
             backend=process_group_backend(device),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            store=_attempt_store(rank, world_size, timeout) if under_a_restarting_agent() else None,
+            store=store,
         )
-    return runtime
+    return Runtime(rank, world_size, local_rank, device, launcher, notes, attempt)
 
 
 def roll_call(runtime: Runtime, prefix: str, mine: str, seconds: float) -> dict[int, bytes]:
@@ -225,11 +231,54 @@ def roll_call(runtime: Runtime, prefix: str, mine: str, seconds: float) -> dict[
         return {}
 
 
-def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's store with this attempt's keys under a prefix of their own. The store outlives the workers that
-    torchrun restarts: without the prefix a restarted rank can read the address its dead predecessor published and
-    gloo connects to nobody ("connectFullMesh failed ... Connection refused"), while its peer waits for it."""
-    return dist.PrefixStore(f"llmtrain/attempt-{restart_count()}", _agent_store(rank, world_size, timeout))
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
+    """torchrun's store with this attempt's keys under a prefix of their own, and the attempt's name. The store
+    outlives the workers that torchrun restarts: without the prefix a restarted rank can read the address its dead
+    predecessor published and gloo connects to nobody ("connectFullMesh failed ... Connection refused"), while its
+    peer waits for it."""
+    store = _agent_store(rank, world_size, timeout)
+    name = agree_on_attempt(store, rank, world_size, timeout)
+    return dist.PrefixStore(f"llmtrain/attempt-{name}", store), name
+
+
+# Keys in the agent's store by which the ranks of one attempt agree on its name.
+_STORE_NAME, _ATTEMPTS_DRAWN, _HELLO, _ANSWER, _CONFIRMED = (
+    f"llmtrain/join/{part}" for part in ("store", "drawn", "hello", "answer", "ok")
+)
+_POLL_SECONDS = 0.05
+
+
+def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> str:
+    """A name every rank of this attempt gets and no rank of an earlier attempt had, from a store that outlives the
+    attempts (the store's own random name, then a count). Each node's agent counts its own restarts
+    (TORCHELASTIC_RESTART_COUNT), and torch's agent does not count a restart that another node's failure caused,
+    so the counts differ across nodes. Rank 0 draws the count; every other rank posts a name of its own making and
+    waits for rank 0's answer to that name, so it never takes a count drawn before it started. Rank 0 answers every
+    name it sees (a dead predecessor's too, harmlessly) until each rank has confirmed the answer."""
+    if rank != 0:
+        hello = os.urandom(16).hex()
+        store.set(f"{_HELLO}/{rank}", hello)
+        try:
+            name = store.get(f"{_ANSWER}/{hello}").decode()  # waits for it, as long as the store's timeout
+        except dist.DistStoreError as error:
+            raise RuntimeError(f"rank {rank}: rank 0 did not start within {timeout} ({error})") from None
+        store.set(f"{_CONFIRMED}/{name}/{rank}", "")
+        return name
+    name = f"{store.compare_set(_STORE_NAME, '', os.urandom(4).hex()).decode()}.{store.add(_ATTEMPTS_DRAWN, 1)}"
+    answered: dict[int, bytes] = {}
+    waiting = set(range(1, world_size))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while waiting:
+        for peer in sorted(waiting):
+            if store.check([f"{_CONFIRMED}/{name}/{peer}"]):
+                waiting.discard(peer)
+            elif store.check([f"{_HELLO}/{peer}"]) and (posted := store.get(f"{_HELLO}/{peer}")) != answered.get(peer):
+                store.set(f"{_ANSWER}/{posted.decode()}", name)
+                answered[peer] = posted
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0: ranks {', '.join(map(str, sorted(waiting)))} did not start within {timeout}")
+        time.sleep(_POLL_SECONDS if waiting else 0)
+    return name
 
 
 def _agent_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:

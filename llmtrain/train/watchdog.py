@@ -48,6 +48,7 @@ log = logging.getLogger("llmtrain")
 
 # The loop's phases, in the order a step runs them: a rank in an earlier one is behind the others.
 PHASES = (
+    "starting up",  # joining the group, building the model, loading a checkpoint, until the first step ends
     "starting the step",
     "waiting for data",
     "reference and policy log-probabilities",
@@ -64,6 +65,8 @@ PHASES = (
 # Validation, the eval.tasks, logging (W&B over the network) and checkpoints may run longer than a step: this many
 # timeouts.
 SLOW_PHASES, SLOW_PHASE_ALLOWANCE = ("validation", "downstream tasks", "logging", "checkpoint"), 10
+# Starting up, to the end of an attempt's first step (a checkpoint read, compilation, the data opened): this many.
+STARTUP_ALLOWANCE = 20
 # With train.hang_timeout unset, a GPU run arms itself after this many steps with this many times their median
 # (at least AUTO_FLOOR seconds): long enough for a slow step, short against an allocation.
 AUTO_AFTER_STEPS, AUTO_FACTOR, AUTO_FLOOR = 5, 20, 300.0
@@ -71,6 +74,9 @@ AUTO_AFTER_STEPS, AUTO_FACTOR, AUTO_FLOOR = 5, 20, 300.0
 GATHER_SECONDS = 15.0
 STORE_PREFIX = "llmtrain/hang"
 FIRE_KEY = f"{STORE_PREFIX}/fire"  # set by the first watchdog to fire; the others poll it
+# Set by the rank that wrote the job's line once it is out: the others wait for it (at most REPORT_SECONDS) before
+# ending, since the agent stops every worker as soon as one exits and the line would die with its writer.
+REPORTED_KEY, REPORT_SECONDS = f"{STORE_PREFIX}/reported", 10.0
 
 
 # How far a rank got with a collective: not posted by its host, posted (NCCL: its device has not reached it; gloo
@@ -146,8 +152,7 @@ class StepWatchdog(StepObserver):
         self._training_thread = threading.get_ident()
         self._position = Position(runtime.rank, 0, PHASES[0], "")
         self._marked_at = time.monotonic()
-        self._deadline: float | None = None
-        self._allowance = 1.0
+        self._deadline = None if timeout is None else self._marked_at + STARTUP_ALLOWANCE * timeout
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="llmtrain-watchdog", daemon=True)
         self._thread.start()
@@ -161,15 +166,15 @@ class StepWatchdog(StepObserver):
         return cls(timeout, runtime, run_dir)
 
     def phase_begins(self, step: int, phase: str) -> None:
-        """The training thread entered `phase` of `step`: the clock starts again, with the phase's allowance (from
-        the end of the first step: the first compiles, warms up and opens the data)."""
+        """The training thread entered `phase` of `step`: the clock starts again, with the phase's allowance. An
+        attempt's first step (it compiles, warms up and opens the data) runs on under the start-up allowance."""
         self._position = Position(self.runtime.rank, step, phase, "")
         self._marked_at = time.monotonic()
-        self._allowance = SLOW_PHASE_ALLOWANCE if phase in SLOW_PHASES else 1.0
-        if self.timeout is None or not self.step_seconds:
+        if self.timeout is None:
             self._deadline = None
-        else:
-            self._deadline = time.monotonic() + self.timeout * self._allowance
+        elif self.step_seconds:
+            allowance = SLOW_PHASE_ALLOWANCE if phase in SLOW_PHASES else 1
+            self._deadline = self._marked_at + self.timeout * allowance
 
     def step_ends(self, step: int, seconds: float) -> None:
         """A step took `seconds` (the first steps kept): with no timeout set, they decide it."""
@@ -223,16 +228,34 @@ class StepWatchdog(StepObserver):
         here = replace(self._position, frame=self._innermost_frame(), collective=collective, progress=progress)
         path = self._write_dump(here, stalled, because, flight_record(entries, reason))
         positions = self._gather(here)
-        if min(positions) == self.runtime.rank:  # one line for the job, from the lowest rank that got this far
+        reporter = min(positions)  # one line for the job, from the lowest rank that got this far
+        if reporter == self.runtime.rank:
             line = describe_hang(positions, self.runtime.world_size, stalled, self.directory)
             log.error(line)
-            attempts.record(os.path.dirname(self.directory), self.runtime.rank, HUNG_EXIT, line)
+            attempts.record(os.path.dirname(self.directory), self.runtime.attempt, self.runtime.rank, HUNG_EXIT, line)
         else:
             log.error(f"rank {self.runtime.rank}: no progress for {stalled:.0f} s ({because}); where it was: {path}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        if len(positions) > 1:
+            self._hand_over_the_report(reporter)
         self.runtime.abort()
         self.end_process(HUNG_EXIT)
+
+    def _hand_over_the_report(self, reporter: int) -> None:
+        """The reporter says its line is out; the others wait for that, so that none of them ends the job first."""
+        try:
+            store = self._store()
+            if store is None:
+                return
+            if reporter == self.runtime.rank:
+                store.set(REPORTED_KEY, str(reporter))
+                return
+            deadline = time.monotonic() + REPORT_SECONDS
+            while time.monotonic() < deadline and not store.check([REPORTED_KEY]):
+                time.sleep(0.05)
+        except (RuntimeError, dist.DistStoreError):
+            pass  # the store's host is gone: nothing to wait for
 
     def _innermost_frame(self) -> str:
         frame = sys._current_frames().get(self._training_thread)

@@ -22,20 +22,18 @@ def _crash(step: int | None) -> KeyError:
         return error
 
 
-def test_a_crash_repeats_only_from_another_attempt_at_the_same_step_and_place(tmp_path, monkeypatch):
+def test_a_crash_repeats_only_from_another_attempt_at_the_same_step_and_place(tmp_path):
     """The same rank, error, step and frame from an earlier attempt is a repeat; from this attempt, at another
     step, on another rank or outside the steps it is not. The summary gets one phrase per earlier attempt."""
     site = attempts.crash_site(_crash(7))
     assert site["error"] == "KeyError" and site["step"] == 7 and site["where"].endswith("in _crash")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    attempts.record(str(tmp_path), 1, 1, "rank 1 crashed", site)
-    assert attempts.repeated_crash(str(tmp_path), 1, site) is None  # this attempt's own record
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert attempts.repeated_crash(str(tmp_path), 1, site)["line"] == "rank 1 crashed"
-    assert attempts.repeated_crash(str(tmp_path), 0, site) is None
-    assert attempts.repeated_crash(str(tmp_path), 1, attempts.crash_site(_crash(8))) is None
-    assert attempts.repeated_crash(str(tmp_path), 1, attempts.crash_site(_crash(None))) is None
-    attempts.record(str(tmp_path), 0, 77, "rank 1 ended mid-run")
+    attempts.record(str(tmp_path), "a1c3.1", 1, 1, "rank 1 crashed", site)
+    assert attempts.repeated_crash(str(tmp_path), "a1c3.1", 1, site) is None  # this attempt's own record
+    assert attempts.repeated_crash(str(tmp_path), "a1c3.2", 1, site)["line"] == "rank 1 crashed"
+    assert attempts.repeated_crash(str(tmp_path), "a1c3.2", 0, site) is None
+    assert attempts.repeated_crash(str(tmp_path), "a1c3.2", 1, attempts.crash_site(_crash(8))) is None
+    assert attempts.repeated_crash(str(tmp_path), "a1c3.2", 1, attempts.crash_site(_crash(None))) is None
+    attempts.record(str(tmp_path), "a1c3.2", 0, 77, "rank 1 ended mid-run")
     (tmp_path / attempts.ATTEMPTS).open("a").write('{"attempt": "cut sh')  # a line a crash cut short
     assert attempts.interruptions(str(tmp_path)) == ["exit 1: rank 1 crashed", "exit 77: rank 1 ended mid-run"]
 

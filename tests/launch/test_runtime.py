@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import random
+import threading
 import time
 
 import pytest
@@ -14,6 +17,7 @@ from harness.processes import free_port, rank_slots
 
 from llmtrain.errors import ConfigError
 from llmtrain.runtime import (
+    agree_on_attempt,
     cuda_device_index,
     first_slurm_host,
     init_runtime,
@@ -259,3 +263,39 @@ def test_fp32_matmuls_use_tf32_tensor_cores_on_gpus_only():
         assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_ranks_of_an_attempt_agree_on_its_number_whatever_an_earlier_attempt_left_in_the_store():
+    """Four ranks on a real TCP store that outlives them, as an agent's does. The first attempt agrees; the second
+    dies before rank 0 starts, leaving its ranks' posts; in the third the ranks start in a random order, seconds
+    apart (as nodes restarted by different agents do, rank 0 last): each gets one number, new, not the second
+    attempt's stale posts or the first's number."""
+    world = 4
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def connect() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", server.port, world + 1, is_master=False, timeout=timeout)
+
+    def attempt(ranks: list[int], delays: dict[int, float]) -> dict[int, int]:
+        numbers: dict[int, int] = {}
+
+        def rank_joins(rank: int) -> None:
+            time.sleep(delays.get(rank, 0.0))
+            numbers[rank] = agree_on_attempt(connect(), rank, world, timeout)
+
+        threads = [threading.Thread(target=rank_joins, args=(rank,)) for rank in ranks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return numbers
+
+    first = attempt(list(range(world)), {})
+    assert len(set(first.values())) == 1 and len(first) == world, first
+    for rank in (1, 2, 3):  # the second attempt's ranks post their names; its rank 0 never starts
+        connect().set(f"llmtrain/join/hello/{rank}", os.urandom(16).hex())
+    order = random.Random(0).sample([1, 2, 3], 3)
+    third = attempt(list(range(world)), {0: 0.6, order[0]: 0.0, order[1]: 0.2, order[2]: 1.0})
+    assert len(third) == world and len(set(third.values())) == 1, third
+    assert set(third.values()) != set(first.values())

@@ -21,7 +21,7 @@ from harness.runs import PARITY, Run, assert_resumed_exactly, run_train, start_r
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.faults import arm
 from llmtrain.runtime import Runtime
-from llmtrain.train.watchdog import StepWatchdog
+from llmtrain.train.watchdog import STARTUP_ALLOWANCE, StepWatchdog
 
 TIMEOUT = 5
 # How long a test waits for a firing that is due in tenths of a second: generous against a loaded machine, and
@@ -238,3 +238,32 @@ def test_the_slow_phases_get_10_times_the_default_timeout(default_watchdog, tmp_
     assert stall_until_fired(watchdog, exit_, step, phase) >= 10 * 0.03
     assert exit_.codes == [HUNG_EXIT]
     assert f"in step {step}, {phase}" in (tmp_path / "hang" / "rank-0.txt").read_text()
+
+
+def test_an_attempt_is_watched_from_its_start_with_its_first_step_under_the_startup_allowance(tmp_path):
+    """train.hang_timeout set (0.05 s here): the watch starts as the run joins its group, in "starting up", with
+    20x the timeout to the end of the attempt's first step (a restart's checkpoint read, compilation); from the
+    second step on a phase gets 1x. A start that never reaches a step fires; a stalled first step fires only after
+    the start-up allowance; a stalled second step fires within a poll of the timeout."""
+    timeout, startup = 0.05, STARTUP_ALLOWANCE * 0.05
+    for case in ("before any step", "in the first step", "in the second step"):
+        exit_ = RecordedExit()
+        made = time.monotonic()
+        watchdog = StepWatchdog(timeout, runtime_on("cpu"), str(tmp_path / case), end_process=exit_)
+        try:
+            if case == "before any step":
+                assert exit_.fired.wait(FIRING_WAIT) and exit_.at is not None
+                where = "in step 0, starting up"
+            elif case == "in the first step":
+                stall_until_fired(watchdog, exit_, 1, "forward/backward")
+                where = "in step 1, forward/backward"
+            else:
+                step = run_steps(watchdog, [0.001])
+                assert stall_until_fired(watchdog, exit_, step, "forward/backward") < startup / 2
+                where = "in step 2, forward/backward"
+            assert exit_.codes == [HUNG_EXIT]
+            if case != "in the second step":
+                assert exit_.at is not None and exit_.at - made >= startup, case
+            assert where in (tmp_path / case / "hang" / "rank-0.txt").read_text(), case
+        finally:
+            watchdog.close()
