@@ -118,10 +118,7 @@ def interruptions(run_dir: str) -> list[str]:
 
 def resume_with_micro_batch(run_dir: str, micro_batch_size: int, reason: str) -> None:
     """Leave the micro-batch the next attempt at the run resumes with, and why."""
-    path = os.path.join(run_dir, SMALLER_MICRO_BATCH)
-    with open(f"{path}.partial", "w", encoding="utf-8") as f:
-        json.dump({"micro_batch_size": micro_batch_size, "reason": reason}, f)
-    os.replace(f"{path}.partial", path)
+    _write_whole(os.path.join(run_dir, SMALLER_MICRO_BATCH), {"micro_batch_size": micro_batch_size, "reason": reason})
 
 
 def micro_batch_to_resume_with(run_dir: str) -> tuple[int, str] | None:
@@ -145,10 +142,13 @@ def no_smaller_micro_batch(run_dir: str) -> None:
 
 def leave_out_batch(run_dir: str, step: int) -> None:
     """Note that the batch step `step` takes is to be left out by every later attempt (its loss spiked)."""
-    steps = sorted(batches_left_out(run_dir) | {step})
-    path = os.path.join(run_dir, LEFT_OUT_BATCHES)
+    _write_whole(os.path.join(run_dir, LEFT_OUT_BATCHES), sorted(batches_left_out(run_dir) | {step}))
+
+
+def _write_whole(path: str, value: Any) -> None:
+    """`value` as JSON at `path`, written beside it and renamed: a reader finds the old file or the new one."""
     with open(f"{path}.partial", "w", encoding="utf-8") as f:
-        json.dump(steps, f)
+        json.dump(value, f)
     os.replace(f"{path}.partial", path)
 
 

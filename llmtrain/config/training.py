@@ -160,7 +160,8 @@ class TrainConfig:
         Number(low=0),
         "seconds a rank may make no progress before every rank writes its stacks and collectives to "
         "`<run dir>/hang/` and the job exits 76 (requeued by launch/slurm.sbatch); validation, `eval.tasks` and "
-        "checkpoints get 10x; 0 = off; null = on GPUs 20x the median of the first steps (at least 300 s), off on CPUs",
+        "checkpoints get 10x, an attempt's start up to the end of its first step 20x; 0 = off; null = on GPUs 20x "
+        "the median of the first steps (at least 300 s, watched from the sixth step), off on CPUs",
     )
 
 
