@@ -85,8 +85,8 @@ def ended(run_dir: str) -> list[dict[str, Any]]:
 
 
 def repeated_crash(run_dir: str, attempt: str, rank: int, site: dict[str, Any]) -> dict[str, Any] | None:
-    """An attempt's before `attempt` crash of `rank` at the same step and place, with the same type of error, as
-    `site`; None when this crash is new (or happened outside the steps, where a step cannot be compared)."""
+    """A crash of `rank` in an attempt other than `attempt` at the same step and place, with the same type of
+    error, as `site`; None when this crash is new (or happened outside the steps, where a step cannot be compared)."""
     if site["step"] is None:
         return None
     for entry in ended(run_dir):

@@ -357,10 +357,10 @@ def _placement(config: RootConfig, runtime: Runtime) -> _Placement:
 
 
 def _resume(config: RootConfig, runtime: Runtime, run_dir: str, meta: GPT) -> _Resume:
-    """Collective: the checkpoint this run resumes from (rank 0's choice), checked to fit this run's model, base
-    weights and optimizer."""
+    """Collective: the checkpoint this run resumes from (rank 0's choice, its files hashed by every rank), checked to
+    fit this run's model, base weights and optimizer."""
     directory = os.path.abspath(os.path.expanduser(config.checkpoint.dir or os.path.join(run_dir, "checkpoints")))
-    path = runtime.decided_by_main(lambda: resume_path(config.checkpoint, directory))
+    path = resume_path(config.checkpoint, directory, runtime)
     base = base_of(config.model, config.seed) if meta.cfg.lora.enabled else None
     if path:
         check_model_matches(path, meta.cfg)

@@ -61,6 +61,14 @@ class Runtime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def from_every_rank(self, value: T) -> list[T]:
+        """Collective: every rank's `value`, in rank order."""
+        if not self.distributed:
+            return [value]
+        values: list[T | None] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return cast(list[T], values)
+
     def decided_by_main(self, decide: Callable[[], T]) -> T:
         """Collective: `decide()` run on rank 0 alone (it may read or move files), its result on every rank; a
         ConfigError it raises is raised on every rank, so none waits for a decision that never comes."""

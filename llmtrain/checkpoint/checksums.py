@@ -5,7 +5,8 @@ thread that wrote them (an async save's background thread), into `.checksums-<ra
 done, rank 0 hashes its own small files (DCP's `.metadata`, meta.json, the data position, the tokenizer), merges
 the ranks' lists into `checksums.json` and renames the checkpoint complete. A checkpoint without `checksums.json`
 is incomplete. Before a checkpoint is loaded (a resume, an export, an evaluation, sampling), every file it lists is
-hashed again: a flipped byte anywhere is named, where a size check sees only missing or truncated files.
+hashed again: a flipped byte anywhere is named, where a size check sees only missing or truncated files. A resuming
+job's ranks share that reading, each a share of the files.
 """
 
 from __future__ import annotations
@@ -83,16 +84,29 @@ def listed_files(directory: str) -> dict[str, str] | None:
     return listed if isinstance(listed, dict) else None
 
 
-def damage(directory: str) -> str | None:
+def damage(directory: str, share: tuple[int, int] = (0, 1)) -> str | None:
     """The first of the checkpoint's files that is not as it was written (missing, or its digest differs), as a
-    phrase; None when every listed file matches."""
+    phrase; None when every listed file matches. `share` (index, count): only that share of the files is read, the
+    files dealt out largest first so that the shares read about as much (the ranks of a resuming job each read
+    one); a missing checksum list is found by every share."""
     listed = listed_files(directory)
     if listed is None:
         return f"{CHECKSUMS} is missing or unreadable"
-    for name, digest in listed.items():
+    index, count = share
+    for name in _largest_first(directory, listed)[index::count]:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             return f"{name} is missing"
-        if file_digest(path) != digest:
+        if file_digest(path) != listed[name]:
             return f"{name} does not match its checksum"
     return None
+
+
+def _largest_first(directory: str, names: Iterable[str]) -> list[str]:
+    def size(name: str) -> int:
+        try:
+            return os.path.getsize(os.path.join(directory, name))
+        except OSError:
+            return 0
+
+    return sorted(names, key=lambda name: (-size(name), name))

@@ -162,10 +162,11 @@ class DamagedCheckpoint(ValueError):
     """A complete checkpoint one of whose files is not as it was written; the message names the file."""
 
 
-def verify(path: str) -> None:
-    """Every file of the checkpoint at `path` hashed against its checksum (the whole checkpoint is read). Raises
-    DamagedCheckpoint naming the first that differs or is missing."""
-    found = checksums.damage(path)
+def verify(path: str, share: tuple[int, int] = (0, 1)) -> None:
+    """Every file of the checkpoint at `path` hashed against its checksum (the whole checkpoint is read; with
+    `share`, that share of its files: checksums.damage). Raises DamagedCheckpoint naming the first that differs or
+    is missing."""
+    found = checksums.damage(path, share)
     if found:
         raise DamagedCheckpoint(found)
 

@@ -5,6 +5,7 @@ records is not copied into every checkpoint: a resumed run reads it from the wri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,21 +36,44 @@ from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel
+from llmtrain.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 
 
-def resume_path(checkpoint_cfg, directory: str) -> str | None:
-    """The checkpoint this run starts from, verified against its checksums: checkpoint.resume=auto -> the latest
-    intact one in `directory` (None when there is none; a damaged one set aside, named, and the one before it
-    taken), none -> None, a path -> that checkpoint (or the latest in that directory), which must be intact. Run on
-    one rank: it reads every file of the checkpoint it picks, and moves damaged ones."""
-    resume = checkpoint_cfg.resume
-    if resume == "none":
+def resume_path(checkpoint_cfg, directory: str, runtime: Runtime) -> str | None:
+    """Collective: the checkpoint this run starts from, verified against its checksums, each rank reading a share
+    of its files. checkpoint.resume=auto -> the latest intact one in `directory` (None when there is none; a
+    damaged one set aside, named, and the one before it taken), none -> None, a path -> that checkpoint (or the
+    latest in that directory), which must be intact. Rank 0 alone looks for the checkpoints and moves damaged
+    ones; a ConfigError is raised on every rank."""
+    if checkpoint_cfg.resume == "none":
         return None
+    auto = checkpoint_cfg.resume == "auto"
+    for path in runtime.decided_by_main(lambda: _candidates(checkpoint_cfg.resume, directory)):
+        shares = runtime.from_every_rank(_damage_in_share(path, runtime))
+        damage = next((found for found in shares if found is not None), None)
+        if damage is None:
+            return path
+        if not auto:
+            raise ConfigError(
+                f"checkpoint {path} is damaged: {damage}: resume from another step-* directory, or set "
+                f"checkpoint.resume=auto to take the latest intact one"
+            )
+        runtime.decided_by_main(functools.partial(_set_aside_damaged, path, damage))
+    if auto:
+        runtime.decided_by_main(lambda: _refuse_if_any_set_aside(directory))
+    return None
+
+
+def _candidates(resume: str, directory: str) -> list[str]:
+    """The checkpoints to try, the one to resume from first: checkpoint.resume=auto, every complete one in
+    `directory`, newest first; a path, the one it names."""
     if resume == "auto":
         try:
-            return _latest_intact(directory)
+            if is_checkpoint_name(directory):
+                return [str(latest_checkpoint(directory))]
+            return list(reversed(complete_checkpoints(directory)))
         except IncompleteCheckpoint as reason:  # checkpoint.dir itself named a step-* directory
             raise ConfigError(
                 f"checkpoint.dir={directory} is an incomplete checkpoint ({reason}), not a directory "
@@ -67,29 +91,25 @@ def resume_path(checkpoint_cfg, directory: str) -> str | None:
             f"checkpoint.resume={resume} holds no complete checkpoint: point it at a step-* "
             f"directory or a checkpoint directory, or use checkpoint.resume=auto"
         )
+    return [found]
+
+
+def _damage_in_share(path: str, runtime: Runtime) -> str | None:
     try:
-        verify(found)
+        verify(path, share=(runtime.rank, runtime.world_size))
     except DamagedCheckpoint as damage:
-        raise ConfigError(
-            f"checkpoint {found} is damaged: {damage}: resume from another step-* directory, or set "
-            f"checkpoint.resume=auto to take the latest intact one"
-        ) from None
-    return found
+        return str(damage)
+    return None
 
 
-def _latest_intact(directory: str) -> str | None:
-    """The newest complete checkpoint in `directory` whose files match their checksums. Each damaged one on the
-    way is set aside and named; when none is intact and some were set aside (now or by an earlier run), a
-    ConfigError: the run does not start afresh over checkpoints it could not use without being told to."""
-    if is_checkpoint_name(directory):
-        return latest_checkpoint(directory)
-    for path in reversed(complete_checkpoints(directory)):
-        try:
-            verify(path)
-            return path
-        except DamagedCheckpoint as damage:
-            aside = set_aside(path)
-            log.warning(f"checkpoint {path} is damaged ({damage}): set aside as {aside}; trying the one before it")
+def _set_aside_damaged(path: str, damage: str) -> None:
+    aside = set_aside(path)
+    log.warning(f"checkpoint {path} is damaged ({damage}): set aside as {aside}; trying the one before it")
+
+
+def _refuse_if_any_set_aside(directory: str) -> None:
+    """No intact checkpoint is left: when some were set aside (now or by an earlier run), a ConfigError: the run
+    does not start afresh over checkpoints it could not use without being told to."""
     damaged = set_aside_in(directory)
     if damaged:
         raise ConfigError(
@@ -97,7 +117,6 @@ def _latest_intact(directory: str) -> str | None:
             f"start afresh with checkpoint.resume=none, or resume from a copy (checkpoint.resume=<its step-* "
             f"directory>)"
         )
-    return None
 
 
 def wandb_run_id(resume: str | None, checkpoint_dir: str) -> str:

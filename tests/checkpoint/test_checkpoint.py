@@ -208,6 +208,9 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_and_no_restart_tr
     assert not (run_dir / "summary.json").exists()
 
 
+ONE_PROCESS = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+
+
 def _tiny_checkpoints(directory: Path, steps: list[int]) -> None:
     for step in steps:
         path = Path(checkpoint_path(str(directory), step))
@@ -246,15 +249,18 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(tmp_
     _flip(next(newest.glob("*.distcp")))
     _flip(middle / "data.pt", count=8)
     assert latest_checkpoint(str(checkpoints)) == str(newest)  # complete by its files' presence and sizes
+    # two ranks resuming each read half the files, largest first: the damaged shard is in one half
+    halves = [checksums.damage(str(newest), share=(index, 2)) for index in range(2)]
+    assert sorted(map(str, halves)) == ["None", "__0_0.distcp does not match its checksum"], halves
 
     for named in (str(newest), str(checkpoints)):
         with pytest.raises(ConfigError, match=r"is damaged: __0_0.distcp does not match its checksum") as error:
-            resume_path(OmegaConf.structured(CheckpointConfig(resume=named)), str(tmp_path / "unused"))
+            resume_path(OmegaConf.structured(CheckpointConfig(resume=named)), str(tmp_path / "unused"), ONE_PROCESS)
         assert "\n" not in str(error.value) and "weights_only" not in str(error.value)
     with pytest.raises(ConfigError, match=r"step-00000015 is damaged: __0_0.distcp does not match its checksum"):
         find_checkpoint(str(tmp_path))  # export, evaluate and sampling
     with caplog.at_level(logging.WARNING, logger="llmtrain"):
-        chosen = resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints))
+        chosen = resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints), ONE_PROCESS)
     assert chosen == checkpoint_path(str(checkpoints), 5)
     for step, file in ((15, "__0_0.distcp"), (10, "data.pt")):
         assert f"step-{step:08d} is damaged ({file} does not match its checksum): set aside as" in caplog.text
@@ -272,7 +278,7 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(tmp_
 
     _flip(next(Path(chosen).glob("*.distcp")))
     with pytest.raises(ConfigError, match="^no intact checkpoint is left in .*3 damaged, set aside as step-"):
-        resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints))
+        resume_path(OmegaConf.structured(CheckpointConfig(resume="auto")), str(checkpoints), ONE_PROCESS)
 
     legacy = Path(checkpoint_path(str(tmp_path / "legacy"), 3))
     _tiny_checkpoints(legacy.parent, [3])
@@ -336,7 +342,7 @@ def test_one_lookup_finds_a_checkpoint_for_resume_export_and_sampling(tmp_path):
         find_checkpoint(str(tmp_path))
 
     def resume(value: str, directory: Path = tmp_path / "fresh"):
-        return resume_path(OmegaConf.structured(CheckpointConfig(resume=value)), str(directory))
+        return resume_path(OmegaConf.structured(CheckpointConfig(resume=value)), str(directory), ONE_PROCESS)
 
     assert resume("auto") is None and resume("auto", checkpoints) == latest and resume("none", checkpoints) is None
     assert resume(str(checkpoints)) == resume(latest) == latest
@@ -481,19 +487,21 @@ def test_a_checkpoint_carrying_code_is_refused_by_resume_export_and_evaluate_and
 
 
 @pytest.mark.slow
-def test_a_run_resumes_past_a_damaged_checkpoint_to_the_uninterrupted_run(train, reference):
-    """The PARITY run saving every 3 steps and at its end (checkpoints 9 and 10 kept), 4 KiB of the last one's
-    shard inverted once it is complete (its size unchanged; damage_checkpoint_at_step): the rerun names the file in
-    one warning, sets the checkpoint aside and resumes from checkpoint 9 to the uninterrupted run, to the bit."""
-    first = train(*PARITY, "checkpoint.every=3", env=arm(damage_checkpoint_at_step="10"), name="first")
+def test_a_run_resumes_past_a_damaged_checkpoint_to_the_uninterrupted_run(train, layout_run):
+    """The PARITY run under DDP over 2 ranks saving every 3 steps and at its end (checkpoints 9 and 10 kept), 4 KiB
+    of the last one's first shard inverted once it is complete (its size unchanged; damage_checkpoint_at_step): the
+    rerun's ranks each read a share of its files, and whichever found the damage, both take checkpoint 9: one
+    warning names the file, the checkpoint is set aside, and the run resumes to the uninterrupted run, to the bit."""
+    ddp = (*PARITY, "parallel=ddp", "checkpoint.every=3")
+    first = train(*ddp, env=arm(damage_checkpoint_at_step="10"), name="first", nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoints = first.run_dir / "checkpoints"
-    resumed = train(*PARITY, "checkpoint.every=3", f"checkpoint.dir={checkpoints}", name="resumed")
+    resumed = train(*ddp, f"checkpoint.dir={checkpoints}", name="resumed", nproc=2)
     output = resumed.stdout + resumed.stderr
     named = [line for line in output.splitlines() if "is damaged" in line]
     assert len(named) == 1 and "step-00000010 is damaged (__0_0.distcp does not match its checksum)" in named[0]
     assert f"resumed   from {checkpoints / 'step-00000009'}" in output, output[-3000:]
-    assert_resumed_exactly(resumed, reference)
+    assert_resumed_exactly(resumed, layout_run("parallel=ddp", nproc=2))
     assert (checkpoints / "step-00000010.damaged").is_dir()
 
 

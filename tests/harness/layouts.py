@@ -88,6 +88,7 @@ BF16_RTOL = 2**-8
 
 
 BF16 = "train.precision=bf16"
+ROUTED_MODELS = ("model=moe-tiny", "model=mixtral-tiny")
 
 
 # The layout groups' runs warm up for one step, then take the full learning rate: Adam's first updates are near
@@ -97,26 +98,39 @@ BF16 = "train.precision=bf16"
 GROUP_WEIGHT_ATOL = 1e-4
 
 
+# Routing is a discrete choice: under another summation order, a token whose top experts score within rounding of
+# each other goes to another one, and its loss and its experts' gradients change by far more than rounding. Muon
+# makes that likely by step 2: it orthogonalises each expert's gradient, of few tokens and so low rank, which
+# magnifies that gradient's rounding about 1,000x (a 1e-7 relative change moves the result 1e-4). Measured on an AMD
+# EPYC, moe-tiny under Muon against one process: zero1 and fsdp (their reduce-scatters sum in another order) 2.3e-5
+# on the second loss, 9.0e-5 on its gradient norm, weights 4.1e-4 apart (the magnified rounding alone moves them
+# ~1e-7: only a token routed elsewhere explains it); ddp, which sums in the one process's order, exactly equal.
+# Bound for routed experts under Muon: ROUTED_MUON_RTOL on losses and gradient norms, weights not compared. A missed
+# or doubled reduction still moves the first gradient norm 2x, and one step moves these losses 3%.
+ROUTED_MUON_RTOL = 2e-4
+
+
 def assert_matches_single(results: dict, layout: str) -> None:
     """A layout of a layout_group followed its unsplit model: losses, gradient norms and the validation loss within
-    LOSS_RTOL (BF16_RTOL in bf16), the same parameter names, weights within GROUP_WEIGHT_ATOL after the last step
-    (fp32); and both ran the optimizer and the precision the layout names (a setting both ignored would let them
-    agree)."""
+    LOSS_RTOL (BF16_RTOL in bf16, ROUTED_MUON_RTOL for experts under Muon), the same parameter names, weights within
+    GROUP_WEIGHT_ATOL after the last step (fp32, experts under Muon aside); and both ran the optimizer and the
+    precision the layout names (a setting both ignored would let them agree)."""
     from layout_worker import reference_name
 
     reference, run = results[reference_name(layout)], results[layout]
     bf16 = BF16 in layout.split()
-    rtol = BF16_RTOL if bf16 else LOSS_RTOL
+    muon = "optim=muon" in layout.split()
+    routed_muon = muon and any(word in layout.split() for word in ROUTED_MODELS)
+    rtol = BF16_RTOL if bf16 else ROUTED_MUON_RTOL if routed_muon else LOSS_RTOL
     for key in ("losses", "norms", "val_losses"):
         assert run[key] == pytest.approx(reference[key], rel=rtol), (layout, key, run[key], reference[key])
     assert run["same_names"], (layout, run)
     # packed documents: a document after another one in a window gets the losses it gets alone (layout_worker.py)
     assert run["boundary_gap"] is None or within(run["boundary_gap"], rtol), (layout, run["boundary_gap"])
-    assert bf16 or within(run["weight_difference"], GROUP_WEIGHT_ATOL), (layout, run)
+    assert bf16 or routed_muon or within(run["weight_difference"], GROUP_WEIGHT_ATOL), (layout, run)
     for ran in (run, reference):  # both computed in the precision the layout names (fp32 on CPU by default)
         assert ran["precision"].startswith("bf16" if bf16 else "fp32"), (layout, ran["precision"])
         assert ("torch.bfloat16" in ran["holdings"]["computed_in"]) == bf16, (layout, ran["holdings"])
-    muon = "optim=muon" in layout.split()
     for held in (run["holdings"], reference["holdings"]):
         assert all(name.endswith("Muon") == muon for name in held["optimizer"]), (layout, held["optimizer"])
 
