@@ -265,6 +265,7 @@ def test_fp32_matmuls_use_tf32_tensor_cores_on_gpus_only():
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.releases
 def test_the_ranks_of_an_attempt_agree_on_its_number_whatever_an_earlier_attempt_left_in_the_store():
     """Four ranks on a real TCP store that outlives them, as an agent's does. The first attempt agrees; the second
     dies before rank 0 starts, leaving its ranks' posts; in the third the ranks start in a random order, seconds
