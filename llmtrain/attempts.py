@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from llmtrain.errors import failed_step
+from llmtrain.files import write_json_atomic
 from llmtrain.launch_env import restart_count, under_a_restarting_agent
 
 ATTEMPTS = "attempts.jsonl"
@@ -118,7 +119,9 @@ def interruptions(run_dir: str) -> list[str]:
 
 def resume_with_micro_batch(run_dir: str, micro_batch_size: int, reason: str) -> None:
     """Leave the micro-batch the next attempt at the run resumes with, and why."""
-    _write_whole(os.path.join(run_dir, SMALLER_MICRO_BATCH), {"micro_batch_size": micro_batch_size, "reason": reason})
+    write_json_atomic(
+        os.path.join(run_dir, SMALLER_MICRO_BATCH), {"micro_batch_size": micro_batch_size, "reason": reason}
+    )
 
 
 def micro_batch_to_resume_with(run_dir: str) -> tuple[int, str] | None:
@@ -142,14 +145,7 @@ def no_smaller_micro_batch(run_dir: str) -> None:
 
 def leave_out_batch(run_dir: str, step: int) -> None:
     """Note that the batch step `step` takes is to be left out by every later attempt (its loss spiked)."""
-    _write_whole(os.path.join(run_dir, LEFT_OUT_BATCHES), sorted(batches_left_out(run_dir) | {step}))
-
-
-def _write_whole(path: str, value: Any) -> None:
-    """`value` as JSON at `path`, written beside it and renamed: a reader finds the old file or the new one."""
-    with open(f"{path}.partial", "w", encoding="utf-8") as f:
-        json.dump(value, f)
-    os.replace(f"{path}.partial", path)
+    write_json_atomic(os.path.join(run_dir, LEFT_OUT_BATCHES), sorted(batches_left_out(run_dir) | {step}))
 
 
 def batches_left_out(run_dir: str) -> set[int]:

@@ -226,7 +226,7 @@ def main(argv: list[str]) -> None:
     print(make_table(results))
     print(f"evaluated {checkpoint} on {', '.join(results['results'])} in {time.perf_counter() - started:.1f} s")
     if config.output:
-        from llmtrain.train.report import write_json_atomic
+        from llmtrain.files import write_json_atomic
 
         write_json_atomic(config.output, results, default=str)  # lm-eval's task configs hold functions
         print(f"results: {config.output}")

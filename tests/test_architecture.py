@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmtrain"
 # `if __name__ == "__main__":` block) is in the top layer wherever it lives.
 LAYERS = [
     {"errors", "faults", "optional", "catalog", "domains", "launch_env", "config", "plan", "hub", "runtime", "run_dir"}
-    | {"releases", "differences", "attempts"},
+    | {"releases", "differences", "attempts", "files"},
     {"model", "data", "optim"},
     {"parallel"},
     {"planner", "checkpoint"},

@@ -17,6 +17,8 @@ import json
 import os
 from collections.abc import Iterable
 
+from llmtrain.files import write_json_atomic
+
 CHECKSUMS = "checksums.json"
 _RANK_CHECKSUMS = ".checksums-{rank}.json"
 
@@ -36,16 +38,9 @@ def _digests(directory: str, names: Iterable[str]) -> dict[str, str]:
     return {name: file_digest(os.path.join(directory, name)) for name in sorted(set(names))}
 
 
-def _write_json(path: str, value: dict[str, str]) -> None:
-    """Written whole or not at all: a crash mid-write leaves no checksum file, never a short one."""
-    with open(f"{path}.partial", "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=0)
-    os.replace(f"{path}.partial", path)
-
-
 def record_rank_files(directory: str, rank: int, names: Iterable[str]) -> None:
     """This rank's files of the checkpoint being written in `directory`, hashed as soon as they are written."""
-    _write_json(os.path.join(directory, _RANK_CHECKSUMS.format(rank=rank)), _digests(directory, names))
+    write_json_atomic(os.path.join(directory, _RANK_CHECKSUMS.format(rank=rank)), _digests(directory, names))
 
 
 def seal(directory: str) -> None:
@@ -58,7 +53,7 @@ def seal(directory: str) -> None:
             listed.update(json.load(f))
     rest = [name for name in _files(directory) if name not in listed]
     listed.update(_digests(directory, rest))
-    _write_json(os.path.join(directory, CHECKSUMS), dict(sorted(listed.items())))
+    write_json_atomic(os.path.join(directory, CHECKSUMS), dict(sorted(listed.items())))
     for rank_list in rank_lists:
         os.remove(rank_list)
 

@@ -58,6 +58,7 @@ from llmtrain.config import (
 )
 from llmtrain.entry import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
+from llmtrain.files import write_json_atomic
 from llmtrain.job import build_parallel_model
 from llmtrain.model import GPT, ParameterInit
 from llmtrain.model.materialize import allocate
@@ -68,7 +69,6 @@ from llmtrain.plan import ParallelPlan, check_layout
 from llmtrain.planner.auto import configured_cost
 from llmtrain.runtime import Runtime
 from llmtrain.train.memory import storage_tensors
-from llmtrain.train.report import write_json_atomic
 
 MIB, GIB = 2**20, 2**30
 # What a model that takes its vocabulary from the tokenizer (model.vocab_size=null) is sized for here: GPT-2's

@@ -14,7 +14,8 @@ from typing import Any, Literal, cast
 from tqdm import tqdm
 
 from llmtrain.config import RootConfig
-from llmtrain.train.report import plot_loss, write_json_atomic
+from llmtrain.files import write_json_atomic
+from llmtrain.train.report import plot_loss
 
 log = logging.getLogger("llmtrain")
 

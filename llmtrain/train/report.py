@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -141,14 +139,6 @@ def format_end_summary(summary: dict[str, Any]) -> str:
             f"chart pipeline.png"
         )
     return "\n".join(lines)
-
-
-def write_json_atomic(path: str, payload: dict[str, Any], default: Callable[[Any], Any] | None = None) -> None:
-    """`payload` as JSON at `path`, whole or not at all (`default`: json.dump's, for values JSON has no type for)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=default)
-    os.replace(tmp, path)
 
 
 def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:

@@ -25,6 +25,7 @@ returns; a rank that hangs does not keep the others from writing their dumps."""
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import logging
@@ -251,11 +252,9 @@ class StepWatchdog(StepObserver):
             if reporter == self.runtime.rank:
                 store.set(REPORTED_KEY, str(reporter))
                 return
-            deadline = time.monotonic() + REPORT_SECONDS
-            while time.monotonic() < deadline and not store.check([REPORTED_KEY]):
-                time.sleep(0.05)
+            store.wait([REPORTED_KEY], datetime.timedelta(seconds=REPORT_SECONDS))
         except (RuntimeError, dist.DistStoreError):
-            pass  # the store's host is gone: nothing to wait for
+            pass  # not reported in time, or the store's host is gone: this rank ends anyway
 
     def _innermost_frame(self) -> str:
         frame = sys._current_frames().get(self._training_thread)
