@@ -24,7 +24,7 @@ import os
 from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
-from llmtrain.model.hf import family_of
+from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_peft import PEFT_FAMILIES, merged, save_peft_adapter
 
 
@@ -33,7 +33,7 @@ def export(checkpoint: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
-    family = family_of(model.cfg)  # a ConfigError where no transformers class computes the model
+    family = hf_format_of(model.cfg)  # a ConfigError where no transformers class computes the model
     if model.cfg.lora.enabled:
         if family.model_type in PEFT_FAMILIES:
             save_peft_adapter(model, read_meta(checkpoint)["base"]["init_from"], os.path.join(out_dir, "adapter"))

@@ -57,12 +57,14 @@ from llmtrain.runtime import Runtime, init_runtime
 from llmtrain.spawn import launched_externally, spawn_workers
 from llmtrain.train.fault_points import FaultPoints
 from llmtrain.train.loggers import RunLoggers
-from llmtrain.train.loop import Components, LoopState, Trainer
+from llmtrain.train.loop import Components, Trainer
 from llmtrain.train.memory import MIB, HeldBytes, MemoryPeak, allocation_failed, held_bytes, out_of_memory
+from llmtrain.train.objectives import build_objective
 from llmtrain.train.observers import StepObserver
 from llmtrain.train.preemption import PreemptionWatch
 from llmtrain.train.profiling import StepProfiler
 from llmtrain.train.report import compiled_graphs, end_summary, format_end_summary, start_summary
+from llmtrain.train.state import LoopState
 from llmtrain.train.stragglers import StragglerWatch, stages_of_ranks
 from llmtrain.train.watchdog import StepWatchdog
 
@@ -412,6 +414,7 @@ def _components(
         data=data,
         train_slice=place.train_slice,
         val_slice=place.val_slice,
+        objective=build_objective(config, model, data, place.val_slice),
         checkpoints=checkpoints,
         state=LoopState(step=point.step, records=list(point.records)) if point else LoopState(),
         n_params=n_params,

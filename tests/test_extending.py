@@ -1,8 +1,8 @@
 """docs/extending.md, followed: its blocks, read out of the page and installed (tests/workers/extending_worker.py), do
-what
-the page says, and they are new files and catalog rows alone. The layout row makes the option file the page shows,
-the tables and a plan, and the planner costs it by its fields; the family's row makes meta_model build its class for
-its preset, the layouts cut it as itself, it learns, and its checkpoint reloads as the family; Lion's steps are the
+what the page says, and they are new files and catalog rows alone. The layout row makes the option file the page
+shows, the tables and a plan, and the planner costs it by its fields; the family's row makes meta_model build its
+class for its preset, the layouts cut it as itself, the planner sizes it from its own shapes, it learns, and its
+checkpoint reloads as the family; Lion's steps are the
 ones worked by hand, a run of `optim=lion` trains with it, the planner counts its one moment and parallel=zero1
 refuses it. The slow test trains the layout and the family on two processes against their one-process runs."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from extending_worker import blocks, edits, install_family, install_layout, install_optimizer, write_options
 from harness.corpora import DOCUMENT_CORPUS
-from harness.layouts import assert_matches_single
+from harness.layouts import assert_matches_single, needs_torchao
 from harness.paths import WORKERS
 from harness.processes import torchrun
 from omegaconf import OmegaConf
@@ -30,13 +30,15 @@ from llmtrain.config.validation import validate_flat_slices
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.job import build_training
-from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of
+from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of, trainable_parameters
+from llmtrain.model.quantize import is_nf4
 from llmtrain.optim.compute import Compute
-from llmtrain.parallel.family import FAMILIES, family_of
+from llmtrain.parallel.family import GPT_LAYOUT, family_layout
 from llmtrain.plan import Degrees, ParallelPlan
 from llmtrain.planner.candidates import enumerate_candidates, for_optimizer
 from llmtrain.planner.cost import layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, llmtrain_state_bytes, machine_for, workload_for
+from llmtrain.planner.shapes import holding, whole_model_parameters
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
@@ -84,12 +86,12 @@ def _train(overrides: list[str], steps: int, run_dir: Path):
 
 
 def test_the_guide_adds_new_files_and_catalog_rows_and_edits_nothing_else():
-    """A layout, a family and an optimizer are each code of its own and rows of llmtrain/catalog.py's tables: the
+    """A layout, a family and an optimizer are each code of its own and rows of llmtrain/catalog/'s tables: the
     page edits no function, and every block it adds to an existing file is rows of one of those tables."""
     assert edits() == [
-        "llmtrain/catalog.py LAYOUTS",
-        "llmtrain/catalog.py MODEL_FAMILIES",
-        "llmtrain/catalog.py OPTIMIZERS",
+        "llmtrain/catalog/layouts.py LAYOUTS",
+        "llmtrain/catalog/models.py MODEL_FAMILIES",
+        "llmtrain/catalog/optimizers.py OPTIMIZERS",
     ]
     for marker in edits():
         assert isinstance(getattr(catalog, marker.split()[1]), dict)
@@ -127,25 +129,47 @@ def test_the_layout_row_makes_its_option_file_tables_plan_and_costs(monkeypatch)
 
 
 def test_the_family_is_built_for_its_preset_cut_as_itself_and_learns(monkeypatch, options, tmp_path):
-    """Its row alone makes meta_model build it; GPT's spec lays it out (its class has none of its own), and the
-    pipeline parts and stage views that spec makes are squared-ReLU models too."""
-    squared_relu = install_family(monkeypatch)
-    cfg = compose_config([options, "model=tiny-relu2"]).model
-    assert cfg.family == "squared_relu"
+    """Its row alone makes meta_model build it; GPT's layout lays it out (the row names it), and the pipeline parts
+    and stage views that layout makes are parallel-block models too."""
+    parallel_block = install_family(monkeypatch)
+    cfg = compose_config([options, "model=tiny-parallel"]).model
+    assert cfg.family == "parallel_block"
     model = meta_model(cfg, 256)
-    assert type(model) is squared_relu.SquaredReluGPT
-    assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in model.blocks.values())
-    spec = family_of(model)
-    assert spec is FAMILIES[GPT]
-    part = spec.pipeline_part(model, [2, 3], False, True)
-    assert type(part) is squared_relu.SquaredReluGPT and list(part.blocks) == ["2", "3"] and part.tok_emb is None
-    assert all(type(block.mlp) is squared_relu.SquaredReluMLP for block in part.blocks.values())
-    view = spec.stage_view(part, [3], False, True)
-    assert type(view) is squared_relu.SquaredReluGPT and view.blocks["3"] is part.blocks["3"]
+    assert type(model) is parallel_block.ParallelBlockGPT
+    assert all(type(block) is parallel_block.ParallelBlock for block in model.blocks.values())
+    layout = family_layout(model)
+    assert layout is GPT_LAYOUT
+    part = layout.pipeline_part(model, [2, 3], False, True)
+    assert type(part) is parallel_block.ParallelBlockGPT and list(part.blocks) == ["2", "3"] and part.tok_emb is None
+    assert all(type(block) is parallel_block.ParallelBlock for block in part.blocks.values())
+    view = layout.stage_view(part, [3], False, True)
+    assert type(view) is parallel_block.ParallelBlockGPT and view.blocks["3"] is part.blocks["3"]
     assert type(meta_model(compose_config([options, "model=tiny"]).model, 256)) is GPT
-    losses, parts = _train([options, "model=tiny-relu2", "optim.lr=3e-3"], 6, tmp_path)
-    assert type(parts.model.module) is squared_relu.SquaredReluGPT
+    losses, parts = _train([options, "model=tiny-parallel", "optim.lr=3e-3"], 6, tmp_path)
+    assert type(parts.model.module) is parallel_block.ParallelBlockGPT
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("adapted", ["", "lora", pytest.param("nf4", marks=needs_torchao)])
+def test_the_planner_sizes_the_family_from_its_own_shapes(monkeypatch, options, adapted):
+    """The row's shapes count what the built model holds: one norm a block fewer than GPT's, and with adapters
+    (and an NF4 base, which the finished model quantizes whatever class built its modules) the frozen, quantized
+    and trainable elements the model has."""
+    install_family(monkeypatch)
+    lora = ["model.lora.rank=4", "model.lora.targets=[q_proj,fc_in,fc_out]", "model.bias=false"] if adapted else []
+    nf4 = ["model.quantize_base=nf4", "model.d_model=256", "model.n_head=4"] if adapted == "nf4" else []
+    for family in ("parallel_block", "gpt"):
+        cfg = compose_config([options, "model=tiny", f"model.family={family}", *lora, *nf4]).model
+        model = meta_model(cfg, 256)
+        held = holding(model.cfg)
+        quantized = sum(p.numel() for p in model.parameters() if is_nf4(p))
+        assert (held.trainable, held.quantized) == (trainable_parameters(model), quantized), family
+        assert held.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad), family
+        assert bool(quantized) == (adapted == "nf4")
+    gpt_cfg = dataclasses.replace(model.cfg, lora=dataclasses.replace(model.cfg.lora, rank=0), quantize_base="none")
+    parallel_cfg = dataclasses.replace(gpt_cfg, family="parallel_block")
+    norms = gpt_cfg.n_layer * gpt_cfg.d_model * (1 + int(gpt_cfg.bias))
+    assert whole_model_parameters(gpt_cfg) - whole_model_parameters(parallel_cfg) == norms
 
 
 def test_a_checkpoint_of_the_family_reloads_as_the_family(monkeypatch, options, tmp_path):
@@ -153,30 +177,28 @@ def test_a_checkpoint_of_the_family_reloads_as_the_family(monkeypatch, options, 
     SquaredReluGPT with the trained model's logits, evaluate's model group builds one, a resume as another family
     is refused naming model.family, the Hugging Face export refuses it in one line (no transformers class computes
     it), and a checkpoint written before the key (no family recorded) reads as the GPT."""
-    squared_relu = install_family(monkeypatch)
-    _, parts = _train([options, "model=tiny-relu2", "optim.lr=3e-3"], 2, tmp_path)
+    parallel_block = install_family(monkeypatch)
+    _, parts = _train([options, "model=tiny-parallel", "optim.lr=3e-3"], 2, tmp_path)
     parts.checkpoints.save(2)
     parts.checkpoints.finish()
     checkpoint = find_checkpoint(str(tmp_path))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     loaded = load_checkpoint_model(checkpoint)
-    assert type(loaded) is squared_relu.SquaredReluGPT
+    assert type(loaded) is parallel_block.ParallelBlockGPT
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), parts.model.module.eval()(ids), rtol=0, atol=1e-6)
     saved = GPTConfig.from_dict(read_meta(checkpoint)["model"])
-    assert saved == loaded.cfg and saved.family == "squared_relu"
+    assert saved == loaded.cfg and saved.family == "parallel_block"
     group = model_group_of(saved, OmegaConf.to_object(compose_config([options, "model=tiny"])).model)
-    assert type(meta_model(group, saved.vocab_size)) is squared_relu.SquaredReluGPT
-    with pytest.raises(ConfigError, match=r"model\.family=gpt \(checkpoint: squared_relu\)"):
+    assert type(meta_model(group, saved.vocab_size)) is parallel_block.ParallelBlockGPT
+    with pytest.raises(ConfigError, match=r"model\.family=gpt \(checkpoint: parallel_block\)"):
         check_model_matches(checkpoint, dataclasses.replace(saved, family="gpt"))
-    with pytest.raises(ConfigError, match=r"^model\.family=squared_relu has no Hugging Face class") as refused:
+    with pytest.raises(ConfigError, match=r"^model\.family=parallel_block has no Hugging Face class") as refused:
         export(checkpoint, str(tmp_path / "exported"))
     assert "\n" not in str(refused.value) and not (tmp_path / "exported").exists()
-    meta_file = Path(checkpoint) / "meta.json"
-    meta = json.loads(meta_file.read_text())
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
     del meta["model"]["family"]
-    meta_file.write_text(json.dumps(meta))
-    assert type(load_checkpoint_model(checkpoint)) is GPT
+    assert GPTConfig.from_dict(meta["model"]).family == "gpt"
 
 
 def test_lions_steps_are_the_ones_worked_by_hand(monkeypatch):
@@ -223,8 +245,8 @@ def test_lions_row_sizes_its_state_and_zero1_refuses_it(monkeypatch, options):
 # read the family's row: tensor parallelism (the plan) and a pipeline (its parts).
 TWO_RANKS = [
     "parallel=hybrid_zero2",
-    "model=tiny-relu2 parallel=tp train.micro_batch_size=8",
-    "model=tiny-relu2 parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
+    "model=tiny-parallel parallel=tp parallel.sequence_parallel=true train.micro_batch_size=8",
+    "model=tiny-parallel parallel=pp parallel.pp_schedule=gpipe parallel.microbatches=4",
 ]
 
 

@@ -327,23 +327,39 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             flush=True,
         )
 
-        for dp in dps:
-            row = streaming_throughput(
-                data_cfg, tokenizer, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds
-            )
-            print(json.dumps(row), flush=True)
-            results["throughput"].append(row)
-            for measure in (prepared_throughput, mixture_throughput):
-                row = measure(store, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds)
-                print(json.dumps(row), flush=True)
-                results["throughput"].append(row)
-
+        results["throughput"] = _throughputs(args, data_cfg, tokenizer, store, seed, dps)
         if resume_steps:
             results["resume"] += streaming_resume(
                 data_cfg, tokenizer, args.seq_len, args.batch_size, seed, resume_steps, args.repeats
             )
             results["resume"] += prepared_resume(store, args.seq_len, args.batch_size, seed, resume_steps, args.repeats)
 
+    _print_tables(args, results, dps, resume_steps)
+    return results
+
+
+def _throughputs(
+    args: argparse.Namespace, data_cfg: DataConfig, tokenizer: Tokenizer, store: str, seed: int, dps: list[int]
+) -> list[dict[str, Any]]:
+    """Streamed, prepared and mixed reading at each data-parallel size, each row printed as it finishes."""
+    rows = []
+    for dp in dps:
+        row = streaming_throughput(
+            data_cfg, tokenizer, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds
+        )
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        for measure in (prepared_throughput, mixture_throughput):
+            row = measure(store, args.seq_len, args.batch_size, seed, dp, args.steps, args.min_seconds)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _print_tables(
+    args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], dps: list[int], resume_steps: list[int]
+) -> None:
+    """The tables of `results`, after the JSON lines."""
     for row in results["prepare"]:
         print(
             f"\nprepare: {row['tokens']:,} tokens in {row['seconds']:.1f} s with num_proc={row['num_proc']}, "
@@ -354,7 +370,6 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     if resume_steps:
         print(f"\nresume: checkpoint position -> first batch in hand (dp 1, batch {args.batch_size})")
         print(_resume_table(results["resume"], resume_steps))
-    return results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from llmtrain.config import mlp_width
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import build_model, meta_model, num_parameters
-from llmtrain.model.gpt import inactive_expert_parameters
+from llmtrain.model.flops import inactive_expert_parameters
 from llmtrain.tools import compose_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -104,12 +104,11 @@ class LoRAGroupConfig:
 
 
 def mlp_width(d_model: int, d_ff: int | None, mlp: str) -> int:
-    """The MLP's hidden width: `d_ff`, else 4·d_model (GELU) or 8/3·d_model rounded up to 64 (SwiGLU: the same
-    parameter count). The one rule the model, the plan's checks and the planner read; it sits with the keys it reads
-    rather than in llmtrain/model/ (whose package loads torch) because train.py checks a layout before torch loads."""
-    if d_ff:
-        return d_ff
-    return 4 * d_model if mlp == "gelu" else -(-8 * d_model // 3 // 64) * 64
+    """The MLP's hidden width: `d_ff`, else the MLP kind's rule (catalog MLP_KINDS: 4·d_model, or 8/3·d_model
+    rounded up to 64 for the gated ones: the same parameter count). The one rule the model, the plan's checks and the
+    planner read; it sits with the keys it reads rather than in llmtrain/model/ (whose package loads torch) because
+    train.py checks a layout before torch loads."""
+    return d_ff or catalog.mlp_kind(mlp).width(d_model)
 
 
 @dataclass
@@ -118,8 +117,8 @@ class ModelConfig:
     family: str = key(
         "gpt",
         OneOf(tuple(catalog.MODEL_FAMILIES)),
-        "the model's class (llmtrain/catalog.py MODEL_FAMILIES; checkpoints record it, and export, generate, evaluate "
-        "and resume rebuild it): " + catalog.described(catalog.MODEL_FAMILIES),
+        "the model's family (its row in llmtrain/catalog/models.py MODEL_FAMILIES; checkpoints record it, and export, "
+        "generate, evaluate and resume rebuild it): " + catalog.described(catalog.MODEL_FAMILIES),
     )
     n_layer: int = key(MISSING, at_least(1), "transformer blocks; each preset sets its own")
     n_head: int = key(MISSING, at_least(1), "attention heads (`d_model` divisible by it); each preset sets its own")
@@ -127,7 +126,8 @@ class ModelConfig:
     d_ff: Optional[int] = key(
         None,
         at_least(1),
-        "MLP hidden width; null = 4 × d_model (`mlp=gelu`) or 8/3 × d_model rounded up to 64 (`mlp=swiglu`)",
+        "MLP hidden width; null = the `mlp` kind's rule: 4 × d_model, or 8/3 × d_model rounded up to 64 for a gated "
+        "kind (swiglu, geglu)",
     )
     max_seq_len: int = key(
         1024,
@@ -203,10 +203,9 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope: llama3 or linear stretches it
     mlp: str = key(
         "gelu",
-        OneOf(("gelu", "swiglu", "geglu")),
-        "`gelu` (GPT-2's fc_in, GELU, fc_out), `swiglu` (fc_out(silu(fc_gate(x)) · fc_in(x))) or `geglu` (Gemma: "
-        "fc_out(gelu_tanh(fc_gate(x)) · fc_in(x))); `model.d_ff` is the hidden width, null = 4·d_model (gelu) or "
-        "8/3·d_model rounded up to 64 (the gated two)",
+        OneOf(tuple(catalog.MLP_KINDS)),
+        "what every dense block's MLP (and every routed expert) computes; `model.d_ff` is its hidden width: "
+        + catalog.described(catalog.MLP_KINDS),
     )
     n_kv_head: Optional[int] = key(
         None,

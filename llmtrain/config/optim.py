@@ -14,7 +14,7 @@ class OptimConfig:
     name: str = key(
         "adamw",
         OneOf(tuple(catalog.OPTIMIZERS)),
-        "the `optim` option (llmtrain/catalog.py OPTIMIZERS): " + catalog.described(catalog.OPTIMIZERS),
+        "the `optim` option (llmtrain/catalog/optimizers.py OPTIMIZERS): " + catalog.described(catalog.OPTIMIZERS),
     )
     lr: float = key(1e-3, positive(), "peak learning rate (under `muon`, of the AdamW parameters)")
     lr_schedule: str = key(

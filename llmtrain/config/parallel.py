@@ -1,5 +1,5 @@
 """The `parallel` group's keys (conf/parallel/): the layout, the degrees of its device mesh and each mechanism's
-settings. The layouts and schedules themselves are named in llmtrain/catalog.py."""
+settings. The layouts and schedules themselves are named in llmtrain/catalog/layouts.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class ParallelConfig:
     layout: str = key(
         "single",
         OneOf(LAYOUT_CHOICES),
-        f"the layout `parallel=<layout>` picked (a row of `llmtrain/catalog.py`'s LAYOUTS, [parallelism.md]"
+        f"the layout `parallel=<layout>` picked (a row of `llmtrain/catalog/layouts.py`'s LAYOUTS, [parallelism.md]"
         f"(parallelism.md)), or `{catalog.AUTO}` (the planner chooses one for the world it runs in, "
         f"[planner.md](planner.md))",
     )

@@ -34,18 +34,13 @@ class HardwareConfig:
         positive(),
         "GB/s per device, one direction, across nodes (cpu: 1 Gbit/s Ethernet)",
     )
-    peak_tflops: Optional[float] = key(
-        None,
-        positive(),
-        "dense bf16 TFLOP/s (fp32 accumulate) per device; null: unknown (CPUs)",
-    )
     mfu: float = key(
         0.4,
         Number(low=0, high=1, low_open=True),
-        "fraction of `peak_tflops` a transformer's training compute reaches here, recomputation included (the "
-        "planner's predicted step times), in eager bf16 without the features `*_speed` scales; a100x8's and "
-        "h100x8's are the median HFU of half the published runs, the other half testing it "
-        "([planner.md](planner.md#held-to-published-runs))",
+        "fraction of the device's peak (its card's, by `device_name`; a CPU's, timed) a transformer's training "
+        "compute reaches here, recomputation included (the planner's predicted step times), in eager bf16 without "
+        "the features `*_speed` scales; a100x8's and h100x8's are the median HFU of half the published runs, the "
+        "other half testing it ([planner.md](planner.md#held-to-published-runs))",
     )
     # What a feature does to the step's speed on this device (step speed with it / without it), as the device's
     # measurements give it: gpu_check's speed section (llmtrain/tools/gpu_check.py) or published pairs of runs
@@ -76,7 +71,9 @@ class HardwareConfig:
         None,
         Text(),
         "part of the name torch gives the device this describes (`torch.cuda.get_device_name()`, e.g. `H200`): a "
-        "run on such a GPU plans with this config whatever `hardware` says; null: no GPU (cpu)",
+        "run on such a GPU plans with this config whatever `hardware` says, at the card's dense bf16 peak from "
+        "`GPU_PEAK_BF16_FLOPS` (`llmtrain/planner/hardware.py`, matched within this name); null: no GPU (cpu), "
+        "whose peak is timed",
     )
 
 

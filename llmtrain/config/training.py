@@ -133,6 +133,12 @@ class TrainConfig:
         "bf16's (torchao's thresholds per recipe, measured on an H100); `all` every eligible one (both dimensions "
         "multiples of 16); the start summary names those kept in the compute dtype, and why",
     )
+    objective: str = key(
+        catalog.AUTO_OBJECTIVE,
+        OneOf((catalog.AUTO_OBJECTIVE, *catalog.OBJECTIVES)),
+        "what a step optimizes (llmtrain/catalog/objectives.py OBJECTIVES): `auto` is `dpo` on data=preference's "
+        "pairs and `next_token` on any other data; " + catalog.described(catalog.OBJECTIVES),
+    )
     max_bad_steps: int = key(
         3,
         at_least(1),

@@ -51,11 +51,6 @@ def validate(cfg) -> None:
         validate_rope_scaling(m.rope_scaling)
     if m.moe.num_experts:
         validate_moe(m.moe, m.n_layer)
-        if m.mlp == "geglu":
-            raise ConfigError(
-                "model.mlp=geglu with model.moe.num_experts > 0: experts compute SwiGLU (model.mlp=swiglu) or GELU "
-                "(model.mlp=gelu); set one of those, or model.moe.num_experts=0"
-            )
     validate_optim(cfg.optim)
     validate_flat_slices(cfg.optim, cfg.parallel.layout)
     if cfg.optim.offload and cfg.parallel.cpu_offload:
@@ -196,8 +191,17 @@ def _validate_conversations(d) -> None:
 
 
 def validate_preference(cfg) -> None:
-    """data=preference: pairs that no split parts, and a reference to compare with (the base, adapters off)."""
-    if cfg.data.source != "preference":
+    """An objective of pairs exactly on data=preference; there pairs that no split parts, and a reference to
+    compare with (the base, adapters off)."""
+    objective = catalog.objective_of(cfg.train.objective, cfg.data.source)
+    pairs = cfg.data.source == "preference"
+    if catalog.OBJECTIVES[objective].pairs != pairs:
+        wanted = "an objective of pairs" if pairs else "data=preference's pairs"
+        raise ConfigError(
+            f"train.objective={objective} with data={cfg.data.source}: it needs {wanted}; use train.objective=auto "
+            f"(dpo on data=preference, next_token on any other data)"
+        )
+    if not pairs:
         return
     if cfg.train.micro_batch_size % 2:
         raise ConfigError(

@@ -130,48 +130,17 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
     """Write the token store prepare.out for `data_cfg` (or find it already written) and return its manifest."""
     if not prepare_cfg.out:
         raise ConfigError("prepare.out is not set: name the directory to write, e.g. prepare.out=data/corpus")
-    check_domains(prepare_cfg, PrepareConfig, "prepare.")
+    _check_settings(data_cfg, prepare_cfg)
     out = os.path.abspath(os.path.expanduser(prepare_cfg.out))
-    num_proc = prepare_cfg.num_proc
-    validate_data(data_cfg)
-    check_data_files(data_cfg)
-    if reads_prepared_stores(data_cfg):
-        raise ConfigError(
-            f"data={data_cfg.source} reads prepared stores: choose the source to prepare (data=stdlib|local|hf)"
-        )
     fingerprint, described = _fingerprint(data_cfg)
-    if os.path.isfile(os.path.join(out, MANIFEST)):
-        manifest = read_manifest(out)
-        if manifest["fingerprint"] == fingerprint:
-            print(f"{out} is already prepared from these inputs: nothing to do", file=sys.stderr)
-            return manifest
-        raise ConfigError(
-            f"prepare.out={prepare_cfg.out!r} holds a store prepared from other inputs or settings: "
-            f"choose a new prepare.out, or delete it to prepare it again"
-        )
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"prepare.out={prepare_cfg.out!r} exists and is not a prepared store: choose a new directory")
-
+    existing = _prepared_before(out, prepare_cfg.out, fingerprint)
+    if existing is not None:
+        return existing
     partial = f"{out}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # what an interrupted run left
     os.makedirs(partial)
     started = time.perf_counter()
-    tokenizer = build_tokenizer(data_cfg, is_main=True, barrier=lambda: None)
-    tokenizer_dir = os.path.join(partial, TOKENIZER_DIR)
-    save_for_transformers(tokenizer, tokenizer_dir)
-    kind = data_cfg.tokenizer.kind
-    assert kind is not None, "validate_data checks the tokenizer kind"
-    worker_args = (tokenizer_dir, kind, tokenizer.eos_id, tokenizer.vocab_size)
-    pool = get_context("spawn").Pool(num_proc, _start_worker, worker_args) if num_proc > 1 else None
-    try:
-        with tqdm(unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as progress:
-            splits = {
-                split: _write_split(data_cfg, split, split_file(partial, split), tokenizer, pool, progress)
-                for split in (TRAIN, VALIDATION)
-            }
-    finally:
-        if pool:
-            pool.terminate()
+    tokenizer, splits = _tokenize_splits(data_cfg, prepare_cfg.num_proc, partial)
     seconds = time.perf_counter() - started
     manifest = {
         "version": STORE_VERSION,
@@ -186,13 +155,67 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
         "splits": splits,
         "data": described,
         "seconds": round(seconds, 2),
-        "num_proc": num_proc,
+        "num_proc": prepare_cfg.num_proc,
     }
     with open(os.path.join(partial, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     if os.path.isdir(out):
-        os.rmdir(out)  # empty, checked above
+        os.rmdir(out)  # empty, checked by _prepared_before
     os.replace(partial, out)
+    _print_summary(out, splits, seconds, prepare_cfg.num_proc)
+    return manifest
+
+
+def _check_settings(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> None:
+    """A one-line ConfigError for settings prepare cannot run with."""
+    check_domains(prepare_cfg, PrepareConfig, "prepare.")
+    validate_data(data_cfg)
+    check_data_files(data_cfg)
+    if reads_prepared_stores(data_cfg):
+        raise ConfigError(
+            f"data={data_cfg.source} reads prepared stores: choose the source to prepare (data=stdlib|local|hf)"
+        )
+
+
+def _prepared_before(out: str, configured_out: str, fingerprint: str) -> dict[str, Any] | None:
+    """The manifest of the store at `out` if these inputs wrote it; None where `out` is free to write (absent or an
+    empty directory); a ConfigError where something else is there."""
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        manifest = read_manifest(out)
+        if manifest["fingerprint"] == fingerprint:
+            print(f"{out} is already prepared from these inputs: nothing to do", file=sys.stderr)
+            return manifest
+        raise ConfigError(
+            f"prepare.out={configured_out!r} holds a store prepared from other inputs or settings: "
+            f"choose a new prepare.out, or delete it to prepare it again"
+        )
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"prepare.out={configured_out!r} exists and is not a prepared store: choose a new directory")
+    return None
+
+
+def _tokenize_splits(data_cfg: DataConfig, num_proc: int, partial: str) -> tuple[Tokenizer, dict[str, Any]]:
+    """Build (or train) the tokenizer and save it in `partial`, then write each split's tokens there with
+    `num_proc` processes: the tokenizer and each split's summary."""
+    tokenizer = build_tokenizer(data_cfg, is_main=True, barrier=lambda: None)
+    tokenizer_dir = os.path.join(partial, TOKENIZER_DIR)
+    save_for_transformers(tokenizer, tokenizer_dir)
+    kind = data_cfg.tokenizer.kind
+    assert kind is not None, "validate_data checks the tokenizer kind"
+    worker_args = (tokenizer_dir, kind, tokenizer.eos_id, tokenizer.vocab_size)
+    pool = get_context("spawn").Pool(num_proc, _start_worker, worker_args) if num_proc > 1 else None
+    try:
+        with tqdm(unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as progress:
+            return tokenizer, {
+                split: _write_split(data_cfg, split, split_file(partial, split), tokenizer, pool, progress)
+                for split in (TRAIN, VALIDATION)
+            }
+    finally:
+        if pool:
+            pool.terminate()
+
+
+def _print_summary(out: str, splits: dict[str, Any], seconds: float, num_proc: int) -> None:
     total = sum(s["tokens"] for s in splits.values())
     print(
         f"prepared {out}: {splits[TRAIN]['tokens']:,} training tokens in {splits[TRAIN]['documents']:,} documents, "
@@ -200,7 +223,6 @@ def prepare(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> dict[str, Any]:
         f"{total / seconds:,.0f} tokens/s with {num_proc} processes ({seconds:.1f} s, tokenizer training included)",
         file=sys.stderr,
     )
-    return manifest
 
 
 register_schemas()

@@ -1,5 +1,5 @@
 """The model and its construction from the `model` config group: the class of its family (model.family, a row of
-llmtrain/catalog.py's MODEL_FAMILIES; the GPT for every preset), built on the meta device, laid out, then
+llmtrain/catalog/models.py's MODEL_FAMILIES; the GPT for every preset), built on the meta device, laid out, then
 materialised with the initial weights of the seed or of a Hugging Face model (model.init_from)."""
 
 from __future__ import annotations
@@ -11,18 +11,10 @@ import torch
 
 from llmtrain.catalog import LORA_TARGETS, imported, model_family
 from llmtrain.model.base import LayeredModel
-from llmtrain.model.gpt import (
-    GPT,
-    GPTConfig,
-    chunked_cross_entropy,
-    cross_entropy_loss,
-    flops_per_token,
-    num_parameters,
-    seeded_init,
-    summed_cross_entropy,
-    trainable_parameters,
-)
+from llmtrain.model.flops import flops_per_token
+from llmtrain.model.gpt import GPT, GPTConfig, num_parameters, seeded_init, trainable_parameters
 from llmtrain.model.lora import LoRAConfig, is_adapter
+from llmtrain.model.losses import chunked_cross_entropy, cross_entropy_loss, summed_cross_entropy
 from llmtrain.model.materialize import Materializer, ParameterInit, materialize
 from llmtrain.model.moe import MoEConfig, auxiliary_loss_scale
 from llmtrain.model.rope import RopeScaling
@@ -87,9 +79,9 @@ def rope_scaling(scaling_cfg) -> RopeScaling | None:
 
 
 def family_class(family: str) -> type[GPT]:
-    """The model class of `model.family=family`: its row's in llmtrain/catalog.py, imported now. It takes GPT's
+    """The model class of `model.family=family`: its row's in llmtrain/catalog/models.py, imported now. It takes GPT's
     constructor arguments and gives GPT's interface (`cfg`, `recompute`, the LayeredModel methods)."""
-    return imported(model_family(family).implementation)
+    return imported(model_family(family).model)
 
 
 def meta_model(model_cfg, vocab_size: int, recompute: str = "none") -> GPT:

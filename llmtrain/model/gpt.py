@@ -1,4 +1,4 @@
-"""A GPT-2-style decoder, read top to bottom.
+"""The decoder of every preset (GPT-2, Llama, Qwen3, Gemma 3, Mixtral by its config's keys), read top to bottom.
 
 Layout choices made for the parallel layouts that wrap it:
 - blocks live in a ModuleDict keyed "0".."n-1", so a pipeline stage that keeps a slice of them keeps their names
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from llmtrain.catalog import MlpKind, imported, mlp_kind
 from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.documents import PackedDocuments, document_attention, visible, whole_window_documents
@@ -44,8 +44,8 @@ class GPTConfig:
     n_head: int
     d_model: int
     max_seq_len: int
-    # model.family: the class this config is built as (llmtrain/catalog.py MODEL_FAMILIES), so a checkpoint's config
-    # rebuilds its own model; a checkpoint from before the key is the GPT's
+    # model.family: the family this config is built as (llmtrain/catalog/models.py MODEL_FAMILIES), so a checkpoint's
+    # config rebuilds its own model; a checkpoint from before the key is the GPT's
     family: str = "gpt"
     d_ff: int | None = None
     dropout: float = 0.0
@@ -57,7 +57,7 @@ class GPTConfig:
     position: str = "learned"  # learned (an embedding per position) | rope (rotary, on queries and keys)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # Llama 3's stretched low frequencies (llmtrain/model/rope.py)
-    mlp: str = "gelu"  # gelu | swiglu | geglu (gated MLPs: down(act(gate(x)) * up(x)), silu or tanh-GELU)
+    mlp: str = "gelu"  # a row of llmtrain/catalog/models.py MLP_KINDS: gelu | swiglu | geglu | relu2
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     head_dim: int | None = None  # one head's width; None: d_model // n_head (Qwen3 sets its own)
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
@@ -101,9 +101,9 @@ class GPTConfig:
         return self.sliding_window[layer % len(self.sliding_window)] or None
 
     @property
-    def gated_mlp(self) -> bool:
-        """Whether the MLP has a gate projection (SwiGLU, GeGLU): three matrices, not two."""
-        return self.mlp != "gelu"
+    def mlp_kind(self) -> MlpKind:
+        """What the MLPs compute and how many matrices they hold (catalog MLP_KINDS)."""
+        return mlp_kind(self.mlp)
 
     def rope_of(self, layer: int) -> tuple[float, RopeScaling | None]:
         """Block `layer`'s rotary base and scaling: a sliding-window block's own base where the model has one."""
@@ -242,23 +242,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT-2's fc_out(gelu(fc_in(x))), with mlp=swiglu Llama's fc_out(silu(fc_gate(x)) * fc_in(x)), with mlp=geglu
-    Gemma's fc_out(gelu_tanh(fc_gate(x)) * fc_in(x))."""
+    """fc_out(act(fc_in(x))), or with a gated kind fc_out(act(fc_gate(x)) * fc_in(x)): the model.mlp kind's
+    (catalog MLP_KINDS), GPT-2's GELU, Llama's SwiGLU, Gemma's GeGLU or Primer's squared ReLU."""
 
     def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
         hidden = hidden or cfg.hidden
+        kind = cfg.mlp_kind
         self.fc_in = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_in")
-        self.fc_gate = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_gate") if cfg.gated_mlp else None
+        self.fc_gate = linear(cfg.d_model, hidden, cfg.bias, cfg.lora, "fc_gate") if kind.gated else None
         self.fc_out = linear(hidden, cfg.d_model, cfg.bias, cfg.lora, "fc_out")
-        self.gate = F.silu if cfg.mlp == "swiglu" else partial(F.gelu, approximate="tanh")
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = imported(kind.activation)
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fc_gate is not None:
-            hidden = self.gate(self.fc_gate(x)) * self.fc_in(x)
+            hidden = self.activation(self.fc_gate(x)) * self.fc_in(x)
         else:
-            hidden = F.gelu(self.fc_in(x), approximate="tanh")
+            hidden = self.activation(self.fc_in(x))
         return self.dropout(self.fc_out(hidden))
 
 
@@ -285,7 +286,7 @@ def make_mixture(cfg: GPTConfig) -> MoE:
     m = cfg.moe
     hidden = m.d_ff or cfg.hidden
     shared = MLP(cfg, hidden * m.shared_experts) if m.shared_experts else None
-    return MoE(cfg.d_model, hidden, cfg.gated_mlp, m, shared)
+    return MoE(cfg.d_model, hidden, cfg.mlp_kind, m, shared)
 
 
 class Block(nn.Module):
@@ -322,7 +323,10 @@ class GPT(LayeredModel):
     """The whole model, or a pipeline rank's part of it: `layers` picks the blocks (named as in the whole model),
     `embedding` and `head` whether the part holds the input embeddings and the final norm + LM head. The head is
     tied to the token embedding when the part holds both, unless `tie_head=False`: a pipeline keeps the two on
-    different stages as copies whose gradients it sums (llmtrain/parallel/pipeline/)."""
+    different stages as copies whose gradients it sums (llmtrain/parallel/pipeline/). A family whose blocks differ
+    subclasses it with its own `block_class` (built as Block is: config, index, recompute mode)."""
+
+    block_class: type[Block] = Block
 
     def __init__(
         self,
@@ -347,7 +351,7 @@ class GPT(LayeredModel):
             if cfg.position == "learned":
                 self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.emb_dropout = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, recompute) for i in layers})
+        self.blocks = nn.ModuleDict({str(i): self.block_class(cfg, i, recompute) for i in layers})
         if head:
             padded = cfg.padded_vocab_size > cfg.vocab_size
             self.norm = make_norm(cfg)
@@ -359,10 +363,6 @@ class GPT(LayeredModel):
                 # softmax and the loss is the unpadded model's. A (frozen) parameter rather than a buffer so that
                 # tensor parallelism shards it with the head's rows.
                 self.lm_head.bias.requires_grad_(False)
-        if cfg.lora.enabled:
-            freeze_base(self)
-        if cfg.quantize_base == "nf4":
-            quantize_base(self)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
@@ -386,6 +386,14 @@ class GPT(LayeredModel):
         if self.lm_head is None or self.norm is None:
             return x
         return self.lm_head(self.norm(x))
+
+    def finish(self) -> None:
+        """With low-rank adapters the base is frozen, and with model.quantize_base=nf4 its block weights NF4: over
+        every module of the finished model, whichever family's class built it."""
+        if self.cfg.lora.enabled:
+            freeze_base(self)
+        if self.cfg.quantize_base == "nf4":
+            quantize_base(self)
 
     # -- what parallel layouts need to know about this model ------------------------------------------------
     @property
@@ -463,78 +471,3 @@ def num_parameters(model: nn.Module) -> int:
 def trainable_parameters(model: nn.Module) -> int:
     """Distinct parameters that train: all of num_parameters, or the low-rank adapters alone (model/lora.py)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over the scored positions (targets other than scoring.UNSCORED, F.cross_entropy's
-    ignore_index), in fp32: training scales it by the global batch's count of scored targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
-# The most fp32 (position x vocabulary) values the eager loss computes at once (256 MiB): more positions than this
-# holds are taken a chunk at a time (chunked_cross_entropy).
-LOSS_CHUNK_VALUES = 1 << 26
-
-
-def _flat_summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
-
-
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """summed_cross_entropy a chunk of positions at a time, each chunk's fp32 log-probabilities recomputed in
-    backward rather than kept: no more than LOSS_CHUNK_VALUES of them exist at once, where the whole loss would hold
-    (positions x vocabulary) of them and as many of their gradient (Gemma 3's 262,144-token vocabulary at 2,048
-    positions: 2 GiB each). The logits themselves, in their own dtype, are kept for backward instead."""
-    flat_logits, flat_targets = logits.flatten(0, 1), targets.flatten()
-    rows = max(1, LOSS_CHUNK_VALUES // flat_logits.shape[-1])
-    if flat_logits.shape[0] <= rows:
-        return _flat_summed_cross_entropy(flat_logits, flat_targets)
-    chunks = zip(flat_logits.split(rows), flat_targets.split(rows))
-    if not torch.is_grad_enabled():
-        return torch.stack([_flat_summed_cross_entropy(part, part_targets) for part, part_targets in chunks]).sum()
-    return torch.stack(
-        [
-            checkpoint(_flat_summed_cross_entropy, part, part_targets, use_reentrant=False)
-            for part, part_targets in chunks
-        ]
-    ).sum()
-
-
-def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int | None = None) -> float:
-    """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N) plus the attention
-    score and value matmuls, 12 * n_layer * (n_head * head size) * seq_len, causal mask not halved (PaLM, appendix
-    B; nanoGPT and torchtitan count the same), a block with a sliding window counting its window instead of seq_len. N
-    excludes what is a lookup rather than a matmul: the position embedding, and the token embedding when the head
-    does not share it. Every weight is counted as it is (SwiGLU's three matrices, grouped-query attention's
-    narrower key and value projections). In a mixture of experts a token meets only its top_k routed experts: N
-    counts the active parameters (the others are left out). Packed documents (train.attention=document) are not
-    counted shorter: the FLOPs are those of the window, as MFU's convention is. With low-rank adapters (`trainable`
-    of the N) a frozen weight's gradient is never computed: 4 per frozen weight, 6 per adapter weight."""
-    lookups = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
-    if not cfg.tie_embeddings:
-        lookups += cfg.padded_vocab_size * cfg.d_model
-    matmuls = n_params - lookups - inactive_expert_parameters(cfg)
-    frozen = matmuls - trainable if cfg.lora.enabled and trainable is not None else 0
-    return 6 * matmuls - 2 * frozen + attention_flops_per_token(cfg, seq_len)
-
-
-def attention_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
-    """Of flops_per_token, the attention's score and value matmuls: 12 * (n_head * head size) per key a token
-    attends to in each layer (seq_len, or a sliding window's width)."""
-    keys = sum(min(cfg.window_of(layer) or seq_len, seq_len) for layer in range(cfg.n_layer))
-    return 12 * cfg.attention_width * keys
-
-
-def inactive_expert_parameters(cfg: GPTConfig) -> int:
-    """Routed-expert parameters a token does not use: (num_experts - top_k) experts in every mixture block."""
-    m = cfg.moe
-    if not m.num_experts:
-        return 0
-    per_expert = (3 if cfg.gated_mlp else 2) * cfg.d_model * (m.d_ff or cfg.hidden)
-    blocks = sum(m.is_moe_block(i) for i in range(cfg.n_layer))
-    return blocks * (m.num_experts - m.top_k) * per_expert

@@ -1,9 +1,11 @@
-"""The Hugging Face families llmtrain converts to and from, in one table. Each family's module (hf_gpt2.py,
-hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_gemma3.py) knows its tensor names and its config; this one picks the
-family of a model config or of a directory, and is what model.init_from, export and sampling call."""
+"""The Hugging Face formats llmtrain converts to and from. A model family's row (llmtrain/catalog/models.py) names
+its HFFormats: the GPT's are GPT-2, Llama, Qwen3, Mixtral and Gemma 3, each format's module (hf_gpt2.py,
+hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_gemma3.py) knowing its tensor names and its config. This one picks the
+format of a model config or of a directory, and is what model.init_from, export and sampling call."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from llmtrain.catalog import MODEL_FAMILIES, imported, model_family
 from llmtrain.errors import ConfigError
 from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3
 from llmtrain.model.gpt import GPT, GPTConfig
@@ -19,7 +22,9 @@ from llmtrain.model.hf_files import local_hf_directory
 
 
 @dataclass(frozen=True)
-class Family:
+class HFFormat:
+    """One transformers class a family's model converts to and from."""
+
     model_type: str  # config.json's model_type
     transformers_class: str  # the transformers model that holds it
     preset: str  # a conf/model preset of the family
@@ -30,7 +35,7 @@ class Family:
     state_dict: Callable[[GPT], dict[str, torch.Tensor]]  # the transformers state dict of our whole model
 
 
-GEMMA3 = Family(
+GEMMA3 = HFFormat(
     "gemma3_text",
     "Gemma3ForCausalLM",
     "model=gemma3-1b",
@@ -41,10 +46,10 @@ GEMMA3 = Family(
     hf_gemma3.to_gemma3_state_dict,
 )
 
-FAMILIES = {
+FORMATS = {
     family.model_type: family
     for family in (
-        Family(
+        HFFormat(
             "gpt2",
             "GPT2LMHeadModel",
             "model=gpt2",
@@ -54,7 +59,7 @@ FAMILIES = {
             hf_gpt2.hf_config,
             hf_gpt2.to_hf_state_dict,
         ),
-        Family(
+        HFFormat(
             "llama",
             "LlamaForCausalLM",
             "model=smollm2-135m",
@@ -64,7 +69,7 @@ FAMILIES = {
             hf_llama.llama_hf_config,
             hf_llama.to_llama_state_dict,
         ),
-        Family(
+        HFFormat(
             "qwen3",
             "Qwen3ForCausalLM",
             "model=qwen3-0.6b",
@@ -74,7 +79,7 @@ FAMILIES = {
             hf_qwen3.qwen3_hf_config,
             hf_llama.to_llama_state_dict,
         ),
-        Family(
+        HFFormat(
             "mixtral",
             "MixtralForCausalLM",
             "model=mixtral-tiny",
@@ -88,27 +93,43 @@ FAMILIES = {
     )
 }
 # Gemma 3's multimodal releases (4B and up): their text model is a Gemma3ForCausalLM's, read from inside them.
-IMPORTED_AS = {**FAMILIES, "gemma3": GEMMA3}
+IMPORTED_AS = {**FORMATS, "gemma3": GEMMA3}
 
 
-def family_of(cfg: GPTConfig) -> Family:
-    """The family our model config belongs to (a mixture: Mixtral; query and key norms: Qwen3; RMSNorm + RoPE +
-    SwiGLU: Llama; else GPT-2),
-    checked to fit its transformers class (ConfigError naming the keys that do not). Only the GPT class
-    (model.family=gpt) has one: another family's modules compute what no transformers class does."""
-    if cfg.family != "gpt":
+@dataclass(frozen=True)
+class HFFormats:
+    """A family's Hugging Face formats: those it reads by config.json's model_type, and the one a config of the
+    family converts to (ConfigError naming the keys where none holds it)."""
+
+    imported_as: dict[str, HFFormat]
+    format_of: Callable[[GPTConfig], HFFormat]
+
+
+def hf_format_of(cfg: GPTConfig) -> HFFormat:
+    """The transformers format our model config converts to and from, checked to hold it; a family whose row names
+    none refuses in one line."""
+    reference = model_family(cfg.family).hf
+    if reference is None:
         raise ConfigError(
-            f"model.family={cfg.family} has no Hugging Face class (transformers' GPT-2, Llama and Mixtral hold "
-            f"model.family=gpt's modules), so its weights neither come from nor go to that format: its checkpoints "
-            f"sample and evaluate as they are (llmtrain.generate, llmtrain.evaluate)"
+            f"model.family={cfg.family} has no Hugging Face class (its row in llmtrain/catalog/models.py names none), "
+            f"so its weights neither come from nor go to that format: its checkpoints sample and evaluate as they are "
+            f"(llmtrain.generate, llmtrain.evaluate)"
         )
+    formats: HFFormats = imported(reference)
+    return formats.format_of(cfg)
+
+
+def gpt_format_of(cfg: GPTConfig) -> HFFormat:
+    """The GPT's format of `cfg` (a mixture: Mixtral; Gemma's offset norms: Gemma 3; query and key norms: Qwen3;
+    RMSNorm + RoPE + SwiGLU: Llama; else GPT-2), checked to fit its transformers class (ConfigError naming the keys
+    that do not)."""
     if cfg.moe.num_experts:
         name = "mixtral"
     elif cfg.norm == "offset_rmsnorm":
         name = "gemma3_text"
     else:
         name = "qwen3" if cfg.qk_norm else "llama" if hf_llama.is_llama(cfg) else "gpt2"
-    family = FAMILIES[name]
+    family = FORMATS[name]
     if family is not GEMMA3 and any(cfg.sliding_window):
         raise ConfigError(
             f"model.sliding_window={list(cfg.sliding_window)}: {family.transformers_class}, the transformers class "
@@ -119,27 +140,43 @@ def family_of(cfg: GPTConfig) -> Family:
     return family
 
 
+GPT_FORMATS = HFFormats(IMPORTED_AS, gpt_format_of)
+
+
 def hf_weights(path: str, cfg: GPTConfig) -> Callable[[str, torch.Tensor], None]:
     """The one-tensor-at-a-time reader of a Hugging Face directory (or hub name) for our model `cfg`
     (model.init_from); ConfigError when it holds another family or shape."""
     directory = local_hf_directory(path)
-    family = family_of(cfg)
-    held = _model_type(path, directory)
-    if IMPORTED_AS[held] is not family:
+    wanted = hf_format_of(cfg)
+    _, held = _model_type(path, directory)
+    found = _readers()[held][1]
+    if found is not wanted:
         raise ConfigError(
-            f"model.init_from={path} holds a {held} model but the model config is a {family.model_type}: choose a "
-            f"{held} preset (e.g. {IMPORTED_AS[held].preset}) with the checkpoint's shape"
+            f"model.init_from={path} holds a {held} model but the model config is a {wanted.model_type}: choose a "
+            f"{held} preset (e.g. {found.preset}) with the checkpoint's shape"
         )
-    return family.weights(directory, cfg)
+    return wanted.weights(directory, cfg)
 
 
 def hf_config_of(directory: str) -> GPTConfig:
-    """Our config of the model a Hugging Face directory holds."""
-    return IMPORTED_AS[_model_type(directory, directory)].config_of(directory)
+    """Our config of the model a Hugging Face directory holds, of the family whose formats read it."""
+    family, model_type = _model_type(directory, directory)
+    return dataclasses.replace(_readers()[model_type][1].config_of(directory), family=family)
 
 
-def _model_type(path: str, directory: str) -> str:
-    """config.json's model_type in `directory` (found as `path`), one of FAMILIES (ConfigError otherwise)."""
+def _readers() -> dict[str, tuple[str, HFFormat]]:
+    """config.json's model_type -> the family (model.family) that reads it and its format, over every family's row."""
+    readers: dict[str, tuple[str, HFFormat]] = {}
+    for name, row in MODEL_FAMILIES.items():
+        if row.hf is not None:
+            formats: HFFormats = imported(row.hf)
+            readers.update({model_type: (name, held) for model_type, held in formats.imported_as.items()})
+    return readers
+
+
+def _model_type(path: str, directory: str) -> tuple[str, str]:
+    """The family that reads `directory` (found as `path`) and its config.json's model_type (ConfigError where no
+    family reads it)."""
     config_file = os.path.join(directory, "config.json")
     try:
         with open(config_file, encoding="utf-8") as f:
@@ -147,10 +184,11 @@ def _model_type(path: str, directory: str) -> str:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"model.init_from={path}: {config_file} is not a readable JSON file ({error})") from None
     model_type = described.get("model_type") if isinstance(described, dict) else None
-    if model_type not in IMPORTED_AS:
+    readers = _readers()
+    if model_type not in readers:
         architectures = ", ".join((described.get("architectures") or []) if isinstance(described, dict) else [])
         raise ConfigError(
             f"model.init_from={path} holds a {model_type!r} model ({architectures or 'no architectures listed'}), "
-            f"which llmtrain does not import: it imports {', '.join(IMPORTED_AS)}"
+            f"which llmtrain does not import: it imports {', '.join(readers)}"
         )
-    return model_type
+    return readers[model_type][0], model_type

@@ -20,7 +20,7 @@ import torch
 from llmtrain.catalog import LORA_TARGETS
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT
-from llmtrain.model.hf import family_of
+from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_llama import hf_name
 from llmtrain.model.lora import ADAPTERS, LoRAConfig, LoRALinear
 from llmtrain.model.quantize import dequantized
@@ -37,7 +37,7 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
     from safetensors.torch import save_file
 
     cfg = model.cfg
-    family = family_of(cfg).model_type
+    family = hf_format_of(cfg).model_type
     if family not in PEFT_FAMILIES:
         raise ConfigError(
             f"a {family} model's adapters have no PEFT form (its q, k and v are one fused, transposed layer in "

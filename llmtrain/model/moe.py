@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from llmtrain.catalog import MlpKind, imported
 
 
 @dataclass(frozen=True)
@@ -126,13 +127,15 @@ def _grouped_kernel_takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
 
 
 class Experts(nn.Module):
-    """`num_experts` MLPs with stacked weights: w_in (E, d, f), w_gate (E, d, f) when gated (SwiGLU), w_out (E, f, d).
-    Under expert parallelism the weights are DTensors sharded on E and `forward` runs this rank's experts."""
+    """`num_experts` MLPs of one kind (model.mlp) with stacked weights: w_in (E, d, f), w_gate (E, d, f) when the
+    kind is gated, w_out (E, f, d). Under expert parallelism the weights are DTensors sharded on E and `forward` runs
+    this rank's experts."""
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, gated: bool):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, kind: MlpKind):
         super().__init__()
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = imported(kind.activation)
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
+        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if kind.gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         # Tensor parallelism (parallel/tp.py's SplitExperts): each rank of this mesh holds a slice of every
         # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
@@ -155,10 +158,10 @@ class Experts(nn.Module):
     def _mlp(self, x: torch.Tensor, weights: list[torch.Tensor], matmul: Callable) -> torch.Tensor:
         if self.w_gate is not None:
             w_in, w_gate, w_out = weights
-            hidden = F.silu(matmul(x, w_gate)) * matmul(x, w_in)
+            hidden = self.activation(matmul(x, w_gate)) * matmul(x, w_in)
         else:
             w_in, w_out = weights
-            hidden = F.gelu(matmul(x, w_in), approximate="tanh")
+            hidden = self.activation(matmul(x, w_in))
         return matmul(hidden, w_out)
 
     def _one_by_one(self, x: torch.Tensor, weights: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
@@ -191,11 +194,11 @@ class SequenceShare(Protocol):
 class MoE(nn.Module):
     """Router, routed experts and shared experts of one block: (batch, seq, d) -> (batch, seq, d)."""
 
-    def __init__(self, d_model: int, hidden: int, gated: bool, moe: MoEConfig, make_shared: nn.Module | None):
+    def __init__(self, d_model: int, hidden: int, kind: MlpKind, moe: MoEConfig, make_shared: nn.Module | None):
         super().__init__()
         self.moe = moe
         self.router = nn.Linear(d_model, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, d_model, hidden, gated)
+        self.experts = Experts(moe.num_experts, d_model, hidden, kind)
         self.shared = make_shared
         self.dispatch: ExpertDispatch | None = None  # expert parallelism: tokens to their experts' ranks and back
         self.sequence: SequenceShare | None = None  # context parallelism: this rank holds part of each sequence

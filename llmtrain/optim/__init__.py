@@ -1,5 +1,5 @@
-"""The optimizers (optim.name: each a row of llmtrain/catalog.py's OPTIMIZERS, which names what builds it) over the
-parameter groups of groups.py, and the learning-rate schedules (lr_schedule.py)."""
+"""The optimizers (optim.name: each a row of llmtrain/catalog/optimizers.py's OPTIMIZERS, which names what builds
+it) over the parameter groups of groups.py, and the learning-rate schedules (lr_schedule.py)."""
 
 from __future__ import annotations
 

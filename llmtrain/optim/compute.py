@@ -1,5 +1,5 @@
 """Where an optimizer's parameters compute, and in what precision: what each optimizer's builder (its row's
-`builder` in llmtrain/catalog.py's OPTIMIZERS) is given beside its parameter groups and the optim config."""
+`builder` in llmtrain/catalog/optimizers.py's OPTIMIZERS) is given beside its parameter groups and the optim config."""
 
 from __future__ import annotations
 

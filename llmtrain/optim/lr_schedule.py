@@ -1,4 +1,4 @@
-"""Learning-rate schedules (named in llmtrain/catalog.py): the multiplier of each group's peak rate at every
+"""Learning-rate schedules (named in llmtrain/catalog/optimizers.py): the multiplier of each group's peak rate at every
 optimizer step.
 
   cosine    linear warmup, then cosine decay to min_lr_ratio at the last step

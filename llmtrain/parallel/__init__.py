@@ -1,5 +1,5 @@
-"""Parallel layouts: a ParallelModel (parallel_model.py) lays out any row of llmtrain/catalog.py's LAYOUTS, holding
-the row's data-parallel mechanism (data_parallel.py) and the executor that runs each step (executor.py:
+"""Parallel layouts: a ParallelModel (parallel_model.py) lays out any row of llmtrain/catalog/layouts.py's LAYOUTS,
+holding the row's data-parallel mechanism (data_parallel.py) and the executor that runs each step (executor.py:
 accumulation.py's, or for a pipelined row a Pipeline, pipeline/). How a layout is applied to the model: layout.py,
 one step per module (context.py, expert.py, tp.py, fsdp.py, ddp.py, zero.py); where a rank sits: mesh.py.
 

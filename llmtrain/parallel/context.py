@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.documents import PackedDocuments
-from llmtrain.parallel.family import family_of
+from llmtrain.parallel.family import family_layout
 from llmtrain.parallel.ring_attention import ring_attention, zigzag_positions
 
 
@@ -69,4 +69,4 @@ class ContextShard:
 def apply_context_parallel(model: LayeredModel, mesh: DeviceMesh) -> None:
     """Make `model` (or a pipeline stage) run on this rank's zigzag shard of every sequence, as its family's spec
     hands a sequence layout to its modules."""
-    family_of(model).shard_sequence(model, ContextShard(mesh))
+    family_layout(model).shard_sequence(model, ContextShard(mesh))

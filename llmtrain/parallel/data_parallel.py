@@ -1,4 +1,4 @@
-"""The data-parallel mechanisms of llmtrain/catalog.py's DATA_PARALLEL: how the ranks that see different data
+"""The data-parallel mechanisms of llmtrain/catalog/layouts.py's DATA_PARALLEL: how the ranks that see different data
 share the model's state, each an object a ParallelModel holds, whole when made.
 
   none         DataParallel: the step as it is

@@ -1,14 +1,14 @@
-"""What the layouts need of a model class, one spec per class: its tensor-parallel plan (module name -> DTensor
-style, tp.py), how a pipeline cuts it (a rank's part, a stage's view of that part) and how context parallelism
-hands it a shard of every sequence. The model modules import nothing of parallelism: the layout steps ask
-`family_of(model)` and apply what its spec says, as torchtitan binds a model to its parallelization through its
-ModelSpec. Recomputation belongs to the model itself (its blocks are built with their mode, model/recompute.py
-says what they keep), as do its Hugging Face mappings (model/hf.py).
+"""What the layouts need of a model family (a FamilyLayout, named by the family's row in
+llmtrain/catalog/models.py): its tensor-parallel plan (module name -> DTensor style, tp.py), how a pipeline cuts it
+(a rank's part, a stage's view of that part) and how context parallelism hands it a shard of every sequence. The
+model modules import nothing of parallelism: the layout steps ask `family_layout(model)` and apply what it says, as
+torchtitan binds a model to its parallelization through its ModelSpec. Recomputation belongs to the model itself
+(its blocks are built with their mode, model/recompute.py says what they keep), as do its Hugging Face formats
+(model/hf.py).
 
-A model class is found here by its class or the nearest base class that has a row: a subclass of GPT that keeps
-GPT's module names (a new family made by its class and its row in llmtrain/catalog.py's MODEL_FAMILIES) is laid
-out by GPT's spec, whose parts and views are built as the model's own class. A family whose modules GPT's plan does
-not name adds its row here too (its plan beside the GPT's in tp.py).
+GPT_LAYOUT lays out the GPT and any family that keeps its module names; its parts and views are built as the
+model's own class. A family whose modules GPT's plan does not name gives its own FamilyLayout (its plan beside the
+GPT's in tp.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from llmtrain.catalog import imported, model_family
 from llmtrain.model import GPT
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.gpt import Block
@@ -29,7 +30,7 @@ from llmtrain.parallel.tp import gpt_tensor_parallel_plan
 
 
 @dataclass(frozen=True)
-class FamilySpec:
+class FamilyLayout:
     # (model or pipeline part, sequence_parallel, loss_parallel) -> the styles of the modules it holds
     tensor_parallel_plan: Callable[[Any, bool, bool], dict[str, ParallelStyle]]
     # (whole model on the meta device, blocks, runs the first stage, runs the last) -> a rank's part, on meta
@@ -73,18 +74,10 @@ def shard_gpt_sequence(model: GPT, sequence: Any) -> None:
             block.mlp.sequence = cast(SequenceShare, sequence)
 
 
-# model class -> what the layouts need of it and of its subclasses without a row of their own.
-FAMILIES: dict[type[LayeredModel], FamilySpec] = {
-    GPT: FamilySpec(gpt_tensor_parallel_plan, gpt_pipeline_part, gpt_stage_view, shard_gpt_sequence),
-}
+GPT_LAYOUT = FamilyLayout(gpt_tensor_parallel_plan, gpt_pipeline_part, gpt_stage_view, shard_gpt_sequence)
 
 
-def family_of(model: nn.Module) -> FamilySpec:
-    """The spec of `model`'s class, or of its nearest base class that has one."""
-    spec = next((FAMILIES[kind] for kind in type(model).__mro__ if kind in FAMILIES), None)
-    if spec is None:
-        raise TypeError(
-            f"{type(model).__name__} is not a model class llmtrain lays out: neither it nor a base class has a row in "
-            f"llmtrain/parallel/family.py"
-        )
-    return spec
+def family_layout(model: nn.Module) -> FamilyLayout:
+    """What the layouts need of `model`'s family (model.family, recorded in its config)."""
+    family = cast(GPT, model).cfg.family
+    return cast(FamilyLayout, imported(model_family(family).layout))

@@ -71,17 +71,7 @@ def apply_fsdp(
         # The last block's parameters are the first backward needs: kept from the end of forward, not re-gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
         if experts is not None:
-            for module in block.modules():
-                if isinstance(module, Experts):
-                    expert_mesh, data_parallel_size = experts
-                    shard(module, expert_mesh, reshard)
-                    unit = cast(FSDPModule, module)  # fully_shard made it one
-                    unit.set_gradient_divide_factor(data_parallel_size)
-                    if shards_of(expert_mesh) > 1:
-                        # SUM then divide: the reduction every backend has (gloo has no pre-multiplied sum). Not
-                        # with one shard: torch 2.13 then divides once when it skips the reduce-scatter and again
-                        # after it.
-                        unit.set_force_sum_reduction_for_comms(True)
+            _shard_experts(block, *experts, shard, reshard)
         shard(block, mesh, reshard)
     for current, following in zip(blocks, blocks[1:]):
         # the next block's all-gather issued as this one's forward starts, not after it, so the two overlap
@@ -96,6 +86,26 @@ def apply_fsdp(
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+def _shard_experts(
+    block: nn.Module,
+    expert_mesh: DeviceMesh,
+    data_parallel_size: int,
+    shard: Callable[[nn.Module, DeviceMesh, bool], None],
+    reshard: bool,
+) -> None:
+    """Each mixture's experts in `block` as an FSDP unit of their own over `expert_mesh` (`shard` makes one), their
+    gradients divided by the whole data-parallel size."""
+    for module in block.modules():
+        if isinstance(module, Experts):
+            shard(module, expert_mesh, reshard)
+            unit = cast(FSDPModule, module)  # fully_shard made it one
+            unit.set_gradient_divide_factor(data_parallel_size)
+            if shards_of(expert_mesh) > 1:
+                # SUM then divide: the reduction every backend has (gloo has no pre-multiplied sum). Not with one
+                # shard: torch 2.13 then divides once when it skips the reduce-scatter and again after it.
+                unit.set_force_sum_reduction_for_comms(True)
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

@@ -24,7 +24,7 @@ from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import MoE
 from llmtrain.parallel.context import apply_context_parallel
 from llmtrain.parallel.expert import apply_expert_parallel
-from llmtrain.parallel.family import family_of
+from llmtrain.parallel.family import family_layout
 from llmtrain.parallel.float8 import Float8, apply_float8, float8_on, round_compiled_casts_as_eager
 from llmtrain.parallel.fsdp import apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from llmtrain.parallel.mesh import RankMesh
@@ -161,7 +161,7 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
         apply_float8(model, layout.float8)
     if layout.tp_mesh is not None:
         float8_styles = layout.float8 is not None and layout.float8.tensor_parallel_styles
-        plan = family_of(model).tensor_parallel_plan(model, layout.sequence_parallel, layout.loss_parallel)
+        plan = family_layout(model).tensor_parallel_plan(model, layout.sequence_parallel, layout.loss_parallel)
         apply_tensor_parallel(model, plan, layout.tp_mesh, float8_styles)
     if layout.compile != "none":
         if layout.float8 is not None and layout.float8.recipe == "rowwise":

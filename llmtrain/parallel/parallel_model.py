@@ -38,7 +38,7 @@ from llmtrain.runtime import Runtime
 
 
 def data_parallel_class(name: str) -> type[DataParallel]:
-    """The mechanism class of layout `name`'s row (llmtrain/catalog.py), imported when a run asks for it."""
+    """The mechanism class of layout `name`'s row (llmtrain/catalog/layouts.py), imported when a run asks for it."""
     module, _, class_name = layout_spec(name).mechanism.implementation.partition(":")
     return getattr(importlib.import_module(module), class_name)
 

@@ -64,8 +64,8 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> FlatBucket:
 
 class ZeroOneShards:
     """The ZeRO-1 half of ZeroOneAdamW and ZeroOneMuon, an optimizer's form over flat slices (its row's `zero1` in
-    llmtrain/catalog.py's OPTIMIZERS): the optimizer they extend (torch's AdamW, Muon) updates this rank's slices
-    only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
+    llmtrain/catalog/optimizers.py's OPTIMIZERS): the optimizer they extend (torch's AdamW, Muon) updates this rank's
+    slices only; `reduce_scatter_gradients` before `step`, which all-gathers after."""
 
     param_groups: list[dict]
     state: Any

@@ -1,4 +1,4 @@
-"""The layouts the planner weighs: each a row of llmtrain/catalog.py's LAYOUTS over the degrees its template
+"""The layouts the planner weighs: each a row of llmtrain/catalog/layouts.py's LAYOUTS over the degrees its template
 leaves free, checked against the model and batch by the plan training makes (llmtrain/plan.py: a layout that
 cannot run is not a candidate). What a candidate costs comes from the row's fields, never from its name."""
 

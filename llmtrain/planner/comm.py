@@ -110,7 +110,7 @@ def data_parallel_traffic(candidate: Candidate, held: Holding, step: StepShape) 
 def muon_traffic(candidate: Candidate, cfg: GPTConfig, held: Holding, whole_matrices: str) -> tuple[Traffic, Traffic]:
     """(data-parallel, tensor-parallel) traffic of Muon's whole matrices, per step."""
     d, data, tensor = candidate.degrees, Traffic(), Traffic()
-    count = held.blocks * (4 + (3 if cfg.gated_mlp else 2))  # matrices held (a mixture's are fewer, bigger)
+    count = held.blocks * (4 + cfg.mlp_kind.matrices)  # matrices held (a mixture's are fewer, bigger)
     split = (held.matrices - (held.experts if d.ep > 1 else 0)) * MOMENT_BYTES[32]
     if candidate.sharding == "optimizer" and d.dp > 1:
         data.add("all_gather", held.matrices * MOMENT_BYTES[32], 1)

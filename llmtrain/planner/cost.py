@@ -16,10 +16,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import Any
 
 from llmtrain.catalog import MOMENT_BYTES, OPTIMIZERS, schedule_spec
-from llmtrain.model.gpt import GPTConfig, attention_flops_per_token, flops_per_token
+from llmtrain.model.flops import attention_flops_per_token, flops_per_token
+from llmtrain.model.gpt import GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
     Traffic,
@@ -218,54 +220,29 @@ def _bubble_fraction(c: Candidate, m: int) -> float:
     return fraction / 3 if schedule_spec(c.pp_schedule).splits_backward else fraction
 
 
+# What hides a term of a rank's communication: the step's compute, under DDP's and FSDP's overlap (OVERLAPPED); the
+# attention blocks, which the context-parallel ring posts each transfer ahead of (RING); nothing (EXPOSED).
+OVERLAPPED, RING, EXPOSED = "overlapped", "ring", "exposed"
+
+
 def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     d, gpt, step = c.degrees, work.gpt, work.step(c)
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
     ranks: list[RankMemory] = []
     traffic: list[Traffic] = []
-    dp_s, exposed_s, ring_s = 0.0, 0.0, 0.0
+    comm_s = dict.fromkeys((OVERLAPPED, EXPOSED, RING), 0.0)  # the slowest pipeline rank's, by what hides it
     for pp_rank in range(d.pp):
         held = holding(gpt, c, pp_rank)
-        states = model_states(c, _scaled(held, factor), work.sizes)
+        scaled = _scaled(held, factor)
+        states = model_states(c, scaled, work.sizes)
         acts = activations(c, held, pp_rank, step)
         ranks.append(RankMemory(*states, acts, gradients_replace_activations=step.microbatches == 1 and d.pp == 1))
-        dp = data_parallel_traffic(c, _scaled(held, factor), step)
-        tp = tensor_parallel_traffic(c, held, step)
-        muon_dp, muon_tp = Traffic(), Traffic()
-        if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
-            muon_dp, muon_tp = muon_traffic(c, gpt, _scaled(held, factor), work.whole_matrices)
-        pp = pipeline_traffic(c, pp_rank, step)
-        ring = context_parallel_traffic(c, held, step)
-        experts = expert_parallel_traffic(c, held, step)
-        traffic.append(dp.merge(tp).merge(pp).merge(ring).merge(experts).merge(muon_dp).merge(muon_tp))
-        rank_dp = sum(
-            _seconds(machine, dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
-            for op in dp.bytes
-        )
-        rank_exposed = sum(
-            _seconds(machine, tp, op, d.tp, _spans_nodes(c, "tp", machine.ranks_per_node)) for op in tp.bytes
-        )
-        rank_exposed += sum(
-            _seconds(machine, muon_tp, op, d.tp, _spans_nodes(c, "tp", machine.ranks_per_node)) for op in muon_tp.bytes
-        )
-        rank_exposed += sum(
-            _seconds(machine, muon_dp, op, _dp_group(c, op), _spans_nodes(c, _dp_dim(c, op), machine.ranks_per_node))
-            for op in muon_dp.bytes
-        )
-        rank_exposed += sum(
-            _seconds(machine, pp, op, d.pp if op == "all_reduce" else 2, _spans_nodes(c, "pp", machine.ranks_per_node))
-            for op in pp.bytes
-        )
-        if work.sizes.optimizer_on_host:  # gradients down and weights up the host link, fp32, nothing hides it
-            host_bytes = 2 * MOMENT_BYTES[32] * updated_parameters(c, _scaled(held, factor))
-            rank_exposed += host_bytes / (machine.links.intra * 1e9)
-        rank_ring = sum(
-            _seconds(machine, ring, op, 2, _spans_nodes(c, "cp", machine.ranks_per_node)) for op in ring.bytes
-        )
-        # The exchange waits for the routing before it and the experts wait for it: nothing hides it.
-        rank_exposed += _seconds(machine, experts, "all_to_all", d.ep, _spans_nodes(c, "ep", machine.ranks_per_node))
-        dp_s, exposed_s = max(dp_s, rank_dp), max(exposed_s, rank_exposed)
-        ring_s = max(ring_s, rank_ring)
+        terms = _communication(c, work, machine, step, pp_rank, held, scaled)
+        traffic.append(reduce(Traffic.merge, (term for _, term, _ in terms)))
+        rank_s = dict.fromkeys(comm_s, 0.0)
+        for hidden_by, _, seconds in terms:
+            rank_s[hidden_by] += seconds
+        comm_s = {hidden_by: max(slowest, rank_s[hidden_by]) for hidden_by, slowest in comm_s.items()}
     tokens_per_rank = work.batch_size * work.seq_len / machine.world_size
     whole = holding(gpt)
     # low-rank adapters: their weights are matmuls too, and the frozen base's weights need no gradient
@@ -279,8 +256,9 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     matmul_speed, attention_speed = work.speeds(machine.speeds, step.recompute)
     seconds_per_flop = (per_token - attention) / matmul_speed + attention / attention_speed
     compute = seconds_per_flop * tokens_per_rank * (forwards + 2) / 3 / (machine.peak_flops * machine.mfu)
-    exposed = exposed_s + (max(0.0, dp_s - compute) if c.spec.overlaps else dp_s)
-    exposed += max(0.0, ring_s - compute)  # the ring posts each transfer before the block it overlaps
+    overlapped = comm_s[OVERLAPPED]
+    exposed = comm_s[EXPOSED] + (max(0.0, overlapped - compute) if c.spec.overlaps else overlapped)
+    exposed += max(0.0, comm_s[RING] - compute)
     heaviest = max(ranks, key=lambda r: r.total)
     unmodelled = unmodelled_memory(c, gpt, step)
     matrix_share = whole.matrices / whole.trainable
@@ -292,12 +270,41 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         fits=heaviest.total <= machine.plannable_bytes and unmodelled is None,
         compute_s=compute,
         bubble_s=compute * _bubble_fraction(c, step.microbatches),
-        comm_s=dp_s + exposed_s + ring_s,
+        comm_s=overlapped + comm_s[EXPOSED] + comm_s[RING],
         exposed_comm_s=exposed,
         max_parameters=int(machine.usable_bytes // per_param),  # model states: exact (the dry run agrees to 1%)
         max_parameters_with_activations=max(0, int((machine.plannable_bytes - heaviest.activations) // per_param)),
         unmodelled=unmodelled,
     )
+
+
+def _communication(
+    c: Candidate, work: Workload, machine: Machine, step: StepShape, pp_rank: int, held: Holding, scaled: Holding
+) -> list[tuple[str, Traffic, float]]:
+    """Pipeline rank `pp_rank`'s communication per step, term by term: (what hides it, its bytes between ranks, its
+    seconds), in the order the seconds add up (floating point: another order moves the predictions' last digits).
+    `scaled`: what the rank holds, scaled to work.parameters."""
+
+    def along(dim: str, term: Traffic) -> tuple[Traffic, float]:
+        """The term's bytes and seconds, over the ranks of mesh dimension `dim` ("dp": the one each op uses)."""
+        return term, sum(_seconds(machine, term, op, *_group(c, dim, op, machine.ranks_per_node)) for op in term.bytes)
+
+    muon_dp, muon_tp = Traffic(), Traffic()
+    if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
+        muon_dp, muon_tp = muon_traffic(c, work.gpt, scaled, work.whole_matrices)
+    # optim.offload: gradients down and weights up the host link (not between ranks), fp32, nothing hides it
+    host_bytes = 2 * MOMENT_BYTES[32] * updated_parameters(c, scaled) if work.sizes.optimizer_on_host else 0.0
+    return [
+        (OVERLAPPED, *along("dp", data_parallel_traffic(c, scaled, step))),
+        (EXPOSED, *along("tp", tensor_parallel_traffic(c, held, step))),
+        (EXPOSED, *along("tp", muon_tp)),
+        (EXPOSED, *along("dp", muon_dp)),
+        (EXPOSED, *along("pp", pipeline_traffic(c, pp_rank, step))),
+        (EXPOSED, Traffic(), host_bytes / (machine.links.intra * 1e9)),
+        (RING, *along("cp", context_parallel_traffic(c, held, step))),
+        # The exchange waits for the routing before it and the experts wait for it: nothing hides it.
+        (EXPOSED, *along("ep", expert_parallel_traffic(c, held, step))),
+    ]
 
 
 def unmodelled_memory(c: Candidate, gpt: GPTConfig, step: StepShape) -> str | None:
@@ -327,8 +334,11 @@ def _dp_dim(c: Candidate, op: str) -> str:
     return "dp_shard_cp"
 
 
-def _dp_group(c: Candidate, op: str) -> int:
-    return getattr(c.degrees, _dp_dim(c, op))
+def _group(c: Candidate, dim: str, op: str, ranks_per_node: int) -> tuple[int, bool]:
+    """The ranks an op along mesh dimension `dim` runs over (a pair for a point-to-point op; "dp": the data-parallel
+    dimension the op uses), and whether they span nodes."""
+    dim = _dp_dim(c, op) if dim == "dp" else dim
+    return 2 if op in ("send", "recv") else getattr(c.degrees, dim), _spans_nodes(c, dim, ranks_per_node)
 
 
 def _seconds(machine: Machine, traffic: Traffic, op: str, group: int, spans_nodes: bool) -> float:

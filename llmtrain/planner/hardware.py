@@ -1,8 +1,10 @@
-"""Which hardware config describes the device a run is on: a run plans (parallel=auto, the end summary's
-prediction) for the GPU it has, not for the `hardware` default (cpu) nor for a config written for another card.
+"""The GPUs llmtrain knows the peak of, and which hardware config describes the device a run is on: a run plans
+(parallel=auto, the end summary's prediction) for the GPU it has, not for the `hardware` default (cpu) nor for a
+config written for another card.
 
-Each GPU config names its card by part of the name torch gives it (`device_name`); on a CPU the configured hardware
-stands (it describes the host).
+Each GPU config names its card by part of the name torch gives it (`device_name`), which also finds the card's peak
+in GPU_PEAK_BF16_FLOPS: the one table of peaks, for the planner's step times and a run's MFU. On a CPU the
+configured hardware stands (it describes the host).
 """
 
 from __future__ import annotations
@@ -13,6 +15,33 @@ import os
 from omegaconf import OmegaConf
 
 from llmtrain.config import CONF_DIR, HardwareConfig
+
+# Dense bf16 tensor-core peak (FLOP/s, fp32 accumulate, no sparsity) by a substring of the device name (torch's, or
+# a hardware config's device_name, which holds it), the first match winning: a card's PCIe / NVL variants come
+# before the family name (an H100 PCIe is not an H100 SXM).
+# GeForce cards accumulate in fp32 at half their fp16-accumulate rate, which is what training uses.
+GPU_PEAK_BF16_FLOPS = [
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("RTX 4090", 165e12),
+    ("RTX 4080", 97.5e12),
+    ("RTX 3090", 71e12),
+]
+# fp32 matmuls run on the TF32 tensor cores (runtime.py enables them), at half the bf16 rate on every card above.
+TF32_FRACTION_OF_BF16 = 0.5
+
+
+def peak_flops_of(device_name: str, bf16: bool) -> float | None:
+    """The peak FLOP/s of the card `device_name` names (torch's name for it, or a hardware config's part of that
+    name) for the run's precision (bf16, or fp32 on TF32 tensor cores); None for a card missing from the table."""
+    peak = next((peak for key, peak in GPU_PEAK_BF16_FLOPS if key in device_name), None)
+    return None if peak is None else peak * (1.0 if bf16 else TF32_FRACTION_OF_BF16)
 
 
 def hardware_configs() -> list[HardwareConfig]:
@@ -41,6 +70,7 @@ def hardware_for_device(configured: HardwareConfig, device_type: str, device_nam
     if not matching:
         return (
             f"no hardware config describes {device_name}: add conf/hardware/<name>.yaml with its device_name, "
-            f"memory, links and peak_tflops (conf/hardware/h200.yaml is one)"
+            f"memory and links (conf/hardware/h200.yaml is one), and the card's peak to GPU_PEAK_BF16_FLOPS in "
+            f"llmtrain/planner/hardware.py"
         )
     return max(matching, key=lambda hardware: len(hardware.device_name or ""))

@@ -11,6 +11,7 @@ from llmtrain.model import gpt_config, meta_model
 from llmtrain.model.quantize import nf4_bytes_per_weight
 from llmtrain.parallel.float8 import float8_weight_share
 from llmtrain.planner.cost import GIB, FeatureSpeeds, Machine, Workload, host_matmul_flops, total_memory_gib
+from llmtrain.planner.hardware import peak_flops_of
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
 
@@ -89,17 +90,30 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
     """The hardware config (and plan.measured) as the plan's Machine."""
     hw = cfg.hardware
     memory_gib = hw.device_memory_gib or total_memory_gib() / ranks_per_node
-    peak = hw.peak_tflops * 1e12 * (1.0 if bf16 else 0.5) if hw.peak_tflops else host_matmul_flops(ranks_per_node)
     return Machine(
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         memory_bytes=memory_gib * GIB,
         reserved_bytes=cfg.plan.reserved_gib * GIB,
-        peak_flops=peak,
+        peak_flops=_peak_flops(hw, ranks_per_node, bf16),
         mfu=cfg.hardware.mfu,
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
         speeds=FeatureSpeeds(hw.compile_speed, hw.float8_speed, hw.document_mask_speed, hw.selective_recompute_speed),
     )
+
+
+def _peak_flops(hw, ranks_per_node: int, bf16: bool) -> float:
+    """A rank's peak FLOP/s for the run's precision: its card's, found by the hardware's device_name; a CPU's,
+    timed."""
+    if hw.device_name is None:
+        return host_matmul_flops(ranks_per_node)
+    peak = peak_flops_of(hw.device_name, bf16)
+    if peak is None:
+        raise ConfigError(
+            f"hardware.device_name={hw.device_name!r} names no card of GPU_PEAK_BF16_FLOPS in "
+            f"llmtrain/planner/hardware.py: add the card's dense bf16 peak there"
+        )
+    return peak
 
 
 def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:

@@ -1,9 +1,9 @@
 """Per-rank memory of a layout: model states by the ZeRO paper's accounting, activations by Korthikanti et al.
 
 Model states (Rajbhandari et al., 2020), with Ψ the parameters a rank's part holds (after tensor and pipeline
-parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter (each optimizer's row in
-llmtrain/catalog.py counts its fp32 moments, apart for the blocks' weight matrices: Muon's keep one fewer than
-AdamW's, K - 4 on their share of Ψ):
+parallelism), N the data-parallel sharding degree and K the optimizer's bytes per parameter (each optimizer's row
+in llmtrain/catalog/optimizers.py counts its fp32 moments, apart for the blocks' weight matrices: Muon's keep one
+fewer than AdamW's, K - 4 on their share of Ψ):
     replicas (single, ddp, tp, pp)   Ψ·param + Ψ·grad + Ψ·K
     ZeRO-1 (zero1)                   Ψ·param + Ψ·grad + Ψ·K/N
     ZeRO-2 (zero2, FSDP in stages)   Ψ·param/N + Ψ·grad/N + Ψ·K/N, plus Ψ gathered (compute dtype) for the step
@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmtrain.catalog import schedule_spec
-from llmtrain.model.gpt import LOSS_CHUNK_VALUES, GPTConfig
+from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.losses import LOSS_CHUNK_VALUES
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
 
@@ -198,18 +199,19 @@ class LayerTerms:
 def layer_terms(cfg: GPTConfig) -> LayerTerms:
     """Korthikanti's count for this model: q and the attention output 2 + 2, k and v 2 x 2 x n_kv_head / n_head (each
     x n_head · head size / d_model where heads are not d_model / n_head wide; query and key norms 8 more each),
-    GELU's input and output 2 x 2 x d_ff / d_model or SwiGLU's gate, up, silu(gate) and product 4 x 2 x d_ff /
-    d_model. RMSNorm as torch composes it outside CUDA keeps its input and the normalised copy both in fp32, 6 more
-    per norm than the 16-bit input Korthikanti counts (CUDA's fused kernel keeps only that input: there this
-    overestimates by 12 a block); the dry run measures the composed one."""
-    mlp = (8 if cfg.gated_mlp else 4) * cfg.hidden / cfg.d_model
+    the MLP kind's saved hidden tensors 2 x d_ff / d_model each (GELU's input and output, SwiGLU's gate, up,
+    silu(gate) and product). RMSNorm as torch composes it outside CUDA keeps its input and the normalised copy both
+    in fp32, 6 more per norm than the 16-bit input Korthikanti counts (CUDA's fused kernel keeps only that input:
+    there this overestimates by 12 a block); the dry run measures the composed one."""
+    kind = cfg.mlp_kind
+    mlp = 2 * kind.saved_hidden * cfg.hidden / cfg.d_model
     m = cfg.moe
     # a mixture's share of the blocks: its routed experts keep their hidden tensors for each of a token's top_k
     # slots, and the routing keeps the slots gathered (bf16) and their weighted outputs in fp32 (two copies)
     mixtures = sum(m.is_moe_block(i) for i in range(cfg.n_layer)) / cfg.n_layer if m.num_experts else 0.0
     if mixtures:
-        experts = (8 if cfg.gated_mlp else 4) * (m.d_ff or cfg.hidden) / cfg.d_model
-        shared = (8 if cfg.gated_mlp else 4) * (m.d_ff or cfg.hidden) * m.shared_experts / cfg.d_model
+        experts = 2 * kind.saved_hidden * (m.d_ff or cfg.hidden) / cfg.d_model
+        shared = experts * m.shared_experts
         mlp = (1 - mixtures) * mlp + mixtures * (m.top_k * experts + shared)
     routing = mixtures * m.top_k * (2 + 2 * 4)
     # RMSNorm keeps its input and the normalised copy in fp32, 6 bytes an element beyond the 16-bit input counted
@@ -218,7 +220,7 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     sandwich = 8.0 if cfg.sandwich_norm else 0.0
     norms = (4.0 if cfg.norm != "layernorm" else 0.0) + sandwich
     composed_norms = (12.0 if cfg.norm != "layernorm" else 0.0) + 2 * sandwich
-    mlp_projections = 2 if cfg.gated_mlp else 1  # the up projection, and the gate's
+    mlp_projections = kind.input_projections
     mlp_inputs = mlp_projections * cfg.hidden / cfg.d_model
     heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)
     grouped = cfg.kv_heads / cfg.n_head

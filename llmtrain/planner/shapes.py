@@ -1,6 +1,8 @@
-"""What a rank's part of the GPT holds, in elements, counted from the model config alone (no model is built).
+"""What a rank's part of the model holds, in elements, counted from the model config alone (no model is built): each
+family's FamilyShapes (named by its row in llmtrain/catalog/models.py) lists its blocks', embeddings' and head's
+tensors, and `holding` splits them as a layout does.
 
-The counts follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/parallel/tp.py):
+GPT_SHAPES, the GPT's, follow llmtrain/model/gpt.py and its tensor-parallel plan (llmtrain/parallel/tp.py):
 - per block: q, k, v (k and v as wide as the key/value heads) and the MLP's up-projection (and SwiGLU's gate) are
   column-parallel (weights and biases split over tp); the attention output and the MLP's down-projection
   row-parallel (weights split, biases replicated); both norms replicated (RMSNorm: a scale only);
@@ -16,9 +18,11 @@ are of FSDP's padded shards, ceil(rows / N) rows each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
-from llmtrain.catalog import schedule_spec
+from llmtrain.catalog import imported, model_family, schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.parallel.pipeline.split import rank_stages
@@ -89,13 +93,14 @@ class PlannedTensor:
         return ep * left * -(-experts // left) * self.columns
 
 
-def _norm(cfg: GPTConfig) -> list[PlannedTensor]:
+def norm_tensors(cfg: GPTConfig, trainable: bool = True) -> list[PlannedTensor]:
     """A norm's scale, and LayerNorm's bias where the model has biases (RMSNorm: a scale only)."""
-    return [PlannedTensor(cfg.d_model, 1)] * (1 + int(cfg.bias and cfg.norm == "layernorm"))
+    return [PlannedTensor(cfg.d_model, 1, trainable=trainable)] * (1 + int(cfg.bias and cfg.norm == "layernorm"))
 
 
-def _norm_parameters(cfg: GPTConfig) -> int:
-    return _total(_norm(cfg))
+def block_norm_tensors(cfg: GPTConfig) -> list[PlannedTensor]:
+    """One of a block's norms over the residual stream, as block_tensors lists it (frozen with adapters)."""
+    return norm_tensors(cfg, trainable=not cfg.lora.enabled)
 
 
 def _linear(cfg: GPTConfig, name: str, n_in: int, n_out: int, column: bool, tp: int) -> list[PlannedTensor]:
@@ -128,12 +133,12 @@ def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTe
     for name, (n_in, n_out, column) in block_projections(cfg, index).items():
         tensors += _linear(cfg, name, n_in, n_out, column, tp)
     # the norms before attention and the MLP, after each too (sandwich norms); the query and key heads' scales
-    norms = (4 if cfg.sandwich_norm else 2) * _norm(cfg) + 2 * int(cfg.qk_norm) * [PlannedTensor(cfg.head_size, 1)]
-    tensors += [PlannedTensor(t.rows, t.columns, trainable=not frozen) for t in norms]
+    head_norms = 2 * int(cfg.qk_norm) * [PlannedTensor(cfg.head_size, 1, trainable=not frozen)]
+    tensors += (4 if cfg.sandwich_norm else 2) * block_norm_tensors(cfg) + head_norms
     if m.is_moe_block(index):
         f = (m.d_ff or cfg.hidden) // tp
         tensors.append(PlannedTensor(m.num_experts, h, trainable=not frozen, matrix=True))  # the router
-        stacked = (2 if cfg.gated_mlp else 1) * [(h, f)] + [(f, h)]  # w_in (, w_gate): E x h x f; w_out: E x f x h
+        stacked = cfg.mlp_kind.input_projections * [(h, f)] + [(f, h)]  # w_in (, w_gate): E x h x f; w_out: E x f x h
         tensors += [
             PlannedTensor(m.num_experts, n * k, trainable=not frozen, matrix=True, expert=True, second=n)
             for n, k in stacked
@@ -145,18 +150,6 @@ def _total(tensors: list[PlannedTensor], **kind: bool) -> int:
     return sum(t.numel for t in tensors if all(getattr(t, key) == value for key, value in kind.items()))
 
 
-def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s parameters on one of `tp` tensor-parallel ranks, its adapters apart (blocks differ when some
-    are mixtures of experts)."""
-    return _total(block_tensors(cfg, tp, index), adapter=False)
-
-
-def block_matrices(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s weight-matrix elements on one of `tp` tensor-parallel ranks: block_parameters without the
-    biases and norms."""
-    return _total(block_tensors(cfg, tp, index), matrix=True, adapter=False)
-
-
 def block_projections(cfg: GPTConfig, index: int = 0) -> dict[str, tuple[int, int, bool]]:
     """Block `index`'s linear projections (a mixture's shared experts as one MLP; not its router or routed
     experts): name -> (in, out, column-parallel)."""
@@ -166,27 +159,9 @@ def block_projections(cfg: GPTConfig, index: int = 0) -> dict[str, tuple[int, in
     shapes = {"q_proj": (h, a, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "out_proj": (a, h, False)}
     if f:
         shapes.update(fc_in=(h, f, True), fc_out=(f, h, False))
-        if cfg.gated_mlp:
+        if cfg.mlp_kind.gated:
             shapes["fc_gate"] = (h, f, True)
     return shapes
-
-
-def block_adapters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s low-rank adapter elements on one of `tp` tensor-parallel ranks: rank x (in + out) for each
-    adapted projection, the side its weight splits divided by tp (B's rows beside a column-parallel weight, A's
-    columns beside a row-parallel one); the routed experts have none."""
-    return _total(block_tensors(cfg, tp, index), adapter=True)
-
-
-def block_quantized(cfg: GPTConfig, index: int = 0) -> int:
-    """Block `index`'s weights NF4 holds under model.quantize_base=nf4 (model/quantize.py): its projections' that
-    are whole NF4 groups (tensor parallelism never runs with it)."""
-    return _total(block_tensors(cfg, 1, index), quantized=True)
-
-
-def expert_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
-    """Block `index`'s routed experts on one of `tp` tensor-parallel ranks (0 in a dense block)."""
-    return _total(block_tensors(cfg, tp, index), expert=True)
 
 
 def embedding_tensors(cfg: GPTConfig, tp: int = 1) -> list[PlannedTensor]:
@@ -198,7 +173,7 @@ def embedding_tensors(cfg: GPTConfig, tp: int = 1) -> list[PlannedTensor]:
 def head_tensors(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> list[PlannedTensor]:
     """The final norm and LM head: its weight only when it is not the embedding's; a padded vocabulary's frozen
     -inf bias."""
-    tensors = _norm(cfg)
+    tensors = norm_tensors(cfg)
     if own_weight or not cfg.tie_embeddings:
         tensors.append(PlannedTensor(cfg.padded_vocab_size // tp, cfg.d_model))
     if cfg.padded_vocab_size > cfg.vocab_size:
@@ -206,20 +181,37 @@ def head_tensors(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> list[
     return tensors
 
 
-def embedding_parameters(cfg: GPTConfig, tp: int = 1) -> int:
-    return _total(embedding_tensors(cfg, tp))
+@dataclass(frozen=True)
+class FamilyShapes:
+    """A family's tensors as the planner sizes them, each a PlannedTensor on one of `tp` tensor-parallel ranks."""
+
+    # (config, tp, block index) -> the block's parameters
+    block: Callable[[GPTConfig, int, int], list[PlannedTensor]]
+    # (config, tp) -> the input end's (token and position embeddings)
+    embedding: Callable[[GPTConfig, int], list[PlannedTensor]]
+    # (config, tp, the head is its own weight, not the embedding's) -> the output end's (final norm, head)
+    head: Callable[[GPTConfig, int, bool], list[PlannedTensor]]
 
 
-def head_parameters(cfg: GPTConfig, tp: int = 1, own_weight: bool = False) -> tuple[int, int]:
-    """(trainable, frozen) of the final norm and LM head."""
-    tensors = head_tensors(cfg, tp, own_weight)
-    return _total(tensors, trainable=True), _total(tensors, trainable=False)
+GPT_SHAPES = FamilyShapes(block_tensors, embedding_tensors, head_tensors)
+
+
+def family_shapes(cfg: GPTConfig) -> FamilyShapes:
+    """The shapes of `cfg`'s family (model.family)."""
+    return cast(FamilyShapes, imported(model_family(cfg.family).shapes))
+
+
+def block_parameters(cfg: GPTConfig, tp: int = 1, index: int = 0) -> int:
+    """Block `index`'s parameters on one of `tp` tensor-parallel ranks, its adapters apart (blocks differ when some
+    are mixtures of experts)."""
+    return _total(family_shapes(cfg).block(cfg, tp, index), adapter=False)
 
 
 def whole_model_parameters(cfg: GPTConfig) -> int:
     """Trainable parameters of the unsplit model (the tied head counted once), as `num_parameters` counts them."""
+    shapes = family_shapes(cfg)
     blocks = sum(block_parameters(cfg, index=i) for i in range(cfg.n_layer))
-    return blocks + embedding_parameters(cfg) + head_parameters(cfg)[0]
+    return blocks + _total(shapes.embedding(cfg, 1)) + _total(shapes.head(cfg, 1, False), trainable=True)
 
 
 def fsdp_shards(candidate: Candidate) -> int:
@@ -245,11 +237,12 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
     layers = stage_layers(cfg.n_layer, n_stages, layout.pp_edge_blocks) if pp > 1 else [range(cfg.n_layer)]
     indices = [i for stage in mine for i in layers[stage]]
     first, last = 0 in mine, n_stages - 1 in mine
-    root_tensors = (embedding_tensors(cfg, tp) if first else []) + (head_tensors(cfg, tp, pp > 1) if last else [])
+    shapes = family_shapes(cfg)
+    root_tensors = (shapes.embedding(cfg, tp) if first else []) + (shapes.head(cfg, tp, pp > 1) if last else [])
     root_trainable, frozen = size(root_tensors, trainable=True), size(root_tensors, trainable=False)
-    every = [t for tensors in [root_tensors, *(block_tensors(cfg, tp, i) for i in indices)] for t in tensors]
+    in_blocks = [shapes.block(cfg, tp, i) for i in indices]
+    every = [t for tensors in [root_tensors, *in_blocks] for t in tensors]
     unpadded_trainable = sum(t.numel for t in every if t.adapter or (t.trainable and not cfg.lora.enabled))
-    in_blocks = [block_tensors(cfg, tp, i) for i in indices]
     adapters = [size(tensors, adapter=True) for tensors in in_blocks]
     per_block = [size(tensors) for tensors in in_blocks]
     experts = [size(tensors, expert=True) for tensors in in_blocks]

@@ -1,5 +1,5 @@
-"""`python -m llmtrain.tools.layout_doc [--write]`: what is made from llmtrain/catalog.py's LAYOUTS rows, one per
-layout: conf/parallel/<name>.yaml (the option `parallel=<name>` and its --help line), and the layout tables of
+"""`python -m llmtrain.tools.layout_doc [--write]`: what is made from llmtrain/catalog/layouts.py's LAYOUTS rows, one
+per layout: conf/parallel/<name>.yaml (the option `parallel=<name>` and its --help line), and the layout tables of
 README.md and docs/parallelism.md. Without --write it names the files that differ from their rows; the test suite
 checks that none does."""
 
@@ -16,8 +16,12 @@ from llmtrain.errors import closed_pipe_is_quiet
 
 ROOT = os.path.dirname(CONF_DIR)
 OPTIONS = os.path.join(CONF_DIR, "parallel")
-WRITTEN_BY = "Written by `python -m llmtrain.tools.layout_doc --write` from its row in llmtrain/catalog.py: edit that."
-TABLE_START = "<!-- layouts: written by `python -m llmtrain.tools.layout_doc --write` from llmtrain/catalog.py -->"
+WRITTEN_BY = (
+    "Written by `python -m llmtrain.tools.layout_doc --write` from its row in llmtrain/catalog/layouts.py: edit that."
+)
+TABLE_START = (
+    "<!-- layouts: written by `python -m llmtrain.tools.layout_doc --write` from llmtrain/catalog/layouts.py -->"
+)
 TABLE_END = "<!-- end of layouts -->"
 # What a user can add to a row's layout, and how the planner picks one: table lines, not layouts.
 README_EXTRAS = (

@@ -14,28 +14,37 @@ answers' tokens. So a step first computes each row's log π and log π_ref witho
 whole rows, however the layout splits them), then trains on the token cross-entropy weighted by +β σ(-z) / P on
 the chosen answer's tokens and -β σ(-z) / P on the rejected one's (P: the global batch's pairs), a weighted sum over
 tokens (scoring.WEIGHTED_TARGETS) that every layout splits as it splits the plain loss and whose gradient is DPO's.
+Any loss of the reward margin z trains the same way, its weights -β ℓ'(z) / P: a pairwise objective of another
+loss (IPO's, say: docs/extending.md) overrides `pair_losses` alone.
 It costs a third forward pass a step (reference, policy, policy with gradients) where one process could do with
 two. With dropout the policy's two passes draw different masks: the gradient is then DPO's in expectation only.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
+from llmtrain.config import RootConfig
+from llmtrain.data import Data, RankSlice
 from llmtrain.errors import ConfigError
 from llmtrain.model.lora import adapters_disabled
 from llmtrain.model.scoring import SUMMED_LOSSES, weighted_targets
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.tensors import MicroBatches
+from llmtrain.train.objectives import Objective, PreparedStep
 
-# What a step records beside its loss, in the order pair_statistics stacks them.
+# What a step records beside its loss, in the order `statistics` stacks them.
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
-class DirectPreference:
-    """DPO over `model`'s pairs of rows (chosen, rejected) with `beta`."""
+class DirectPreference(Objective):
+    """DPO over the model's pairs of rows (chosen, rejected), β = data.beta."""
 
-    def __init__(self, model: ParallelModel, beta: float):
+    metrics = REWARDS
+
+    def __init__(self, model: ParallelModel, data: Data, val_slice: RankSlice, config: RootConfig):
         rows, _ = model.plan.micro_batching()
         if rows % 2:
             raise ConfigError(
@@ -43,7 +52,12 @@ class DirectPreference:
                 f"{rows} rows, parting a chosen answer from its rejected one: set parallel.microbatches so that "
                 f"each holds an even number of rows"
             )
-        self.model, self.beta = model, beta
+        self.model, self.beta = model, config.data.beta
+        self._held_out, self._val_slice = data.validation, val_slice
+
+    def pair_losses(self, margins: torch.Tensor) -> torch.Tensor:
+        """Each pair's loss of its reward margin z = r(chosen) - r(rejected): DPO's -log σ(z)."""
+        return -F.logsigmoid(margins)
 
     @torch.no_grad()
     def rewards(self, micro_batches: MicroBatches) -> torch.Tensor:
@@ -59,7 +73,7 @@ class DirectPreference:
         margins = rewards[:, 0] - rewards[:, 1]
         mine = torch.stack(
             [
-                -torch.nn.functional.logsigmoid(margins).mean(),
+                self.pair_losses(margins).mean(),
                 rewards[:, 0].mean(),
                 rewards[:, 1].mean(),
                 margins.mean(),
@@ -68,20 +82,26 @@ class DirectPreference:
         )
         return self.model.reduce_mean(mine)  # every data-parallel rank holds as many pairs
 
-    def weighted(self, micro_batches: MicroBatches) -> tuple[MicroBatches, torch.Tensor]:
+    def prepared(self, micro_batches: MicroBatches, rows: np.ndarray) -> PreparedStep:
         """Collective: the micro-batches with each row's targets weighted so that the training loss's gradient is
-        DPO's (the module docstring), and statistics' values for the step's record."""
+        the pair loss's (the module docstring); the loss and REWARDS recorded."""
         rewards = self.rewards(micro_batches)
+        margins = (rewards[:, 0] - rewards[:, 1]).requires_grad_()
+        with torch.enable_grad():
+            (slope,) = torch.autograd.grad(self.pair_losses(margins).sum(), margins)
         pairs = len(rewards) * self.model.plan.dp_size
-        pull = self.beta * torch.sigmoid(rewards[:, 1] - rewards[:, 0]) / pairs
+        pull = -self.beta * slope / pairs
         row_weights = torch.stack([pull, -pull], dim=1).flatten().split([len(t) for _, t in micro_batches])
         weighted = [
             (inputs, weighted_targets(targets, weights.to(targets.device)))
             for (inputs, targets), weights in zip(micro_batches, row_weights)
         ]
-        return weighted, self.statistics(rewards)
+        statistics = self.statistics(rewards)
+        return PreparedStep(weighted, statistics[0], statistics[1:])
 
-    def validation(self, micro_batches: MicroBatches) -> dict[str, torch.Tensor]:
-        """Collective: the held-out pairs' loss and rewards (`val_loss`, `val_rewards/...`), on the device."""
-        values = self.statistics(self.rewards(micro_batches))
+    def validation(self) -> dict[str, float]:
+        """Collective: the held-out pairs' loss and rewards (`val_loss`, `val_rewards/...`)."""
+        (held_out,) = self._held_out
+        micro_batches = self._val_slice.micro_batches(held_out.rows, self.model.runtime.device)
+        values = self.statistics(self.rewards(micro_batches)).tolist()
         return {"val_loss": values[0], **{f"val_{name}": value for name, value in zip(REWARDS, values[1:])}}

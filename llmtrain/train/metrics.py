@@ -6,24 +6,10 @@ from typing import Any
 
 import torch
 
-# Dense bf16 tensor-core peak (FLOP/s, fp32 accumulate, no sparsity) by a substring of the device name, the first
-# match winning: a card's PCIe / NVL variants come before the family name (an H100 PCIe is not an H100 SXM).
-# GeForce cards accumulate in fp32 at half their fp16-accumulate rate, which is what training uses.
-GPU_PEAK_BF16_FLOPS = [
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 70e12),
-    ("RTX 4090", 165e12),
-    ("RTX 4080", 97.5e12),
-    ("RTX 3090", 71e12),
-]
-# fp32 matmuls run on the TF32 tensor cores (runtime.py enables them), at half the bf16 rate on every card above.
-TF32_FRACTION_OF_BF16 = 0.5
+# The peaks are the planner's card table (one source for MFU and the planned step times); the table is re-exported
+# for tests/train/test_metrics.py, which holds it to the vendors' datasheets.
+from llmtrain.planner.hardware import GPU_PEAK_BF16_FLOPS as GPU_PEAK_BF16_FLOPS
+from llmtrain.planner.hardware import peak_flops_of
 
 
 def peak_flops(device: torch.device, bf16: bool) -> float | None:
@@ -32,11 +18,6 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
     if device.type != "cuda":
         return None
     return peak_flops_of(torch.cuda.get_device_name(device), bf16)
-
-
-def peak_flops_of(device_name: str, bf16: bool) -> float | None:
-    peak = next((peak for key, peak in GPU_PEAK_BF16_FLOPS if key in device_name), None)
-    return None if peak is None else peak * (1.0 if bf16 else TF32_FRACTION_OF_BF16)
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float | None) -> float | None:

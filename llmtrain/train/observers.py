@@ -1,7 +1,8 @@
-"""What watches the training loop without steering it: the hooks the loop calls at fixed points of every step
-(`StepObserver`) and the list a trainer calls them through (`Observers`). The observers are the hang watchdog
-(watchdog.py), the straggler report (stragglers.py), the profiler (profiling.py) and the fault points
-(fault_points.py). A stop signal is none of them: it decides where the run ends, and the loop asks it itself."""
+"""What follows the training loop's steps: the hooks the loop calls at fixed points of every step (`StepObserver`)
+and the list a trainer calls them through (`Observers`). The observers are the hang watchdog (watchdog.py), the
+straggler report (stragglers.py), the profiler (profiling.py), the fault points (fault_points.py) and, the one that
+steers, the update guard (update_guard.py: a step's update dropped, or the run ended, on a bad loss). A stop signal
+is none of them: it decides where the run ends, and the loop asks it itself."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class StepObserver(Protocol):
         """The step's results are on the host, the optimizer not yet stepped: `values` are those `values_to_read`
         asked for (None where it asked none), `record` the step's record so far."""
         return None
+
+    def allows_update(self, step: int, record: dict[str, Any]) -> bool:
+        """Whether step `step`'s update reaches the weights, its record (loss and gradient norm over all ranks) in
+        hand: every rank answers alike. False drops it (its gradients are zeroed with the others')."""
+        return True
 
     def step_ends(self, step: int, seconds: float) -> None:
         """Step `step` is done: it took `seconds` (Trainer: from the step before's host read to its own)."""
@@ -70,6 +76,10 @@ class Observers:
         asked = [observer.values_to_read(step) for observer in self._observers]
         self._asked = [None if values is None else values.numel() for values in asked]
         return [values for values in asked if values is not None]
+
+    def allows_update(self, step: int, record: dict[str, Any]) -> bool:
+        """Whether every observer lets the step's update through (each asked, in order, until one does not)."""
+        return all(observer.allows_update(step, record) for observer in self._observers)
 
     def results_read(self, step: int, values: list[float], record: dict[str, Any]) -> None:
         """`values`: those the tensors of `values_to_read` held, read in one piece."""

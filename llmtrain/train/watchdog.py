@@ -52,7 +52,7 @@ PHASES = (
     "starting up",  # joining the group, building the model, loading a checkpoint, until the first step ends
     "starting the step",
     "waiting for data",
-    "reference and policy log-probabilities",
+    "preparing the batch",  # the objective's passes before training's (DPO: the reference's and policy's)
     "forward/backward",
     "clipping",
     "reading the step's results",

@@ -121,22 +121,28 @@ def test_every_key_declares_a_domain():
 
 
 def test_every_name_in_the_catalog_builds_what_it_names():
-    """llmtrain/catalog.py is the one list of layouts, schedules, model families and optimizers: each layout loads
-    its data-parallel mechanism, each schedule is a class torch has (or the reference), each family's class is one
-    the layouts have a spec for, and each optimizer names a builder and (where it has one) a ZeRO-1 form."""
-    from llmtrain.catalog import LAYOUTS, MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, imported
+    """llmtrain/catalog/ is the one list of layouts, schedules, model families, MLP kinds and optimizers: each layout
+    loads its data-parallel mechanism, each schedule is a class torch has (or the reference), each family names a
+    model class, its layout, its planner shapes and its Hugging Face formats (or none), each MLP kind an activation,
+    and each optimizer names a builder and (where it has one) a ZeRO-1 form."""
+    from llmtrain.catalog import LAYOUTS, MLP_KINDS, MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, imported
     from llmtrain.model import LayeredModel
+    from llmtrain.model.hf import HFFormats
     from llmtrain.parallel.data_parallel import DataParallel
-    from llmtrain.parallel.family import FAMILIES
+    from llmtrain.parallel.family import FamilyLayout
     from llmtrain.parallel.parallel_model import data_parallel_class
     from llmtrain.parallel.pipeline.schedules import torch_schedule
     from llmtrain.parallel.zero import ZeroOneShards
+    from llmtrain.planner.shapes import FamilyShapes
 
     for name in LAYOUTS:
         assert issubclass(data_parallel_class(name), DataParallel)
     for family in MODEL_FAMILIES.values():
-        model_class = imported(family.implementation)
-        assert issubclass(model_class, LayeredModel) and any(kind in FAMILIES for kind in model_class.__mro__)
+        assert issubclass(imported(family.model), LayeredModel)
+        assert isinstance(imported(family.layout), FamilyLayout) and isinstance(imported(family.shapes), FamilyShapes)
+        assert family.hf is None or isinstance(imported(family.hf), HFFormats)
+    for kind in MLP_KINDS.values():
+        assert callable(imported(kind.activation))
     for optimizer in OPTIMIZERS.values():
         assert callable(imported(optimizer.builder))
         assert optimizer.zero1 is None or issubclass(imported(optimizer.zero1), ZeroOneShards)
@@ -184,8 +190,8 @@ def test_an_unknown_key_names_the_nearest_one():
     assert error_line(base, "train.stpes=5") == (
         "train.stpes is not a key: did you mean train.steps? (the keys of train: activation_checkpointing, "
         "attention, batch_size, compile, device, eval_batches, eval_every, float8, float8_layers, hang_timeout, "
-        "max_bad_steps, micro_batch_size, on_spike, precision, save_model, score_after_eos, seq_len, spike_factor, "
-        "spike_window, steps)"
+        "max_bad_steps, micro_batch_size, objective, on_spike, precision, save_model, score_after_eos, seq_len, "
+        "spike_factor, spike_window, steps)"
     )
     assert error_line(base, "+train.stpes=5").startswith("train.stpes is not a key: did you mean train.steps?")
     assert error_line(base, "+foo=1").startswith("foo is not a key (the keys of the config: checkpoint, data,")

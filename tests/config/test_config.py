@@ -148,7 +148,8 @@ def test_the_config_page_is_the_one_the_schema_generates():
 
 def test_the_layout_files_are_the_ones_their_rows_make():
     """conf/parallel/*.yaml and the layout tables of README.md and docs/parallelism.md are written from the rows of
-    llmtrain/catalog.py's LAYOUTS: a row changed without regenerating them, or a yaml no row makes, fails here."""
+    llmtrain/catalog/layouts.py's LAYOUTS: a row changed without regenerating them, or a yaml no row makes, fails
+    here."""
     from llmtrain.tools.layout_doc import stale
 
     assert stale() == [], "run: python -m llmtrain.tools.layout_doc --write"

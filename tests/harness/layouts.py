@@ -3,6 +3,7 @@ unsplit reference (assert_matches_single); the release tier's common overrides."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -18,6 +19,10 @@ from llmtrain.plan import ParallelPlan
 from llmtrain.tools import compose_config
 
 LAYOUT_WORKER = WORKERS / "layout_worker.py"
+# A test of a feature torchao computes (float8, 8-bit moments, NF4) skips where the `fp8` extra is not installed.
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="the fp8 extra (torchao): pip install -e '.[fp8]'"
+)
 
 
 # The main suite's layout groups train two blocks of each model on the short documents (harness/corpora.py, in byte
@@ -39,6 +44,11 @@ GROUP_RUN = (
 
 # The release tier's layout groups (tests/releases/test_releases.py, test_release_features.py): two steps of the tiny
 # model.
+# float8 rounding is a step function: e4m3 keeps 3 mantissa bits, so where two layouts' sums differ in the last
+# fp32 bit (1e-7), a value on a rounding boundary moves by up to 1/16 of itself. Measured over the group's two
+# steps: losses within 8e-5 of the unsplit float8 model (tensor parallel with sequence parallelism, the furthest),
+# validation losses within 3e-4, weights within 4e-3; 8-bit AdamW alone within 1e-7 and 5e-5.
+FLOAT8_RTOL = 1e-3
 RELEASE_COMMON = "model=tiny train.seq_len=32 train.batch_size=16 train.micro_batch_size=2 optim.warmup_steps=1"
 
 

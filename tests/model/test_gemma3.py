@@ -10,7 +10,7 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, meta_model, num_parameters
-from llmtrain.model.hf import family_of
+from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_gemma3 import gemma3_hf_config, to_gemma3_state_dict
 from llmtrain.tools import compose_config
 
@@ -98,7 +98,7 @@ def test_our_gemma3_exports_into_transformers_with_our_logits():
 
     ours = build_model(compose_config([*GEMMA3, *LINEAR]).model, VOCAB, seed=3).eval()
     _random_norms(ours, 2)
-    family = family_of(ours.cfg)
+    family = hf_format_of(ours.cfg)
     assert family.transformers_class == "Gemma3ForCausalLM"
     theirs = Gemma3ForCausalLM(family.hf_config(ours.cfg, 0)).eval()
     theirs.load_state_dict(to_gemma3_state_dict(ours), strict=True)
@@ -129,5 +129,5 @@ def test_windows_outside_gemma3_have_no_hugging_face_class():
     context in every block: refused in one line, before export writes anything."""
     cfg = meta_model(compose_config(["model=llama-tiny", "model.sliding_window=[8,0]"]).model, VOCAB).cfg
     with pytest.raises(ConfigError, match=r"model.sliding_window=\[8, 0\]: LlamaForCausalLM") as refused:
-        family_of(cfg)
+        hf_format_of(cfg)
     assert "\n" not in str(refused.value)

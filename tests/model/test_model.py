@@ -369,10 +369,10 @@ def test_the_chunked_loss_is_the_whole_one_and_keeps_no_fp32_logits_for_backward
     7 rows of a 1,000-token vocabulary), some targets unscored: the same loss and logits gradient as the whole
     summed_cross_entropy (the chunks' sums added in another order: within 1e-6), with and without gradients; what
     it keeps for backward is the bf16 logits, where the whole loss keeps its fp32 log-probabilities."""
-    from llmtrain.model import chunked_cross_entropy, gpt, summed_cross_entropy
+    from llmtrain.model import chunked_cross_entropy, losses, summed_cross_entropy
     from llmtrain.model.scoring import UNSCORED
 
-    monkeypatch.setattr(gpt, "LOSS_CHUNK_VALUES", 7 * 1000)
+    monkeypatch.setattr(losses, "LOSS_CHUNK_VALUES", 7 * 1000)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 24, 1000, generator=generator).bfloat16()
     targets = torch.randint(0, 1000, (4, 24), generator=generator)

@@ -9,7 +9,7 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, meta_model, num_parameters
-from llmtrain.model.hf import family_of
+from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_llama import to_llama_state_dict
 from llmtrain.model.hf_qwen3 import qwen3_hf_config
 from llmtrain.tools import compose_config
@@ -73,7 +73,7 @@ def test_our_qwen3_exports_into_transformers_with_our_logits(tied):
         for name, param in ours.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    family = family_of(ours.cfg)
+    family = hf_format_of(ours.cfg)
     assert family.transformers_class == "Qwen3ForCausalLM"
     theirs = Qwen3ForCausalLM(family.hf_config(ours.cfg, 0)).eval()
     theirs.load_state_dict(to_llama_state_dict(ours), strict=True)
@@ -93,7 +93,7 @@ def test_a_qwen3_of_another_head_width_is_refused_naming_the_key(tmp_path):
 def test_head_norms_with_what_qwen3_has_not_are_refused_in_one_line():
     cfg = meta_model(compose_config(["model=qwen3-tiny", "model.sliding_window=[8,0]"]).model, VOCAB).cfg
     with pytest.raises(ConfigError, match="Qwen3ForCausalLM") as refused:
-        family_of(cfg)
+        hf_format_of(cfg)
     assert "\n" not in str(refused.value)
 
 

@@ -16,12 +16,13 @@ import sys
 
 import pytest
 import torch
+from harness.layouts import needs_torchao
 from harness.paths import REPO
 from omegaconf import OmegaConf
 
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
-from llmtrain.model.gpt import attention_flops_per_token, flops_per_token
+from llmtrain.model.flops import attention_flops_per_token, flops_per_token
 from llmtrain.optim import is_hidden_matrix
 from llmtrain.plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
@@ -232,9 +233,9 @@ def test_traffic_is_the_designs():
 
 
 def test_a_layout_is_one_row(monkeypatch):
-    """A new row of llmtrain/catalog.py's LAYOUTS (here fsdp keeping its gathered parameters, under another name)
-    is an option file, a layout training checks and builds, and a planner candidate costed by its fields: zero2's
-    numbers, since it is zero2."""
+    """A new row of llmtrain/catalog/layouts.py's LAYOUTS (here fsdp keeping its gathered parameters, under another
+    name) is an option file, a layout training checks and builds, and a planner candidate costed by its fields:
+    zero2's numbers, since it is zero2."""
     import dataclasses
 
     from llmtrain import catalog
@@ -413,6 +414,7 @@ def test_muons_matrices_are_the_models_and_keep_one_moment_fewer(model):
     assert "all_to_all" not in adamw.traffic[0].bytes and muon.max_parameters > adamw.max_parameters
 
 
+@needs_torchao
 def test_8bit_moments_float8_gathers_and_offload_shrink_the_state_and_the_wire():
     """optim.state_bits=8: each AdamW moment 1 byte plus a 4-byte scale per 256 values (plan.optimizer_bytes' 12 =
     fp32 master + two fp32 moments becomes 4 + 2 x 1.016); train.float8=tensorwise: FSDP gathers the blocks'

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.corpora import DOCUMENTS
-from harness.layouts import RELEASE_COMMON, assert_matches_single, layout_group, release_tier_only
-from test_low_precision import FLOAT8_RTOL
+from harness.layouts import FLOAT8_RTOL, RELEASE_COMMON, assert_matches_single, layout_group, release_tier_only
 
 pytestmark = pytest.mark.releases
 

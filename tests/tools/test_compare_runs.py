@@ -107,12 +107,14 @@ def test_the_ring_kernel_checks_verdict_fails_a_nan_gradient():
 
 
 def test_the_gpu_checks_loss_comparison_fails_a_nan_step():
-    from llmtrain.tools.gpu_check import Check, Row, compare_losses
+    from llmtrain.tools.gpu_check_report import compare_losses
+    from llmtrain.tools.gpu_check_runs import Row
+    from llmtrain.tools.gpu_check_table import Check
 
     losses = {
         "bf16": [{"step": s, "loss": 3.0 - s / 10} for s in range(1, 4)],
         "late nan": [{"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8}, {"step": 3, "loss": NAN}],
     }
     row = Row("late nan")
-    compare_losses(row, Check("late nan", [], reference="bf16", tolerance=0.03), losses)
+    compare_losses(row, Check("late nan", [], "a NaN at the last step", reference="bf16", tolerance=0.03), losses)
     assert row.status == "FAIL" and row.difference == math.inf

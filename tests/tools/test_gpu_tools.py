@@ -108,7 +108,8 @@ def test_runs_armed_with_a_gpu_turn_take_their_steps_after_the_first_one_at_a_ti
 def test_the_speed_section_holds_each_feature_to_its_reference_from_the_same_call():
     """Each SPEED_TARGETS row against its reference's tokens/s: met at or above its target, MISSED below, reported
     without a verdict where it has none, `not measured` where either row has no speed; the MFU target likewise."""
-    from llmtrain.tools.gpu_check import MFU_TARGETS, SPEED_TARGETS, Row, speed_section
+    from llmtrain.tools.gpu_check_report import MFU_TARGETS, SPEED_TARGETS, speed_section
+    from llmtrain.tools.gpu_check_runs import Row
 
     targets = {name: (reference, target) for name, reference, target in SPEED_TARGETS}
     assert targets["compiled none"] == ("bare", 0.97) and targets["fsdp 1 rank"] == ("bf16", 0.9)

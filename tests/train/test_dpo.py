@@ -100,10 +100,14 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
             for name, param in model.module.named_parameters():
                 if name.endswith("lora_b"):
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-        micro_batches = parts.train_slice.micro_batches(parts.data.train.next())
+        rows = parts.data.train.next()
+        micro_batches = parts.train_slice.micro_batches(rows)
         referee, reference = copy.deepcopy(model.module), copy.deepcopy(model.module)
-        weighted, statistics = DirectPreference(model, beta).weighted(micro_batches)
-        model.forward_backward(weighted)
+        assert type(parts.objective) is DirectPreference  # train.objective=auto on data=preference
+        prepared = parts.objective.prepared(micro_batches, rows)
+        model.forward_backward(prepared.micro_batches)
+        assert prepared.loss is not None
+        statistics = torch.cat([prepared.loss.reshape(1), prepared.metrics])
     finally:
         parts.data.close()
     inputs, targets = (torch.cat(part) for part in zip(*micro_batches))

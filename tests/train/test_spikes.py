@@ -23,7 +23,9 @@ from llmtrain.job import build_training
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.fault_points import FaultPoints
-from llmtrain.train.loop import LoopState, RecentLosses, Trainer
+from llmtrain.train.loop import Trainer
+from llmtrain.train.state import LoopState
+from llmtrain.train.update_guard import RecentLosses
 
 ALONE = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
 # The tiny model on the tests' short documents in byte tokens, judged against the median of 3 steps so that a spike

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from llmtrain.catalog import MLP_KINDS
 from llmtrain.differences import largest
 from llmtrain.model.moe import Experts, MoE, MoEConfig
 from llmtrain.parallel.expert import AllToAllDispatch
@@ -29,7 +30,9 @@ EXPERTS, D_MODEL, HIDDEN = 8, 8, 16
 
 def mixture(skewed: bool) -> MoE:
     torch.manual_seed(0)
-    block = MoE(D_MODEL, HIDDEN, gated=True, moe=MoEConfig(num_experts=EXPERTS, top_k=2), make_shared=None)
+    block = MoE(
+        D_MODEL, HIDDEN, kind=MLP_KINDS["swiglu"], moe=MoEConfig(num_experts=EXPERTS, top_k=2), make_shared=None
+    )
     for param in block.parameters():
         torch.nn.init.normal_(param, std=0.5)
     if skewed:  # a router whose logits favour experts 0 and 1 for every token
@@ -53,7 +56,7 @@ def largest_error(ep: int, group: dist.ProcessGroup, skewed: bool) -> float:
     split = copy.deepcopy(whole)
     local = EXPERTS // ep
     mine = slice(ep_rank * local, (ep_rank + 1) * local)
-    split.experts = Experts(local, D_MODEL, HIDDEN, gated=True)
+    split.experts = Experts(local, D_MODEL, HIDDEN, MLP_KINDS["swiglu"])
     with torch.no_grad():
         for name, param in split.experts.named_parameters():
             param.copy_(getattr(whole.experts, name)[mine])

@@ -1,6 +1,6 @@
 """docs/extending.md's code, read out of the page and installed into this process: each fenced block the page marks
 `<!-- new: PATH -->` (a file the reader creates) or `<!-- edit: PATH TABLE -->` (rows the reader adds to a table of
-llmtrain/catalog.py) is run as the page says it goes in. tests/test_extending.py installs them in its own process
+llmtrain/catalog/) is run as the page says it goes in. tests/test_extending.py installs them in its own process
 (undone after each test); run by it under torchrun, this installs them, then runs tests/workers/layout_worker.py's
 layouts:
 
@@ -25,7 +25,7 @@ MARKED = re.compile(r"<!-- (new|edit): ([^>]+?) -->\n```\w*\n(.*?)\n```", re.S)
 
 
 def blocks() -> dict[str, str]:
-    """The page's marked blocks by their marker: "llmtrain/catalog.py LAYOUTS", "conf/optim/lion.yaml", ..."""
+    """The page's marked blocks by their marker: "llmtrain/catalog/layouts.py LAYOUTS", "conf/optim/lion.yaml", ..."""
     return {marker: text for _, marker, text in MARKED.findall(GUIDE.read_text(encoding="utf-8"))}
 
 
@@ -41,7 +41,7 @@ def _rows(marker: str) -> dict[str, Any]:
 
 def _install_rows(patch: pytest.MonkeyPatch, table: str) -> dict[str, Any]:
     """The page's rows of the catalog's `table`, added to it."""
-    rows = _rows(f"llmtrain/catalog.py {table}")
+    rows = _rows(next(marker for marker in edits() if marker.split()[1] == table))
     for name, row in rows.items():
         patch.setitem(getattr(catalog, table), name, row)
     return rows
@@ -63,8 +63,9 @@ def install_layout(patch: pytest.MonkeyPatch) -> dict[str, catalog.LayoutSpec]:
 
 
 def install_family(patch: pytest.MonkeyPatch) -> ModuleType:
-    """The page's model module and its row in MODEL_FAMILIES."""
-    module = _new_module("llmtrain/model/squared_relu.py", patch)
+    """The page's model module, its planner shapes and its row in MODEL_FAMILIES; the model module."""
+    module = _new_module("llmtrain/model/parallel_block.py", patch)
+    _new_module("llmtrain/planner/parallel_block.py", patch)
     _install_rows(patch, "MODEL_FAMILIES")
     return module
 

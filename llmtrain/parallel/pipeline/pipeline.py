@@ -29,7 +29,7 @@ from llmtrain.catalog import schedule_spec
 from llmtrain.errors import ConfigError
 from llmtrain.model import LayeredModel
 from llmtrain.parallel.executor import Combine
-from llmtrain.parallel.family import family_of
+from llmtrain.parallel.family import family_layout
 from llmtrain.parallel.layout import LayoutSteps, apply_layout
 from llmtrain.parallel.pipeline.p2p import exchange, recv_header, send_header
 from llmtrain.parallel.pipeline.reference import Reference1F1B
@@ -84,7 +84,7 @@ class Pipeline:
         parallelism) and allocated."""
         layers = stage_layers(len(model.blocks), self.n_stages, self.plan.parallel.pp_edge_blocks)
         last = self.n_stages - 1
-        family = family_of(model)
+        family = family_layout(model)
         part = family.pipeline_part(
             model,
             [i for stage in self.stage_indices for i in layers[stage]],

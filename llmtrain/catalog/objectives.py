@@ -1,0 +1,37 @@
+"""The training objectives (train.objective): what a step optimizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What a step optimizes (llmtrain/train/objectives.py: an Objective), named by an import string and built for
+    the job's model and data."""
+
+    implementation: str  # "module:Class" of the Objective: (model, data, validation slice, config) make it whole
+    description: str  # one line for train.objective's --help and docs/config.md
+    pairs: bool = False  # it trains on data=preference's pairs (chosen, rejected), and nothing else does
+
+
+# train.objective -> what a step optimizes; `auto` picks the data's (OBJECTIVE_OF_DATA).
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "next_token": ObjectiveSpec(
+        implementation="llmtrain.train.objectives:NextToken",
+        description="the next-token cross-entropy over every target the data trains (fine-tuning: the answers')",
+    ),
+    "dpo": ObjectiveSpec(
+        implementation="llmtrain.train.dpo:DirectPreference",
+        description="Direct Preference Optimization on data=preference's pairs, the base (adapters off) as reference",
+        pairs=True,
+    ),
+}
+AUTO_OBJECTIVE = "auto"
+
+
+def objective_of(objective: str, data_source: str) -> str:
+    """train.objective resolved: `auto` is dpo on data=preference's pairs, next_token on any other data."""
+    if objective != AUTO_OBJECTIVE:
+        return objective
+    return "dpo" if data_source == "preference" else "next_token"
