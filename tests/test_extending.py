@@ -8,16 +8,26 @@ refuses it. The slow test trains the layout and the family on two processes agai
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from extending_worker import blocks, edits, install_family, install_layout, install_optimizer, write_options
-from harness.corpora import DOCUMENT_CORPUS
+from extending_worker import (
+    blocks,
+    edits,
+    install_family,
+    install_layout,
+    install_objective,
+    install_optimizer,
+    write_options,
+)
+from harness.corpora import DOCUMENT_CORPUS, write_preference_data
 from harness.layouts import assert_matches_single, needs_torchao
 from harness.paths import WORKERS
+from harness.preference import answer_log_probabilities, preference_run
 from harness.processes import torchrun
 from omegaconf import OmegaConf
 
@@ -26,7 +36,7 @@ from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.checkpoint.training import check_model_matches
 from llmtrain.config import OptimConfig, ParallelConfig
-from llmtrain.config.validation import validate_flat_slices
+from llmtrain.config.validation import validate_flat_slices, validate_preference
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.job import build_training
@@ -35,7 +45,7 @@ from llmtrain.model.quantize import is_nf4
 from llmtrain.optim.compute import Compute
 from llmtrain.parallel.family import GPT_LAYOUT, family_layout
 from llmtrain.plan import Degrees, ParallelPlan
-from llmtrain.planner.candidates import enumerate_candidates, for_optimizer
+from llmtrain.planner.candidates import Candidate, enumerate_candidates, for_optimizer
 from llmtrain.planner.cost import layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.shapes import holding, whole_model_parameters
@@ -92,6 +102,7 @@ def test_the_guide_adds_new_files_and_catalog_rows_and_edits_nothing_else():
         "llmtrain/catalog/layouts.py LAYOUTS",
         "llmtrain/catalog/models.py MODEL_FAMILIES",
         "llmtrain/catalog/optimizers.py OPTIMIZERS",
+        "llmtrain/catalog/objectives.py OBJECTIVES",
     ]
     for marker in edits():
         assert isinstance(getattr(catalog, marker.split()[1]), dict)
@@ -241,6 +252,70 @@ def test_lions_row_sizes_its_state_and_zero1_refuses_it(monkeypatch, options):
     assert "zero1" not in {c.name for c in for_optimizer(found, cfg.optim)}
 
 
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return write_preference_data(tmp_path_factory.mktemp("pairs"))
+
+
+def test_an_ipo_step_has_the_referees_loss_and_gradients(monkeypatch, pairs, tmp_path):
+    """train.objective=ipo builds the page's objective; one step on adapters moved off zero: its loss is IPO's,
+    (h - 1/(2β))² averaged over the pairs with h the log-likelihood-ratio margin, recomputed from the definition (a
+    copy of the model for the policy, another with its adapters zeroed for the reference), and the adapters'
+    gradients of the weighted cross-entropy it trains on are autograd's of that loss."""
+    ipo = install_objective(monkeypatch)
+    beta = 0.5
+    config = compose_config([*preference_run(*pairs), "train.objective=ipo", f"data.beta={beta}", "train.eval_every=0"])
+    parts = build_training(OmegaConf.to_object(config), ALONE, str(tmp_path / "run"))
+    try:
+        assert type(parts.objective) is ipo.IdentityPreference
+        model = parts.model
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            for name, param in model.module.named_parameters():
+                if name.endswith("lora_b"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        rows = parts.data.train.next()
+        micro_batches = parts.train_slice.micro_batches(rows)
+        referee, reference = copy.deepcopy(model.module), copy.deepcopy(model.module)
+        prepared = parts.objective.prepared(micro_batches, rows)
+        model.forward_backward(prepared.micro_batches)
+    finally:
+        parts.data.close()
+    inputs, targets = (torch.cat(part) for part in zip(*micro_batches))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("lora_b"):
+                param.zero_()
+        reference_lp = answer_log_probabilities(reference, inputs, targets)
+    ratios = (answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
+    loss = ((ratios[:, 0] - ratios[:, 1] - 1 / (2 * beta)) ** 2).mean()
+    loss.backward()
+    # h is a difference of two fp32 sums of about -200 (a unit in the last place 1.5e-5 each), and the loss moves by
+    # 2 |h - 1/(2β)| (about 1.5 here) per unit of h
+    assert prepared.loss is not None and prepared.loss.item() == pytest.approx(loss.item(), abs=1e-4)
+    ours = dict(model.module.named_parameters())
+    adapters = [name for name, param in referee.named_parameters() if param.grad is not None]
+    assert adapters and all(name.rpartition(".")[2].startswith("lora") for name in adapters)
+    for name in adapters:
+        expected = dict(referee.named_parameters())[name].grad
+        torch.testing.assert_close(ours[name].grad, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
+def test_ipos_row_refuses_data_without_pairs_and_is_planned_with_its_forwards(monkeypatch, pairs, options):
+    """The row's `pairs` refuses it on data without pairs in one line naming train.objective, and its
+    `forwards_alone` adds two forward passes (a third of a step's compute each) to the planner's step."""
+    install_objective(monkeypatch)
+    with pytest.raises(ConfigError, match=r"^train\.objective=ipo with data=stdlib: it needs data=preference's pairs"):
+        validate_preference(compose_config([options, "train.objective=ipo"]))
+
+    def compute_seconds(*overrides: str) -> float:
+        cfg = compose_config([*preference_run(*pairs), "hardware=rtx4080x4", *overrides])
+        work = workload_for(cfg, 514, llmtrain_state_bytes(cfg, True))
+        return layout_cost(Candidate("single", Degrees()), work, machine_for(cfg, 1, 1, True)).compute_s
+
+    assert compute_seconds("train.objective=ipo") == pytest.approx(compute_seconds("data=sft") * 5 / 3)
+
+
 # The guide's layout as it runs on one machine (dp_shard: its 2 ranks), and its family under the two layouts that
 # read the family's row: tensor parallelism (the plan) and a pipeline (its parts).
 TWO_RANKS = [
@@ -259,3 +334,16 @@ def test_the_guides_layout_and_family_match_single_on_two_ranks(tmp_path_factory
     results = json.loads((out / "results.json").read_text())
     for layout in TWO_RANKS:
         assert_matches_single(results, layout)
+
+
+@pytest.mark.slow
+def test_the_guides_objective_matches_single_on_two_ranks(tmp_path_factory, pairs):
+    """IPO's pairs split over two FSDP ranks against one process; its first loss is 1/(4β²): the policy starts as
+    its reference."""
+    run = " ".join(preference_run(*pairs)).replace("train.device=cpu logging.wandb.mode=disabled", "")
+    common = f"{run} train.objective=ipo data.beta=0.5 optim.warmup_steps=1 optim.lr=3e-3"
+    out = tmp_path_factory.mktemp("objective")
+    torchrun(2, str(WORKER), str(out), common, "parallel=fsdp", timeout=600)
+    results = json.loads((out / "results.json").read_text())
+    assert_matches_single(results, "parallel=fsdp")
+    assert results["parallel=fsdp"]["losses"][0] == pytest.approx(1.0)

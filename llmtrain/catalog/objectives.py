@@ -13,6 +13,9 @@ class ObjectiveSpec:
     implementation: str  # "module:Class" of the Objective: (model, data, validation slice, config) make it whole
     description: str  # one line for train.objective's --help and docs/config.md
     pairs: bool = False  # it trains on data=preference's pairs (chosen, rejected), and nothing else does
+    # forward passes a step makes without gradients besides training's (DPO's reference and policy): the planner's
+    # step time counts them
+    forwards_alone: int = 0
 
 
 # train.objective -> what a step optimizes; `auto` picks the data's (OBJECTIVE_OF_DATA).
@@ -25,6 +28,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         implementation="llmtrain.train.dpo:DirectPreference",
         description="Direct Preference Optimization on data=preference's pairs, the base (adapters off) as reference",
         pairs=True,
+        forwards_alone=2,
     ),
 }
 AUTO_OBJECTIVE = "auto"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OPTIMIZERS
+from llmtrain.catalog import ADAMW_MOMENTS, MOMENT_BYTES, OBJECTIVES, OPTIMIZERS, objective_of
 from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config, meta_model
 from llmtrain.model.quantize import nf4_bytes_per_weight
@@ -129,7 +129,7 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         optimizer=cfg.optim.name,
         whole_matrices=cfg.optim.whole_matrices,
         loss="fused" if t.compile else "chunked",
-        forwards_alone=2 if cfg.data.source == "preference" else 0,
+        forwards_alone=OBJECTIVES[objective_of(cfg.train.objective, cfg.data.source)].forwards_alone,
         compile=t.compile,
         float8=t.float8 != "none",
         document_mask=t.attention == "document",

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from llmtrain.catalog import MLP_KINDS
 from llmtrain.config import validate
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss, trainable_parameters
@@ -79,11 +80,12 @@ def test_float8_with_adapters_is_refused_in_one_line():
         validate(cfg)
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
-def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize):
+@pytest.mark.parametrize("quantize, mlp", [("none", "swiglu"), ("nf4", "swiglu"), ("nf4", "relu2")])
+def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize, mlp):
     """What one process holds of a model with adapters (fp32 weights, or an NF4 base at 0.516 bytes a weight;
     gradients and AdamW's moments for the adapters alone), measured on the built model, is what the planner counts
-    from the config."""
+    from the config; with squared-ReLU MLPs (model.mlp=relu2) both of each MLP's matrices are NF4, and the planner
+    counts two."""
     from omegaconf import OmegaConf
 
     from llmtrain.job import build_parallel_model
@@ -92,7 +94,7 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize):
     from llmtrain.planner.candidates import Candidate
     from llmtrain.planner.inputs import llmtrain_state_bytes
     from llmtrain.planner.memory import model_states
-    from llmtrain.planner.shapes import holding
+    from llmtrain.planner.shapes import block_projections, holding
     from llmtrain.runtime import Runtime
     from llmtrain.train.memory import held_bytes
 
@@ -101,7 +103,9 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize):
     # widths whose projections are whole NF4 groups (model/quantize.py)
     widths = ["model.d_model=256", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=512"]
     config = OmegaConf.to_object(
-        compose_config(["model=llama-tiny", *widths, "model.lora.rank=4", f"model.quantize_base={quantize}"])
+        compose_config(
+            ["model=llama-tiny", *widths, "model.lora.rank=4", f"model.quantize_base={quantize}", f"model.mlp={mlp}"]
+        )
     )
     one_process = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
     model = build_parallel_model(config, one_process, 257)
@@ -112,6 +116,11 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize):
     assert held.quantized == sum(p.numel() for p in quantized) and bool(quantized) == (quantize == "nf4")
     sizes = llmtrain_state_bytes(config, bf16=False)
     params, grads, optimizer, _ = model_states(Candidate("single", Degrees()), held, sizes)
+    built = [block.mlp for block in model.module.blocks.values()]
+    assert all((module.fc_gate is None) == (mlp == "relu2") for module in built)
+    assert all(is_nf4(module.fc_in.weight) and is_nf4(module.fc_out.weight) for module in built) == (quantize == "nf4")
+    planned = [name for name in block_projections(model.module.cfg) if name.startswith("fc_")]
+    assert len(planned) == MLP_KINDS[mlp].matrices == (2 if mlp == "relu2" else 3)
     # each NF4 matrix also holds its 16 levels and its scales' mean (34 bytes), which the planner leaves out
     params += 34 * len(quantized)
     assert (params, grads, optimizer) == (measured.params, measured.grads, measured.optimizer)

@@ -209,6 +209,42 @@ def test_flops_count_every_matrix_once_and_leave_lookups_out():
         assert flops_per_token(model.cfg, n, 64) == 6 * (n - lookups) + 12 * 4 * 128 * 64
 
 
+# Each MLP kind written out from its paper's definition: (input, up projection, gate projection or None) -> hidden.
+MLP_DEFINITIONS = {
+    "gelu": lambda up, gate: F.gelu(up, approximate="tanh"),
+    "swiglu": lambda up, gate: F.silu(gate) * up,
+    "geglu": lambda up, gate: F.gelu(gate, approximate="tanh") * up,
+    "relu2": lambda up, gate: torch.relu(up) ** 2,
+}
+
+
+@pytest.mark.parametrize("kind", list(MLP_DEFINITIONS))
+def test_every_mlp_kind_computes_its_definition_and_is_counted_by_its_matrices(kind):
+    """A row of MLP_KINDS builds its matrices at its width rule, computes its definition, and the planner, the
+    parameter count and the FLOP count (experts inactive per token included) read its matrices from the row."""
+    from llmtrain.catalog import MLP_KINDS
+    from llmtrain.model import flops_per_token
+    from llmtrain.model.flops import inactive_expert_parameters
+    from llmtrain.model.moe import MoEConfig
+    from llmtrain.planner.shapes import whole_model_parameters
+
+    assert set(MLP_DEFINITIONS) == set(MLP_KINDS)
+    row = MLP_KINDS[kind]
+    cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=96, max_seq_len=16, mlp=kind, bias=False)
+    model = _model(cfg)
+    mlp = model.blocks["0"].mlp
+    assert (mlp.fc_gate is not None) == row.gated and mlp.fc_in.out_features == row.width(96)
+    assert row.width(96) == (256 if row.gated else 384)  # 8/3 x 96 rounded up to 64; 4 x 96
+    x = torch.randn(5, 96)
+    gate = None if mlp.fc_gate is None else mlp.fc_gate(x)
+    torch.testing.assert_close(mlp(x), mlp.fc_out(MLP_DEFINITIONS[kind](mlp.fc_in(x), gate)))
+    assert whole_model_parameters(cfg) == num_parameters(model)
+    experts = GPTConfig(**{**cfg.__dict__, "moe": MoEConfig(num_experts=4, top_k=1)})
+    assert inactive_expert_parameters(experts) == 2 * 3 * row.matrices * 96 * row.width(96)
+    matmuls = num_parameters(model) - 16 * 96  # the position table is a lookup
+    assert flops_per_token(cfg, num_parameters(model), 16) == 6 * matmuls + 12 * 2 * 96 * 16
+
+
 def test_padded_vocabulary_ids_get_minus_infinity_and_change_nothing():
     """A vocabulary padded to a multiple of 64 (257 -> 320 rows) masks the padding ids' logits with -inf, so the
     loss and the real ids' logits are those of the same model without padding."""

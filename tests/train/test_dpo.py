@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from harness.corpora import write_preference_data
 from harness.layouts import TWO_BLOCKS, assert_matches_single, layout_groups
+from harness.preference import answer_log_probabilities, preference_run
 from omegaconf import OmegaConf
 
 from llmtrain.config import validate
@@ -19,7 +20,6 @@ from llmtrain.data.preference import pair_of, tokenized_pairs
 from llmtrain.data.sft import chat_template_of
 from llmtrain.data.tokenizers import load_tokenizer
 from llmtrain.errors import ConfigError
-from llmtrain.model.scoring import UNSCORED
 from llmtrain.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.dpo import REWARDS, DirectPreference
@@ -32,19 +32,11 @@ def pairs(tmp_path_factory):
     return write_preference_data(tmp_path_factory.mktemp("pairs"))
 
 
-def _overrides(tokenizer, pairs_file) -> list[str]:
-    return [
-        "data=preference", f"data.path={pairs_file}", "data.tokenizer.kind=hf", f"data.tokenizer.name={tokenizer}",
-        "data.val_fraction=0.1", "model=llama-tiny", "model.n_layer=2", "model.lora.rank=4", "train.seq_len=64",
-        "train.batch_size=8", "train.micro_batch_size=2", "train.device=cpu", "logging.wandb.mode=disabled",
-    ]  # fmt: skip
-
-
 def test_a_pair_is_its_prompt_as_context_then_each_answer_trained(pairs):
     """Text and messages give the same pair; each answer's window is the prompt (rendered with the generation
     prompt, untrained) then the answer with the template's end of turn (trained)."""
     tokenizer_dir, pairs_file = pairs
-    tokenizer = load_tokenizer(compose_config(_overrides(tokenizer_dir, pairs_file)).data)
+    tokenizer = load_tokenizer(compose_config(preference_run(tokenizer_dir, pairs_file)).data)
     backend = chat_template_of(tokenizer, str(tokenizer_dir))
     text = pair_of({"prompt": "Say yes.", "chosen": "Yes.", "rejected": "No."}, "record 1")
     messages = {
@@ -68,20 +60,13 @@ def test_bad_pairs_and_settings_are_refused_in_one_line(pairs, tmp_path):
         pair_of({"prompt": "a", "chosen": 5, "rejected": "c"}, "record 9")
     with pytest.raises(ConfigError, match="`chosen` and `rejected` are the assistant's answers"):
         pair_of({"prompt": "a", "chosen": {"role": "user", "content": "b"}, "rejected": "c"}, "record 8")
-    base = _overrides(*pairs)
+    base = preference_run(*pairs)
     with pytest.raises(ConfigError, match=r"train.micro_batch_size=3: data=preference trains pairs .* even"):
         validate(compose_config([*base, "train.micro_batch_size=3", "train.batch_size=6"]))
     with pytest.raises(
         ConfigError, match="data=preference compares the model with its reference, .* set model.lora.rank"
     ):
         validate(compose_config([*base, "model.lora.rank=0"]))
-
-
-def _answer_log_probabilities(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each row's log-probability of its scored targets, from the logits' log-softmax: the referee's own sums."""
-    log_probs = torch.log_softmax(model(inputs).float(), dim=-1)
-    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (targets != UNSCORED)).sum(dim=1)
 
 
 def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path):
@@ -91,7 +76,7 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
     from llmtrain.job import build_training
 
     beta = 0.3
-    config = compose_config([*_overrides(*pairs), f"data.beta={beta}", "train.eval_every=0"])
+    config = compose_config([*preference_run(*pairs), f"data.beta={beta}", "train.eval_every=0"])
     parts = build_training(OmegaConf.to_object(config), ONE_PROCESS, str(tmp_path / "run"))
     try:
         model = parts.model
@@ -115,8 +100,8 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
         for name, param in reference.named_parameters():
             if name.endswith("lora_b"):
                 param.zero_()
-        reference_lp = _answer_log_probabilities(reference, inputs, targets)
-    rewards = beta * (_answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
+        reference_lp = answer_log_probabilities(reference, inputs, targets)
+    rewards = beta * (answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
     margins = rewards[:, 0] - rewards[:, 1]
     loss = -F.logsigmoid(margins).mean()
     loss.backward()
@@ -177,7 +162,7 @@ def test_the_planner_counts_dpos_two_forward_passes_without_gradients(pairs):
     from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 
     def compute_seconds(*overrides: str) -> float:
-        cfg = compose_config([*_overrides(*pairs), "hardware=rtx4080x4", *overrides])
+        cfg = compose_config([*preference_run(*pairs), "hardware=rtx4080x4", *overrides])
         work = workload_for(cfg, 514, llmtrain_state_bytes(cfg, True))
         return layout_cost(Candidate("single", Degrees()), work, machine_for(cfg, 1, 1, True)).compute_s
 

@@ -77,6 +77,13 @@ def install_optimizer(patch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+def install_objective(patch: pytest.MonkeyPatch) -> ModuleType:
+    """The page's objective module and its row in OBJECTIVES."""
+    module = _new_module("llmtrain/train/ipo.py", patch)
+    _install_rows(patch, "OBJECTIVES")
+    return module
+
+
 def write_options(directory: Path) -> str:
     """The page's new option files (conf/<group>/<name>.yaml) under `directory`; the override that makes Hydra
     find them beside conf/."""
@@ -95,4 +102,5 @@ if __name__ == "__main__":
     install_layout(installed)
     install_family(installed)
     install_optimizer(installed)
+    install_objective(installed)
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
