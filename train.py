@@ -1,7 +1,8 @@
 """llmtrain's entry point: `python train.py [group=option ...] [key=value ...]`; `--help` lists every group.
 
 Hydra composes conf/train.yaml with the overrides, checks them against the schemas in llmtrain/config/, makes the
-run directory and hands the config to llmtrain.job.run; a config it cannot compose ends in one `error:` line (exit 2).
+run directory and hands the config to llmtrain.run.job.run; a config it cannot compose ends in one `error:` line
+(exit 2).
 """
 
 import logging
@@ -13,12 +14,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig, register_schemas, validate
-from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
 from llmtrain.faults import check_armed
-from llmtrain.launch_env import launch_coordinates, launch_rank, restart_count, under_a_restarting_agent
-from llmtrain.plan import check_layout
-from llmtrain.run_dir import exit_with_config_error
+from llmtrain.parallel_plan import check_layout
+from llmtrain.run.entry import job, run_entry
+from llmtrain.run.launch_env import launch_coordinates, launch_rank, restart_count, under_a_restarting_agent
+from llmtrain.run.run_dir import exit_with_config_error
 
 register_schemas()
 # This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).
@@ -31,7 +32,7 @@ def main(cfg) -> None:
     from llmtrain.train.preemption import PreemptionWatch
 
     if restart_count() > 0:  # a restart after the run ended on purpose leaves before checking anything
-        from llmtrain.exits import leave_if_ended_on_purpose
+        from llmtrain.run.exits import leave_if_ended_on_purpose
 
         leave_if_ended_on_purpose()
     # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
@@ -49,13 +50,13 @@ def main(cfg) -> None:
             check_data_files(cfg.data)
         except ConfigError as error:
             if launch_rank() == 0 and under_a_restarting_agent():  # its restarts leave at once, not check it again
-                from llmtrain.runtime import record_end_on_purpose
+                from llmtrain.run.runtime import record_end_on_purpose
 
                 record_end_on_purpose(None, ConfigError.exit_code, f"error: {error}")
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)
         if armed and launch_rank() == 0:
             logging.getLogger("llmtrain").warning(armed)
-        from llmtrain.job import run
+        from llmtrain.run.job import run
 
         run(cfg, preemption, ENTRY_POINT)
 

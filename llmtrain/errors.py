@@ -1,6 +1,7 @@
-"""What ends a run on purpose, each with its own exit code (README: exit codes), and the one place that turns them
-into an exit. A leaf module: it imports nothing of llmtrain and nothing heavy, so configuration, data and model
-code raise these without loading Hydra or torch."""
+"""What ends a run on purpose, each with its own exit code (README: exit codes), and `exit_for`, which ends a
+process with an error's code (how a whole job ends, with its reports and shutdown, is llmtrain/run/exits.py's). A
+leaf module: it imports nothing of llmtrain and nothing heavy, so configuration, data and model code raise these
+without loading Hydra or torch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class RunError(Exception):
     status. `main_rank_speaks`: rank 0 prints the line for every rank (False: the rank it happened on prints it,
     as only that rank knows). `ranks_meet`: every rank raises it at the same point, so they meet before exiting
     (False: a peer may never reach a meeting point). `restartable`: a launcher's restart may find it gone (the
-    others end the run for good: a restarted worker leaves at once, llmtrain/exits.py)."""
+    others end the run for good: a restarted worker leaves at once, llmtrain/run/exits.py)."""
 
     exit_code: ClassVar[int] = 1
     main_rank_speaks: ClassVar[bool] = True
@@ -46,7 +47,7 @@ class OutOfMemory(RunError, RuntimeError):
 
 
 class OutOfMemoryRetried(OutOfMemory):
-    """Out of memory in a step where a smaller micro-batch is left to try (llmtrain/attempts.py): a restart or
+    """Out of memory in a step where a smaller micro-batch is left to try (llmtrain/run/attempts.py): a restart or
     requeue resumes with it, the global batch unchanged."""
 
     restartable = True

@@ -27,15 +27,15 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help
 from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, exit_for, first_line
-from llmtrain.launch_env import launch_rank
+from llmtrain.run.launch_env import launch_rank
 
 if TYPE_CHECKING:
-    from llmtrain.runtime import Runtime
+    from llmtrain.run.runtime import Runtime
 
 
 def _composed(overrides: list[str]):
     """The evaluation config of these overrides; a composition error is one line and exit 2, like train.py's."""
-    from llmtrain.entry import compose_or_refuse
+    from llmtrain.run.entry import compose_or_refuse
 
     return compose_or_refuse("evaluate", overrides, EvaluateRootConfig)
 
@@ -132,9 +132,10 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime, ob
     from llmtrain.checkpoint.state import load_model_weights_state, model_weights_state
     from llmtrain.checkpoint.training import check_base_matches, check_model_matches
     from llmtrain.data.tokenizers import FastTokenizer
-    from llmtrain.job import build_parallel_model
     from llmtrain.lm_eval_model import LiveModel
     from llmtrain.model import GPTConfig, base_of, model_group_of
+    from llmtrain.model.scoring import TokenMarks
+    from llmtrain.run.build import build_parallel_model
 
     meta = read_meta(checkpoint)
     gpt_cfg, base = GPTConfig.from_dict(meta["model"]), meta.get("base")
@@ -150,7 +151,7 @@ def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime, ob
         dataclasses.replace(config, model=model_group, train=train, seed=seed),
         runtime,
         gpt_cfg.vocab_size,
-        eos_id=hf_tokenizer.eos_token_id,
+        marks=TokenMarks(hf_tokenizer.eos_token_id),
     )
     check_model_matches(checkpoint, gpt_cfg)  # the shape went through the model group and back unchanged
     state = model_weights_state(model, adapters_only=base is not None)
@@ -174,7 +175,7 @@ def evaluate(checkpoint: str, config: EvaluateRootConfig) -> dict:
     rank 0; {} on the others). Under training's rules: the hang watchdog (train.hang_timeout; its stacks in the
     checkpoint directory's evaluate/hang/), and a peer's death one line and exit 77, not a wait for the group's
     timeout."""
-    from llmtrain.runtime import init_runtime
+    from llmtrain.run.runtime import init_runtime
     from llmtrain.train.peer_loss import is_peer_loss, peer_lost
     from llmtrain.train.watchdog import StepWatchdog
 

@@ -9,17 +9,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llmtrain"
 
-# Bottom to top: a module of layer k imports modules of layers <= k. A module run as a command (one with an
-# `if __name__ == "__main__":` block) is in the top layer wherever it lives.
+# Bottom to top: a module of layer k imports modules of layers <= k. An area is a package or module of llmtrain/, or
+# one module of a package whose modules stand on different layers (run.runtime). A module run as a command (one with
+# an `if __name__ == "__main__":` block) is in the top layer wherever it lives.
 LAYERS = [
-    {"errors", "faults", "optional", "catalog", "domains", "launch_env", "config", "plan", "hub", "runtime", "run_dir"}
-    | {"releases", "differences", "attempts", "files"},
+    {"errors", "faults", "optional", "catalog", "domains", "config", "parallel_plan", "hub", "releases", "differences"}
+    | {"files", "run", "run.runtime", "run.launch_env", "run.run_dir", "run.attempts"},
     {"model", "data", "optim"},
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"job", "exits", "spawn", "lm_eval_model"},
-    {"entry", "tools", "bench", "export", "generate"},
+    {"run.build", "run.job", "run.retry", "run.reporting", "run.exits", "run.spawn", "lm_eval_model"},
+    {"run.entry", "tools", "bench", "export", "generate"},
 ]
 
 
@@ -70,11 +71,12 @@ def _graph() -> tuple[dict[str, set[str]], set[str]]:
 def _layer(module: str, commands: set[str]) -> int:
     if module in commands:
         return len(LAYERS) - 1
-    area = module.split(".")[1]
-    for index, members in enumerate(LAYERS):
-        if area in members:
-            return index
-    raise AssertionError(f"{module} is in no layer: add llmtrain/{area} to LAYERS in {__file__}")
+    parts = module.split(".")[1:]
+    for area in (".".join(parts[:2]), parts[0]):  # a package's module where it has its own layer, else the package
+        for index, members in enumerate(LAYERS):
+            if area in members:
+                return index
+    raise AssertionError(f"{module} is in no layer: add llmtrain/{parts[0]} to LAYERS in {__file__}")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

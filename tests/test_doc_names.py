@@ -187,7 +187,7 @@ def test_the_architecture_pages_layers_are_modules():
     package), beyond the paths the test above reads."""
     page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
     table = [line for line in page.splitlines() if line.startswith("| ") and "`" in line]
-    named = [name for line in table for name in re.findall(r"`([\w/]+)`", line.split("|")[2])]
+    named = [name for line in table for name in re.findall(r"`([\w/.]+)`", line.split("|")[2])]
     assert named
     missing = [name for name in named if _module_file(f"llmtrain.{name.rstrip('/')}") is None]
     assert not missing, f"docs/architecture.md's layer table names modules llmtrain does not have: {missing}"

@@ -39,17 +39,17 @@ from llmtrain.config import OptimConfig, ParallelConfig
 from llmtrain.config.validation import validate_flat_slices, validate_preference
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
-from llmtrain.job import build_training
 from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of, trainable_parameters
 from llmtrain.model.quantize import is_nf4
 from llmtrain.optim.compute import Compute
 from llmtrain.parallel.family import GPT_LAYOUT, family_layout
-from llmtrain.plan import Degrees, ParallelPlan
+from llmtrain.parallel_plan import Degrees, ParallelPlan
 from llmtrain.planner.candidates import Candidate, enumerate_candidates, for_optimizer
 from llmtrain.planner.cost import layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.shapes import holding, whole_model_parameters
-from llmtrain.runtime import Runtime
+from llmtrain.run.build import build_training
+from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
 from llmtrain.train.loop import Trainer

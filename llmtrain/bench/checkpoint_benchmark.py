@@ -20,9 +20,9 @@ import torch
 from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
 from llmtrain.checkpoint.state import checkpoint_state
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_parallel_model
 from llmtrain.model import cross_entropy_loss
-from llmtrain.runtime import init_runtime
+from llmtrain.run.build import build_parallel_model
+from llmtrain.run.runtime import init_runtime
 from llmtrain.tools import compose_config
 
 

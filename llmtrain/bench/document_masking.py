@@ -32,10 +32,11 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_parallel_model, build_training
 from llmtrain.model import cross_entropy_loss
 from llmtrain.model.documents import document_starts
-from llmtrain.runtime import Runtime
+from llmtrain.model.scoring import TokenMarks
+from llmtrain.run.build import build_parallel_model, build_training
+from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 
@@ -74,7 +75,7 @@ def step_seconds(overrides: list[str], repeats: int) -> dict[str, float]:
             finally:
                 parts.data.close()
         tokenizer = parts.data.tokenizer
-        model = build_parallel_model(config, ONE_PROCESS, tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+        model = build_parallel_model(config, ONE_PROCESS, tokenizer.vocab_size, marks=TokenMarks(tokenizer.eos_id))
         seconds = []
         for _ in range(repeats + 1):
             started = time.perf_counter()

@@ -39,12 +39,12 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.job import build_training
 from llmtrain.model import build_model, cross_entropy_loss
 from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.layout import apply_compile
 from llmtrain.parallel.precision import uses_bf16
-from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.run.build import build_training
+from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 
@@ -131,7 +131,7 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
         training = build_training(config, runtime, run_dir)
         trainer = Trainer(training, lambda record: None)
         data, train_slice = training.data.train, training.train_slice
-        vocab_size = training.model_config.vocab_size
+        vocab_size = training.facts.shape.vocab_size
         batches = [train_slice.micro_batches(data.next()) for _ in range(max(steps, 4))]
         started = time.perf_counter()  # the pipeline's own cost, once it has started (its first reads open files)
         for _ in range(steps):

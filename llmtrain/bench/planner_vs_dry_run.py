@@ -40,12 +40,19 @@ from llmtrain.tools import compose_config
 from llmtrain.tools.dry_run import GPT2_VOCABULARY, dry_run, dry_run_config, planned_for, ranks_to_run
 
 KINDS = ("parameters", "gradients", "optimizer state", "activations and temporaries")
-# Models whose activations outweigh their states at these shapes: GPT-2's family (learned positions, LayerNorm,
-# GELU, multi-head) and Llama's (rotary positions, RMSNorm, SwiGLU, grouped-query attention).
-FAMILIES = {
+# The grid's models, whose activations outweigh their states at these shapes: GPT-2's presets (learned positions,
+# LayerNorm, GELU, multi-head), Llama's (rotary positions, RMSNorm, SwiGLU, grouped-query attention) and Mixtral's.
+PRESETS = {
     "gpt2": ["model=tiny", "model.d_model=256", "model.n_head=8"],
     "llama": ["model=llama-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
     "mixtral": ["model=mixtral-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
+}
+# Beside the grid's, the other preset families at one small shape each: Qwen3's (heads wider than d_model / n_head,
+# query and key norms) and Gemma 3's (sandwich norms, GeGLU, sliding windows).
+EVERY_PRESET = {
+    **PRESETS,
+    "qwen3": ["model=qwen3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "gemma3": ["model=gemma3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
 }
 SHAPE_LAYERS = 4
 SHAPE = [f"model.n_layer={SHAPE_LAYERS}", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]
@@ -94,7 +101,7 @@ class Point:
         batch = 2 * self.world_size * (2 if self.layout.split()[-1] in TWO_STAGE_SCHEDULES else 1)
         return [
             *LAYOUTS[self.layout],
-            *FAMILIES[self.family],
+            *EVERY_PRESET[self.family],
             *SHAPE,
             f"train.batch_size={batch}",
             f"train.activation_checkpointing={self.recompute}",
@@ -124,7 +131,7 @@ def last_stage(point: Point) -> Point:
 
 def combinations() -> list[Point]:
     """Every layout x family x recomputation x world size, whether training accepts it or not (cheap to list)."""
-    return [Point(*p) for p in itertools.product(LAYOUTS, FAMILIES, RECOMPUTES, WORLD_SIZES)]
+    return [Point(*p) for p in itertools.product(LAYOUTS, PRESETS, RECOMPUTES, WORLD_SIZES)]
 
 
 def sample(seed: int, count: int) -> list[Point]:
@@ -147,8 +154,9 @@ def pipelined(point: Point) -> bool:
 
 
 def runs(point: Point) -> bool:
-    """What training accepts (llmtrain/plan.py's checks, as a dry run's config makes them); experts in Mixtral's
-    family only; the schedules of two stages per rank up to 64 ranks (at 1,024 they repeat pp_fsdp's sharding)."""
+    """What training accepts (llmtrain/parallel_plan.py's checks, as a dry run's config makes them); experts in
+    Mixtral's family only; the schedules of two stages per rank up to 64 ranks (at 1,024 they repeat pp_fsdp's
+    sharding)."""
     if "ep" in point.layout and point.family != "mixtral":
         return False
     if point.layout.split()[-1] in TWO_STAGE_SCHEDULES and point.world_size > 64:
@@ -222,7 +230,7 @@ def auto_pick(point: Point, plannable_share: float = 0.5) -> dict[str, Any]:
     device whose memory binds: the planner's peak of the layout `plannable_share` of the way up its candidates'
     peaks fits, with the planner's error bound kept free (cost.PEAK_ERROR_BOUND). The pick is dry-run at every
     pipeline stage; returns the pick, the usable memory and the largest peak measured (None: nothing fits)."""
-    common = [*FAMILIES[point.family], *SHAPE, f"train.batch_size={2 * point.world_size}",
+    common = [*EVERY_PRESET[point.family], *SHAPE, f"train.batch_size={2 * point.world_size}",
               f"train.activation_checkpointing={point.recompute}", "hardware=h100x8"]  # fmt: skip
     config = cast(RootConfig, OmegaConf.to_object(compose_config([*common, "parallel=fsdp"])))
     vocab, ranks_per_node = config.model.vocab_size or GPT2_VOCABULARY, min(8, point.world_size)

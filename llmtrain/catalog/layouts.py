@@ -14,7 +14,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The mesh dimensions the planner keeps inside a node: their collectives run every layer, so they get the fastest
 # links.
 WITHIN_NODE_DIMS = ("cp", "tp")
-# A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in llmtrain/launch_env.py).
+# A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in
+# llmtrain/run/launch_env.py).
 RANKS_PER_NODE = "${llmtrain_ranks_per_node:}"
 
 

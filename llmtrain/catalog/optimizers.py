@@ -23,7 +23,7 @@ class OptimizerSpec:
     matrix_moments: int  # the same, per element of the blocks' weight matrices (the planner's memory counts both)
     # Its update of the blocks' hidden matrices needs each matrix whole (Muon's orthogonalisation): those form a
     # group of their own, and a layout that splits them gathers them in the optimizer step.
-    whole_matrices: bool = False
+    needs_whole_matrices: bool = False
     # "module:Class" of its form over ZeRO-1's flat slices (llmtrain/parallel/zero.py): (the model, the optim config,
     # the data-parallel mesh, Compute) -> the optimizer; None: parallel=zero1 refuses it (zero1_form).
     zero1: str | None = None
@@ -45,7 +45,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         builder="llmtrain.optim.muon:Muon",
         moments=2,
         matrix_moments=1,
-        whole_matrices=True,
+        needs_whole_matrices=True,
         zero1="llmtrain.parallel.zero:ZeroOneMuon",
     ),
 }

@@ -57,7 +57,7 @@ from llmtrain.checkpoint.safe_load import (
 )
 from llmtrain.errors import CheckpointWriteError, ConfigError, first_line
 from llmtrain.releases import stager_outlives_a_save
-from llmtrain.runtime import Runtime
+from llmtrain.run.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 # DCP warns on each call without a process group that it assumes one process, which is what a single-process run

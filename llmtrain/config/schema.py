@@ -23,7 +23,7 @@ from llmtrain.config.parallel import ParallelConfig
 from llmtrain.config.planning import HardwareConfig, PlanConfig
 from llmtrain.config.training import CheckpointConfig, EvalConfig, LoggingConfig, ProfileConfig, TrainConfig
 from llmtrain.domains import ListOf, Number, Text, WritableDirectory, at_least, key
-from llmtrain.launch_env import register_resolvers
+from llmtrain.run.launch_env import register_resolvers
 
 # The option files (train.yaml, prepare.yaml, one folder per group): conf/ at the top of a checkout, which
 # llmtrain/conf (beside this package) links to, so that a wheel carries them inside llmtrain and the tools find them
@@ -64,8 +64,7 @@ class PrepareConfig:
         1,
         at_least(1),
         "tokenising processes; the store is the same for any number. With 1, a fast (Rust) tokenizer already spreads "
-        "each batch over every core: on 2 cores the stdlib corpus prepared at 492k tokens/s with the trained BPE "
-        "(390k with 2 processes), 407k with a transformers tokenizer (398k). More processes pay off for a tokenizer "
+        "each batch over every core (docs/benchmarks.md, the data path); more processes pay off for a tokenizer "
         "without a fast version, or on many cores where the one reading process becomes the limit",
     )
 

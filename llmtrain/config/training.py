@@ -212,7 +212,7 @@ class CheckpointConfig:
         Number(low=0),
         "also save when this many minutes have passed since the last save (rank 0's clock, agreed at the step's "
         "read), so a crash loses at most that much; only the newest of these is kept beside `every`'s; 0 = off. "
-        "15: an async save of GPT-2 124M blocks this 2-core CPU 3.4 s (a written one 7 s), under 1% of 15 minutes",
+        "15: a save blocks training for seconds (docs/benchmarks.md, checkpoints), under 1% of 15 minutes",
     )
     dir: Optional[str] = key(
         None,

@@ -18,6 +18,7 @@ from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, source_name
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
 from llmtrain.errors import ConfigError
+from llmtrain.model.scoring import TokenMarks
 
 # The BPE is trained on a fixed shuffle of the training documents, so it does not change with the run's seed.
 TOKENIZER_TRAINING_SEED = 0
@@ -60,6 +61,11 @@ class Data:
     def document_separator(self) -> int:
         """The token after which a packed document ends (model/documents.py)."""
         return self.tokenizer.eos_id if self.separator is None else self.separator
+
+    @property
+    def marks(self) -> TokenMarks:
+        """What a step needs of these tokens: their document separator, whether they leave targets untrained."""
+        return TokenMarks(self.document_separator, self.masks_targets)
 
     def close(self) -> None:
         self.train.close()

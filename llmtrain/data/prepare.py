@@ -48,8 +48,8 @@ from llmtrain.data.store import (
     token_dtype,
 )
 from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers, vocabulary_sha256
-from llmtrain.entry import job, run_entry
 from llmtrain.errors import ConfigError
+from llmtrain.run.entry import job, run_entry
 
 # A worker's task: documents up to about this much text (large enough that pickling is a small share of the work).
 BATCH_CHARS = 1 << 20

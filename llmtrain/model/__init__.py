@@ -128,7 +128,7 @@ def pretrained_or_seeded(init_from: str | None, model: GPT, seed: int) -> Parame
 
 def build_model(model_cfg, vocab_size: int, seed: int, recompute: str = "none") -> GPT:
     """The whole model materialised in this process on the CPU, with the weights every layout starts from (for
-    tools and tests; training lays the model out on the meta device first, llmtrain/job.py)."""
+    tools and tests; training lays the model out on the meta device first, llmtrain/run/build.py)."""
     model = meta_model(model_cfg, vocab_size, recompute)
     materialize(model, torch.device("cpu"), initial_weights(model_cfg, model, seed))
     return model

@@ -19,6 +19,20 @@ UNSCORED = -100  # a target position no statistic reads (F.cross_entropy's ignor
 WEIGHTED_TARGETS = 3
 
 
+@dataclass(frozen=True)
+class TokenMarks:
+    """What a step needs of the data's tokens beyond the tokens: the token after which a packed document ends (the
+    tokenizer's end-of-text, or a chat template's separator; document attention and unscored end-of-text targets
+    find documents by it; None: no tokenizer to say), and whether the data marks some targets UNSCORED itself
+    (fine-tuning's prompts, data/packing.py)."""
+
+    separator: int | None = None
+    masked_targets: bool = False
+
+
+NO_MARKS = TokenMarks()  # a model built without data: no separator, every target scored
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(rows, positions): the most likely next token at every position, the lowest id among equals (argmax's
     rule). On vocabulary shards each rank's best of its own shard and its score are gathered, not the logits."""

@@ -88,7 +88,7 @@ def param_groups(model: nn.Module, optim_cfg) -> list[dict]:
     weights, embeddings), none on biases and norms, whose decay would only pull scales and offsets towards zero.
     Muon: its hidden matrices first (`muon: True`, learning rate `optim.muon_lr`), then those two AdamW groups
     for the rest (`muon: False`)."""
-    muon = OPTIMIZERS[optim_cfg.name].whole_matrices
+    muon = OPTIMIZERS[optim_cfg.name].needs_whole_matrices
     matrices: list[nn.Parameter] = []
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []

@@ -32,7 +32,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.moe import Experts
 from llmtrain.model.quantize import GROUP, is_nf4, nf4_shards_fit
-from llmtrain.plan import Degrees
+from llmtrain.parallel_plan import Degrees
 
 
 def apply_fsdp(

@@ -30,7 +30,7 @@ from llmtrain.parallel.fsdp import apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.tp import apply_tensor_parallel
-from llmtrain.plan import ParallelPlan
+from llmtrain.parallel_plan import ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from llmtrain.catalog import layout_spec
 from llmtrain.config import OptimConfig
 from llmtrain.model import LayeredModel, Materializer, ParameterInit, materialize
 from llmtrain.model.quantize import dequantized, is_nf4
-from llmtrain.model.scoring import RowStatistic
+from llmtrain.model.scoring import NO_MARKS, RowStatistic, TokenMarks
 from llmtrain.parallel.accumulation import Accumulation
 from llmtrain.parallel.data_parallel import DataParallel
 from llmtrain.parallel.executor import Executor
@@ -33,8 +33,8 @@ from llmtrain.parallel.mesh import RankMesh, mean_over, sum_over
 from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.step_setup import StepSetup
 from llmtrain.parallel.tensors import MicroBatches
-from llmtrain.plan import ParallelPlan
-from llmtrain.runtime import Runtime
+from llmtrain.parallel_plan import ParallelPlan
+from llmtrain.run.runtime import Runtime
 
 
 def data_parallel_class(name: str) -> type[DataParallel]:
@@ -44,9 +44,9 @@ def data_parallel_class(name: str) -> type[DataParallel]:
 
 
 class ParallelModel:
-    """The model of a checked `plan` (llmtrain/plan.py) laid out over this rank's `mesh`, allocated and initialised
-    on this rank (`model` arrives on the meta device; `init` fills what this rank holds), with its optimizer over
-    `optim`.
+    """The model of a checked `plan` (llmtrain/parallel_plan.py) laid out over this rank's `mesh`, allocated and
+    initialised on this rank (`model` arrives on the meta device; `init` fills what this rank holds), with its
+    optimizer over `optim`.
 
     What the trainer, checkpointing, evaluation and the tools use: `name`, `plan`, `mesh`, `runtime`, `executor`
     (how the step runs: executor.py), `module` (what runs: the model, its DDP wrapper, or this rank's pipeline
@@ -64,15 +64,14 @@ class ParallelModel:
         init: ParameterInit,
         optim: OptimConfig,
         materializer: Materializer = materialize,
-        eos_id: int | None = None,
-        masked_targets: bool = False,
+        marks: TokenMarks = NO_MARKS,
     ):
         self.plan, self.mesh, self.runtime = plan, mesh, runtime
         steps = layout_steps(plan, mesh, runtime.device)
         bf16 = uses_bf16(plan.train.precision, runtime.device)
         fsdp_mixed_precision = steps.fsdp_mesh is not None and steps.param_dtype is not None
         self.precision, self.precision_description = precision_policy(runtime.device, bf16, fsdp_mixed_precision)
-        self._setup = StepSetup.of(plan, mesh, runtime, self.precision, eos_id, masked_targets)
+        self._setup = StepSetup.of(plan, mesh, runtime, self.precision, marks)
         # Where parameters live: the device, or host memory when FSDP offloads them.
         init_device = torch.device("cpu") if plan.parallel.cpu_offload else runtime.device
 

@@ -14,14 +14,14 @@ import torch
 from llmtrain.errors import ConfigError
 from llmtrain.model import chunked_cross_entropy, summed_cross_entropy
 from llmtrain.model.documents import document_starts
-from llmtrain.model.scoring import UNSCORED, WEIGHTED_TARGETS, weighted_cross_entropy
+from llmtrain.model.scoring import UNSCORED, WEIGHTED_TARGETS, TokenMarks, weighted_cross_entropy
 from llmtrain.parallel.context import shard_tokens
 from llmtrain.parallel.mesh import RankMesh, sum_over
 from llmtrain.parallel.precision import PrecisionContext
 from llmtrain.parallel.tensors import MicroBatches
 from llmtrain.parallel.tp import loss_context
-from llmtrain.plan import ParallelPlan
-from llmtrain.runtime import Runtime
+from llmtrain.parallel_plan import ParallelPlan
+from llmtrain.run.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class StepSetup:
         mesh: RankMesh,
         runtime: Runtime,
         precision: PrecisionContext,
-        eos_id: int | None,
-        masked_targets: bool,
+        marks: TokenMarks,
     ) -> StepSetup:
-        """`eos_id`: the tokenizer's end-of-text id, which document attention and unscored end-of-text targets
-        need; `masked_targets`: the data marks targets UNSCORED itself."""
+        """`marks`: the data's document separator, which document attention and unscored end-of-text targets need,
+        and whether it marks targets UNSCORED itself."""
+        eos_id = marks.separator
         needs_eos = "train.attention=document" if plan.train.attention == "document" else None
         needs_eos = needs_eos or (None if plan.train.score_after_eos else "train.score_after_eos=false")
         if eos_id is None and needs_eos:
@@ -65,7 +65,7 @@ class StepSetup:
             )
         separator = eos_id if plan.train.attention == "document" else None
         unscored_input = None if plan.train.score_after_eos else eos_id
-        counts_scored = masked_targets or unscored_input is not None
+        counts_scored = marks.masked_targets or unscored_input is not None
         compiled = plan.train.compile and plan.degrees.tp == 1
         vocabulary_split = plan.degrees.tp > 1 and plan.parallel.loss_parallel
         cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (

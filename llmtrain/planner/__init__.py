@@ -12,6 +12,6 @@ how long a step should take, and which layout to run ("measure first", then comp
     resolve.py     the planner on a live run: its device's hardware, parallel=auto decided on rank 0 for every
                    rank, the end summary's prediction
 
-Used by `python -m llmtrain.tools.plan`, by `parallel=auto` (resolve.py, from llmtrain/job.py) and by
+Used by `python -m llmtrain.tools.plan`, by `parallel=auto` (resolve.py, from llmtrain/run/build.py) and by
 llmtrain.bench.layout_memory, which measures what the plans predict.
 """

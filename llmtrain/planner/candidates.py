@@ -1,5 +1,5 @@
 """The layouts the planner weighs: each a row of llmtrain/catalog/layouts.py's LAYOUTS over the degrees its template
-leaves free, checked against the model and batch by the plan training makes (llmtrain/plan.py: a layout that
+leaves free, checked against the model and batch by the plan training makes (llmtrain/parallel_plan.py: a layout that
 cannot run is not a candidate). What a candidate costs comes from the row's fields, never from its name."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from llmtrain.catalog import (
 )
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
+from llmtrain.parallel_plan import Degrees, ParallelPlan, micro_batching, resolve_degrees
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
-    """Whether training could run this layout: the plan training would make of it (llmtrain/plan.py) checks out."""
+    """Whether training could run this layout: the plan training would make of it (llmtrain/parallel_plan.py) checks
+    out."""
     try:
         ParallelPlan.of(ParallelConfig(**c.parallel_values()), train_cfg, model_cfg, math.prod(c.degrees.as_tuple()))
     except ConfigError:

@@ -290,7 +290,7 @@ def _communication(
         return term, sum(_seconds(machine, term, op, *_group(c, dim, op, machine.ranks_per_node)) for op in term.bytes)
 
     muon_dp, muon_tp = Traffic(), Traffic()
-    if OPTIMIZERS[work.optimizer].whole_matrices:  # in the optimizer step: nothing to hide it behind
+    if OPTIMIZERS[work.optimizer].needs_whole_matrices:  # in the optimizer step: nothing to hide it behind
         muon_dp, muon_tp = muon_traffic(c, work.gpt, scaled, work.whole_matrices)
     # optim.offload: gradients down and weights up the host link (not between ranks), fp32, nothing hides it
     host_bytes = 2 * MOMENT_BYTES[32] * updated_parameters(c, scaled) if work.sizes.optimizer_on_host else 0.0

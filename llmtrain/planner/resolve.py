@@ -17,12 +17,12 @@ import torch
 from llmtrain.catalog import AUTO
 from llmtrain.config import HardwareConfig, RootConfig
 from llmtrain.errors import ConfigError
-from llmtrain.launch_env import ranks_per_node
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.auto import AutoLayout, auto_layout, prediction
 from llmtrain.planner.hardware import hardware_for_device
 from llmtrain.planner.probe import probe_links
-from llmtrain.runtime import Runtime
+from llmtrain.run.launch_env import ranks_per_node
+from llmtrain.run.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 

@@ -26,7 +26,7 @@ from llmtrain.catalog import imported, model_family, schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.parallel.pipeline.split import rank_stages
-from llmtrain.plan import Degrees, stage_layers
+from llmtrain.parallel_plan import Degrees, stage_layers
 from llmtrain.planner.candidates import Candidate
 
 

@@ -56,18 +56,19 @@ from llmtrain.config import (
     keys_help,
     validate,
 )
-from llmtrain.entry import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
 from llmtrain.files import write_json_atomic
-from llmtrain.job import build_parallel_model
 from llmtrain.model import GPT, ParameterInit
 from llmtrain.model.materialize import allocate
 from llmtrain.model.moe import MoE
+from llmtrain.model.scoring import TokenMarks
 from llmtrain.parallel.expert import AllToAllDispatch
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.plan import ParallelPlan, check_layout
+from llmtrain.parallel_plan import ParallelPlan, check_layout
 from llmtrain.planner.auto import configured_cost
-from llmtrain.runtime import Runtime
+from llmtrain.run.build import build_parallel_model
+from llmtrain.run.entry import compose_or_refuse
+from llmtrain.run.runtime import Runtime
 from llmtrain.train.memory import storage_tensors
 
 MIB, GIB = 2**20, 2**30
@@ -216,7 +217,9 @@ def dry_run(config: DryRunRootConfig, rank: int) -> dict[str, Any]:
             fake = FakeFromAllocation(FakeTensorMode(allow_non_fake_inputs=True), stack)
             # the last id ends documents (train.attention=document): the steps' tokens are made up anyway
             try:
-                model = build_parallel_model(config, runtime, vocab_size, materializer=fake, eos_id=vocab_size - 1)
+                model = build_parallel_model(
+                    config, runtime, vocab_size, materializer=fake, marks=TokenMarks(vocab_size - 1)
+                )
             except ConfigError:
                 raise
             except Exception as error:  # what training would crash on at start-up, in one line

@@ -26,12 +26,12 @@ from omegaconf import OmegaConf
 
 from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
-from llmtrain.entry import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
+from llmtrain.run.entry import composition_error_line
 from llmtrain.tools import compose_config
 
 

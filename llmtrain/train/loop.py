@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from llmtrain import attempts, faults
+from llmtrain import faults
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.data.tasks import Task
@@ -25,7 +25,8 @@ from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.tensors import full_tensor
-from llmtrain.runtime import Runtime
+from llmtrain.run import attempts
+from llmtrain.run.runtime import Runtime
 from llmtrain.train.downstream import evaluate_tasks
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.objectives import Objective
@@ -61,28 +62,36 @@ class StepResults:
     observed: list[float]
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a job's model is, counted once it is built: its resolved shape (the vocabulary from the tokenizer,
+    padding), its parameters (the padding rows left out), those that train (the low-rank adapters alone, where it has
+    them) and the training FLOPs per token its MFU is measured by."""
+
+    shape: GPTConfig
+    parameters: int
+    trained: int
+    flops_per_token: float
+
+
 @dataclass
 class Components:
-    """What one job trains with, whole when made (llmtrain/job.py's build_training builds it): the config, the
+    """What one job trains with, whole when made (llmtrain/run/build.py's build_training builds it): the config, the
     model laid out with its optimizer, the LR schedule, the data and this rank's slices of each batch, what a step
     optimizes, the checkpoints and the loop's state (restored when resuming)."""
 
     config: RootConfig
     runtime: Runtime
     model: ParallelModel
-    model_config: GPTConfig  # the model's resolved shape (vocabulary from the tokenizer, padding)
+    facts: ModelFacts
     lr_schedule: torch.optim.lr_scheduler.LRScheduler
     data: Data
     train_slice: RankSlice
-    val_slice: RankSlice
     objective: Objective
     checkpoints: Checkpoints
     state: LoopState
-    n_params: int
-    n_trainable: int  # n_params, or the low-rank adapters' alone
-    model_flops: float  # per token
     wandb_id: str | None  # the W&B run this job continues (rank 0)
-    run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/attempts.py)
+    run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/run/attempts.py)
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
 
 
@@ -126,7 +135,7 @@ class Trainer:
         self._data, self._train_slice, self._objective = parts.data, parts.train_slice, parts.objective
         self.checkpoints, self.state, self._tasks = parts.checkpoints, parts.state, parts.tasks
         self._on_record, self._preemption = on_record, preemption
-        self._flops_per_token = parts.model_flops
+        self._flops_per_token = parts.facts.flops_per_token
         self._peak = peak_flops(parts.runtime.device, bf16=uses_bf16(self._train.precision, parts.runtime.device))
         # steps at which the batch they would take is left out: its loss spiked before a rollback (attempts.py)
         self._left_out = attempts.batches_left_out(parts.run_dir)

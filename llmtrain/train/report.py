@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, run_dir: str, resumed: str | None) -> str:
     """The lines printed before the first step: model, layout, batch, run length, data, memory, where it goes."""
-    config, plan, gpt = parts.config, parts.model.plan, parts.model_config
+    config, plan, gpt, facts = parts.config, parts.model.plan, parts.facts.shape, parts.facts
     t, m = config.train, config.model
     layout = ("auto -> " if chosen_by_planner else "") + plan.summary()
     precision = parts.model.precision_description
@@ -21,14 +21,14 @@ def start_summary(parts: Components, *, chosen_by_planner: bool, memory: str, ru
     padding = gpt.padding_parameters
     tokens_per_step = t.batch_size * t.seq_len
     padded = f" (+{padding:,} vocabulary padding)" if padding else ""
-    if parts.n_trainable != parts.n_params:
+    if facts.trained != facts.parameters:
         lora = gpt.lora
-        padded += f", {parts.n_trainable:,} of them trained: low-rank adapters of rank {lora.rank} on " + " ".join(
+        padded += f", {facts.trained:,} of them trained: low-rank adapters of rank {lora.rank} on " + " ".join(
             lora.targets
         )
     return "\n".join(
         [
-            f"model     {m.name}: {parts.n_params:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
+            f"model     {m.name}: {facts.parameters:,} parameters{padded} (n_layer {m.n_layer}, n_head {m.n_head}, "
             f"d_model {m.d_model}, vocab {gpt.vocab_size}, max_seq_len {m.max_seq_len})",
             f"layout    {layout} on {parts.runtime.device}, {precision}",
             *(f"          {note}" for note in parts.runtime.notes),

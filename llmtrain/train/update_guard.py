@@ -14,11 +14,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from llmtrain import attempts
 from llmtrain.config import TrainConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import RolledBack, TrainingDiverged
-from llmtrain.runtime import Runtime
+from llmtrain.run import attempts
+from llmtrain.run.runtime import Runtime
 from llmtrain.train.observers import StepObserver
 from llmtrain.train.state import LoopState
 

@@ -128,9 +128,9 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
     join_as_rank(rank, 2, port)
     from transformers import GPT2LMHeadModel
 
-    from llmtrain.job import build_parallel_model
     from llmtrain.model import GPT
-    from llmtrain.runtime import init_runtime
+    from llmtrain.run.build import build_parallel_model
+    from llmtrain.run.runtime import init_runtime
 
     runtime = init_runtime("cpu")
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -15,7 +15,7 @@ from harness.paths import WORKERS
 from harness.processes import torchrun
 from harness.runs import LOSS_RTOL
 from llmtrain.differences import within
-from llmtrain.plan import ParallelPlan
+from llmtrain.parallel_plan import ParallelPlan
 from llmtrain.tools import compose_config
 
 LAYOUT_WORKER = WORKERS / "layout_worker.py"
@@ -146,6 +146,7 @@ def assert_matches_single(results: dict, layout: str) -> None:
 
 
 def layout_plan(*overrides: str, world_size: int) -> ParallelPlan:
-    """The plan a `world_size`-rank job with these overrides makes (llmtrain/plan.py: no process group needed)."""
+    """The plan a `world_size`-rank job with these overrides makes (llmtrain/parallel_plan.py: no process group
+    needed)."""
     config = OmegaConf.to_object(compose_config(list(overrides)))
     return ParallelPlan.of(config.parallel, config.train, config.model, world_size)

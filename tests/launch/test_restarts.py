@@ -1,5 +1,5 @@
 """Restarts and requeues only for what the machine did: a crash that repeats an earlier attempt's, at the same step
-and place, ends the run for good (llmtrain/attempts.py), and a run that was restarted says so in its end summary."""
+and place, ends the run for good (llmtrain/run/attempts.py), and a run that was restarted says so in its end summary."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 from harness.runs import PARITY, assert_parity
 
-from llmtrain import attempts
 from llmtrain.errors import note_step
 from llmtrain.faults import arm
+from llmtrain.run import attempts
 
 
 def _crash(step: int | None) -> KeyError:

@@ -16,7 +16,7 @@ from harness.paths import REPO
 from harness.processes import free_port, rank_slots
 
 from llmtrain.errors import ConfigError
-from llmtrain.runtime import (
+from llmtrain.run.runtime import (
     agree_on_attempt,
     cuda_device_index,
     first_slurm_host,
@@ -91,7 +91,7 @@ def test_first_slurm_host(nodelist, first):
 
 
 def _stamp_worker(rank: int, results) -> None:
-    from llmtrain.launch_env import hydra_output_subdir, run_stamp
+    from llmtrain.run.launch_env import hydra_output_subdir, run_stamp
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     time.sleep(1.2 * rank)  # the ranks' clocks are a second apart when they compose the config
@@ -111,7 +111,7 @@ def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
 
 
 def test_slurm_job_names_the_run_directory(monkeypatch):
-    from llmtrain.launch_env import run_stamp
+    from llmtrain.run.launch_env import run_stamp
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert run_stamp() == "slurm-4242"
@@ -130,7 +130,7 @@ def _clear_launch_environment(monkeypatch) -> None:
 
 
 def test_a_launcher_per_node_meets_the_others_on_the_steps_first_host(monkeypatch):
-    from llmtrain.spawn import job_nodes
+    from llmtrain.run.spawn import job_nodes
 
     _clear_launch_environment(monkeypatch)
     assert job_nodes(4).count == 1 and job_nodes(4).rendezvous == "localhost:0"  # no Slurm step: this machine
@@ -145,7 +145,7 @@ def test_a_launcher_per_node_meets_the_others_on_the_steps_first_host(monkeypatc
 
 def test_workers_per_task_on_top_of_a_rank_per_task_is_refused(monkeypatch):
     from llmtrain.errors import ConfigError
-    from llmtrain.spawn import job_nodes
+    from llmtrain.run.spawn import job_nodes
 
     _clear_launch_environment(monkeypatch)
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
@@ -182,7 +182,7 @@ def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(
     the environment says), by local rank 0 only; further signals add no line."""
     import signal
 
-    from llmtrain.runtime import Runtime
+    from llmtrain.run.runtime import Runtime
     from llmtrain.train.preemption import PreemptionWatch
 
     monkeypatch.setenv("RANK", "0")
@@ -205,7 +205,7 @@ def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
     import re
 
     package = REPO / "llmtrain"
-    allowed = {"runtime.py", "launch_env.py", "spawn.py"}
+    allowed = {"run/runtime.py", "run/launch_env.py", "run/spawn.py"}
     variables = re.compile(
         r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
         r"SLURM_STEP_NUM_TASKS)\b"

@@ -25,7 +25,6 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from llmtrain.data.packing import pack_windows, tokenize_documents
 from llmtrain.data.tokenizers import ByteTokenizer
-from llmtrain.job import build_parallel_model
 from llmtrain.model import GPT, GPTConfig, cross_entropy_loss
 from llmtrain.model.documents import (
     document_attention,
@@ -34,7 +33,9 @@ from llmtrain.model.documents import (
     visible,
     whole_window_documents,
 )
-from llmtrain.runtime import Runtime
+from llmtrain.model.scoring import TokenMarks
+from llmtrain.run.build import build_parallel_model
+from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 
 EOS = 0
@@ -168,7 +169,7 @@ def test_an_unscored_target_is_left_out_of_one_mean_over_the_whole_batch():
     inputs, targets = windows[:, :-1], windows[:, 1:]
     for scored_after_eos in (True, False):
         config.train.score_after_eos = scored_after_eos
-        model = build_parallel_model(config, ONE_PROCESS, vocab, eos_id=eos)
+        model = build_parallel_model(config, ONE_PROCESS, vocab, marks=TokenMarks(eos))
         with torch.no_grad():
             losses = F.cross_entropy(model.module(inputs).flatten(0, 1), targets.flatten(), reduction="none")
         kept = torch.ones_like(losses, dtype=torch.bool) if scored_after_eos else inputs.flatten() != eos

@@ -88,14 +88,14 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize, 
     counts two."""
     from omegaconf import OmegaConf
 
-    from llmtrain.job import build_parallel_model
     from llmtrain.model.quantize import is_nf4
-    from llmtrain.plan import Degrees
+    from llmtrain.parallel_plan import Degrees
     from llmtrain.planner.candidates import Candidate
     from llmtrain.planner.inputs import llmtrain_state_bytes
     from llmtrain.planner.memory import model_states
     from llmtrain.planner.shapes import block_projections, holding
-    from llmtrain.runtime import Runtime
+    from llmtrain.run.build import build_parallel_model
+    from llmtrain.run.runtime import Runtime
     from llmtrain.train.memory import held_bytes
 
     if quantize == "nf4":

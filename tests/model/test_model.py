@@ -341,11 +341,12 @@ def test_compile_takes_the_whole_model_where_nothing_splits_it(overrides, world_
     from contextlib import nullcontext
 
     from llmtrain.model import meta_model, summed_cross_entropy
+    from llmtrain.model.scoring import TokenMarks
     from llmtrain.parallel.layout import compile_scope, compile_unit
     from llmtrain.parallel.mesh import RankMesh
     from llmtrain.parallel.step_setup import StepSetup
-    from llmtrain.plan import ParallelPlan
-    from llmtrain.runtime import Runtime
+    from llmtrain.parallel_plan import ParallelPlan
+    from llmtrain.run.runtime import Runtime
     from llmtrain.tools import compose_config
 
     cfg = compose_config([*overrides, "train.compile=true"])
@@ -353,7 +354,7 @@ def test_compile_takes_the_whole_model_where_nothing_splits_it(overrides, world_
     scope = compile_scope(plan, plan.spec.fsdp_shards(plan.degrees.dp * plan.degrees.cp))
     assert compile_unit(scope, meta_model(cfg.model, 97)) == unit
     runtime = Runtime(0, world_size, 0, torch.device("cpu"), "none")
-    setup = StepSetup.of(plan, RankMesh(plan.degrees, None, None, None), runtime, nullcontext, 96, False)
+    setup = StepSetup.of(plan, RankMesh(plan.degrees, None, None, None), runtime, nullcontext, TokenMarks(96))
     assert setup.compiles_loss is (plan.degrees.tp == 1)
     assert (setup.cross_entropy is summed_cross_entropy) is not setup.compiles_loss  # the eager function, or a graph
 

@@ -25,7 +25,7 @@ from llmtrain.model.quantize import (  # noqa: E402
     nf4_bytes_per_weight,
     quantized_piece,
 )
-from llmtrain.plan import ParallelPlan  # noqa: E402
+from llmtrain.parallel_plan import ParallelPlan  # noqa: E402
 from llmtrain.tools import compose_config  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -156,7 +156,7 @@ def test_the_planner_fits_llama_8b_qlora_on_one_16_gb_card_where_bf16_lora_does_
     """Llama 3.1 8B with rank-16 adapters at sequence 2,048 (bf16, full recomputation), with llmtrain's own sizes:
     QLoRA fits one RTX 4080, and four under FSDP, where no tensor-parallel layout is offered; the bf16 base does
     not fit one card."""
-    from llmtrain.plan import Degrees
+    from llmtrain.parallel_plan import Degrees
     from llmtrain.planner.auto import auto_decision
     from llmtrain.planner.candidates import Candidate, enumerate_candidates
     from llmtrain.planner.cost import layout_cost
@@ -188,8 +188,8 @@ def test_qlora_under_fsdp_over_one_rank_steps_as_one_process():
     one process's."""
     from omegaconf import OmegaConf
 
-    from llmtrain.job import build_parallel_model
-    from llmtrain.runtime import Runtime
+    from llmtrain.run.build import build_parallel_model
+    from llmtrain.run.runtime import Runtime
 
     widths = ["model.d_model=256", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=512", "model.n_layer=2"]
     one_process = Runtime(rank=0, world_size=1, local_rank=0, device=CPU, launcher="none")

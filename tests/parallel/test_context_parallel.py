@@ -22,7 +22,7 @@ from llmtrain.model.recompute import _save_expensive
 from llmtrain.parallel import ring_attention as ring
 from llmtrain.parallel.kernel_emulation import EMULATED_OPS, emulating_cuda_kernels
 from llmtrain.parallel.ring_attention import zigzag_positions
-from llmtrain.plan import check_context_parallel
+from llmtrain.parallel_plan import check_context_parallel
 from llmtrain.tools.ring_kernel_check import MASKS, TOLERANCE, blocks_against_sdpa, passes
 
 

@@ -12,7 +12,7 @@ from harness.processes import torchrun
 
 from llmtrain.differences import largest, within
 from llmtrain.errors import ConfigError
-from llmtrain.plan import check_expert_parallel, resolve_degrees
+from llmtrain.parallel_plan import check_expert_parallel, resolve_degrees
 from llmtrain.tools import compose_config
 
 

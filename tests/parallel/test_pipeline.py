@@ -20,7 +20,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import build_model, initial_weights, materialize, meta_model
 from llmtrain.parallel.family import gpt_pipeline_part, gpt_stage_view
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
-from llmtrain.plan import stage_layers, validate_schedule
+from llmtrain.parallel_plan import stage_layers, validate_schedule
 from llmtrain.tools import compose_config
 
 WORKER = WORKERS / "pipeline_worker.py"

@@ -52,9 +52,9 @@ def _logits_worker(rank: int, port: int, results) -> None:
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_schemas
-    from llmtrain.job import build_parallel_model
     from llmtrain.model import cross_entropy_loss
-    from llmtrain.runtime import init_runtime
+    from llmtrain.run.build import build_parallel_model
+    from llmtrain.run.runtime import init_runtime
 
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from llmtrain.bench.planner_vs_dry_run import FAMILIES, SHAPE, Point, auto_pick, compare, safe, sample
+from llmtrain.bench.planner_vs_dry_run import EVERY_PRESET, PRESETS, SHAPE, Point, auto_pick, compare, safe, sample
 from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model
 from llmtrain.planner import cost
@@ -65,7 +65,7 @@ def test_the_planner_holds_to_the_dry_run_on_a_sample_of_the_whole_grid():
     even = Point("fsdp", "gpt2", "selective", 4)
     points = sample(seed, 4)
     first, *rows = in_a_process_of_its_own(compare_each, [even, *points])
-    config = compose_config([*FAMILIES["gpt2"], *SHAPE])
+    config = compose_config([*PRESETS["gpt2"], *SHAPE])
     parameters = list(meta_model(config.model, 256).parameters())
     assert all(p.shape[0] % 4 == 0 for p in parameters)
     weights = 4 * sum(p.numel() for p in parameters)
@@ -78,6 +78,19 @@ def test_the_planner_holds_to_the_dry_run_on_a_sample_of_the_whole_grid():
         errors = row["errors"]
         assert safe(row), (where, errors)
         assert abs(errors["parameters"]) < 0.01 and abs(errors["optimizer state"]) < 0.01, (where, errors)
+
+
+@pytest.mark.slow
+def test_the_planner_sizes_every_preset_family_within_15_percent_of_its_dry_run():
+    """Each preset family (GPT-2's, Llama's, Qwen3's, Gemma 3's, Mixtral's) at one small shape on 4 FSDP ranks: the
+    planner's peak per rank, counted from the family's own shapes, within 15% of the dry run's either way, its
+    parameters and optimizer state within 1%."""
+    points = [Point("fsdp", family, "none", 4) for family in EVERY_PRESET]
+    for point, row in zip(points, in_a_process_of_its_own(compare_each, points)):
+        assert "error" not in row, (point, row.get("error"))
+        errors = row["errors"]
+        assert abs(errors["peak"]) <= 0.15, (point, errors)
+        assert abs(errors["parameters"]) < 0.01 and abs(errors["optimizer state"]) < 0.01, (point, errors)
 
 
 @pytest.mark.slow

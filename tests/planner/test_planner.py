@@ -24,7 +24,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import meta_model, num_parameters
 from llmtrain.model.flops import attention_flops_per_token, flops_per_token
 from llmtrain.optim import is_hidden_matrix
-from llmtrain.plan import Degrees
+from llmtrain.parallel_plan import Degrees
 from llmtrain.planner.candidates import Candidate, enumerate_candidates
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, workload_for
@@ -241,7 +241,7 @@ def test_a_layout_is_one_row(monkeypatch):
     from llmtrain import catalog
     from llmtrain.config import ParallelConfig
     from llmtrain.parallel.parallel_model import data_parallel_class
-    from llmtrain.plan import ParallelPlan
+    from llmtrain.parallel_plan import ParallelPlan
     from llmtrain.tools.layout_doc import option_file
 
     row = dataclasses.replace(catalog.LAYOUTS["fsdp"], settings={"reshard_after_forward": False}, planner_extras=())

@@ -20,7 +20,7 @@ from llmtrain.data.preference import pair_of, tokenized_pairs
 from llmtrain.data.sft import chat_template_of
 from llmtrain.data.tokenizers import load_tokenizer
 from llmtrain.errors import ConfigError
-from llmtrain.runtime import Runtime
+from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.dpo import REWARDS, DirectPreference
 
@@ -73,7 +73,7 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
     """One process's step on adapters moved off zero: DPO's loss and rewards, recomputed from the definition (a
     copy of the model for the policy; another with its adapters zeroed for the reference; log-softmax sums), are the
     step's; the adapters' gradients of the weighted cross-entropy it trains on are autograd's of that loss."""
-    from llmtrain.job import build_training
+    from llmtrain.run.build import build_training
 
     beta = 0.3
     config = compose_config([*preference_run(*pairs), f"data.beta={beta}", "train.eval_every=0"])
@@ -156,7 +156,7 @@ def test_dpo_under_a_layout_matches_one_process(layout, dpo_results):
 def test_the_planner_counts_dpos_two_forward_passes_without_gradients(pairs):
     """A DPO step computes a forward pass (a third of a training step's flops) twice more: the reference's and the
     policy's log-probabilities. Full recomputation adds its own rerun on top."""
-    from llmtrain.plan import Degrees
+    from llmtrain.parallel_plan import Degrees
     from llmtrain.planner.candidates import Candidate
     from llmtrain.planner.cost import layout_cost
     from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for

@@ -23,7 +23,7 @@ from llmtrain.catalog import MLP_KINDS
 from llmtrain.differences import largest
 from llmtrain.model.moe import Experts, MoE, MoEConfig
 from llmtrain.parallel.expert import AllToAllDispatch
-from llmtrain.runtime import init_runtime
+from llmtrain.run.runtime import init_runtime
 
 EXPERTS, D_MODEL, HIDDEN = 8, 8, 16
 

@@ -1,5 +1,5 @@
 """Run by tests under torchrun: several layouts, each trained a few steps by the real trainer (the components
-llmtrain/job.py builds for train.py) in one process group, on the same global batches as the unsplit model, which
+llmtrain/run/job.py builds for train.py) in one process group, on the same global batches as the unsplit model, which
 rank 0 trains by itself first (`single`, before the group forms). The process group and the imports are paid for
 once, however many layouts.
 
@@ -26,9 +26,9 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain.job import build_training
 from llmtrain.model.scoring import SUMMED_LOSSES, UNSCORED
-from llmtrain.runtime import Runtime, init_runtime
+from llmtrain.run.build import build_training
+from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 from llmtrain.train.flight_recorder import flight_entries
@@ -176,7 +176,7 @@ def adapter_answers(parts) -> dict:
     from llmtrain.lm_eval_model import LiveModel
 
     train = parts.config.train
-    lm = LiveModel(parts.model, parts.data.tokenizer, parts.model_config.max_seq_len, train.micro_batch_size, False)
+    lm = LiveModel(parts.model, parts.data.tokenizer, parts.facts.shape.max_seq_len, train.micro_batch_size, False)
     with open(parts.config.eval.tasks[0]) as f:
         records = [json.loads(line) for line in f][:6]
     contexts = [record.get("context", record.get("ctx")) for record in records]

@@ -37,8 +37,8 @@ from warm_python import STATUS, receive_exactly, startup_environment
 # What a train.py run (alone or as a torchrun rank), torchrun and the test tools import before their first step.
 # Not the modules runs execute as __main__ (runpy warns when one was imported already).
 PRELOAD = (
-    "llmtrain.job",
-    "llmtrain.entry",
+    "llmtrain.run.job",
+    "llmtrain.run.entry",
     "llmtrain.tools",
     "hydra.main",
     "torch.distributed.launcher.api",

@@ -38,7 +38,7 @@ from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.parallel.pipeline.timeline import TimedStage, Timeline, bubble_fraction, plot_gantt
 from llmtrain.parallel.step_setup import StepSetup
 from llmtrain.parallel.tensors import MicroBatches, Statistic, full_tensor, grads_by_layout, local_tensor, squared_norm
-from llmtrain.plan import stage_layers
+from llmtrain.parallel_plan import stage_layers
 
 
 class Pipeline:

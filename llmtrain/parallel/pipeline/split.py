@@ -1,5 +1,5 @@
 """The stage split: which stages each pipeline rank holds (which blocks each stage runs is the plan's
-`stage_layers`, llmtrain/plan.py, checked before anything is built), without tracing.
+`stage_layers`, llmtrain/parallel_plan.py, checked before anything is built), without tracing.
 
 The model family's spec cuts the model (llmtrain/parallel/family.py: `pipeline_part`, `stage_view`): a rank's part
 holds the blocks of all its stages under their whole-model names ("blocks.5.attn.q_proj.weight"), plus the

@@ -14,12 +14,12 @@ from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 
-from llmtrain import attempts
 from llmtrain.errors import ConfigError, Preempted, RunError, exit_for
-from llmtrain.launch_env import launch_rank
-from llmtrain.plan import with_layouts_that_run
-from llmtrain.run_dir import exit_with_config_error, remove_if_empty_run
-from llmtrain.runtime import Runtime, ended_on_purpose, record_end_on_purpose
+from llmtrain.parallel_plan import with_layouts_that_run
+from llmtrain.run import attempts
+from llmtrain.run.launch_env import launch_rank
+from llmtrain.run.run_dir import exit_with_config_error, remove_if_empty_run
+from llmtrain.run.runtime import Runtime, ended_on_purpose, record_end_on_purpose
 from llmtrain.train.peer_loss import is_peer_loss, peer_lost
 from llmtrain.train.preemption import PreemptionWatch
 
