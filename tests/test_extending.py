@@ -8,7 +8,6 @@ refuses it. The slow test trains the layout and the family on two processes agai
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -27,7 +26,7 @@ from extending_worker import (
 from harness.corpora import DOCUMENT_CORPUS, write_preference_data
 from harness.layouts import assert_matches_single, needs_torchao
 from harness.paths import WORKERS
-from harness.preference import answer_log_probabilities, preference_run
+from harness.preference import assert_adapter_gradients_match, preference_run, refereed_step
 from harness.processes import torchrun
 from omegaconf import OmegaConf
 
@@ -268,37 +267,16 @@ def test_an_ipo_step_has_the_referees_loss_and_gradients(monkeypatch, pairs, tmp
     parts = build_training(OmegaConf.to_object(config), ALONE, str(tmp_path / "run"))
     try:
         assert type(parts.objective) is ipo.IdentityPreference
-        model = parts.model
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(0)
-            for name, param in model.module.named_parameters():
-                if name.endswith("lora_b"):
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-        rows = parts.data.train.next()
-        micro_batches = parts.train_slice.micro_batches(rows)
-        referee, reference = copy.deepcopy(model.module), copy.deepcopy(model.module)
-        prepared = parts.objective.prepared(micro_batches, rows)
-        model.forward_backward(prepared.micro_batches)
+        step = refereed_step(parts)
     finally:
         parts.data.close()
-    inputs, targets = (torch.cat(part) for part in zip(*micro_batches))
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name.endswith("lora_b"):
-                param.zero_()
-        reference_lp = answer_log_probabilities(reference, inputs, targets)
-    ratios = (answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
-    loss = ((ratios[:, 0] - ratios[:, 1] - 1 / (2 * beta)) ** 2).mean()
+    margins = step.log_ratios[:, 0] - step.log_ratios[:, 1]
+    loss = ((margins - 1 / (2 * beta)) ** 2).mean()
     loss.backward()
     # h is a difference of two fp32 sums of about -200 (a unit in the last place 1.5e-5 each), and the loss moves by
     # 2 |h - 1/(2β)| (about 1.5 here) per unit of h
-    assert prepared.loss is not None and prepared.loss.item() == pytest.approx(loss.item(), abs=1e-4)
-    ours = dict(model.module.named_parameters())
-    adapters = [name for name, param in referee.named_parameters() if param.grad is not None]
-    assert adapters and all(name.rpartition(".")[2].startswith("lora") for name in adapters)
-    for name in adapters:
-        expected = dict(referee.named_parameters())[name].grad
-        torch.testing.assert_close(ours[name].grad, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    assert step.prepared.loss is not None and step.prepared.loss.item() == pytest.approx(loss.item(), abs=1e-4)
+    assert_adapter_gradients_match(parts.model.module, step.referee)
 
 
 def test_ipos_row_refuses_data_without_pairs_and_is_planned_with_its_forwards(monkeypatch, pairs, options):

@@ -3,7 +3,7 @@ the global-batch loss, clipping, the optimizer and schedule steps, then metrics,
 schedule, and a clean stop when the job is asked to end (preemption.py). What watches the steps without steering
 them (the hang watchdog, the straggler report, the profiler, the fault points) hears of them through the hooks of
 observers.py; whether a step's update reaches the weights (non-finite steps, loss spikes), update_guard.py; what a
-step optimizes (the next-token loss, DPO's pairs), the job's Objective (objectives.py)."""
+step optimizes, the job's Objective (objectives.py)."""
 
 from __future__ import annotations
 

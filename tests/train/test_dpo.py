@@ -4,15 +4,13 @@ from the definition, and every layout against one process."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from harness.corpora import write_preference_data
 from harness.layouts import TWO_BLOCKS, assert_matches_single, layout_groups
-from harness.preference import answer_log_probabilities, preference_run
+from harness.preference import assert_adapter_gradients_match, preference_run, refereed_step
 from omegaconf import OmegaConf
 
 from llmtrain.config import validate
@@ -79,29 +77,13 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
     config = compose_config([*preference_run(*pairs), f"data.beta={beta}", "train.eval_every=0"])
     parts = build_training(OmegaConf.to_object(config), ONE_PROCESS, str(tmp_path / "run"))
     try:
-        model = parts.model
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, param in model.module.named_parameters():
-                if name.endswith("lora_b"):
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-        rows = parts.data.train.next()
-        micro_batches = parts.train_slice.micro_batches(rows)
-        referee, reference = copy.deepcopy(model.module), copy.deepcopy(model.module)
         assert type(parts.objective) is DirectPreference  # train.objective=auto on data=preference
-        prepared = parts.objective.prepared(micro_batches, rows)
-        model.forward_backward(prepared.micro_batches)
-        assert prepared.loss is not None
-        statistics = torch.cat([prepared.loss.reshape(1), prepared.metrics])
+        step = refereed_step(parts)
     finally:
         parts.data.close()
-    inputs, targets = (torch.cat(part) for part in zip(*micro_batches))
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name.endswith("lora_b"):
-                param.zero_()
-        reference_lp = answer_log_probabilities(reference, inputs, targets)
-    rewards = beta * (answer_log_probabilities(referee, inputs, targets) - reference_lp).view(-1, 2)
+    assert step.prepared.loss is not None
+    statistics = torch.cat([step.prepared.loss.reshape(1), step.prepared.metrics])
+    rewards = beta * step.log_ratios
     margins = rewards[:, 0] - rewards[:, 1]
     loss = -F.logsigmoid(margins).mean()
     loss.backward()
@@ -109,14 +91,7 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
     # a reward is β times a difference of two fp32 sums of about -200, whose unit in the last place is 1.5e-5
     assert statistics.tolist() == pytest.approx([value.item() for value in expected], rel=1e-5, abs=beta * 1.5e-5)
     assert len(REWARDS) == len(expected) - 1 and 0.0 < margins.abs().min()  # the adapters moved every answer
-    ours = dict(model.module.named_parameters())
-    compared = 0
-    for name, param in referee.named_parameters():
-        if param.grad is not None:
-            # fp32 sums in other orders: within 1e-4 of the tensor's largest element
-            torch.testing.assert_close(ours[name].grad, param.grad, rtol=0, atol=1e-4 * param.grad.abs().max().item())
-            compared += 1
-    assert compared == sum(1 for name, _ in referee.named_parameters() if name.rpartition(".")[2].startswith("lora"))
+    assert_adapter_gradients_match(parts.model.module, step.referee)
 
 
 # DPO under the layouts, against one process: pairs split over data-parallel ranks, their rows' log-probabilities
