@@ -184,9 +184,9 @@ def test_the_planner_sizes_the_family_from_its_own_shapes(monkeypatch, options, 
 
 def test_a_checkpoint_of_the_family_reloads_as_the_family(monkeypatch, options, tmp_path):
     """The checkpoint records the family beside the shape: the offline load (export's and generate's) rebuilds a
-    SquaredReluGPT with the trained model's logits, evaluate's model group builds one, a resume as another family
-    is refused naming model.family, the Hugging Face export refuses it in one line (no transformers class computes
-    it), and a checkpoint written before the key (no family recorded) reads as the GPT."""
+    ParallelBlockGPT with the trained model's logits, evaluate's model group builds one, a resume as another family
+    is refused naming model.family, the Hugging Face export refuses it in one line (its row names no formats), and
+    the config of a checkpoint written before the key (no family recorded) reads as the GPT's."""
     parallel_block = install_family(monkeypatch)
     _, parts = _train([options, "model=tiny-parallel", "optim.lr=3e-3"], 2, tmp_path)
     parts.checkpoints.save(2)
