@@ -129,15 +129,15 @@ def gpt_format_of(cfg: GPTConfig) -> HFFormat:
         name = "gemma3_text"
     else:
         name = "qwen3" if cfg.qk_norm else "llama" if hf_llama.is_llama(cfg) else "gpt2"
-    family = FORMATS[name]
-    if family is not GEMMA3 and any(cfg.sliding_window):
+    chosen = FORMATS[name]
+    if chosen is not GEMMA3 and any(cfg.sliding_window):
         raise ConfigError(
-            f"model.sliding_window={list(cfg.sliding_window)}: {family.transformers_class}, the transformers class "
+            f"model.sliding_window={list(cfg.sliding_window)}: {chosen.transformers_class}, the transformers class "
             f"this model would go to or come from, attends over the whole context in every block, so it would "
             f"compute another model (Gemma3ForCausalLM holds windows, beside all of Gemma 3's modules)"
         )
-    family.check(cfg)
-    return family
+    chosen.check(cfg)
+    return chosen
 
 
 GPT_FORMATS = HFFormats(IMPORTED_AS, gpt_format_of)
