@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from llmtrain.model.counter_random import hashed
+
 
 @dataclass(frozen=True)
 class Split:
@@ -29,20 +31,6 @@ class Split:
     dim: int
     rank: int
     parts: int
-
-
-def _signed(constant: int) -> int:
-    """A 64-bit constant as torch's int64 holds it."""
-    return constant - (1 << 64) if constant >= 1 << 63 else constant
-
-
-# splitmix64's finaliser (Steele, Lea & Flood, 2014) on int64 tensors: multiplications wrap; right shifts are
-# masked to be logical ones.
-_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def global_indices(shape: torch.Size, split: Split | None, device: torch.device) -> torch.Tensor:
@@ -58,13 +46,7 @@ def keep_mask(
     shape: torch.Size, p: float, seed: torch.Tensor, split: Split | None, device: torch.device
 ) -> torch.Tensor:
     """True where an element survives dropout with probability `p`, the same for any split of the tensor."""
-    # (i + seed) * golden: splitmix64's state for step i of the seed (the seed added first: the compiler keeps
-    # index arithmetic exact, and i * golden alone would overflow there).
-    z = (global_indices(shape, split, device) + seed) * _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    z = z ^ _shift_right(z, 31)
-    return (z & 0xFFFFFFFF) >= int(p * 2**32)
+    return (hashed(global_indices(shape, split, device), seed) & 0xFFFFFFFF) >= int(p * 2**32)
 
 
 def _split_of(x: DTensor) -> Split | None:

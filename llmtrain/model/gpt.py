@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ from llmtrain.config import mlp_width
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.documents import PackedDocuments, document_attention, visible, whole_window_documents
 from llmtrain.model.dropout import Dropout
+from llmtrain.model.kv_cache import KVCache
 from llmtrain.model.lora import ADAPTERS, LoRAConfig, freeze_base, init_adapter, linear
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
@@ -149,7 +152,11 @@ class GPTConfig:
 class WholeSequence:
     """Which positions of the sequence a forward sees, and how its attention reaches the rest: here all of them,
     in order, and attention is local. Context parallelism hands the model its own layout instead (made by
-    llmtrain/parallel/context.py, handed over by family.py): a shard of positions, attention over a ring of ranks."""
+    llmtrain/parallel/context.py, handed over by family.py): a shard of positions, attention over a ring of ranks;
+    decoding, a KVCache (model/kv_cache.py)."""
+
+    # A sliding-window block's attention is masked by packed documents (one, the whole window, where none is given).
+    windows_by_documents = True
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return torch.arange(t, device=device)
@@ -370,7 +377,7 @@ class GPT(LayeredModel):
         packed document of each position starts (batch, seq; model/documents.py), or None for causal attention over
         the whole window."""
         windows = {self.cfg.window_of(int(name)) for name in self.blocks}
-        if documents is None and windows != {None}:  # sliding windows over one document: the whole window
+        if documents is None and windows != {None} and self.sequence.windows_by_documents:  # one document
             documents = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
         packed = None if documents is None else self.sequence.documents(documents, windows)
         if self.tok_emb is not None and self.emb_dropout is not None:
@@ -394,6 +401,21 @@ class GPT(LayeredModel):
             freeze_base(self)
         if self.cfg.quantize_base == "nf4":
             quantize_base(self)
+
+    @contextmanager
+    def decoding(self, cache: KVCache) -> Iterator[None]:
+        """Forward passes compute the next positions of `cache`'s rows over their cached keys, until the block ends."""
+        attentions = [cast(Block, block).attn for block in self.blocks.values()]
+        kept = self.sequence, [attention.sequence for attention in attentions]
+        self.sequence = cast(WholeSequence, cache)
+        for name, attention in zip(self.blocks, attentions):
+            attention.sequence = cast(WholeSequence, cache.layer(int(name)))
+        try:
+            yield
+        finally:
+            self.sequence = kept[0]
+            for attention, sequence in zip(attentions, kept[1]):
+                attention.sequence = sequence
 
     # -- what parallel layouts need to know about this model ------------------------------------------------
     @property

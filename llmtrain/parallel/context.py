@@ -32,6 +32,8 @@ def shard_tokens(tokens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 class ContextShard:
     """The sequence layout a context-parallel rank hands its model (gpt.WholeSequence's interface)."""
 
+    windows_by_documents = True
+
     def __init__(self, mesh: DeviceMesh):
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()

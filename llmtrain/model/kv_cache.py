@@ -1,0 +1,104 @@
+"""Decoding with a cache of keys and values: each forward pass computes only the new positions, attending over the
+keys and values kept from the positions before. A KVCache stands where the whole sequence stands in training (the
+model's and each attention's `sequence`, gpt.WholeSequence's interface): it gives each row's positions and runs each
+block's attention over its cached keys.
+
+Rows are left-padded so that every row's next position is the same column: row r's tokens start at column
+starts[r], its positions count from there, and no query sees a key before it. A sliding-window block sees its last
+`window` keys, as in training. Under tensor parallelism each rank caches its own key/value heads (the attention's
+projections are split by heads), so the cache is split with them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.model.documents import PackedDocuments
+
+
+class KVCache:
+    """Every block's keys and values for `starts.numel()` rows of up to `length` columns, allocated on a block's first
+    write in its keys' dtype and device: (rows, key/value heads, length, head width) each. `filled` columns hold
+    keys; a forward pass writes the next ones and `advance` moves past them."""
+
+    # The attention windows of the blocks apply per query here; training's sequence makes documents for them.
+    windows_by_documents = False
+
+    def __init__(self, starts: torch.Tensor, length: int):
+        self.starts, self.length, self.filled = starts, length, 0
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """(rows, t): each row's positions of the next t columns (pads at 0: masked out anyway)."""
+        columns = torch.arange(self.filled, self.filled + t, device=device)
+        return (columns[None, :] - self.starts.to(device)[:, None]).clamp(min=0)
+
+    def documents(self, starts: torch.Tensor, windows: Iterable[int | None]) -> PackedDocuments:
+        raise NotImplementedError("packed documents are not decoded with a cache: each row is one document")
+
+    def layer(self, index: int) -> LayerCache:
+        """Block `index`'s view: its attention writes and reads its own keys."""
+        return LayerCache(self, index)
+
+    def advance(self, t: int) -> None:
+        """The forward pass that wrote the next `t` columns in every block is over."""
+        self.filled += t
+
+    def repeat_rows(self, times: int) -> None:
+        """Each row `times` times over, in place, consecutively (a prompt's prefill shared by its group)."""
+        self.starts = self.starts.repeat_interleave(times)
+        for store in (self._keys, self._values):
+            for index, tensor in store.items():
+                store[index] = tensor.repeat_interleave(times, dim=0)
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Block `index`'s attention of the new queries q (rows, heads, t, head width) over every cached key and
+        the new k, v, which it caches."""
+        t = q.shape[2]
+        if index not in self._keys:
+            shape = (k.shape[0], k.shape[1], self.length, k.shape[3])
+            self._keys[index] = k.new_zeros(shape)
+            self._values[index] = v.new_zeros(shape)
+        end = self.filled + t
+        if end > self.length:
+            raise ValueError(f"the cache holds {self.length} columns: {end} asked")
+        self._keys[index][:, :, self.filled : end] = k
+        self._values[index][:, :, self.filled : end] = v
+        keys, values = self._keys[index][:, :, :end], self._values[index][:, :, :end]
+        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves its query heads
+            keys, values = (z.repeat_interleave(q.shape[1] // z.shape[1], dim=1) for z in (keys, values))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask(t, end, window, q.device))
+
+    def _mask(self, t: int, end: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """(rows, 1, t, end): query i (column filled + i) sees key j from its row's start up to itself, within the
+        window; a padding column sees itself alone (a query that saw nothing would make NaNs, which the padding's
+        keys would carry into every later block)."""
+        query = torch.arange(self.filled, end, device=device)[:, None]
+        key = torch.arange(end, device=device)[None, :]
+        seen = (key <= query) & ((key >= self.starts.to(device)[:, None, None]) | (key == query))
+        if window is not None:
+            seen = seen & (key > query - window)
+        return seen[:, None]
+
+
+class LayerCache:
+    """One block's view of a KVCache: what its attention calls where the whole sequence would stand."""
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        return self.cache.positions(t, device)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: PackedDocuments | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        return self.cache.attend(self.index, q, k, v, window)

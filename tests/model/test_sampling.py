@@ -1,0 +1,110 @@
+"""The KV-cached sampler (llmtrain/model/sampling.py, kv_cache.py): its logits are the whole forward pass's, a
+completion depends on its prompt, seed and model alone (not on the batch or its padding), and the draws follow the
+filtered softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.model import GPT, GPTConfig
+from llmtrain.model.kv_cache import KVCache
+from llmtrain.model.sampling import SamplingSettings, decode_step, draw, sample
+
+CPU = torch.device("cpu")
+SHAPES = {
+    "gpt2": {},
+    "llama": {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_head": 2, "bias": False},
+    "gemma3 windows": {
+        "norm": "offset_rmsnorm", "position": "rope", "mlp": "geglu", "n_kv_head": 2, "bias": False, "qk_norm": True,
+        "sandwich_norm": True, "sliding_window": (3, 0), "rope_local_theta": 100.0,
+    },
+}  # fmt: skip
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [1]]
+
+
+def _model(shape: str, sharpness: float = 40.0) -> GPT:
+    """A seeded model whose head is scaled by `sharpness`: logits far from uniform, so that a wrong one would
+    change the tokens drawn."""
+    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=32, **SHAPES[shape]))
+    model.init_weights(0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model.eval()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_cached_step_has_the_whole_forward_passs_logits(shape):
+    """Prompts of three lengths left-padded into one prefill, each drawn twice from its prefill: every completion's
+    logits, position by position, are those of the whole sequence run at once (within fp32 rounding), windows and
+    grouped-query attention included."""
+    model = _model(shape)
+    completions = sample(decode_step(model), PROMPTS, [0, 1, 2], 2, SamplingSettings(6), seed=3, device=CPU)
+    seen: list[torch.Tensor] = []
+    decode = decode_step(model)
+
+    def recording(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        logits = decode(tokens, cache)
+        seen.append(logits[:, -1])
+        return logits
+
+    again = sample(recording, PROMPTS, [0, 1, 2], 2, SamplingSettings(6), seed=3, device=CPU)
+    assert again.rows() == completions.rows()
+    stepped = torch.stack([seen[0].repeat_interleave(2, dim=0), *seen[1:]], dim=1)  # (rows, position, vocabulary)
+    for row, completion in enumerate(completions.rows()):
+        prompt = PROMPTS[row // 2]
+        with torch.no_grad():
+            whole = model(torch.tensor([prompt + completion]))[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(stepped[row, : len(completion)], whole, rtol=0, atol=2e-5)
+
+
+def test_a_completion_depends_on_its_prompt_seed_and_model_alone():
+    """Each prompt alone draws what it draws in a batch with the others (other padding, other rows); the same seed
+    draws the same, another seed other completions."""
+    model = _model("llama", sharpness=4.0)
+    settings = SamplingSettings(8, temperature=1.0, top_k=20, top_p=0.9)
+    batched = sample(decode_step(model), PROMPTS, [10, 11, 12], 3, settings, seed=7, device=CPU).rows()
+    alone = [
+        row
+        for index, prompt in enumerate(PROMPTS)
+        for row in sample(decode_step(model), [prompt], [10 + index], 3, settings, seed=7, device=CPU).rows()
+    ]
+    assert batched == alone
+    assert len({tuple(row) for row in batched}) > len(PROMPTS)  # a group's completions differ
+    other = sample(decode_step(model), PROMPTS, [10, 11, 12], 3, settings, seed=8, device=CPU).rows()
+    assert other != batched
+
+
+def test_a_row_ends_after_a_stop_token_which_it_keeps():
+    """Greedy decoding (temperature 0) is the whole model's argmax step by step; a stop token ends its row, kept
+    and counted in its length, while the other rows go on to max_new_tokens."""
+    model = _model("gpt2")
+    greedy = sample(decode_step(model), PROMPTS, [0, 1, 2], 1, SamplingSettings(6, temperature=0), 0, CPU).rows()
+    for prompt, completion in zip(PROMPTS, greedy):
+        ids = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert completion == ids[len(prompt) :]
+    stop = greedy[1][2]
+    settings = SamplingSettings(6, temperature=0, stop_ids=(stop,))
+    ended = sample(decode_step(model), PROMPTS, [0, 1, 2], 1, settings, 0, CPU)
+    assert ended.rows()[1] == greedy[1][: greedy[1].index(stop) + 1] and bool(ended.stopped[1])
+    for row, completion in enumerate(greedy):
+        if stop not in completion:
+            assert ended.rows()[row] == completion and not bool(ended.stopped[row])
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, kept",
+    [(0, 1.0, [0.5, 0.25, 0.15, 0.1]), (2, 1.0, [2 / 3, 1 / 3, 0, 0]), (0, 0.7, [2 / 3, 1 / 3, 0, 0])],
+)
+def test_draws_follow_the_filtered_softmax(top_k, top_p, kept):
+    """4,000 rows' seeds drawing from probabilities (0.5, 0.25, 0.15, 0.1): each token's share is its probability
+    after top-k or top-p renormalised (top-p 0.7: the fewest tokens reaching it), within 3 standard errors."""
+    logits = torch.tensor([0.5, 0.25, 0.15, 0.1]).log().repeat(4000, 1)
+    seeds = torch.arange(4000, dtype=torch.long) * 7919 + 11
+    drawn = draw(logits, SamplingSettings(1, temperature=1.0, top_k=top_k, top_p=top_p), seeds, position=0)
+    shares = torch.bincount(drawn, minlength=4).double() / 4000
+    for share, expected in zip(shares.tolist(), kept):
+        assert abs(share - expected) <= 3 * (expected * (1 - expected) / 4000) ** 0.5 + 1e-9
