@@ -95,6 +95,33 @@ def test_a_row_ends_after_a_stop_token_which_it_keeps():
             assert ended.rows()[row] == completion and not bool(ended.stopped[row])
 
 
+def test_the_sampler_sees_the_current_adapters():
+    """With low-rank adapters moved off zero, the adapted model draws what the same model with its adapters merged
+    into its weights draws, not what its base draws: no copy or merge is needed to sample from the policy."""
+    import dataclasses
+
+    from llmtrain.model.hf_peft import merged
+    from llmtrain.model.lora import LoRAConfig
+
+    cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, max_seq_len=32, **SHAPES["llama"])
+    adapted = GPT(dataclasses.replace(cfg, lora=LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "fc_out"))))
+    adapted.init_weights(0)
+    with torch.no_grad():
+        adapted.lm_head.weight.mul_(4)
+        generator = torch.Generator().manual_seed(1)
+        for name, param in adapted.named_parameters():
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    settings = SamplingSettings(8)
+    drawn = sample(decode_step(adapted.eval()), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+    base = GPT(cfg)
+    base.init_weights(0)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(4)
+    assert drawn == sample(decode_step(merged(adapted)), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+    assert drawn != sample(decode_step(base.eval()), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+
+
 @pytest.mark.parametrize(
     "top_k, top_p, kept",
     [(0, 1.0, [0.5, 0.25, 0.15, 0.1]), (2, 1.0, [2 / 3, 1 / 3, 0, 0]), (0, 0.7, [2 / 3, 1 / 3, 0, 0])],
@@ -108,3 +135,53 @@ def test_draws_follow_the_filtered_softmax(top_k, top_p, kept):
     shares = torch.bincount(drawn, minlength=4).double() / 4000
     for share, expected in zip(shares.tolist(), kept):
         assert abs(share - expected) <= 3 * (expected * (1 - expected) / 4000) ** 0.5 + 1e-9
+
+
+# The layouts that sample, on 2 ranks, against one process: data-parallel ranks drawing their own prompts, FSDP
+# gathering each block per step, tensor-parallel ranks each over its own heads (and the logits gathered from the
+# vocabulary shards), LoRA's adapters and an NF4 base beside them.
+SAMPLING_LAYOUTS = [
+    "parallel=ddp",
+    "parallel=fsdp",
+    "parallel=tp parallel.sequence_parallel=false",
+    "parallel=tp parallel.sequence_parallel=false parallel.loss_parallel=true",
+    "model.lora.rank=4 parallel=fsdp",
+    "model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 model.lora.rank=4 model.quantize_base=nf4 "
+    "parallel=fsdp",
+]
+
+
+@pytest.mark.slow
+def test_every_layout_that_samples_draws_what_one_process_draws(tmp_path):
+    """The same seed, the same completions: llama-tiny (grouped-query attention, rotary positions) under each layout
+    draws every prompt's group token for token as the unsplit model does."""
+    import json
+
+    from harness.paths import WORKERS
+    from harness.processes import torchrun
+    from sampling_worker import model_overrides
+
+    common = "model=llama-tiny model.n_layer=2 model.vocab_size=61 train.device=cpu logging.wandb.mode=disabled"
+    torchrun(2, str(WORKERS / "sampling_worker.py"), str(tmp_path), common, *SAMPLING_LAYOUTS, timeout=600)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["single"]) == 6 and len({tuple(row) for rows in results["single"] for row in rows}) > 6
+    for layout in SAMPLING_LAYOUTS:
+        assert results[layout] == results[f"single {model_overrides(layout)}".strip()], layout
+
+
+def test_a_layout_that_cannot_sample_is_refused_in_one_line():
+    from llmtrain.errors import ConfigError
+    from llmtrain.parallel.sampling import check_samples
+    from llmtrain.parallel_plan import ParallelPlan
+    from llmtrain.tools import compose_config
+
+    for overrides, refusal in (
+        (["parallel=pp"], r"^parallel=pp: a pipeline cannot sample"),
+        (["parallel=fsdp", "parallel.cp=2"], r"^parallel.cp=2: decoding one position at a time"),
+        (["parallel=tp", "parallel.sequence_parallel=true"], r"^parallel.sequence_parallel=true: a decoding step"),
+    ):
+        config = compose_config(["model=llama-tiny", "train.batch_size=8", "train.micro_batch_size=2", *overrides])
+        plan = ParallelPlan.of(config.parallel, config.train, config.model, 2)
+        with pytest.raises(ConfigError, match=refusal) as refused:
+            check_samples(plan)
+        assert "\n" not in str(refused.value)

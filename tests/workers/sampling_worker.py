@@ -1,0 +1,71 @@
+"""Run by tests under torchrun: the sampler on several layouts in one process group. Each layout's model is built
+from the same seed; its data-parallel ranks take their share of PROMPTS (prompt i on the rank i // share), draw
+GROUP completions of each, and rank 0 writes OUT_DIR/results.json: per layout, every prompt's completions in the
+order of the prompts. A layout's overrides before its first `parallel` one choose its model, which one process
+samples unsplit first (`single <those overrides>`), before the group forms.
+
+    torchrun --nproc_per_node=N tests/workers/sampling_worker.py OUT_DIR "<overrides for all>" "<layout 1>" ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.model.sampling import SamplingSettings
+from llmtrain.parallel.sampling import sample_completions
+from llmtrain.run.build import build_parallel_model
+from llmtrain.run.runtime import Runtime, init_runtime
+from llmtrain.tools import compose_config
+
+PROMPTS = [[3, 7, 11], [5], [8, 9, 10, 11, 12], [2, 4], [13, 1, 6], [7, 7, 7, 7]]
+GROUP = 3
+VOCAB = 61
+SETTINGS = SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=30, top_p=0.95, stop_ids=(0,))
+
+
+def completions(overrides: list[str], runtime: Runtime) -> list[list[list[int]]]:
+    """Every prompt's GROUP completions under the layout of `overrides`, as rank 0 gathers them (others: [])."""
+    model = build_parallel_model(compose_config(overrides), runtime, VOCAB)
+    share = len(PROMPTS) // model.plan.dp_size
+    first = model.mesh.dp_rank * share
+    mine = sample_completions(
+        model, PROMPTS[first : first + share], list(range(first, first + share)), GROUP, SETTINGS, seed=5
+    ).rows()
+    grouped = [mine[i * GROUP : (i + 1) * GROUP] for i in range(share)]
+    if not runtime.distributed:
+        return grouped
+    gathered: list = [None] * runtime.world_size
+    dist.all_gather_object(gathered, (model.mesh.dp_rank, grouped))
+    by_dp_rank = dict(gathered)  # tensor-parallel ranks of one data-parallel rank drew the same rows
+    return [rows for rank in sorted(by_dp_rank) for rows in by_dp_rank[rank]] if runtime.is_main else []
+
+
+def model_overrides(layout: str) -> str:
+    """The overrides of `layout` before its first `parallel` one: what it samples from."""
+    words = layout.split()
+    first = next(i for i, word in enumerate(words) if word.startswith("parallel"))
+    return " ".join(words[:first])
+
+
+def main(out_dir: str, common: str, layouts: list[str]) -> None:
+    alone = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none")
+    results: dict = {}
+    if os.environ.get("RANK", "0") == "0":
+        for model in dict.fromkeys(model_overrides(layout) for layout in layouts):
+            results[f"single {model}".strip()] = completions([*common.split(), *model.split()], alone)
+    runtime = init_runtime("cpu")
+    for layout in layouts:
+        results[layout] = completions([*common.split(), *layout.split()], runtime)
+    if runtime.is_main:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    runtime.shutdown(synchronize=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
