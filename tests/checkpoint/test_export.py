@@ -14,8 +14,9 @@ from harness.processes import free_port, join_as_rank, python, rank_slots
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
-from llmtrain.generate import sample
+from llmtrain.generate import continuations
 from llmtrain.model import build_model
+from llmtrain.model.sampling import SamplingSettings
 from llmtrain.tools import compose_config
 
 LOGIT_ATOL = 1e-4  # fp32; measured ~1e-6
@@ -53,15 +54,7 @@ def test_greedy_sampling_matches_transformers_generate(exported):
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer("def ")["input_ids"]
-    ours = sample(
-        load_checkpoint_model(checkpoint),
-        prompt,
-        12,
-        temperature=0,
-        top_k=0,
-        eos_id=None,
-        generator=torch.Generator().manual_seed(0),
-    )
+    (ours,) = continuations(load_checkpoint_model(checkpoint), [prompt], SamplingSettings(12, temperature=0), 0, None)
     expected = theirs.generate(
         torch.tensor([prompt]),
         max_new_tokens=12,
@@ -295,7 +288,7 @@ def _assert_export_matches_transformers(run, tmp_path, model_class) -> None:
     with torch.no_grad():
         assert (ours(ids)[..., :257] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
     prompt = ids[0, :8].tolist()
-    mine = sample(ours, prompt, 12, temperature=0, top_k=0, eos_id=None, generator=torch.Generator().manual_seed(0))
+    (mine,) = continuations(ours, [prompt], SamplingSettings(12, temperature=0), 0, None)
     expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
     assert mine == expected

@@ -144,14 +144,21 @@ def test_on_the_layouts_test_corpus_the_mask_moves_the_loss_far_beyond_their_tol
 
 
 def test_generation_continues_the_prompts_last_document_alone():
-    """A prompt that holds an earlier document and its end-of-text token: the greedy continuation is that of its
-    last document by itself (llmtrain.generate reads the prompt as packed documents)."""
-    from llmtrain.generate import sample
+    """A prompt that holds an earlier document and its end-of-text token: the greedy continuation is the one the
+    whole prompt's forward pass with its packed documents kept apart gives, token by token (llmtrain.generate reads
+    the prompt as packed documents are read in training)."""
+    from llmtrain.generate import continuations
+    from llmtrain.model.sampling import SamplingSettings
 
     model = _model(GPT2_STYLE)
-    earlier, last = [7, 8, 9, 10, EOS], [11, 12, 13]
-    greedy = {"max_new_tokens": 6, "temperature": 0, "top_k": 0, "eos_id": EOS, "generator": torch.Generator()}
-    assert sample(model, earlier + last, **greedy) == sample(model, last, **greedy)
+    prompt = [7, 8, 9, 10, EOS, 11, 12, 13]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            context = torch.tensor([ids])
+            ids.append(int(model(context, documents=document_starts(context, EOS))[0, -1].argmax()))
+    greedy = SamplingSettings(6, temperature=0)
+    assert continuations(model, [prompt], greedy, seed=0, eos_id=EOS) == [ids[len(prompt) :]]
 
 
 def test_an_unscored_target_is_left_out_of_one_mean_over_the_whole_batch():
