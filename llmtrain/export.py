@@ -24,12 +24,12 @@ import os
 from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
+from llmtrain.model import GPT
 from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_peft import PEFT_FAMILIES, merged, save_peft_adapter
 
 
 def export(checkpoint: str, out_dir: str) -> None:
-    import transformers
     from transformers import AutoTokenizer
 
     model = load_checkpoint_model(checkpoint)
@@ -39,10 +39,18 @@ def export(checkpoint: str, out_dir: str) -> None:
             save_peft_adapter(model, read_meta(checkpoint)["base"]["init_from"], os.path.join(out_dir, "adapter"))
         model = merged(model)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
-    hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, tokenizer.eos_token_id))
-    hf_model.load_state_dict(family.state_dict(model))
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
+    hf_model_of(model, tokenizer.eos_token_id).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def hf_model_of(model: GPT, eos_id: int):
+    """The transformers model of our whole model (without adapters), holding its weights: what export saves."""
+    import transformers
+
+    family = hf_format_of(model.cfg)
+    hf_model = getattr(transformers, family.transformers_class)(family.hf_config(model.cfg, eos_id))
+    hf_model.load_state_dict(family.state_dict(model))
+    return hf_model.eval()
 
 
 def main() -> None:

@@ -371,11 +371,14 @@ class GPT(LayeredModel):
                 # tensor parallelism shards it with the head's rows.
                 self.lm_head.bias.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, documents: torch.Tensor | None = None, last_logits_only: bool = False
+    ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a part without the embedding takes the residual
         stream (batch, seq, d_model) instead, and a part without the head returns it. `documents`: where the
         packed document of each position starts (batch, seq; model/documents.py), or None for causal attention over
-        the whole window."""
+        the whole window. `last_logits_only`: the logits of the last position alone (batch, 1, vocab), what a
+        sampler reads (the head over a prompt's every position would cost more than its blocks)."""
         windows = {self.cfg.window_of(int(name)) for name in self.blocks}
         if documents is None and windows != {None} and self.sequence.windows_by_documents:  # one document
             documents = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
@@ -392,7 +395,7 @@ class GPT(LayeredModel):
             x = block(x, documents=packed)
         if self.lm_head is None or self.norm is None:
             return x
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x[:, -1:] if last_logits_only else x))
 
     def finish(self) -> None:
         """With low-rank adapters the base is frozen, and with model.quantize_base=nf4 its block weights NF4: over

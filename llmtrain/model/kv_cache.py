@@ -30,11 +30,16 @@ class KVCache:
         self.starts, self.length, self.filled = starts, length, 0
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # this forward pass's, shared by its blocks: masks by (t, window), positions by t
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._positions: dict[int, torch.Tensor] = {}
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """(rows, t): each row's positions of the next t columns (pads at 0: masked out anyway)."""
-        columns = torch.arange(self.filled, self.filled + t, device=device)
-        return (columns[None, :] - self.starts.to(device)[:, None]).clamp(min=0)
+        if t not in self._positions:
+            columns = torch.arange(self.filled, self.filled + t, device=device)
+            self._positions[t] = (columns[None, :] - self.starts.to(device)[:, None]).clamp(min=0)
+        return self._positions[t]
 
     def documents(self, starts: torch.Tensor, windows: Iterable[int | None]) -> PackedDocuments:
         raise NotImplementedError("packed documents are not decoded with a cache: each row is one document")
@@ -46,10 +51,14 @@ class KVCache:
     def advance(self, t: int) -> None:
         """The forward pass that wrote the next `t` columns in every block is over."""
         self.filled += t
+        self._masks.clear()
+        self._positions.clear()
 
     def repeat_rows(self, times: int) -> None:
         """Each row `times` times over, in place, consecutively (a prompt's prefill shared by its group)."""
         self.starts = self.starts.repeat_interleave(times)
+        self._masks.clear()
+        self._positions.clear()
         for store in (self._keys, self._values):
             for index, tensor in store.items():
                 store[index] = tensor.repeat_interleave(times, dim=0)
@@ -68,9 +77,11 @@ class KVCache:
         self._keys[index][:, :, self.filled : end] = k
         self._values[index][:, :, self.filled : end] = v
         keys, values = self._keys[index][:, :, :end], self._values[index][:, :, :end]
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves its query heads
-            keys, values = (z.repeat_interleave(q.shape[1] // z.shape[1], dim=1) for z in (keys, values))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask(t, end, window, q.device))
+        if (t, window) not in self._masks:  # every block of a window shares its mask within a forward pass
+            self._masks[t, window] = self._mask(t, end, window, q.device)
+        # grouped-query attention: each key/value head serves its query heads, in the kernel (no copy of the cache)
+        grouped = keys.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._masks[t, window], enable_gqa=grouped)
 
     def _mask(self, t: int, end: int, window: int | None, device: torch.device) -> torch.Tensor:
         """(rows, 1, t, end): query i (column filled + i) sees key j from its row's start up to itself, within the

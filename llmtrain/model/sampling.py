@@ -20,8 +20,8 @@ import torch
 from llmtrain.model.counter_random import uniform
 from llmtrain.model.kv_cache import KVCache
 
-# (tokens (rows, t), the cache those rows' keys are kept in) -> logits (rows, t, vocabulary), the cache's `filled`
-# columns before the tokens and theirs after: one forward pass of the model over the next columns.
+# (tokens (rows, t), the cache those rows' keys are kept in) -> logits (rows, t or 1, vocabulary), the last position's
+# last: one forward pass of the model over the next columns, the cache's `filled` ones before them.
 DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
 
 
@@ -128,6 +128,6 @@ def decode_step(model: torch.nn.Module) -> DecodeStep:
 
     def step(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         with torch.no_grad(), model.decoding(cache):  # type: ignore[operator]
-            return model(tokens)
+            return model(tokens, last_logits_only=True)
 
     return step

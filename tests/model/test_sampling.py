@@ -185,3 +185,23 @@ def test_a_layout_that_cannot_sample_is_refused_in_one_line():
         with pytest.raises(ConfigError, match=refusal) as refused:
             check_samples(plan)
         assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow  # seconds: transformers' import
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "qwen3-tiny"])
+def test_greedy_batches_decode_what_transformers_generate_decodes(preset):
+    """Left-padded prompts of three lengths, decoded greedily for 12 tokens by the sampler and by transformers'
+    generate (its cache and attention mask) on the same model converted as llmtrain.export converts it: the same
+    tokens (the benchmark's two sides, llmtrain/bench/sampling.py)."""
+    from llmtrain.bench.sampling import _ours, _theirs
+    from llmtrain.export import hf_model_of
+    from llmtrain.model import build_model
+    from llmtrain.tools import compose_config
+
+    model = build_model(compose_config([f"model={preset}", "model.vocab_size=257"]).model, 257, seed=0).eval()
+    with torch.no_grad():  # far from uniform, so that a near tie cannot decide a token
+        model.lm_head.weight.mul_(8)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    _, ours = _ours(model, prompts, 12)
+    _, theirs = _theirs(hf_model_of(model, eos_id=256), prompts, 12)
+    assert ours == theirs
