@@ -33,7 +33,7 @@ from llmtrain.catalog.models import (
     mlp_kind,
     model_family,
 )
-from llmtrain.catalog.objectives import AUTO_OBJECTIVE, OBJECTIVES, ObjectiveSpec, objective_of
+from llmtrain.catalog.objectives import AUTO_OBJECTIVE, OBJECTIVES, REWARDS, ObjectiveSpec, RewardSpec, objective_of
 from llmtrain.catalog.optimizers import (
     ADAMW_MOMENTS,
     DECAY_SHAPES,
@@ -87,6 +87,7 @@ __all__ = [
     "OPTIMIZERS",
     "RANKS_PER_NODE",
     "RECOMPUTE_MODES",
+    "REWARDS",
     "SCHEDULES",
     "SPIKE_ACTIONS",
     "TOKENIZER_KINDS",
@@ -97,6 +98,7 @@ __all__ = [
     "ModelFamilySpec",
     "ObjectiveSpec",
     "OptimizerSpec",
+    "RewardSpec",
     "ScheduleSpec",
     "described",
     "imported",

@@ -39,3 +39,26 @@ def objective_of(objective: str, data_source: str) -> str:
     if objective != AUTO_OBJECTIVE:
         return objective
     return "dpo" if data_source == "preference" else "next_token"
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A built-in verifiable reward (llmtrain/data/rewards.py), by data.reward's name."""
+
+    implementation: str  # "module:function" with TRL's convention; with takes_pattern, what makes one from a pattern
+    description: str  # one line for data.reward's --help and docs/config.md
+    takes_pattern: bool = False  # made from data.reward_pattern
+
+
+# data.reward's built-in names -> the function; any other value is "module:function".
+REWARDS: dict[str, RewardSpec] = {
+    "exact_number": RewardSpec(
+        implementation="llmtrain.data.rewards:exact_number",
+        description="1 where the completion's final number (GSM8K's `#### n` included) is the record's `answer`",
+    ),
+    "regex": RewardSpec(
+        implementation="llmtrain.data.rewards:matching",
+        description="1 where the completion matches data.reward_pattern",
+        takes_pattern=True,
+    ),
+}

@@ -1,0 +1,109 @@
+"""Verifiable rewards for reinforcement learning (data=rl): functions that score completions against what a record
+knows, with TRL's calling convention, `reward(prompts, completions, **columns) -> [float | None per completion]`
+(`columns`: the records' other fields, a list each; None: the function does not score that completion). The
+built-in ones are named in llmtrain/catalog/objectives.py's REWARDS; any other is `module:function`, imported from
+the working directory or PYTHONPATH. Several rewards add up with weights, a None left out (TRL's nansum)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llmtrain.catalog import REWARDS, imported
+from llmtrain.errors import ConfigError
+
+RewardFunction = Callable[..., list[float | None]]
+
+# A number as people write answers: a sign, thousands separators, a decimal part.
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def final_number(text: str) -> float | None:
+    """The number a text ends its answer with: the first after GSM8K's `####` where the text has one, else the last
+    number in it; None where it has none."""
+    _, marked, after = text.rpartition("####")
+    found = _NUMBER.findall(after if marked else text)
+    if not found:
+        return None
+    chosen = found[0] if marked else found[-1]
+    try:
+        return float(chosen.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def exact_number(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_: Any
+) -> list[float | None]:
+    """1 where the completion's final number is the record's `answer`'s (a number, or a worked GSM8K solution
+    ending `#### n`), 0 where it is another or none; None where the answer holds no number."""
+    scores: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        wanted, given = final_number(str(expected)), final_number(completion)
+        scores.append(None if wanted is None else float(given is not None and math.isclose(given, wanted)))
+    return scores
+
+
+def matching(pattern: str) -> RewardFunction:
+    """1 where a completion matches `pattern` (re.search, DOTALL: a format to keep), 0 where it does not."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def reward(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float | None]:
+        return [float(compiled.search(completion) is not None) for completion in completions]
+
+    return reward
+
+
+def reward_function(name: str, pattern: str | None = None) -> RewardFunction:
+    """The reward `name` names: a built-in (REWARDS; `regex` matching `pattern`), or `module:function` imported from
+    the working directory or PYTHONPATH. ConfigError naming data.reward where it is neither."""
+    if name in REWARDS:
+        built = imported(REWARDS[name].implementation)
+        if REWARDS[name].takes_pattern:
+            if not pattern:
+                raise ConfigError(f"data.reward={name} matches a pattern: set data.reward_pattern (a regex)")
+            return built(pattern)
+        return built
+    module, colon, function = name.partition(":")
+    if not colon or not module or not function:
+        raise ConfigError(
+            f"data.reward={name!r} is neither a built-in reward ({', '.join(REWARDS)}) nor module:function"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(
+            f"data.reward={name}: {error}; it is imported from the working directory ({os.getcwd()}) or PYTHONPATH"
+        ) from None
+    if not callable(found):
+        raise ConfigError(f"data.reward={name} is not a function")
+    return found
+
+
+def scored(
+    functions: Sequence[RewardFunction],
+    weights: Sequence[float],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: dict[str, list[Any]],
+) -> tuple[list[float], list[list[float]]]:
+    """Each completion's reward, the weighted sum of the functions' scores with a None left out (NaN where every
+    function left it out), and each function's scores (NaN for None)."""
+    each = []
+    for function in functions:
+        scores = function(list(prompts), list(completions), **columns)
+        if len(scores) != len(completions):
+            raise ValueError(f"a reward function returned {len(scores)} scores for {len(completions)} completions")
+        each.append([math.nan if score is None else float(score) for score in scores])
+    totals = []
+    for row in zip(*each):
+        kept = [weight * score for weight, score in zip(weights, row) if not math.isnan(score)]
+        totals.append(sum(kept) if kept else math.nan)
+    return totals, each
