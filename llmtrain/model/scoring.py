@@ -100,3 +100,18 @@ class RowStatistic:
 
 SUMMED_LOSSES = RowStatistic(summed_losses, 3)
 NEXT_TOKENS = RowStatistic(next_tokens, 1)
+
+
+def token_log_probs(positions: int) -> RowStatistic:
+    """(rows, positions): each scored target's log-probability under the model (its fp32 cross-entropy negated), 0
+    at an unscored one: what a policy-gradient step weighs its tokens by (train/grpo.py)."""
+
+    def compute(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED
+        )
+        if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
+            losses = losses.full_tensor()
+        return -losses.view_as(targets).to(torch.float64)
+
+    return RowStatistic(compute, positions)

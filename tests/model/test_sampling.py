@@ -154,7 +154,8 @@ SAMPLING_LAYOUTS = [
 @pytest.mark.slow
 def test_every_layout_that_samples_draws_what_one_process_draws(tmp_path):
     """The same seed, the same completions: llama-tiny (grouped-query attention, rotary positions) under each layout
-    draws every prompt's group token for token as the unsplit model does."""
+    draws every prompt's group token for token as the unsplit model does, and computes every completion token's
+    log-probability as it does (within fp32 sums in other orders)."""
     import json
 
     from harness.paths import WORKERS
@@ -164,9 +165,14 @@ def test_every_layout_that_samples_draws_what_one_process_draws(tmp_path):
     common = "model=llama-tiny model.n_layer=2 model.vocab_size=61 train.device=cpu logging.wandb.mode=disabled"
     torchrun(2, str(WORKERS / "sampling_worker.py"), str(tmp_path), common, *SAMPLING_LAYOUTS, timeout=600)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert len(results["single"]) == 6 and len({tuple(row) for rows in results["single"] for row in rows}) > 6
+    single = results["single"]["completions"]
+    assert len(single) == 6 and len({tuple(row) for rows in single for row in rows}) > 6
     for layout in SAMPLING_LAYOUTS:
-        assert results[layout] == results[f"single {model_overrides(layout)}".strip()], layout
+        reference = results[f"single {model_overrides(layout)}".strip()]
+        assert results[layout]["completions"] == reference["completions"], layout
+        for ours, theirs in zip(results[layout]["log_probs"], reference["log_probs"]):
+            for mine, expected in zip(ours, theirs):
+                assert mine == pytest.approx(expected, abs=2e-5), layout
 
 
 def test_a_layout_that_cannot_sample_is_refused_in_one_line():
