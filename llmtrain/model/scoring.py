@@ -53,16 +53,23 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(indices).gather(0, winner).squeeze(0)
 
 
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(rows, positions): the next-token cross-entropy (fp32) at each position, 0 at an unscored one; whole rows
+    where tensor parallelism's loss_parallel computes it on vocabulary shards."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
+    if isinstance(losses, DTensor):
+        losses = losses.full_tensor()
+    return losses.view_as(targets)
+
+
 def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(rows, 3): per row, the next-token cross-entropy (fp32) summed over its scored positions, how many they
     are, and at how many of them the target is the most likely token (all of them: the greedy continuation)."""
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
-    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
-        losses = losses.full_tensor()
+    losses = token_losses(logits, targets)
     scored = targets != UNSCORED
     greedy = (greedy_tokens(logits) == targets) & scored
     # Summed in fp64: a long document's thousands of token losses keep the precision of each.
-    columns = (losses.view_as(targets).double().sum(1), scored.sum(1), greedy.sum(1))
+    columns = (losses.double().sum(1), scored.sum(1), greedy.sum(1))
     return torch.stack([column.to(torch.float64) for column in columns], dim=1)
 
 
@@ -70,10 +77,7 @@ def weighted_cross_entropy(logits: torch.Tensor, weighted: torch.Tensor) -> torc
     """The next-token cross-entropy (fp32) at each scored position times its weight, summed. `weighted`: (rows,
     positions, 2), each position's target id and its weight (WEIGHTED_TARGETS)."""
     targets, weights = weighted[..., 0].long(), weighted[..., 1]
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED)
-    if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
-        losses = losses.full_tensor()
-    return (losses * weights.flatten()).sum()
+    return (token_losses(logits, targets).flatten() * weights.flatten()).sum()
 
 
 def weighted_targets(targets: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
@@ -107,11 +111,6 @@ def token_log_probs(positions: int) -> RowStatistic:
     at an unscored one: what a policy-gradient step weighs its tokens by (train/grpo.py)."""
 
     def compute(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=UNSCORED
-        )
-        if isinstance(losses, DTensor):  # computed on vocabulary shards (tensor parallelism's loss_parallel)
-            losses = losses.full_tensor()
-        return -losses.view_as(targets).to(torch.float64)
+        return -token_losses(logits, targets).to(torch.float64)
 
     return RowStatistic(compute, positions)
