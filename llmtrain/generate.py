@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmtrain.data.rl import end_of_turn
 from llmtrain.errors import closed_pipe_is_quiet, exits_on_run_error
 from llmtrain.model import GPT, materialize
 from llmtrain.model.sampling import SamplingSettings, decode_step, sample
@@ -79,18 +80,9 @@ def _prompt_ids(tokenizer, prompt: str, raw: bool) -> tuple[list[int], tuple[int
         user = [{"role": "user", "content": prompt}]
         opened = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(opened, add_special_tokens=False)["input_ids"]
-        return ids, tuple(token for token in (*stops, _end_of_turn(tokenizer, user, opened)) if token is not None)
+        return ids, tuple(token for token in (*stops, end_of_turn(tokenizer)) if token is not None)
     ids = tokenizer(prompt)["input_ids"] if prompt else [tokenizer.eos_token_id]
     return ids, tuple(token for token in stops if token is not None)
-
-
-def _end_of_turn(tokenizer, user: list[dict], opened: str) -> int | None:
-    """The token a chat template closes an assistant's turn with (Qwen's <|im_end|>, Llama 3's <|eot_id|>, Gemma's
-    <end_of_turn>): the first after the answer in a rendered conversation."""
-    answered = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": "X"}], tokenize=False)
-    closing = answered[len(opened) :].partition("X")[2]
-    ids = tokenizer(closing, add_special_tokens=False)["input_ids"]
-    return ids[0] if ids else None
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.checkpoint.training import check_model_matches
 from llmtrain.config import OptimConfig, ParallelConfig
-from llmtrain.config.validation import validate_flat_slices, validate_preference
+from llmtrain.config.validation import validate_flat_slices, validate_objective
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of, trainable_parameters
@@ -283,8 +283,8 @@ def test_ipos_row_refuses_data_without_pairs_and_is_planned_with_its_forwards(mo
     """The row's `pairs` refuses it on data without pairs in one line naming train.objective, and its
     `forwards_alone` adds two forward passes (a third of a step's compute each) to the planner's step."""
     install_objective(monkeypatch)
-    with pytest.raises(ConfigError, match=r"^train\.objective=ipo with data=stdlib: it needs data=preference's pairs"):
-        validate_preference(compose_config([options, "train.objective=ipo"]))
+    with pytest.raises(ConfigError, match=r"^train\.objective=ipo with data=stdlib: it needs data=preference;"):
+        validate_objective(compose_config([options, "train.objective=ipo"]))
 
     def compute_seconds(*overrides: str) -> float:
         cfg = compose_config([*preference_run(*pairs), "hardware=rtx4080x4", *overrides])

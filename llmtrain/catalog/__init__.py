@@ -33,7 +33,15 @@ from llmtrain.catalog.models import (
     mlp_kind,
     model_family,
 )
-from llmtrain.catalog.objectives import AUTO_OBJECTIVE, OBJECTIVES, REWARDS, ObjectiveSpec, RewardSpec, objective_of
+from llmtrain.catalog.objectives import (
+    AUTO_OBJECTIVE,
+    OBJECTIVES,
+    REWARDS,
+    RL_LOSSES,
+    ObjectiveSpec,
+    RewardSpec,
+    objective_of,
+)
 from llmtrain.catalog.optimizers import (
     ADAMW_MOMENTS,
     DECAY_SHAPES,
@@ -46,8 +54,9 @@ from llmtrain.catalog.optimizers import (
 from llmtrain.catalog.rows import described, imported
 
 # data.source: where the text comes from (llmtrain/data/sources.py), prepared token stores (data/prepared.py,
-# data/mixture.py), conversations (data/sft.py) or preference pairs (data/preference.py).
-DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft", "preference")
+# data/mixture.py), conversations (data/sft.py), preference pairs (data/preference.py) or prompts to sample and
+# reward (data/rl.py).
+DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft", "preference", "rl")
 # data.tokenizer.kind (llmtrain/data/tokenizers.py describes each).
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the
@@ -88,6 +97,7 @@ __all__ = [
     "RANKS_PER_NODE",
     "RECOMPUTE_MODES",
     "REWARDS",
+    "RL_LOSSES",
     "SCHEDULES",
     "SPIKE_ACTIONS",
     "TOKENIZER_KINDS",

@@ -12,10 +12,13 @@ class ObjectiveSpec:
 
     implementation: str  # "module:Class" of the Objective: (model, data, validation slice, config) make it whole
     description: str  # one line for train.objective's --help and docs/config.md
-    pairs: bool = False  # it trains on data=preference's pairs (chosen, rejected), and nothing else does
+    # the data source it trains on, where no objective without one does (data=preference's pairs, data=rl's
+    # prompts); None: any other source. train.objective=auto picks the first row of the job's source
+    data: str | None = None
     # forward passes a step makes without gradients besides training's (DPO's reference and policy): the planner's
     # step time counts them
     forwards_alone: int = 0
+    samples: bool = False  # a step samples completions first (the planner counts the rollout's time and cache)
 
 
 # train.objective -> what a step optimizes; `auto` picks the data's (OBJECTIVE_OF_DATA).
@@ -27,18 +30,35 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "dpo": ObjectiveSpec(
         implementation="llmtrain.train.dpo:DirectPreference",
         description="Direct Preference Optimization on data=preference's pairs, the base (adapters off) as reference",
-        pairs=True,
+        data="preference",
         forwards_alone=2,
+    ),
+    "grpo": ObjectiveSpec(
+        implementation="llmtrain.train.grpo_objective:GroupRelative",
+        description="GRPO (and Dr. GRPO, DAPO: rl.loss) on data=rl's prompts, rewarded by data.reward",
+        data="rl",
+        forwards_alone=1,
+        samples=True,
     ),
 }
 AUTO_OBJECTIVE = "auto"
 
 
 def objective_of(objective: str, data_source: str) -> str:
-    """train.objective resolved: `auto` is dpo on data=preference's pairs, next_token on any other data."""
+    """train.objective resolved: `auto` is the first objective of the data's source (dpo on data=preference's
+    pairs, grpo on data=rl's prompts), next_token on any other data."""
     if objective != AUTO_OBJECTIVE:
         return objective
-    return "dpo" if data_source == "preference" else "next_token"
+    return next((name for name, spec in OBJECTIVES.items() if spec.data == data_source), "next_token")
+
+
+# rl.loss: how GRPO's per-token losses are reduced over the global batch (llmtrain/train/grpo.py), as TRL's
+# GRPOTrainer names them.
+RL_LOSSES: dict[str, str] = {
+    "grpo": "each completion's mean over its tokens, then the mean over the completions (the paper's)",
+    "dr_grpo": "the sum over every completion token over (completions x rl.max_new_tokens) (Dr. GRPO: no length bias)",
+    "dapo": "the sum over every completion token over their number (DAPO's token-level mean)",
+}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from llmtrain.domains import (
     TOKENIZER_FILES,
     DirectoryOrHub,
     ExistingPath,
+    ListOf,
     MixtureSources,
     Number,
     OneOf,
@@ -52,19 +53,22 @@ class DataConfig:
         MISSING,
         OneOf(catalog.DATA_SOURCES),
         "`stdlib`, `local`, `hf`, `prepared`, `mix`, `sft` (conversations for fine-tuning, `data/sft.py`) or "
-        "`preference` (prompt, chosen and rejected answers for DPO, `data/preference.py`): set by the `data` option",
+        "`preference` (prompt, chosen and rejected answers for DPO, `data/preference.py`) or `rl` (prompts to "
+        "sample and reward, `data/rl.py`): set by the `data` option",
     )
     path: Optional[str] = key(
         None,
         ExistingPath("glob"),
         "`local`: a file, a folder (searched recursively) or a glob of `.txt`, `.jsonl`, `.parquet`; `prepared`: the "
         "directory `llmtrain.data.prepare` wrote; `sft`: `.jsonl` / `.parquet` conversations (`messages` or "
-        "`prompt` + `response`); `preference`: `.jsonl` / `.parquet` pairs (`prompt`, `chosen`, `rejected`)",
+        "`prompt` + `response`); `preference`: `.jsonl` / `.parquet` pairs (`prompt`, `chosen`, `rejected`); `rl`: "
+        "`.jsonl` / `.parquet` prompts (`prompt`, and the columns the reward reads)",
     )
     name: Optional[str] = key(
         None,
         Text(),
-        "`hf` (and `sft`, `preference` without a `path`): the dataset's name on the hub (`HuggingFaceFW/fineweb-edu`)",
+        "`hf` (and `sft`, `preference`, `rl` without a `path`): the dataset's name on the hub "
+        "(`HuggingFaceFW/fineweb-edu`)",
     )
     subset: Optional[str] = key(None, Text(), "`hf`: the dataset's configuration on the hub (e.g. `sample-10BT`)")
     split: str = key("train", Text(), "`hf`: the split to train on")
@@ -76,7 +80,7 @@ class DataConfig:
     val_path: Optional[str] = key(
         None,
         ExistingPath("glob"),
-        "`local`, `sft` and `preference`: validation files (a file, a folder or a glob); null holds out "
+        "`local`, `sft`, `preference` and `rl`: validation files (a file, a folder or a glob); null holds out "
         "`val_fraction` of the text (of the conversations or pairs, for `sft` and `preference`)",
     )
     val_fraction: float = key(
@@ -93,6 +97,18 @@ class DataConfig:
         "`preference`: DPO's β, how far the policy may move from the reference (the base, adapters off) for a "
         "margin: the loss is -log σ(β (chosen log-ratio - rejected log-ratio)); 0.1 as TRL's DPOConfig",
     )
+    reward: Optional[list[str]] = key(
+        None,
+        ListOf(Text()),
+        "`rl`: what scores a completion, a list (weighted by `reward_weights`): built-ins "
+        + ", ".join(f"`{name}` ({spec.description})" for name, spec in catalog.REWARDS.items())
+        + ", or `module:function` (TRL's convention: prompts, completions and the record's other columns as "
+        "keywords, returning a float or None per completion), imported from the working directory or PYTHONPATH",
+    )
+    reward_weights: Optional[list[float]] = key(
+        None, ListOf(Number()), "`rl`: each reward's weight in a completion's reward, in data.reward's order; null: 1"
+    )
+    reward_pattern: Optional[str] = key(None, Text(), "`rl` with the `regex` reward: the pattern a completion matches")
     doc_shuffle_buffer: int = key(
         1000,
         at_least(0),
@@ -127,6 +143,6 @@ def reads_prepared_stores(data_cfg) -> bool:
 
 
 def reads_local_files(data_cfg) -> bool:
-    """data=local, and data=sft or preference given a path: files named by data.path (and data.val_path), which
+    """data=local, and data=sft, preference or rl given a path: files named by data.path (and data.val_path), which
     llmtrain.data.files finds."""
-    return data_cfg.source in ("local", "sft", "preference") and bool(data_cfg.path)
+    return data_cfg.source in ("local", "sft", "preference", "rl") and bool(data_cfg.path)

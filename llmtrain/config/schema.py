@@ -21,6 +21,7 @@ from llmtrain.config.model import ModelConfig
 from llmtrain.config.optim import OptimConfig
 from llmtrain.config.parallel import ParallelConfig
 from llmtrain.config.planning import HardwareConfig, PlanConfig
+from llmtrain.config.rl import RLConfig
 from llmtrain.config.training import CheckpointConfig, EvalConfig, LoggingConfig, ProfileConfig, TrainConfig
 from llmtrain.domains import ListOf, Number, Text, WritableDirectory, at_least, key
 from llmtrain.run.launch_env import register_resolvers
@@ -44,6 +45,7 @@ class RootConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     seed: int = key(
         1337,
         Number(low=0, high=2**32 - 1, whole=True),

@@ -61,7 +61,7 @@ def validate(cfg) -> None:
     if t.float8 != "none":
         require_extra("torchao", f"train.float8={t.float8}", "fp8")
     validate_lora(cfg)
-    validate_preference(cfg)
+    validate_objective(cfg)
     if cfg.profile.steps is not None and cfg.profile.steps[1] > t.steps:
         raise ConfigError(
             f"profile.steps={list(cfg.profile.steps)} ends after the run's train.steps={t.steps}: profile steps "
@@ -174,35 +174,42 @@ def validate_data(d) -> None:
 
 
 def _validate_conversations(d) -> None:
-    """data=sft and data=preference: conversations (pairs) from files or the hub, rendered by a transformers
-    tokenizer's chat template."""
-    if d.source not in ("sft", "preference"):
+    """data=sft, data=preference and data=rl: records from files or the hub; the first two rendered by a
+    transformers tokenizer's chat template."""
+    if d.source not in ("sft", "preference", "rl"):
         return
-    what = "conversations" if d.source == "sft" else "preference pairs"
+    what = {"sft": "conversations", "preference": "preference pairs", "rl": "prompts"}[d.source]
     if not d.path and not d.name:
         raise ConfigError(
             f"data={d.source} needs {what}: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
         )
-    if d.tokenizer.kind != "hf":
+    if d.source != "rl" and d.tokenizer.kind != "hf":
         raise ConfigError(
             f"data.tokenizer.kind={d.tokenizer.kind}: data={d.source} renders {what} with a chat template, which only "
             f"a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's directory>"
         )
 
 
-def validate_preference(cfg) -> None:
-    """An objective of pairs exactly on data=preference; there pairs that no split parts, and a reference to
-    compare with (the base, adapters off)."""
+def validate_objective(cfg) -> None:
+    """train.objective against the data: an objective of its own source (DPO's pairs, GRPO's prompts) exactly on
+    that source, and what that objective needs besides."""
     objective = catalog.objective_of(cfg.train.objective, cfg.data.source)
-    pairs = cfg.data.source == "preference"
-    if catalog.OBJECTIVES[objective].pairs != pairs:
-        wanted = "an objective of pairs" if pairs else "data=preference's pairs"
+    needed = catalog.OBJECTIVES[objective].data
+    own = {spec.data for spec in catalog.OBJECTIVES.values()} - {None}
+    if needed != cfg.data.source and (needed is not None or cfg.data.source in own):
+        wanted = f"data={needed}" if needed else f"an objective of data={cfg.data.source}"
         raise ConfigError(
             f"train.objective={objective} with data={cfg.data.source}: it needs {wanted}; use train.objective=auto "
-            f"(dpo on data=preference, next_token on any other data)"
+            f"(dpo on data=preference, grpo on data=rl, next_token on any other data)"
         )
-    if not pairs:
-        return
+    if cfg.data.source == "preference":
+        _validate_preference(cfg)
+    if cfg.data.source == "rl":
+        _validate_rl(cfg)
+
+
+def _validate_preference(cfg) -> None:
+    """Pairs that no split parts, and a reference to compare with (the base, adapters off)."""
     if cfg.train.micro_batch_size % 2:
         raise ConfigError(
             f"train.micro_batch_size={cfg.train.micro_batch_size}: data=preference trains pairs (a chosen and a "
@@ -212,4 +219,41 @@ def validate_preference(cfg) -> None:
         raise ConfigError(
             "data=preference compares the model with its reference, the base with the adapters switched off: set "
             "model.lora.rank (16, say); a full fine-tune's frozen reference copy is not built"
+        )
+
+
+def _validate_rl(cfg) -> None:
+    """Whole groups of completions, room for them after a prompt, rewards that can score, a reference where the
+    KL term asks for one."""
+    rl, t, d = cfg.rl, cfg.train, cfg.data
+    if t.batch_size % rl.group_size:
+        fits = t.batch_size // rl.group_size * rl.group_size or rl.group_size
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} completions do not hold whole groups of rl.group_size={rl.group_size}: "
+            f"set train.batch_size to a multiple of {rl.group_size} ({fits}, say) or change rl.group_size"
+        )
+    if rl.max_new_tokens >= t.seq_len:
+        raise ConfigError(
+            f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in train.seq_len={t.seq_len} tokens "
+            f"(a prompt and its completion share a row): raise train.seq_len or lower rl.max_new_tokens"
+        )
+    if not d.reward:
+        raise ConfigError(
+            f"data=rl scores completions with data.reward, which is not set: e.g. data.reward=[exact_number] (built-"
+            f"ins: {', '.join(catalog.REWARDS)}) or data.reward=[my_module:my_reward]"
+        )
+    if d.reward_weights is not None and len(d.reward_weights) != len(d.reward):
+        raise ConfigError(
+            f"data.reward_weights holds {len(d.reward_weights)} weights for {len(d.reward)} rewards "
+            f"(data.reward={list(d.reward)}): give one weight per reward, or null for 1 each"
+        )
+    if d.tokenizer.kind == "bpe":
+        raise ConfigError(
+            "data.tokenizer.kind=bpe trains a tokenizer on a text stream, which data=rl's prompts are not: use the "
+            "model's tokenizer (data.tokenizer.kind=hf data.tokenizer.name=<model dir>) or kind=byte"
+        )
+    if rl.beta and not cfg.model.lora.rank:
+        raise ConfigError(
+            f"rl.beta={rl.beta} penalises the distance to the reference, the base with the adapters switched off: set "
+            f"model.lora.rank (16, say), or rl.beta=0; a full fine-tune's frozen reference copy is not built"
         )

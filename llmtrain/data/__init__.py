@@ -6,6 +6,7 @@ prepared (tokenised once by `python -m llmtrain.data.prepare`, read by index; pr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import numpy as np
 
 from llmtrain.config import DataConfig, reads_prepared_stores
 from llmtrain.data.prefetch import Batches, Prefetched
+from llmtrain.data.rl import PromptSet, RolloutShape
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, source_name
 from llmtrain.data.stream import RankSlice, StreamedBatches, TrainingWindows, validation_windows
 from llmtrain.data.tokenizers import Tokenizer, build_bpe, load_tokenizer
@@ -45,6 +47,16 @@ class DataReading:
     train: RankSlice
     validation: RankSlice | None = None
     position: dict | None = None
+    rollout: RolloutShape | None = None  # data=rl: how its prompts fill a batch
+
+
+@dataclass(frozen=True)
+class RolloutPrompts:
+    """data=rl's prompts, which the slot rows of its training batches (`train`) and validation set (`validation`;
+    None when eval is off) index."""
+
+    train: PromptSet
+    validation: PromptSet | None
 
 
 @dataclass
@@ -54,7 +66,7 @@ class Data:
     validation: list[ValidationSet]  # empty when eval is disabled
     description: str  # for the start summary
     masks_targets: bool = False  # some tokens are context only, their targets untrained (fine-tuning, packing.py)
-    pairs: bool = False  # rows come in preference pairs, chosen then rejected (data/preference.py, train/dpo.py)
+    rollout: RolloutPrompts | None = None  # data=rl: rows are completion slots of these prompts (data/rl.py)
     separator: int | None = None  # the token between packed documents where it is not the tokenizer's end-of-text
 
     @property
@@ -123,6 +135,8 @@ def build_data(
         return _conversations(data_cfg, tokenizer, reading, packs_documents)
     if data_cfg.source == "preference":
         return _preferences(data_cfg, tokenizer, reading)
+    if data_cfg.source == "rl":
+        return _prompts(data_cfg, tokenizer, reading)
     if data_cfg.source == "mix":
         return _mixture(data_cfg, tokenizer, reading, steps)
     seq_len, train_slice, val_slice = reading.seq_len, reading.train, reading.validation
@@ -244,7 +258,44 @@ def _preferences(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReadin
     pairs = f"{len(train.tokens) // 2:,} pairs, {train.describe().replace(' samples', ' answers', 1)}"
     description = f"preference: {pairs}; each answer a window after its prompt, trained on the answer's tokens"
     batches = sft.ConversationBatches(train, reading.seed, reading.train, reading.position)
-    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True, pairs=True)
+    return Data(tokenizer, Prefetched(batches), validation, description, masks_targets=True)
+
+
+def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading) -> Data:
+    """build_data for data=rl: the prompts, each global batch their completions' slot rows (data/rl.py)."""
+    from llmtrain.data import rl, sft
+
+    shape, val_slice, window = reading.rollout, reading.validation, reading.seq_len + 1
+    assert shape is not None, "data=rl is read with the rollout's shape"
+    longest = window - shape.room - rl.HEADER
+    sets = {
+        split: rl.PromptSet.of(sft.read_records(data_cfg, split, rl.prompt_of), tokenizer, longest, f"{split} prompts")
+        for split in ([TRAIN, VALIDATION] if val_slice is not None else [TRAIN])
+    }
+    train = sets[TRAIN]
+    if not train.tokens:
+        raise ConfigError("data=rl found no training prompts: check data.path / data.name and data.val_fraction")
+    validation = []
+    held_out = sets.get(VALIDATION)
+    if held_out is not None and val_slice is not None:
+        # the prompts of train.eval_batches global batches, one completion each
+        prompt_slice = dataclasses.replace(val_slice, batch_size=val_slice.batch_size // shape.group)
+        if len(held_out.tokens) < prompt_slice.batch_size:
+            raise ConfigError(
+                f"the held-out prompts are {len(held_out.tokens)}, {prompt_slice.batch_size} needed (the prompts of "
+                f"train.eval_batches batches): lower train.eval_batches, raise data.val_fraction or name validation "
+                f"prompts with data.val_path"
+            )
+        # negative draw numbers: the held-out prompts' completions are seeded apart from any training prompt's
+        every = range(prompt_slice.batch_size)
+        slots = held_out.rows(every, [-1 - i for i in every], window)
+        validation = [ValidationSet(None, 1.0, prompt_slice.rows(slots))]
+    description = (
+        f"rl: {train.describe()}; {shape.group} completions of each, of {shape.room} tokens at most, stopping at "
+        f"{', '.join(repr(tokenizer.decode([token])) or f'id {token}' for token in train.stop_ids)}"
+    )
+    batches = rl.PromptBatches(train, window, shape.group, shape.repeats, reading.seed, reading.train, reading.position)
+    return Data(tokenizer, Prefetched(batches), validation, description, rollout=RolloutPrompts(train, held_out))
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:
@@ -306,6 +357,7 @@ __all__ = [
     "Data",
     "DataReading",
     "RankSlice",
+    "RolloutPrompts",
     "ValidationSet",
     "build_data",
     "build_tokenizer",

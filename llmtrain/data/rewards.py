@@ -2,7 +2,8 @@
 knows, with TRL's calling convention, `reward(prompts, completions, **columns) -> [float | None per completion]`
 (`columns`: the records' other fields, a list each; None: the function does not score that completion). The
 built-in ones are named in llmtrain/catalog/objectives.py's REWARDS; any other is `module:function`, imported from
-the working directory or PYTHONPATH. Several rewards add up with weights, a None left out (TRL's nansum)."""
+the working directory or PYTHONPATH. Several rewards add up with weights, a None left out (TRL's nansum). As in TRL, a
+completion is text where its prompt was text, and a list holding the assistant's message where it was messages."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from llmtrain.catalog import REWARDS, imported
 from llmtrain.errors import ConfigError
 
 RewardFunction = Callable[..., list[float | None]]
+Completion = str | list[dict[str, Any]]  # text, or [{"role": "assistant", "content": text}]
 
 # A number as people write answers: a sign, thousands separators, a decimal part.
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -37,14 +39,19 @@ def final_number(text: str) -> float | None:
         return None
 
 
+def text_of(completion: Completion) -> str:
+    """A completion's text, whether it came as text or as the assistant's message."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
 def exact_number(
-    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_: Any
+    prompts: Sequence[Any], completions: Sequence[Completion], answer: Sequence[str], **_: Any
 ) -> list[float | None]:
     """1 where the completion's final number is the record's `answer`'s (a number, or a worked GSM8K solution
     ending `#### n`), 0 where it is another or none; None where the answer holds no number."""
     scores: list[float | None] = []
     for completion, expected in zip(completions, answer):
-        wanted, given = final_number(str(expected)), final_number(completion)
+        wanted, given = final_number(str(expected)), final_number(text_of(completion))
         scores.append(None if wanted is None else float(given is not None and math.isclose(given, wanted)))
     return scores
 
@@ -53,8 +60,8 @@ def matching(pattern: str) -> RewardFunction:
     """1 where a completion matches `pattern` (re.search, DOTALL: a format to keep), 0 where it does not."""
     compiled = re.compile(pattern, re.DOTALL)
 
-    def reward(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float | None]:
-        return [float(compiled.search(completion) is not None) for completion in completions]
+    def reward(prompts: Sequence[Any], completions: Sequence[Completion], **_: Any) -> list[float | None]:
+        return [float(compiled.search(text_of(completion)) is not None) for completion in completions]
 
     return reward
 
@@ -90,8 +97,8 @@ def reward_function(name: str, pattern: str | None = None) -> RewardFunction:
 def scored(
     functions: Sequence[RewardFunction],
     weights: Sequence[float],
-    prompts: Sequence[str],
-    completions: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[Completion],
     columns: dict[str, list[Any]],
 ) -> tuple[list[float], list[list[float]]]:
     """Each completion's reward, the weighted sum of the functions' scores with a None left out (NaN where every

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 UNSCORED = -100  # a target position no statistic reads (F.cross_entropy's ignore_index)
-# A step's targets carry a weight per position where they have this many dimensions (rows, positions, 2): the
-# target id (exact in fp32 below 2^24) and the weight of its loss (preference tuning's, train/dpo.py). The layouts
-# split them as plain targets (rows over ranks and micro-batches, positions over context-parallel ranks).
+# A step's targets carry a weight per position where they have this many dimensions (rows, positions, 2 or 3): the
+# target id (exact in fp32 below 2^24), the weight of its loss (preference tuning's, train/dpo.py) and, where there
+# is a third, the temperature the logits are divided by (a policy's sampling temperature, train/grpo_objective.py).
+# The layouts split them as plain targets (rows over ranks and micro-batches, positions over context-parallel ranks).
 WEIGHTED_TARGETS = 3
 
 
@@ -75,16 +76,25 @@ def summed_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def weighted_cross_entropy(logits: torch.Tensor, weighted: torch.Tensor) -> torch.Tensor:
     """The next-token cross-entropy (fp32) at each scored position times its weight, summed. `weighted`: (rows,
-    positions, 2), each position's target id and its weight (WEIGHTED_TARGETS)."""
+    positions, 2 or 3), each position's target id, its weight and the temperature of its logits (WEIGHTED_TARGETS)."""
     targets, weights = weighted[..., 0].long(), weighted[..., 1]
+    if weighted.shape[-1] > 2:
+        temperature = weighted[..., 2:].to(logits.dtype)
+        if isinstance(logits, DTensor):
+            temperature = DTensor.from_local(temperature, logits.device_mesh, [Replicate()], run_check=False)
+        logits = logits / temperature
     return (token_losses(logits, targets).flatten() * weights.flatten()).sum()
 
 
-def weighted_targets(targets: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """(rows, positions) target ids and a weight for each row -> the (rows, positions, 2) weighted targets a step
-    trains on in place of plain ones (WEIGHTED_TARGETS)."""
-    weights = row_weights.to(torch.float32)[:, None].expand(targets.shape)
-    return torch.stack([targets.to(torch.float32), weights], dim=-1)
+def weighted_targets(targets: torch.Tensor, weights: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
+    """(rows, positions) target ids and a weight for each row (rows,) or position (rows, positions) -> the (rows,
+    positions, 2) weighted targets a step trains on in place of plain ones (WEIGHTED_TARGETS); with a
+    `temperature`, (rows, positions, 3), the logits divided by it."""
+    weights = weights.to(torch.float32)
+    columns = [targets.to(torch.float32), (weights if weights.ndim == 2 else weights[:, None]).expand(targets.shape)]
+    if temperature is not None:
+        columns.append(torch.full(targets.shape, temperature, dtype=torch.float32, device=targets.device))
+    return torch.stack(columns, dim=-1)
 
 
 def next_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -106,11 +116,19 @@ SUMMED_LOSSES = RowStatistic(summed_losses, 3)
 NEXT_TOKENS = RowStatistic(next_tokens, 1)
 
 
-def token_log_probs(positions: int) -> RowStatistic:
-    """(rows, positions): each scored target's log-probability under the model (its fp32 cross-entropy negated), 0
-    at an unscored one: what a policy-gradient step weighs its tokens by (train/grpo.py)."""
+def token_log_probs(positions: int, temperature: float = 1.0) -> RowStatistic:
+    """(rows, 2 x positions): each scored target's log-probability under the model's logits divided by
+    `temperature` (the fp32 cross-entropy negated), then the entropy of that distribution at each position, both 0
+    at an unscored one: what a policy-gradient step weighs its tokens by and what it reports (train/grpo.py)."""
 
     def compute(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return -token_losses(logits, targets).to(torch.float64)
+        logits = logits / temperature
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        # the vocabulary's padding has probability 0 and log-probability -inf: clamped, it adds 0, not NaN
+        entropies = -(log_probs.exp() * log_probs.clamp(min=torch.finfo(torch.float32).min)).sum(-1)
+        if isinstance(entropies, DTensor):
+            entropies = entropies.full_tensor()
+        entropies = entropies.masked_fill(targets == UNSCORED, 0)
+        return torch.cat([-token_losses(logits, targets), entropies], dim=1).to(torch.float64)
 
-    return RowStatistic(compute, positions)
+    return RowStatistic(compute, 2 * positions)

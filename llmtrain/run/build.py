@@ -25,6 +25,7 @@ from llmtrain.checkpoint.training import (
 )
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
+from llmtrain.data.rl import RolloutShape
 from llmtrain.data.tasks import read_task
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
@@ -150,6 +151,7 @@ def _data(config: RootConfig, tokenizer: Tokenizer, place: _Placement, resume: _
         train=place.train_slice,
         validation=place.val_slice if t.eval_every > 0 else None,
         position=read_data_position(resume.path) if resume.path else None,
+        rollout=RolloutShape(config.rl.group_size, config.rl.iterations, config.rl.max_new_tokens),
     )
     return build_data(config.data, tokenizer, reading, steps=t.steps, packs_documents=t.attention == "document")
 

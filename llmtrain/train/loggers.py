@@ -106,6 +106,10 @@ def _format(record: dict[str, Any]) -> str:
         parts.append(f"val {record['val_loss']:.4f}")
     if "rewards/margins" in record:  # preference tuning (train/dpo.py)
         parts.append(f"margin {record['rewards/margins']:.3f} acc {record['rewards/accuracies']:.2f}")
+    if "reward" in record:  # reinforcement learning (train/grpo_objective.py)
+        parts.append(f"reward {record['reward']:.3f} len {record['completions/mean_length']:.0f}")
+    if "val_reward" in record:
+        parts.append(f"val reward {record['val_reward']:.3f}")
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")

@@ -60,6 +60,7 @@ WRONG_TYPE = {
     bool: ["maybe"],
     str: ["[1,2]"],
     list[int]: ["3", "[one,two]"],
+    list[float]: ["3", "[one,two]"],
     list[str]: ["3"],
     list[typing.Any]: ["3"],
 }

@@ -38,6 +38,7 @@ REQUIRED = {
     "data=mix": ["data.sources=[{{name:web,path:{tmp},weight:1}}]"],
     "data=sft": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2"],
     "data=preference": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2", "model.lora.rank=16"],
+    "data=rl": ["data.path={tmp}/corpus.jsonl", "data.tokenizer.name=gpt2", "rl.max_new_tokens=64"],
 }
 
 register_schemas()

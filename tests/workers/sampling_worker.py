@@ -1,8 +1,9 @@
 """Run by tests under torchrun: the sampler on several layouts in one process group. Each layout's model is built
 from the same seed; its data-parallel ranks take their share of PROMPTS (prompt i on the rank i // share), draw
 GROUP completions of each, and rank 0 writes OUT_DIR/results.json: per layout, every prompt's completions in the
-order of the prompts, and every completion token's log-probability under the model (`log_probs`: what a policy
-gradient weighs, scoring.token_log_probs), each row prompt then completion, the prompt unscored. A layout's
+order of the prompts, and every completion token's log-probability under the model then the entropy at each
+(`log_probs`: what a policy gradient weighs and reports, scoring.token_log_probs), each row prompt then completion,
+the prompt unscored. A layout's
 overrides before its first `parallel` one choose its model, which one process samples unsplit first
 (`single <those overrides>`), before the group forms.
 
@@ -28,7 +29,7 @@ from llmtrain.tools import compose_config
 PROMPTS = [[3, 7, 11], [5], [8, 9, 10, 11, 12], [2, 4], [13, 1, 6], [7, 7, 7, 7]]
 GROUP = 3
 VOCAB = 61
-SETTINGS = SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=30, top_p=0.95, stop_ids=(0,))
+SETTINGS = SamplingSettings(max_new_tokens=8, temperature=0.9, top_k=30, top_p=0.95, stop_ids=(0,))
 WIDTH = max(len(prompt) for prompt in PROMPTS) + SETTINGS.max_new_tokens
 
 
@@ -53,16 +54,16 @@ def completions(overrides: list[str], runtime: Runtime) -> dict:
 
 
 def _log_probs(model, prompts: list[list[int]], drawn: list[list[int]]) -> list[list[float]]:
-    """Each completion token's log-probability, row by row: prompt and completion in one row of WIDTH + 1 tokens
-    (0 after the completion), the prompt's targets and the padding unscored."""
+    """Each completion token's log-probability, then the entropy at each, row by row: prompt and completion in one
+    row of WIDTH + 1 tokens (0 after the completion), the prompt's targets and the padding unscored."""
     rows = torch.zeros(len(drawn), WIDTH + 1, dtype=torch.long)
     scored = torch.zeros(len(drawn), WIDTH, dtype=torch.bool)
     for row, (prompt, completion) in enumerate(zip(prompts, drawn)):
         rows[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
         scored[row, len(prompt) - 1 : len(prompt) - 1 + len(completion)] = True
     targets = torch.where(scored, rows[:, 1:], UNSCORED)
-    values = model.row_sums([(rows[:, :-1], targets)], token_log_probs(WIDTH))
-    return [row[mask].tolist() for row, mask in zip(values.cpu(), scored)]
+    values = model.row_sums([(rows[:, :-1], targets)], token_log_probs(WIDTH, SETTINGS.temperature))
+    return [torch.cat([row[:WIDTH][mask], row[WIDTH:][mask]]).tolist() for row, mask in zip(values.cpu(), scored)]
 
 
 def model_overrides(layout: str) -> str:

@@ -1,0 +1,188 @@
+"""Prompts for online reinforcement learning (`data=rl`, train/grpo_objective.py): what to sample completions of,
+and what the reward reads besides them.
+
+A record holds `prompt` (text, or chat messages) and any other columns (GSM8K's `answer`, say), which reach the
+reward functions as keywords, as TRL's GRPOTrainer passes them. A text prompt is tokenised as it is; messages are
+rendered with the tokenizer's chat template and its generation prompt (the assistant's turn opened), as TRL renders
+a conversational prompt. A completion ends at the tokenizer's end-of-text or, with a chat template, at the
+template's end of turn (`stop_ids`).
+
+Rows: a global batch holds `train.batch_size` completions, `rl.group_size` of each of its prompts in a row; each
+row is one completion's slot, carrying its prompt: [record, draw, prompt length, the prompt's tokens, zeros] in
+train.seq_len + 1 columns. `record` indexes the prompt set (its text and columns); `draw` numbers the prompt in the
+run's order of prompts (epoch x prompts + position), which seeds its completions (model/sampling.py), so the same
+prompt drawn in another epoch samples afresh and a resumed run draws what the original would have. Each epoch
+shuffles the prompts with the seed and the epoch; with rl.iterations = μ the same prompts fill μ global batches in
+a row (their rollout is trained on μ times). A prompt with no room for rl.max_new_tokens after it in a row is left
+out, counted in the start summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llmtrain.data.sft import chat_template_of, is_message
+from llmtrain.data.stream import RankSlice
+from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.errors import ConfigError
+
+HEADER = 3  # a row's columns before its prompt's tokens: record, draw, prompt length
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """How data=rl fills a global batch: `group` completions of each prompt, each batch of prompts trained on
+    `repeats` times in a row, and `room` tokens kept after every prompt for its completion."""
+
+    group: int
+    repeats: int
+    room: int
+
+
+def prompt_of(record: object, where: str) -> dict[str, Any]:
+    """A record as {"prompt": text or messages, its other columns...}; ConfigError naming it when it is not one."""
+    if not isinstance(record, dict) or "prompt" not in record:
+        fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise ConfigError(
+            f"{where} is not a prompt (fields: {fields}): give each record `prompt` (text or chat messages) and the "
+            f"columns its reward reads"
+        )
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        return record
+    if isinstance(prompt, list) and prompt and all(is_message(m) for m in prompt):
+        return record
+    raise ConfigError(f"{where}: `prompt` is neither text nor chat messages with a `role` and a text `content`")
+
+
+def end_of_turn(backend) -> int | None:
+    """The token a chat template closes an assistant's turn with (Qwen's <|im_end|>, Llama 3's <|eot_id|>, Gemma's
+    <end_of_turn>): the first after the answer in a rendered conversation."""
+    user = [{"role": "user", "content": "Q"}]
+    opened = backend.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    answered = backend.apply_chat_template([*user, {"role": "assistant", "content": "X"}], tokenize=False)
+    closing = answered[len(opened) :].partition("X")[2]
+    ids = backend(closing, add_special_tokens=False)["input_ids"]
+    return ids[0] if ids else None
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts as given (text or messages), their tokens, their records' other columns, the tokens a completion
+    stops at, and how many prompts were left out for want of room."""
+
+    prompts: list[Any]
+    tokens: list[np.ndarray]
+    columns: dict[str, list[Any]]
+    stop_ids: tuple[int, ...]
+    left_out: int
+
+    @classmethod
+    def of(cls, records: list[dict[str, Any]], tokenizer: Tokenizer, longest: int, what: str) -> PromptSet:
+        """`records` (prompt_of's) tokenised, those of more than `longest` tokens left out; ConfigError where none
+        is left, or where messages come without a chat template to render them."""
+        backend = getattr(tokenizer, "backend", None)
+        conversational = any(not isinstance(r["prompt"], str) for r in records)
+        texts = [r["prompt"] for r in records]
+        stops = [tokenizer.eos_id]
+        if conversational:
+            backend = chat_template_of(tokenizer, None)
+            texts = [
+                p if isinstance(p, str) else backend.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                for p in texts
+            ]
+        if backend is not None and getattr(backend, "chat_template", None):
+            closing = end_of_turn(backend)
+            stops += [closing] if closing is not None and closing != tokenizer.eos_id else []
+        encoded = tokenizer.encode_batch(texts) if texts else []
+        kept = [i for i, tokens in enumerate(encoded) if 0 < len(tokens) <= longest]
+        if records and not kept:
+            raise ConfigError(
+                f"every one of the {len(records)} {what} is empty or longer than {longest} tokens (train.seq_len - "
+                f"rl.max_new_tokens): raise train.seq_len or lower rl.max_new_tokens"
+            )
+        names = [name for name in records[0] if name != "prompt"] if records else []
+        missing = [name for name in names if any(name not in records[i] for i in kept)]
+        if missing:
+            raise ConfigError(f"{what}: some records lack {', '.join(missing)}: give every record the same columns")
+        return cls(
+            [records[i]["prompt"] for i in kept],
+            [np.asarray(encoded[i], dtype=np.int64) for i in kept],
+            {name: [records[i][name] for i in kept] for name in names},
+            tuple(stops),
+            len(records) - len(kept),
+        )
+
+    def rows(self, records: Sequence[int], draws: Sequence[int], width: int) -> np.ndarray:
+        """(len(records), width): a slot row for each record, drawn as `draws` number them (the module docstring)."""
+        rows = np.zeros((len(records), width), dtype=np.int64)
+        for row, (record, drawn) in enumerate(zip(records, draws)):
+            tokens = self.tokens[record]
+            rows[row, :HEADER] = (record, drawn, len(tokens))
+            rows[row, HEADER : HEADER + len(tokens)] = tokens
+        return rows
+
+    def describe(self) -> str:
+        lengths = [len(t) for t in self.tokens]
+        line = f"{len(self.tokens):,} prompts of {min(lengths)}-{max(lengths)} tokens" if lengths else "no prompts"
+        if self.columns:
+            line += f", columns {', '.join(self.columns)}"
+        if self.left_out:
+            line += f"; {self.left_out:,} left out, longer than train.seq_len - rl.max_new_tokens tokens"
+        return line
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """This rank's slot rows unpacked: each row's record, draw and prompt tokens."""
+
+    records: list[int]
+    draws: list[int]
+    prompts: list[list[int]]
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> SlotRows:
+        return cls(
+            rows[:, 0].tolist(),
+            rows[:, 1].tolist(),
+            [row[HEADER : HEADER + length].tolist() for row, length in zip(rows, rows[:, 2].tolist())],
+        )
+
+
+class PromptBatches:
+    """This rank's slot rows of global batch k (the Batches protocol of prefetch.py): the epochs' shuffled prompts
+    in turn, batch_size / group of them a batch, each `group` times, each batch `repeats` times in a row."""
+
+    def __init__(
+        self,
+        prompts: PromptSet,
+        width: int,
+        group: int,
+        repeats: int,
+        seed: int,
+        rank_slice: RankSlice,
+        position: dict | None,
+    ):
+        self._prompts, self._width, self._group, self._repeats = prompts, width, group, repeats
+        self._seed, self._slice = seed, rank_slice
+        self._taken: int = position["taken"] if position else 0  # global batches taken
+
+    def next(self) -> np.ndarray:
+        per_batch, count = self._slice.batch_size // self._group, len(self._prompts.tokens)
+        first = self._taken // self._repeats * per_batch  # the batch's first draw
+        draws = list(range(first, first + per_batch))
+        orders: dict[int, np.ndarray] = {}
+        for drawn in draws:
+            if drawn // count not in orders:
+                orders[drawn // count] = np.random.default_rng([self._seed, drawn // count]).permutation(count)
+        records = [int(orders[drawn // count][drawn % count]) for drawn in draws]
+        self._taken += 1
+        rows = self._prompts.rows(records, draws, self._width)
+        return self._slice.rows(np.repeat(rows, self._group, axis=0))
+
+    def state_dict(self) -> dict:
+        return {"taken": self._taken}
