@@ -15,8 +15,8 @@ class ObjectiveSpec:
     # the data source it trains on, where no objective without one does (data=preference's pairs, data=rl's
     # prompts); None: any other source. train.objective=auto picks the first row of the job's source
     data: str | None = None
-    # forward passes a step makes without gradients besides training's (DPO's reference and policy): the planner's
-    # step time counts them
+    # forward passes a step makes without gradients besides training's (DPO's reference and policy; GRPO's policy,
+    # and its reference where rl.beta asks for one): the planner's step time counts them
     forwards_alone: int = 0
     samples: bool = False  # a step samples completions first (the planner counts the rollout's time and cache)
 
@@ -51,6 +51,9 @@ def objective_of(objective: str, data_source: str) -> str:
         return objective
     return next((name for name, spec in OBJECTIVES.items() if spec.data == data_source), "next_token")
 
+
+# rl.gather_weights: how a rollout under FSDP gathers the sharded weights (parallel/sampling.py, planner/rollout.py).
+WEIGHT_GATHERS = ("auto", "once", "per_token")
 
 # rl.loss: how GRPO's per-token losses are reduced over the global batch (llmtrain/train/grpo.py), as TRL's
 # GRPOTrainer names them.

@@ -55,6 +55,14 @@ class RLConfig:
         "optimizer steps on each rollout batch (TRL's num_iterations, μ): the first samples it, the others reuse "
         "its completions against the log-probabilities they were sampled with, clipped",
     )
+    gather_weights: str = key(
+        "auto",
+        OneOf(catalog.WEIGHT_GATHERS),
+        "under FSDP, how a rollout gathers the sharded weights: `once`, the whole model for the whole rollout (each "
+        "rank holds it meanwhile); `per_token`, block by block for every decoded token (FSDP's forward: one or two "
+        "blocks held, every block's weights sent again for each token); `auto`, once where the planner finds the "
+        "whole model fits beside the KV cache",
+    )
     scale_rewards: bool = key(
         True,
         Flag(),

@@ -19,7 +19,8 @@ On GPU with bf16 precision, parameters are gathered and computed in bf16 while g
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -66,23 +67,22 @@ def apply_fsdp(
             ignored_params=whole,
         )
 
+    reshards = reshard_flags(model, reshard_after_forward)
     blocks = list(model.blocks.values())
-    for index, block in enumerate(blocks):
-        # The last block's parameters are the first backward needs: kept from the end of forward, not re-gathered.
-        reshard = reshard_after_forward and index < len(blocks) - 1
+    for block in blocks:
         if experts is not None:
-            _shard_experts(block, *experts, shard, reshard)
-        shard(block, mesh, reshard)
+            _shard_experts(block, *experts, shard, reshards[block])
+        shard(block, mesh, reshards[block])
     for current, following in zip(blocks, blocks[1:]):
         # the next block's all-gather issued as this one's forward starts, not after it, so the two overlap
         cast(FSDPModule, current).set_modules_to_forward_prefetch([cast(FSDPModule, following)])
     embedding, head = edge_units(model)
-    if embedding:  # gathered for the first layer only, freed for the rest of the step
-        shard(embedding, mesh, reshard_after_forward)
-    if head:  # needed again at the start of backward: kept from the end of forward
-        shard(head, mesh, False)
+    if embedding:
+        shard(embedding, mesh, reshards[embedding[0]])
+    if head:
+        shard(head, mesh, reshards[head[0]])
     # The root holds what is left: the tied embedding and head, whose one weight serves both ends of the step.
-    shard(model, mesh, False)
+    shard(model, mesh, reshards[model])
     # The root returns the head's logits, which nn.Linear makes a view of its 2-D product; FSDP warns that an
     # in-place op on that view would skip its backward hook. The loss only reads the logits.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
@@ -157,6 +157,39 @@ def experts_placement(
     if not by_columns:
         return None
     return lambda param: Shard(1) if id(param) in by_columns else None
+
+
+def reshard_flags(model: LayeredModel, reshard_after_forward: bool) -> dict[nn.Module, bool]:
+    """Whether each FSDP unit of `model` (a block, with every module in it; the edge units; the root) frees its
+    gathered parameters after its forward pass, under the layout's `reshard_after_forward`."""
+    blocks = list(model.blocks.values())
+    flags: dict[nn.Module, bool] = {}
+    for index, block in enumerate(blocks):
+        # The last block's parameters are the first backward needs: kept from the end of forward, not re-gathered.
+        flags.update(dict.fromkeys(block.modules(), reshard_after_forward and index < len(blocks) - 1))
+    embedding, head = edge_units(model)
+    flags.update(dict.fromkeys(embedding, reshard_after_forward))  # gathered for the first layer only
+    flags.update(dict.fromkeys(head, False))  # needed again at the start of backward: kept from the end of forward
+    flags[model] = False
+    return flags
+
+
+@contextmanager
+def gathered_whole(model: LayeredModel, reshard_after_forward: bool) -> Iterator[None]:
+    """`model`'s FSDP units gathered once, all of them, and kept gathered through every forward pass inside (a
+    rollout's decoding steps then gather nothing); after, each unit sharded again with its own reshard_after_forward
+    (reshard_flags). Nothing to do for a model FSDP does not shard."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        flags = reshard_flags(model, reshard_after_forward)
+        for unit in units:
+            unit.set_reshard_after_forward(flags[unit], recurse=False)
+            unit.reshard()
 
 
 def edge_units(model: LayeredModel) -> tuple[list[nn.Module], list[nn.Module]]:

@@ -4,11 +4,14 @@ pass runs; tensor-parallel ranks run the same rows, each over its own heads (the
 logits gathered from the vocabulary shards. A completion depends on its prompt, seed and model alone, so every layout
 draws what one process draws. A pipeline (the stages would pass each new token through every rank) and context
 parallelism (a sequence decoded one position at a time has nothing to split) do not sample, nor does sequence
-parallelism (one new position a step cannot be split over the ranks): each is refused in one line."""
+parallelism (one new position a step cannot be split over the ranks): each is refused in one line. Under FSDP a
+rollout may gather the whole model once instead (fsdp.gathered_whole), where it fits beside the cache: the planner
+decides (train/grpo_objective.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from llmtrain.errors import ConfigError
 from llmtrain.model.kv_cache import KVCache
 from llmtrain.model.sampling import Completions, SamplingSettings, decode_step, sample
+from llmtrain.parallel.fsdp import gathered_whole
 from llmtrain.parallel.parallel_model import ParallelModel, unwrap
 from llmtrain.parallel.tensors import full_tensor
 from llmtrain.parallel_plan import ParallelPlan
@@ -47,10 +51,12 @@ def sample_completions(
     group: int,
     settings: SamplingSettings,
     seed: int,
+    gather_once: bool = False,
 ) -> Completions:
     """Collective: `group` completions of each of this rank's `prompts` (each known by its id in the global batch,
     which seeds its draws), the model in eval mode meanwhile. Every rank runs as many forward passes: decoding goes
-    on while any rank's rows do."""
+    on while any rank's rows do. `gather_once`: FSDP's units are gathered once for the whole rollout (the whole
+    model on each rank meanwhile) instead of block by block for every decoded token."""
     check_samples(model.plan)
     module = unwrap(model.module)
     whole = decode_step(module)
@@ -67,7 +73,9 @@ def sample_completions(
 
     training = module.training
     module.eval()
+    gathered = gathered_whole(module, model.plan.parallel.reshard_after_forward) if gather_once else nullcontext()
     try:
-        return sample(decode, prompts, prompt_ids, group, settings, seed, model.runtime.device, any_unfinished)
+        with gathered:
+            return sample(decode, prompts, prompt_ids, group, settings, seed, model.runtime.device, any_unfinished)
     finally:
         module.train(training)

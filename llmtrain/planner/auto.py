@@ -88,6 +88,8 @@ def prediction(cfg, world_size: int, ranks_per_node: int, vocab_size: int, bf16:
     plan = configured_cost(cfg, world_size, ranks_per_node, vocab_size, bf16)
     return {
         "step_s": plan.step_time_s,
+        "sampling_s": plan.sampling_s,
+        "gathers_once": plan.gathers_once,
         "peak_gib_per_rank": plan.heaviest.total / GIB,
         "comm_gib_per_step": plan.comm_bytes_per_step / GIB,
         "hardware": cfg.hardware.name,

@@ -42,6 +42,15 @@ from llmtrain.planner.memory import (
     model_states,
     updated_parameters,
 )
+from llmtrain.planner.rollout import (
+    RolloutRank,
+    RolloutSpeed,
+    Sampling,
+    kv_cache_bytes,
+    rollout_rank,
+    rollout_seconds,
+    unsampled,
+)
 from llmtrain.planner.shapes import Holding, holding, whole_model_parameters
 
 GIB = 2**30
@@ -75,6 +84,7 @@ class Machine:
     mfu: float  # of eager bf16 training without the features `speeds` scales
     links: Links
     speeds: FeatureSpeeds = FeatureSpeeds()
+    memory_bandwidth: float = float("inf")  # bytes/s a rank reads its memory at (decoding's limit); inf: not known
 
     @property
     def usable_bytes(self) -> float:
@@ -105,6 +115,7 @@ class Workload:
     compile: bool = False  # train.compile
     float8: bool = False  # train.float8 other than none
     document_mask: bool = False  # train.attention=document
+    sampling: Sampling | None = None  # a step samples completions first (train.objective=grpo)
 
     def speeds(self, speeds: FeatureSpeeds, recompute: str) -> tuple[float, float]:
         """The speed of (the weights' matmuls and what compiles around them, the attention kernel) against eager
@@ -140,6 +151,8 @@ class LayoutCost:
     max_parameters_with_activations: int
     # What the planner's memory does not model for this layout, in words; such a layout never fits (auto skips it)
     unmodelled: str | None = None
+    sampling_s: float = 0.0  # the step's rollout before training (planner/rollout.py)
+    gathers_once: bool = False  # the rollout gathers FSDP's weights once, not for every decoded token
 
     @property
     def name(self) -> str:
@@ -151,7 +164,7 @@ class LayoutCost:
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.exposed_comm_s
+        return self.sampling_s + self.compute_s + self.bubble_s + self.exposed_comm_s
 
     @property
     def comm_bytes_per_step(self) -> float:
@@ -170,6 +183,8 @@ class LayoutCost:
             "comm_bytes_by_op": {op: round(b) for op, b in sorted(busiest.bytes.items())},
             "comm_bytes_by_pipeline_rank": [{op: round(b) for op, b in sorted(t.bytes.items())} for t in self.traffic],
             "step_time_s": self.step_time_s,
+            "sampling_s": self.sampling_s,
+            "gathers_once": self.gathers_once,
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
             "comm_s": self.comm_s,
@@ -228,6 +243,7 @@ OVERLAPPED, RING, EXPOSED = "overlapped", "ring", "exposed"
 def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     d, gpt, step = c.degrees, work.gpt, work.step(c)
     factor = work.parameters / whole_model_parameters(gpt) if work.parameters else 1.0
+    rollout = rollout_rank(work.sampling, d, work.batch_size, work.seq_len) if work.sampling else None
     ranks: list[RankMemory] = []
     traffic: list[Traffic] = []
     comm_s = dict.fromkeys((OVERLAPPED, EXPOSED, RING), 0.0)  # the slowest pipeline rank's, by what hides it
@@ -236,7 +252,9 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         scaled = _scaled(held, factor)
         states = model_states(c, scaled, work.sizes)
         acts = activations(c, held, pp_rank, step)
-        ranks.append(RankMemory(*states, acts, gradients_replace_activations=step.microbatches == 1 and d.pp == 1))
+        cache = kv_cache_bytes(gpt, d, rollout, work.sizes.compute) if rollout else 0.0
+        replaced = step.microbatches == 1 and d.pp == 1
+        ranks.append(RankMemory(*states, acts, gradients_replace_activations=replaced, sampling=cache))
         terms = _communication(c, work, machine, step, pp_rank, held, scaled)
         traffic.append(reduce(Traffic.merge, (term for _, term, _ in terms)))
         rank_s = dict.fromkeys(comm_s, 0.0)
@@ -260,7 +278,11 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     exposed = comm_s[EXPOSED] + (max(0.0, overlapped - compute) if c.spec.overlaps else overlapped)
     exposed += max(0.0, comm_s[RING] - compute)
     heaviest = max(ranks, key=lambda r: r.total)
-    unmodelled = unmodelled_memory(c, gpt, step)
+    unmodelled = unmodelled_memory(c, gpt, step) or (unsampled(d, c.sequence_parallel) if rollout else None)
+    sampling_s, once = 0.0, False
+    if rollout:
+        ranks, sampling_s, once = _rollout(c, work, machine, ranks, rollout, whole, factor, n_params)
+        heaviest = max(ranks, key=lambda r: r.total)
     matrix_share = whole.matrices / whole.trainable
     per_param = bytes_per_parameter(c, replace(work.sizes, optimizer=work.sizes.optimizer_bytes(1, matrix_share)))
     return LayoutCost(
@@ -275,7 +297,41 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         max_parameters=int(machine.usable_bytes // per_param),  # model states: exact (the dry run agrees to 1%)
         max_parameters_with_activations=max(0, int((machine.plannable_bytes - heaviest.activations) // per_param)),
         unmodelled=unmodelled,
+        sampling_s=sampling_s,
+        gathers_once=once,
     )
+
+
+def _rollout(
+    c: Candidate,
+    work: Workload,
+    machine: Machine,
+    ranks: list[RankMemory],
+    rollout: RolloutRank,
+    whole: Holding,
+    factor: float,
+    n_params: int,
+) -> tuple[list[RankMemory], float, bool]:
+    """A sampling step's rollout (planner/rollout.py) on this layout: the ranks' memory with it, its seconds, and
+    whether FSDP's weights are gathered once for it (rl.gather_weights; `auto`: where the whole model fits)."""
+    d, gpt = c.degrees, work.gpt
+    assert work.sampling is not None, "a rollout is planned for a sampling workload"
+    forward = flops_per_token(gpt, n_params, work.seq_len) / 3  # a forward pass: a third of full training's
+    held_bytes = (whole.total - whole.quantized) * work.sizes.compute + whole.quantized * work.sizes.nf4
+    weight_bytes = held_bytes * factor / d.tp  # what a rank computes with: its tensor-parallel share of every weight
+    sharded = c.sharding == "parameters"
+    gathering = [replace(r, sampling=r.sampling + weight_bytes) for r in ranks]
+    once = sharded and (
+        work.sampling.gather == "once"
+        or (work.sampling.gather == "auto" and max(r.total for r in gathering) <= machine.plannable_bytes)
+    )
+    gathers = Traffic()
+    if sharded:  # every block, once or for each decoded token
+        gathers.add("all_gather", weight_bytes * (d.dp_shard - 1) / d.dp_shard, gpt.n_layer)
+    gather_s = sum(_seconds(machine, gathers, op, *_group(c, "dp", op, machine.ranks_per_node)) for op in gathers.bytes)
+    speed = RolloutSpeed(machine.peak_flops * machine.mfu / d.tp, machine.memory_bandwidth, gather_s)
+    cache = kv_cache_bytes(gpt, d, rollout, work.sizes.compute)
+    return gathering if once else ranks, rollout_seconds(rollout, forward, weight_bytes, cache, speed, once), once
 
 
 def _communication(
@@ -417,6 +473,22 @@ def host_matmul_flops(ranks_per_node: int) -> float:
     measured = 2 * n**3 * reps / (time.perf_counter() - start)
     cores = os.cpu_count() or 1
     return measured * min(1.0, cores / ranks_per_node / torch.get_num_threads())
+
+
+def host_memory_bandwidth(ranks_per_node: int) -> float:
+    """A CPU rank's memory bandwidth (bytes/s), timed here by copying a buffer larger than the caches: the node's
+    ranks share the memory's channels."""
+    import torch
+
+    source = torch.ones(8 * 2**20)  # 32 MiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    reps = 4
+    start = time.perf_counter()
+    for _ in range(reps):
+        target.copy_(source)
+    moved = 2 * source.numel() * source.element_size() * reps  # read and written
+    return moved / (time.perf_counter() - start) / ranks_per_node
 
 
 def total_memory_gib() -> float:

@@ -33,6 +33,23 @@ GPU_PEAK_BF16_FLOPS = [
     ("RTX 4080", 97.5e12),
     ("RTX 3090", 71e12),
 ]
+# Memory bandwidth (bytes/s) by the same substrings: what decoding a token reads its weights and KV cache at
+# (planner/rollout.py). The vendors' datasheets: HBM3e 4.8 TB/s (H200), HBM3 3.35 TB/s (H100 SXM), 3.9 (H100 NVL),
+# HBM2e 2.0 (H100 PCIe, A100 80GB), GDDR6 864 GB/s (L40S) and 600 (A10G), GDDR6X 1,008 (RTX 4090), 717 (RTX 4080)
+# and 936 (RTX 3090).
+GPU_MEMORY_BANDWIDTH = [
+    ("H200 NVL", 4.8e12),
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100", 2.0e12),
+    ("L40S", 0.864e12),
+    ("A10G", 0.6e12),
+    ("RTX 4090", 1.008e12),
+    ("RTX 4080", 0.717e12),
+    ("RTX 3090", 0.936e12),
+]
 # fp32 matmuls run on the TF32 tensor cores (runtime.py enables them), at half the bf16 rate on every card above.
 TF32_FRACTION_OF_BF16 = 0.5
 
@@ -42,6 +59,11 @@ def peak_flops_of(device_name: str, bf16: bool) -> float | None:
     name) for the run's precision (bf16, or fp32 on TF32 tensor cores); None for a card missing from the table."""
     peak = next((peak for key, peak in GPU_PEAK_BF16_FLOPS if key in device_name), None)
     return None if peak is None else peak * (1.0 if bf16 else TF32_FRACTION_OF_BF16)
+
+
+def memory_bandwidth_of(device_name: str) -> float | None:
+    """The bytes/s the card `device_name` names reads its memory at; None for a card missing from the table."""
+    return next((bandwidth for key, bandwidth in GPU_MEMORY_BANDWIDTH if key in device_name), None)
 
 
 def hardware_configs() -> list[HardwareConfig]:

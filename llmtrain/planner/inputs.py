@@ -10,10 +10,19 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config, meta_model
 from llmtrain.model.quantize import nf4_bytes_per_weight
 from llmtrain.parallel.float8 import float8_weight_share
-from llmtrain.planner.cost import GIB, FeatureSpeeds, Machine, Workload, host_matmul_flops, total_memory_gib
-from llmtrain.planner.hardware import peak_flops_of
+from llmtrain.planner.cost import (
+    GIB,
+    FeatureSpeeds,
+    Machine,
+    Workload,
+    host_matmul_flops,
+    host_memory_bandwidth,
+    total_memory_gib,
+)
+from llmtrain.planner.hardware import memory_bandwidth_of, peak_flops_of
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
+from llmtrain.planner.rollout import Sampling
 
 
 def llmtrain_state_bytes(cfg, bf16: bool) -> StateBytes:
@@ -99,7 +108,16 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
         mfu=cfg.hardware.mfu,
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
         speeds=FeatureSpeeds(hw.compile_speed, hw.float8_speed, hw.document_mask_speed, hw.selective_recompute_speed),
+        memory_bandwidth=_memory_bandwidth(hw, ranks_per_node),
     )
+
+
+def _memory_bandwidth(hw, ranks_per_node: int) -> float:
+    """A rank's memory bandwidth: its card's, found by the hardware's device_name (not known: inf, decoding counted
+    as compute-bound); a CPU's, timed."""
+    if hw.device_name is None:
+        return host_memory_bandwidth(ranks_per_node)
+    return memory_bandwidth_of(hw.device_name) or float("inf")
 
 
 def _peak_flops(hw, ranks_per_node: int, bf16: bool) -> float:
@@ -118,6 +136,7 @@ def _peak_flops(hw, ranks_per_node: int, bf16: bool) -> float:
 
 def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
     t = cfg.train
+    objective, rl = OBJECTIVES[objective_of(cfg.train.objective, cfg.data.source)], cfg.rl
     return Workload(
         gpt=gpt_config(cfg.model, vocab_size),
         seq_len=t.seq_len,
@@ -129,7 +148,10 @@ def workload_for(cfg, vocab_size: int, sizes: StateBytes) -> Workload:
         optimizer=cfg.optim.name,
         whole_matrices=cfg.optim.whole_matrices,
         loss="fused" if t.compile else "chunked",
-        forwards_alone=OBJECTIVES[objective_of(cfg.train.objective, cfg.data.source)].forwards_alone,
+        forwards_alone=objective.forwards_alone + (objective.samples and rl.beta > 0),  # GRPO's reference
+        sampling=Sampling(cfg.rl.group_size, cfg.rl.max_new_tokens, cfg.rl.gather_weights)
+        if objective.samples
+        else None,
         compile=t.compile,
         float8=t.float8 != "none",
         document_mask=t.attention == "document",

@@ -98,6 +98,9 @@ class RankMemory:
     # One micro-batch per step: backward frees the activations as it makes the gradients, so the peak holds the
     # larger of the two, not both (with more, the first micro-batch's gradients wait beside the next one's).
     gradients_replace_activations: bool = False
+    # a rollout's KV cache (planner/rollout.py): held while sampling, before the step's gradients exist, freed
+    # before training's forward passes
+    sampling: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -105,9 +108,12 @@ class RankMemory:
 
     @property
     def total(self) -> float:
+        sampling = self.parameters + self.optimizer + self.gathered + self.sampling
         if self.gradients_replace_activations:
-            return self.parameters + self.optimizer + self.gathered + max(self.gradients, self.activations)
-        return self.model_states + self.gathered + self.activations
+            training = self.parameters + self.optimizer + self.gathered + max(self.gradients, self.activations)
+        else:
+            training = self.model_states + self.gathered + self.activations
+        return max(sampling, training)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -116,6 +122,7 @@ class RankMemory:
             "optimizer": self.optimizer,
             "gathered": self.gathered,
             "activations": self.activations,
+            "sampling": self.sampling,
             "total": self.total,
         }
 

@@ -21,6 +21,7 @@ is normal: GRPO's loss is not a measure of progress (the reward is).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from llmtrain.parallel.mesh import sum_over
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.sampling import check_samples, sample_completions
 from llmtrain.parallel.tensors import MicroBatches
+from llmtrain.planner.resolve import predicted
 from llmtrain.train.grpo import GlobalBatch, GRPOSettings, advantages, loss_and_weights
 from llmtrain.train.objectives import Objective, PreparedStep
 
@@ -109,8 +111,21 @@ class GroupRelative(Objective):
             "clip_ratio/region_mean",
             *(("kl",) if self.settings.beta else ()),
         )
-        self._rollout: Rollout | None = None
+        self.gather_once = self._gathers_once(config)
+        self.current: Rollout | None = None  # the rollout the last step trained on
+        self._rollout_seconds = 0.0  # the last step's sampling (0 where it reused a rollout)
         self._told_zero_std = False
+
+    def _gathers_once(self, config: RootConfig) -> bool:
+        """Collective: whether a rollout gathers FSDP's weights once (rl.gather_weights; `auto`: rank 0's planner
+        says whether the whole model fits beside the cache), not for every decoded token."""
+        if config.rl.gather_weights != "auto":
+            return config.rl.gather_weights == "once"
+        runtime = self.model.runtime
+        mine = None
+        if runtime.is_main:
+            mine = bool(predicted(config, runtime, self.data.tokenizer.vocab_size).get("gathers_once", False))
+        return bool(runtime.from_main(mine))
 
     # -- the rollout ---------------------------------------------------------------------------------------------
     def rollout(self, slots: SlotRows, prompts: PromptSet, group: int) -> Rollout:
@@ -119,7 +134,7 @@ class GroupRelative(Objective):
         device = self.model.runtime.device
         first = slice(None, None, group)
         drawn = sample_completions(
-            self.model, slots.prompts[first], slots.draws[first], group, self.sampling, self._seed
+            self.model, slots.prompts[first], slots.draws[first], group, self.sampling, self._seed, self.gather_once
         )
         rewards, each = self._rewarded(slots, prompts, drawn)
         rows, scored = self._rows(slots.prompts, drawn)
@@ -205,11 +220,14 @@ class GroupRelative(Objective):
         """Collective: the rollout (sampled on the first of its steps), the training rows weighted with GRPO's
         gradient, its loss and metrics."""
         slots = SlotRows.of(rows)
-        fresh = self._rollout is None or self._rollout.draws != tuple(slots.draws)
+        fresh = self.current is None or self.current.draws != tuple(slots.draws)
+        self._rollout_seconds = 0.0
         if fresh:
-            self._rollout = None  # its memory is free before the next one's
-            self._rollout = self.rollout(slots, self._prompts.train, self.group)
-        rollout = self._rollout
+            self.current = None  # its memory is free before the next one's
+            started = time.perf_counter()
+            self.current = self.rollout(slots, self._prompts.train, self.group)
+            self._rollout_seconds = time.perf_counter() - started  # its host reads waited for the device
+        rollout = self.current
         assert rollout is not None
         if fresh:  # the policy has not moved since it drew them
             log_probs, entropies = rollout.old, rollout.entropies
@@ -244,7 +262,7 @@ class GroupRelative(Objective):
         return pairs
 
     def recorded(self, values: list[float]) -> dict[str, Any]:
-        record = dict(zip(self.metrics, values))
+        record = {**dict(zip(self.metrics, values)), "rollout_seconds": self._rollout_seconds}
         if record["frac_reward_zero_std"] == 1 and not self._told_zero_std and self.model.runtime.is_main:
             self._told_zero_std = True
             log.warning(
@@ -260,7 +278,9 @@ class GroupRelative(Objective):
         (held_out,) = self.data.validation
         assert self._prompts.validation is not None, "validation rows come with their prompts"
         slots = SlotRows.of(held_out.rows)
-        drawn = sample_completions(self.model, slots.prompts, slots.draws, 1, self.sampling, self._seed)
+        drawn = sample_completions(
+            self.model, slots.prompts, slots.draws, 1, self.sampling, self._seed, self.gather_once
+        )
         rewards, _ = self._rewarded(slots, self._prompts.validation, drawn)
         device = self.model.runtime.device
         sums = torch.stack(

@@ -72,6 +72,8 @@ def end_summary(
         "train_seconds": train_seconds,
         "wall_seconds": wall_seconds,
     }
+    if any("rollout_seconds" in r for r in steady):  # reinforcement learning: the share of the steps spent sampling
+        summary["rollout_share"] = sum(r.get("rollout_seconds", 0.0) for r in steady) / steady_seconds
     if any("trained_tokens" in r for r in records):  # fine-tuning: the targets trained, of the tokens seen
         summary["trained_tokens"] = sum(r.get("trained_tokens", 0) for r in records)
     scored = [r for r in records if "eval/seconds" in r]
@@ -97,7 +99,8 @@ def format_end_summary(summary: dict[str, Any]) -> str:
         + (f" (val {val:.4f})" if val is not None else "")
         + (f", {summary['final_val_bpb']:.4f} bits per byte" if summary.get("final_val_bpb") else ""),
         f"speed     {summary['tokens_per_s']:,.0f} tokens/s"
-        + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a"),
+        + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ", MFU n/a")
+        + (f"; sampling took {summary['rollout_share']:.0%} of the steps" if "rollout_share" in summary else ""),
     ]
     if "tasks" in summary:
         scores = ", ".join(f"{name} {value:.4f}" for name, value in summary["tasks"].items())
@@ -120,8 +123,9 @@ def format_end_summary(summary: dict[str, Any]) -> str:
     elif "predicted" in summary:
         p, measured = summary["predicted"], summary["tokens"] / summary["steps"] / summary["tokens_per_s"]
         memory = f" (measured {summary['peak_memory_gib']:.2f})" if "peak_memory_gib" in summary else ""
+        sampling = f" ({p['sampling_s']:.3g} s sampling)" if p.get("sampling_s") else ""
         lines.append(
-            f"planner   predicted {p['step_s']:.3g} s/step on {p['hardware']}, measured {measured:.3g} s "
+            f"planner   predicted {p['step_s']:.3g} s/step{sampling} on {p['hardware']}, measured {measured:.3g} s "
             f"({measured / p['step_s']:.2f}x); {p['peak_gib_per_rank']:.2f} GiB per rank{memory}; "
             f"{p['comm_gib_per_step']:.3g} GiB communicated per step"
         )

@@ -90,3 +90,19 @@ def write_preference_data(directory: Path, pairs: int = 120) -> tuple[Path, Path
     path = directory / "pairs.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return tokenizer, path
+
+
+# data=rl's test task: continue a line of the corpus, rewarded where the completion holds a digit (`regex`), a
+# verifiable reward a tiny random model earns at first now and then (a byte among 257, a few tries a completion).
+DIGIT_REWARD = ["data.reward=[regex]", "data.reward_pattern='[0-9]'"]
+
+
+def write_prompt_data(directory: Path, prompts: int = 200) -> Path:
+    """A .jsonl of text prompts made of the corpus's lines, each with an `answer` column (the line's length's last
+    digit) for a reward to read."""
+    lines = [json.loads(line)["text"] for line in DOCUMENT_CORPUS.read_text().splitlines()]
+    records = [{"prompt": lines[(13 * i) % len(lines)][:40], "answer": str(len(lines[i % len(lines)]) % 10)}
+               for i in range(prompts)]  # fmt: skip
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path

@@ -77,6 +77,8 @@ def train(overrides: list[str], runtime: Runtime, run_dir: str) -> tuple[dict, d
         "losses": [r["loss"] for r in records],
         "norms": [r["grad_norm"] for r in records],
         "val_losses": [r["val_loss"] for r in records if "val_loss" in r],
+        "rewards": [r["reward"] for r in records if "reward" in r],  # reinforcement learning's (data=rl)
+        "val_rewards": [r["val_reward"] for r in records if "val_reward" in r],
         "tasks": {key: value for key, value in records[-1].items() if key.count("/") == 2},  # eval.tasks' scores
         "val_bpb": records[-1].get("val_bpb"),
         "boundary_gap": gap,
