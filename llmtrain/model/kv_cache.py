@@ -34,6 +34,11 @@ class KVCache:
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self._positions: dict[int, torch.Tensor] = {}
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its blocks' keys and values hold."""
+        return sum(tensor.nbytes for store in (self._keys, self._values) for tensor in store.values())
+
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """(rows, t): each row's positions of the next t columns (pads at 0: masked out anyway)."""
         if t not in self._positions:

@@ -323,7 +323,7 @@ def _rollout(
     gathering = [replace(r, sampling=r.sampling + weight_bytes) for r in ranks]
     once = sharded and (
         work.sampling.gather == "once"
-        or (work.sampling.gather == "auto" and max(r.total for r in gathering) <= machine.plannable_bytes)
+        or (work.sampling.gather == "auto" and max(r.while_sampling for r in gathering) <= machine.plannable_bytes)
     )
     gathers = Traffic()
     if sharded:  # every block, once or for each decoded token

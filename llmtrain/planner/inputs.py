@@ -108,16 +108,18 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
         mfu=cfg.hardware.mfu,
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
         speeds=FeatureSpeeds(hw.compile_speed, hw.float8_speed, hw.document_mask_speed, hw.selective_recompute_speed),
-        memory_bandwidth=_memory_bandwidth(hw, ranks_per_node),
+        memory_bandwidth=_memory_bandwidth(cfg, ranks_per_node),
     )
 
 
-def _memory_bandwidth(hw, ranks_per_node: int) -> float:
-    """A rank's memory bandwidth: its card's, found by the hardware's device_name (not known: inf, decoding counted
-    as compute-bound); a CPU's, timed."""
-    if hw.device_name is None:
-        return host_memory_bandwidth(ranks_per_node)
-    return memory_bandwidth_of(hw.device_name) or float("inf")
+def _memory_bandwidth(cfg, ranks_per_node: int) -> float:
+    """A rank's memory bandwidth, which only a rollout's decoding reads: its card's, found by the hardware's
+    device_name (not known: inf, decoding counted as compute-bound); a CPU's, timed where the step samples."""
+    hw = cfg.hardware
+    if hw.device_name is not None:
+        return memory_bandwidth_of(hw.device_name) or float("inf")
+    samples = OBJECTIVES[objective_of(cfg.train.objective, cfg.data.source)].samples
+    return host_memory_bandwidth(ranks_per_node) if samples else float("inf")
 
 
 def _peak_flops(hw, ranks_per_node: int, bf16: bool) -> float:

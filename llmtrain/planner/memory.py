@@ -107,13 +107,19 @@ class RankMemory:
         return self.parameters + self.gradients + self.optimizer
 
     @property
-    def total(self) -> float:
-        sampling = self.parameters + self.optimizer + self.gathered + self.sampling
+    def while_sampling(self) -> float:
+        """The peak of a rollout (none: the model's states and gathered parameters)."""
+        return self.parameters + self.optimizer + self.gathered + self.sampling
+
+    @property
+    def while_training(self) -> float:
         if self.gradients_replace_activations:
-            training = self.parameters + self.optimizer + self.gathered + max(self.gradients, self.activations)
-        else:
-            training = self.model_states + self.gathered + self.activations
-        return max(sampling, training)
+            return self.parameters + self.optimizer + self.gathered + max(self.gradients, self.activations)
+        return self.model_states + self.gathered + self.activations
+
+    @property
+    def total(self) -> float:
+        return max(self.while_sampling, self.while_training)
 
     def as_dict(self) -> dict[str, float]:
         return {

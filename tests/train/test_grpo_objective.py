@@ -218,8 +218,8 @@ def test_the_mean_reward_rises_on_a_toy_verifiable_task(prompts_file, tmp_path):
 # -- every layout that samples -------------------------------------------------------------------------------------
 # GRPO under the layouts, against one process, two steps on one rollout (the second's ratios away from 1):
 # completions drawn on each data-parallel rank from its own prompts, FSDP gathering the whole model once (the
-# planner's choice here) or its blocks for every decoded token, tensor parallelism's heads (and its vocabulary-sharded loss), adapters with the KL term to the base, and
-# QLoRA's NF4 base under FSDP.
+# planner's choice here) or its blocks for every decoded token, tensor parallelism's heads (and its vocabulary-
+# sharded loss), adapters with the KL term to the base, and QLoRA's NF4 base under FSDP.
 QLORA_WIDTHS = "model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 model.quantize_base=nf4"
 GRPO_LAYOUTS = {
     2: [
@@ -255,3 +255,51 @@ def test_grpo_under_a_layout_matches_one_process(layout, grpo_results):
     assert run["norms"] == pytest.approx(reference["norms"], rel=LOSS_RTOL), layout
     assert run["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=1e-7), layout
     assert run["same_names"] and within(run["weight_difference"], GROUP_WEIGHT_ATOL), layout
+
+
+# -- the planner ----------------------------------------------------------------------------------------------------
+def test_the_planners_kv_cache_is_the_one_the_sampler_allocates():
+    """planner/rollout.py's cache bytes for a rank's rows are what the sampler's KVCache holds after a rollout of
+    llama-tiny (grouped-query: 2 key/value heads of 4), prompts of one length, fp32."""
+    from llmtrain.model import GPT, gpt_config
+    from llmtrain.model.kv_cache import KVCache
+    from llmtrain.model.sampling import SamplingSettings, decode_step, sample
+    from llmtrain.parallel_plan import Degrees
+    from llmtrain.planner.rollout import RolloutRank, kv_cache_bytes
+
+    cfg = compose_config(["model=llama-tiny", "model.n_layer=2"])
+    model = GPT(gpt_config(cfg.model, 61)).eval()
+    step, caches = decode_step(model), []
+
+    def decode(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        caches.append(cache)
+        return step(tokens, cache)
+
+    prompts, group, new_tokens = [[1, 2, 3, 4, 5]] * 3, 4, 6
+    settings = SamplingSettings(max_new_tokens=new_tokens)
+    sample(decode, prompts, range(3), group, settings, 0, torch.device("cpu"))
+    rank = RolloutRank(rows=3 * group, prompts=3, prompt_tokens=5, new_tokens=new_tokens)
+    assert kv_cache_bytes(model.cfg, Degrees(), rank, 4) == caches[-1].nbytes > 0
+
+
+def test_the_planner_splits_a_grpo_step_and_gathers_once_where_the_model_fits(prompts_file):
+    """A GRPO step's prediction holds its rollout: a layout that cannot sample never fits; under FSDP the rollout
+    gathers the whole model once where it fits beside the cache (`auto`), which beats gathering every block for
+    each decoded token over 4080s' PCIe; where it does not fit, block by block; the cache is counted in a rank's
+    peak, and both grow with longer completions."""
+    from llmtrain.planner.auto import configured_cost
+
+    def cost(model: str, *overrides: str):
+        run = [o for o in rl_run(prompts_file) if not o.startswith("model")] + [model, "hardware=rtx4080x4"]
+        run.append("train.seq_len=512")
+        run += ["rl.max_new_tokens=256", "train.batch_size=64", "model.lora.rank=16", "parallel=fsdp"]
+        return configured_cost(compose_config([*run, *overrides]), 4, 4, 151936, True)
+
+    once, per_token = cost("model=qwen3-1.7b"), cost("model=qwen3-1.7b", "rl.gather_weights=per_token")
+    assert once.gathers_once and not per_token.gathers_once and 0 < once.sampling_s < per_token.sampling_s
+    assert per_token.heaviest.sampling < once.heaviest.sampling
+    assert cost("model=qwen3-1.7b", "parallel=pp").unmodelled is not None
+    big = cost("model=qwen3-8b")
+    assert not big.gathers_once  # 16 GB of bf16 weights do not fit a 16 GB card
+    longer = cost("model=qwen3-1.7b", "train.seq_len=768", "rl.max_new_tokens=512")
+    assert longer.sampling_s > once.sampling_s and longer.heaviest.sampling > once.heaviest.sampling
