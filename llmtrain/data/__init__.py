@@ -292,10 +292,16 @@ def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, reading: DataReading) -
         validation = [ValidationSet(None, 1.0, prompt_slice.rows(slots))]
     description = (
         f"rl: {train.describe()}; {shape.group} completions of each, of {shape.room} tokens at most, stopping at "
-        f"{', '.join(repr(tokenizer.decode([token])) or f'id {token}' for token in train.stop_ids)}"
+        f"{', '.join(_token_name(tokenizer, token) for token in train.stop_ids)}"
     )
     batches = rl.PromptBatches(train, window, shape.group, shape.repeats, reading.seed, reading.train, reading.position)
     return Data(tokenizer, Prefetched(batches), validation, description, rollout=RolloutPrompts(train, held_out))
+
+
+def _token_name(tokenizer: Tokenizer, token: int) -> str:
+    """A token as the start summary names it: its text, or its id where it has none (a byte tokenizer's end)."""
+    text = tokenizer.decode([token])
+    return repr(text) if text else f"id {token}"
 
 
 def training_windows(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int) -> TrainingWindows:

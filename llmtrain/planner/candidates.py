@@ -240,6 +240,15 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
     return True
 
 
+def for_sampling(candidates: list[Candidate], samples: bool) -> list[Candidate]:
+    """Where a step samples completions (train.objective=grpo), the candidates that can: no pipeline, no context
+    parallelism, tensor parallelism without sequence parallelism (parallel/sampling.py says why)."""
+    if not samples:
+        return candidates
+    kept = [c for c in candidates if c.degrees.pp == 1 and c.degrees.cp == 1]
+    return list(dict.fromkeys(replace(c, sequence_parallel=False) for c in kept))
+
+
 def for_optimizer(candidates: list[Candidate], optim_cfg) -> list[Candidate]:
     """The candidates that can run `optim`: flat fp32 slices (ZeRO-1's) hold neither 8-bit moments nor host-side
     state, so they are left out under optim.state_bits=8 and optim.offload, and for an optimizer without a form

@@ -325,11 +325,18 @@ def _rollout(
         work.sampling.gather == "once"
         or (work.sampling.gather == "auto" and max(r.while_sampling for r in gathering) <= machine.plannable_bytes)
     )
-    gathers = Traffic()
+    gathers, reductions = Traffic(), Traffic()
     if sharded:  # every block, once or for each decoded token
         gathers.add("all_gather", weight_bytes * (d.dp_shard - 1) / d.dp_shard, gpt.n_layer)
-    gather_s = sum(_seconds(machine, gathers, op, *_group(c, "dp", op, machine.ranks_per_node)) for op in gathers.bytes)
-    speed = RolloutSpeed(machine.peak_flops * machine.mfu / d.tp, machine.memory_bandwidth, gather_s)
+    if d.tp > 1:  # each decoded token's activations summed after every block's attention and MLP
+        reductions.add("all_reduce", 2 * gpt.n_layer * rollout.rows * gpt.d_model * work.sizes.compute, 2 * gpt.n_layer)
+
+    def seconds(traffic: Traffic, dim: str) -> float:
+        return sum(_seconds(machine, traffic, op, *_group(c, dim, op, machine.ranks_per_node)) for op in traffic.bytes)
+
+    # a row's forward is computed by its tensor-parallel group together, each rank over its share of the weights
+    flops = machine.peak_flops * machine.mfu * d.tp
+    speed = RolloutSpeed(flops, machine.memory_bandwidth, seconds(gathers, "dp"), seconds(reductions, "tp"))
     cache = kv_cache_bytes(gpt, d, rollout, work.sizes.compute)
     return gathering if once else ranks, rollout_seconds(rollout, forward, weight_bytes, cache, speed, once), once
 

@@ -8,7 +8,8 @@ computes with and the cache filled so far, for a handful of FLOPs per byte: it r
 bandwidth and the compute's rate, which for a rollout's rows is the bandwidth (the "memory wall" of decoding). Under
 FSDP each decoding step also gathers every block's weights (model/sampling.py decodes block by block), over the
 data-parallel links, nothing overlapping it, unless the rollout gathers the whole model once (rl.gather_weights:
-where it fits beside the cache, under `auto`), which then takes the rank's memory for the rollout. The cache holds
+where it fits beside the cache, under `auto`), which then takes the rank's memory for the rollout. Under tensor
+parallelism each decoded token's activations are summed over the ranks after every attention and MLP. The cache holds
 keys and values of every row's prompt and completion (train.seq_len at most), in the compute dtype, its heads split
 over the tensor-parallel ranks; it is freed before training's forward passes, so a rank's peak holds the larger of
 the two."""
@@ -66,12 +67,15 @@ def unsampled(degrees: Degrees, sequence_parallel: bool) -> str | None:
 
 @dataclass(frozen=True)
 class RolloutSpeed:
-    """What a rank's rollout time is made of: its FLOP/s (peak x MFU), its memory's bandwidth (bytes/s), and the
-    seconds FSDP's gathering of every block takes (0 without FSDP)."""
+    """What a rank's rollout time is made of: the FLOP/s a row's forward pass is computed at (peak x MFU, times the
+    tensor-parallel ranks computing it together), the memory's bandwidth (bytes/s), the seconds FSDP's gathering of
+    every block takes (0 without FSDP) and those tensor parallelism's reductions of one decoded token take (0
+    without)."""
 
     flops: float
     bandwidth: float
     gather_s: float
+    reduce_s: float = 0.0
 
 
 def rollout_seconds(
@@ -89,4 +93,4 @@ def rollout_seconds(
     read = (weight_bytes + cache_bytes / 2) / speed.bandwidth
     computed = forward_flops_per_token * rank.rows / speed.flops
     gathers = 1 if gathers_once else 1 + rank.new_tokens
-    return prefill + rank.new_tokens * max(read, computed) + gathers * speed.gather_s
+    return prefill + rank.new_tokens * (max(read, computed) + speed.reduce_s) + gathers * speed.gather_s

@@ -28,7 +28,7 @@ from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, with_knobs
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, for_sampling, with_knobs
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
 from llmtrain.run.entry import composition_error_line
@@ -59,7 +59,7 @@ def plan_config(cfg) -> tuple[list[LayoutCost], Decision, Decision, dict[str, An
     candidates = enumerate_candidates(
         world, ranks_per_node, cfg.model, cfg.train, cfg.plan.layouts, cfg.parallel.pp_schedule
     )
-    candidates = for_optimizer(candidates, cfg.optim)
+    candidates = for_sampling(for_optimizer(candidates, cfg.optim), work.sampling is not None)
     if cfg.parallel.layout != AUTO and (world == 1 or layout_spec(cfg.parallel.layout).dims):
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]
@@ -109,8 +109,10 @@ def format_table(plans: list[LayoutCost], facts: dict[str, Any]) -> str:
         f"{facts['batch']['batch_size']} x {facts['batch']['seq_len']} (micro {facts['batch']['micro_batch_size']}, "
         f"recompute {facts['batch']['activation_checkpointing']}), links: {facts['links']}"
     )
-    columns = ("layout", "params", "grads", "optim", "gathered", "activ", "total", "fits", "comm/step", "step s",
-               "max params", "+activ")  # fmt: skip
+    sampling = any(p.sampling_s for p in plans)  # a step that samples: its rollout's memory and time beside
+    columns = ("layout", "params", "grads", "optim", "gathered", "activ", *(("sampling",) if sampling else ()),
+               "total", "fits", "comm/step", *(("sample s",) if sampling else ()), "step s", "max params",
+               "+activ")  # fmt: skip
     lines = [head, *([f"note: {facts['batch_note']}"] if "batch_note" in facts else [])]
     lines += [
         "GiB per rank (heaviest pipeline rank; with one micro-batch per step the total counts the larger of grads and "
@@ -119,11 +121,11 @@ def format_table(plans: list[LayoutCost], facts: dict[str, Any]) -> str:
     ]
     for p in plans:
         m = p.heaviest
-        cells = [p.name, *(f"{v / GIB:.2f}" for v in (m.parameters, m.gradients, m.optimizer, m.gathered,
-                 m.activations, m.total)), "yes" if p.fits else "NO?" if p.unmodelled else "NO",
-                 f"{p.comm_bytes_per_step / GIB:.2f}",
-                 f"{p.step_time_s:.3g}", f"{p.max_parameters / 1e9:.2f}B",
-                 f"{p.max_parameters_with_activations / 1e9:.2f}B"]  # fmt: skip
+        held = (m.parameters, m.gradients, m.optimizer, m.gathered, m.activations, *((m.sampling,) if sampling else ()))
+        cells = [p.name, *(f"{v / GIB:.2f}" for v in (*held, m.total)),
+                 "yes" if p.fits else "NO?" if p.unmodelled else "NO", f"{p.comm_bytes_per_step / GIB:.2f}",
+                 *((f"{p.sampling_s:.3g}",) if sampling else ()), f"{p.step_time_s:.3g}",
+                 f"{p.max_parameters / 1e9:.2f}B", f"{p.max_parameters_with_activations / 1e9:.2f}B"]  # fmt: skip
         lines.append("  ".join(f"{c:>10}" for c in cells))
     lines.append(
         f"fits: the total within {1 - PEAK_ERROR_BOUND:.0%} of the usable memory (the rest kept for the planner's "

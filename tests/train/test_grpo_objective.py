@@ -286,14 +286,18 @@ def test_the_planner_splits_a_grpo_step_and_gathers_once_where_the_model_fits(pr
     """A GRPO step's prediction holds its rollout: a layout that cannot sample never fits; under FSDP the rollout
     gathers the whole model once where it fits beside the cache (`auto`), which beats gathering every block for
     each decoded token over 4080s' PCIe; where it does not fit, block by block; the cache is counted in a rank's
-    peak, and both grow with longer completions."""
-    from llmtrain.planner.auto import configured_cost
+    peak, and both grow with longer completions; parallel=auto weighs only the layouts that sample."""
+    from llmtrain.planner.auto import auto_plans, configured_cost
+    from llmtrain.planner.rollout import unsampled
 
-    def cost(model: str, *overrides: str):
+    def config(model: str, *overrides: str):
         run = [o for o in rl_run(prompts_file) if not o.startswith("model")] + [model, "hardware=rtx4080x4"]
         run.append("train.seq_len=512")
         run += ["rl.max_new_tokens=256", "train.batch_size=64", "model.lora.rank=16", "parallel=fsdp"]
-        return configured_cost(compose_config([*run, *overrides]), 4, 4, 151936, True)
+        return compose_config([*run, *overrides])
+
+    def cost(model: str, *overrides: str):
+        return configured_cost(config(model, *overrides), 4, 4, 151936, True)
 
     once, per_token = cost("model=qwen3-1.7b"), cost("model=qwen3-1.7b", "rl.gather_weights=per_token")
     assert once.gathers_once and not per_token.gathers_once and 0 < once.sampling_s < per_token.sampling_s
@@ -303,3 +307,6 @@ def test_the_planner_splits_a_grpo_step_and_gathers_once_where_the_model_fits(pr
     assert not big.gathers_once  # 16 GB of bf16 weights do not fit a 16 GB card
     longer = cost("model=qwen3-1.7b", "train.seq_len=768", "rl.max_new_tokens=512")
     assert longer.sampling_s > once.sampling_s and longer.heaviest.sampling > once.heaviest.sampling
+    weighed, _ = auto_plans(config("model=qwen3-1.7b", "parallel=auto"), 4, 4, 151936, True, "1f1b")
+    assert {p.candidate.degrees.tp for p in weighed} == {1, 2, 4}  # parallel=auto weighs only layouts that sample
+    assert all(unsampled(p.candidate.degrees, p.candidate.sequence_parallel) is None for p in weighed)
