@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmtrain.tools.arithmetic_set import records
 from llmtrain.tools.compare_runs import read_metrics
 from llmtrain.tools.gpu_check_table import Check
 
@@ -110,6 +111,10 @@ def run_check(check: Check, base: list[str], workdir: Path, timeout: float, devi
     if check.module is not None:
         return _run_module(check, device, timeout, env, [*base, *check.overrides], check_dir.with_suffix(".json"))
     overrides = [*base, *check.overrides, f"hydra.run.dir={check_dir}"]
+    if check.prompts:
+        prompts = check_dir.with_suffix(".prompts.jsonl")
+        prompts.write_text("".join(json.dumps(record) + "\n" for record in records(400, 0, 20, text=True)))
+        overrides.append(f"data.path={prompts}")
     if check.steps is not None:
         overrides.append(f"train.steps={check.steps}")
     if check.resume_from:

@@ -27,6 +27,7 @@ class Check:
     options: tuple[str, ...] = ()
     benchmark: bool = False
     speed: bool = False  # its tokens/s is a result: its steps after the first run with no other row's on the GPU
+    prompts: bool = False  # data=rl on an arithmetic prompt set written beside its run (tools/arithmetic_set.py)
 
 
 # Low precision is judged over a longer run than the other rows: float8 rounding and 8-bit moments drift, if at all,
@@ -52,6 +53,7 @@ def single_gpu_checks(llama: list[str], whole_llama: list[str]) -> list[Check]:
         *offload_checks(),
         *rowwise_float8_checks(),
         *qlora_checks(),
+        *sampling_checks(),
     ]
     rest = [
         *precision_and_recompute_checks(),
@@ -307,6 +309,36 @@ def qlora_checks() -> list[Check]:
             "QLoRA under FSDP2, one rank: the all-gather moves the NF4 codes and scales",
             reference="qlora",
             tolerance=0.03,
+            nproc=1,
+        ),
+    ]
+
+
+# GRPO's rows (train.objective=grpo): text prompts of byte tokens, rewarded by their final number and the `####`
+# that precedes it, 8 completions of 2 prompts a step.
+GRPO = ("data=rl", "data.reward=[exact_number,regex]", "data.reward_pattern='####'", "data.reward_weights=[1,0.1]",
+        "rl.group_size=8", "rl.max_new_tokens=64", "rl.beta=0.04", "model.lora.rank=16")  # fmt: skip
+
+
+def sampling_checks() -> list[Check]:
+    """The KV-cached sampler on the GPU against transformers' generate, then GRPO steps: rollouts decoded in bf16
+    (the ratio of a rollout's first step is then not exactly 1), alone and under one-rank FSDP gathering the whole
+    model once over NCCL."""
+    return [
+        Check(
+            "sampler vs generate",
+            [],
+            "the KV-cached sampler's tokens/s against transformers' generate with its cache, greedy, same tokens",
+            module="llmtrain.bench.sampling",
+            options=("model=qwen3-0.6b", "--rounds", "3"),
+        ),
+        Check("grpo", [*GRPO], "GRPO steps: bf16 rollouts, rewards, the reference's KL, LoRA", prompts=True, steps=6),
+        Check(
+            "fsdp grpo 1 rank",
+            [FSDP, *GRPO],
+            "GRPO under FSDP2, one rank: the rollout gathers the whole model once, then FSDP's step",
+            prompts=True,
+            steps=6,
             nproc=1,
         ),
     ]

@@ -83,10 +83,8 @@ class GroupRelative(Objective):
             )
         assert data.rollout is not None, "the config's check gives grpo data=rl's prompts"
         self.model, self.data, self._prompts = model, data, data.rollout
-        self._val_slice, self._seed, self._seq_len = val_slice, config.seed, t.seq_len
-        self.group, self.iterations = rl.group_size, rl.iterations
-        self.scale = rl.scale_rewards
-        self.temperature = rl.temperature
+        self._seed, self._seq_len = config.seed, t.seq_len
+        self.group, self.scale, self.temperature = rl.group_size, rl.scale_rewards, rl.temperature
         self.settings = GRPOSettings(
             rl.loss, rl.beta, rl.epsilon, rl.epsilon if rl.epsilon_high is None else rl.epsilon_high, rl.max_new_tokens
         )

@@ -164,6 +164,20 @@ def plot_loss(records: list[dict[str, Any]], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    rewarded = [r for r in records if "reward" in r]
+    if rewarded:  # reinforcement learning: GRPO's loss says little, the reward says how it goes (reward.png)
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        ax.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], label="reward", linewidth=1.2)
+        held_out = [r for r in records if "val_reward" in r]
+        if held_out:
+            steps = [r["step"] for r in held_out]
+            ax.plot(steps, [r["val_reward"] for r in held_out], "o-", label="validation", markersize=4)
+        ax.set(xlabel="optimizer step", ylabel="mean reward", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(os.path.dirname(path), "reward.png"))
+        plt.close(fig)
     scored = [r for r in records if "eval/seconds" in r]
     if scored:  # the companion picture: each task's accuracies over the run, beside loss.png
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
