@@ -208,6 +208,7 @@ def test_greedy_batches_decode_what_transformers_generate_decodes(preset):
     with torch.no_grad():  # far from uniform, so that a near tie cannot decide a token
         model.lm_head.weight.mul_(8)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
-    _, ours = _ours(model, prompts, 12)
-    _, theirs = _theirs(hf_model_of(model, eos_id=256), prompts, 12)
+    cpu = torch.device("cpu")
+    _, ours = _ours(model, prompts, 12, cpu)
+    _, theirs = _theirs(hf_model_of(model, eos_id=256), prompts, 12, cpu)
     assert ours == theirs

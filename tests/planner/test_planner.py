@@ -319,7 +319,7 @@ def test_plan_command_line_writes_the_table_and_json(tmp_path, capsys):
     assert set(layouts) == {"ddp", "zero1", "zero2", "fsdp"} and not layouts["ddp"]["fits"]
     for row in layouts.values():
         sizes = row["per_rank_bytes"]
-        assert set(sizes) == {"parameters", "gradients", "optimizer", "gathered", "activations", "total"}
+        assert set(sizes) == {"parameters", "gradients", "optimizer", "gathered", "activations", "sampling", "total"}
         # the parts, or with one micro-batch per step the larger of gradients and activations, which replace each
         # other in backward
         parts, overlap = sum(v for k, v in sizes.items() if k != "total"), min(sizes["gradients"], sizes["activations"])
