@@ -54,8 +54,14 @@ class MoEGroupConfig:
     top_k: int = key(
         2,
         at_least(1),
-        "experts each token goes to; their router probabilities, renormalised to sum to 1, weight the outputs "
-        "(Mixtral's rule). Dropless: no capacity limit, no token dropped",
+        "experts each token goes to; their router probabilities weight the outputs (renormalised to sum to 1 with "
+        "`renormalize`). Dropless: no capacity limit, no token dropped",
+    )
+    renormalize: bool = key(
+        True,
+        Flag(),
+        "the top_k router probabilities divided by their sum (Mixtral's rule; Qwen3-MoE's `norm_topk_prob`); false: "
+        "each weighs its expert's output as the softmax over all experts gave it (OLMoE, Qwen1.5-MoE)",
     )
     every: int = key(
         1,

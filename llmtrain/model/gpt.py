@@ -120,10 +120,13 @@ class GPTConfig:
         return mlp_width(self.d_model, self.d_ff, self.mlp)
 
     @property
-    def expert_shape(self) -> tuple[int, int, int, int, int] | None:
-        """(experts, top_k, every, shared experts, expert width) of a mixture-of-experts model; None if dense."""
+    def expert_shape(self) -> tuple[int, int, int, int, int, bool] | None:
+        """(experts, top_k, every, shared experts, expert width, renormalised) of a mixture-of-experts model; None
+        if dense."""
         m = self.moe
-        return (m.num_experts, m.top_k, m.every, m.shared_experts, m.d_ff or self.hidden) if m.num_experts else None
+        if not m.num_experts:
+            return None
+        return m.num_experts, m.top_k, m.every, m.shared_experts, m.d_ff or self.hidden, m.renormalize
 
     @property
     def kv_heads(self) -> int:

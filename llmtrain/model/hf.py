@@ -1,7 +1,8 @@
 """The Hugging Face formats llmtrain converts to and from. A model family's row (llmtrain/catalog/models.py) names
-its HFFormats: the GPT's are GPT-2, Llama, Qwen3, Mixtral and Gemma 3, each format's module (hf_gpt2.py,
-hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_gemma3.py) knowing its tensor names and its config. This one picks the
-format of a model config or of a directory, and is what model.init_from, export and sampling call."""
+its HFFormats: the GPT's are GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE and Gemma 3, each format's module (hf_gpt2.py,
+hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_qwen3_moe.py, hf_gemma3.py) knowing its tensor names and its config.
+This one picks the format of a model config or of a directory, and is what model.init_from, export and sampling
+call."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from llmtrain.catalog import MODEL_FAMILIES, imported, model_family
 from llmtrain.errors import ConfigError
-from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3
+from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
 from llmtrain.model.gpt import GPT, GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
 
@@ -89,6 +90,16 @@ FORMATS = {
             hf_mixtral.mixtral_hf_config,
             hf_mixtral.to_mixtral_state_dict,
         ),
+        HFFormat(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "model=qwen3-moe-tiny",
+            hf_qwen3_moe.check_qwen3_moe,
+            hf_qwen3_moe.qwen3_moe_config_of,
+            hf_qwen3_moe.Qwen3MoeWeights,
+            hf_qwen3_moe.qwen3_moe_hf_config,
+            hf_mixtral.to_mixtral_state_dict,
+        ),
         GEMMA3,
     )
 }
@@ -120,11 +131,11 @@ def hf_format_of(cfg: GPTConfig) -> HFFormat:
 
 
 def gpt_format_of(cfg: GPTConfig) -> HFFormat:
-    """The GPT's format of `cfg` (a mixture: Mixtral; Gemma's offset norms: Gemma 3; query and key norms: Qwen3;
-    RMSNorm + RoPE + SwiGLU: Llama; else GPT-2), checked to fit its transformers class (ConfigError naming the keys
-    that do not)."""
+    """The GPT's format of `cfg` (a mixture: Qwen3-MoE with query and key norms, else Mixtral; Gemma's offset
+    norms: Gemma 3; query and key norms: Qwen3; RMSNorm + RoPE + SwiGLU: Llama; else GPT-2), checked to fit its
+    transformers class (ConfigError naming the keys that do not)."""
     if cfg.moe.num_experts:
-        name = "mixtral"
+        name = "qwen3_moe" if cfg.qk_norm else "mixtral"
     elif cfg.norm == "offset_rmsnorm":
         name = "gemma3_text"
     else:

@@ -64,10 +64,13 @@ def mixtral_hf_config(cfg: GPTConfig, eos_id: int):
 
 
 def to_mixtral_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """MixtralForCausalLM's state dict (transformers 5's module names) from our whole model's."""
+    """MixtralForCausalLM's state dict (transformers 5's module names) from our whole model's: the Llama mapping,
+    and each mixture's router and fused experts (Qwen3-MoE's are named alike)."""
     hf = to_llama_state_dict(model)
     for i, block in model.blocks.items():
-        mlp = cast(MoE, cast(Block, block).mlp)
+        mlp = cast(Block, block).mlp
+        if not isinstance(mlp, MoE):
+            continue  # a dense block (moe.every > 1): the Llama mapping's
         prefix = f"model.layers.{i}.mlp"
         hf[f"{prefix}.gate.weight"] = mlp.router.weight.detach().cpu().clone()
         experts = mlp.experts
@@ -92,21 +95,24 @@ def mixtral_config_of(path: str) -> GPTConfig:
 
 
 class MixtralWeights(LlamaWeights):
-    """LlamaWeights for attention, norms and embeddings; the router and the stacked experts from either file
-    layout (per-expert w1/w2/w3, or transformers 5's fused tensors)."""
+    """LlamaWeights for attention, norms, embeddings and dense blocks; each mixture's router and stacked experts
+    from either file layout (the release's per-expert tensors under `legacy_module`, named `legacy_names`, or
+    transformers 5's fused ones)."""
 
-    shape_keys = (*LLAMA_SHAPE_KEYS, "expert_shape")
+    shape_keys: tuple[str, ...] = (*LLAMA_SHAPE_KEYS, "expert_shape")
+    legacy_module = "block_sparse_moe"
+    legacy_names = {"w_gate": "w1", "w_in": "w3", "w_out": "w2"}
 
     @staticmethod
     def config_of(directory: str) -> GPTConfig:
         return mixtral_config_of(directory)
 
     def __call__(self, name: str, full: torch.Tensor) -> None:
-        if ".mlp." not in name:
+        if ".mlp.router." not in name and ".mlp.experts." not in name:
             return super().__call__(name, full)
         layer = name.split(".")[1]
         kind = name.rsplit(".", 1)[-1]
-        legacy = f"model.layers.{layer}.block_sparse_moe"
+        legacy = f"model.layers.{layer}.{self.legacy_module}"
         if name.endswith("mlp.router.weight"):
             key = f"{legacy}.gate.weight"
             full.copy_(self._read(key if key in self._keys else f"model.layers.{layer}.mlp.gate.weight"))
@@ -119,6 +125,6 @@ class MixtralWeights(LlamaWeights):
                 gate, up = self._read(f"{fused}.gate_up_proj").chunk(2, dim=1)
                 full.copy_((gate if kind == "w_gate" else up).transpose(1, 2))
             return
-        which = {"w_gate": "w1", "w_in": "w3", "w_out": "w2"}[kind]
+        which = self.legacy_names[kind]
         for e in range(full.shape[0]):
             full[e].copy_(self._read(f"{legacy}.experts.{e}.{which}.weight").T)

@@ -2,7 +2,7 @@
 router (token-choice top-k, as Mixtral, OLMoE and DeepSeek), plus optional always-on shared experts.
 
 - **Routing**: router logits in fp32, softmax over all experts, the top_k kept and renormalised to sum to 1
-  (Mixtral's rule; transformers' MixtralSparseMoeBlock computes the same).
+  (Mixtral's rule, and Qwen3-MoE's `norm_topk_prob`; transformers computes the same), or not (`renormalize`).
 - **Dropless**: every token reaches its experts, whatever the load (no capacity factor, no dropped tokens), so the
   result depends only on the tokens, never on how they were batched or spread over ranks.
 - **Balance**: the Switch Transformer / GShard auxiliary loss, coef · E · Σ_e f_e · P_e (f_e the share of routed
@@ -45,6 +45,7 @@ from llmtrain.catalog import MlpKind, imported
 class MoEConfig:
     num_experts: int = 0  # 0: dense MLPs everywhere
     top_k: int = 2
+    renormalize: bool = True  # the top_k probabilities divided by their sum (Qwen3-MoE's norm_topk_prob)
     every: int = 1  # block i is a mixture when (i + 1) % every == 0: 1 every block, 2 every second
     shared_experts: int = 0  # always-on experts beside the routed ones
     d_ff: int | None = None  # one expert's hidden width; None: the model's MLP width
@@ -212,7 +213,8 @@ class MoE(nn.Module):
         logits = self.router(tokens).float()
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.moe.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
 
         slots = chosen.flatten()
         order = slots.argsort(stable=True)

@@ -249,7 +249,9 @@ def test_a_hugging_face_mixtral_initialises_our_model(tmp_path):
 def test_a_mixtral_of_another_shape_is_refused_naming_the_keys(tmp_path):
     _hf_mixtral(tmp_path, num_experts_per_tok=1)
     cfg = compose_config(["model=mixtral-tiny", f"model.init_from={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"expert_shape=\(8, 2, 1, 0, 384\) \(theirs: \(8, 1, 1, 0, 384\)\)"):
+    with pytest.raises(
+        ConfigError, match=r"expert_shape=\(8, 2, 1, 0, 384, True\) \(theirs: \(8, 1, 1, 0, 384, True\)\)"
+    ):
         build_model(cfg.model, 257, seed=1)
 
 

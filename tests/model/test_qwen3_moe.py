@@ -1,0 +1,93 @@
+"""Qwen3-MoE (Qwen3-30B-A3B's family): the presets' parameter counts and the tiny model's logits against
+transformers' Qwen3MoeForCausalLM, its weights in both directions (model.init_from of a saved Qwen3-MoE, whose files
+hold each expert's tensors, or of transformers 5's fused ones; the export map into one), routing with and without
+the top-k renormalisation, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # at collection: its first import runs ldconfig
+
+from llmtrain.errors import ConfigError
+from llmtrain.model import build_model, meta_model, num_parameters
+from llmtrain.model.hf import hf_format_of
+from llmtrain.model.hf_mixtral import to_mixtral_state_dict
+from llmtrain.tools import compose_config
+
+LOGIT_ATOL = 1e-5  # fp32
+VOCAB = 257
+# qwen3-moe-tiny's shape in transformers' terms: heads of 32 over a width of 128, 8 experts of 64, 2 a token
+TINY = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=32, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+            norm_topk_prob=True, router_aux_loss_coef=0.001)  # fmt: skip
+
+
+def _spread(model: torch.nn.Module) -> torch.nn.Module:
+    """Head norms away from one and routers away from zero (transformers starts both so), so that a norm or a router
+    loaded into the wrong place shows."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5, generator=generator)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                param.normal_(0, 0.5, generator=generator)
+    return model
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "qwen3-30b-a3b"])
+def test_qwen3_moe_parameter_counts_equal_transformers(preset):
+    """qwen3-30b-a3b holds 30,532,122,624 parameters, as Qwen3MoeForCausalLM of the release's config counts them."""
+    ours = meta_model(compose_config([f"model={preset}"]).model, 151936)
+    with torch.device("meta"):
+        reference = Qwen3MoeForCausalLM(hf_format_of(ours.cfg).hf_config(ours.cfg, 0))
+    assert num_parameters(ours) - ours.cfg.padding_parameters == reference.num_parameters()
+    if preset == "qwen3-30b-a3b":
+        assert reference.num_parameters() == 30_532_122_624
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_our_qwen3_moe_exports_into_transformers_with_our_logits(renormalize):
+    """The export's map and config: Qwen3MoeForCausalLM takes every tensor of our model (strictly) and computes our
+    logits, the top-k probabilities renormalised (norm_topk_prob) or not."""
+    cfg = compose_config(["model=qwen3-moe-tiny", f"model.moe.renormalize={str(renormalize).lower()}"]).model
+    ours = _spread(build_model(cfg, VOCAB, seed=3)).eval()
+    family = hf_format_of(ours.cfg)
+    assert family.transformers_class == "Qwen3MoeForCausalLM"
+    theirs = Qwen3MoeForCausalLM(family.hf_config(ours.cfg, 0)).eval()
+    theirs.load_state_dict(to_mixtral_state_dict(ours), strict=True)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+
+
+@pytest.mark.slow  # writes and reads model directories
+@pytest.mark.parametrize("layout", ["per expert", "fused"])
+def test_a_hugging_face_qwen3_moe_initialises_our_model_with_its_logits(tmp_path, layout):
+    """A saved Qwen3MoeForCausalLM (its files hold each expert's gate_proj, up_proj and down_proj, as the release
+    does), or one whose files hold transformers 5's fused experts: our qwen3-moe-tiny started from it computes its
+    logits."""
+    torch.manual_seed(0)
+    theirs = _spread(Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY))).eval()
+    theirs.save_pretrained(tmp_path)
+    if layout == "fused":
+        (tmp_path / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert ("model.layers.0.mlp.experts.0.gate_proj.weight" in names) == (layout == "per expert")
+    ours = build_model(compose_config(["model=qwen3-moe-tiny", f"model.init_from={tmp_path}"]).model, VOCAB, seed=1)
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.eval()(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_a_qwen3_moe_it_cannot_hold_is_refused_in_one_line():
+    cfg = meta_model(compose_config(["model=qwen3-moe-tiny", "model.moe.shared_experts=1"]).model, VOCAB).cfg
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM only as .*\(model.moe.shared_experts=1") as refused:
+        hf_format_of(cfg)
+    assert "\n" not in str(refused.value)
