@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from llmtrain.model.moe import Experts
 from llmtrain.model.quantize import empty_nf4, is_nf4, quantized_piece
 
 ParameterInit = Callable[[str, torch.Tensor], None]
@@ -50,16 +51,20 @@ def write_parameters(model: nn.Module, init: ParameterInit) -> None:
     tensor at a time."""
     for name, param in model.named_parameters():
         # drawn (or read) in fp32 at least: a weight held in bf16 gets the rounding of the fp32 value it would be
-        full = torch.empty(param.shape, dtype=torch.promote_types(param.dtype, torch.float32))
+        owner, attribute = _owner(model, name)
+        # NF4 holds a stack of experts as their rows one after another: initialised as the stack
+        stacked = owner.stack_shape(attribute) if is_nf4(param) and isinstance(owner, Experts) else None
+        shape = stacked or param.shape
+        full = torch.empty(shape, dtype=torch.promote_types(param.dtype, torch.float32))
         init(name, full)
         if is_nf4(param):
-            _set_quantized(model, name, param, full)
+            _set_quantized(model, name, param, full.flatten(0, 1) if stacked else full)
         elif isinstance(param, DTensor):
             # Every rank drew the same whole tensor; each keeps its block without communicating. The block comes
             # from the offsets DCP itself uses, as views of the whole tensor: no copy of it under any placement
             # (FSDP over TP included), where distribute_tensor would make one.
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            for dim, (size, start) in enumerate(zip(shape, offset)):
+            local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            for dim, (size, start) in enumerate(zip(local, offset)):
                 full = full.narrow(dim, start, size)
             param.to_local().copy_(full)
         else:

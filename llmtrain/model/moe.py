@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from llmtrain.catalog import MlpKind, imported
+from llmtrain.model.quantize import dequantized, is_nf4
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, kind: MlpKind):
         super().__init__()
+        self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
         self.activation: Callable[[torch.Tensor], torch.Tensor] = imported(kind.activation)
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if kind.gated else None
@@ -142,19 +144,27 @@ class Experts(nn.Module):
         # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
         self.hidden_split: DeviceMesh | None = None
 
+    def stack_shape(self, attribute: str) -> tuple[int, int, int]:
+        """The whole stack `attribute` (w_in, w_gate, w_out) holds: (experts, in, out), however NF4 stores it."""
+        return (self.num_experts, self.hidden, self.d_model) if attribute == "w_out" else (
+            self.num_experts, self.d_model, self.hidden)  # fmt: skip
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by (this rank's) expert, counts[e] of them for expert e (a tensor on x's device) -> each
         through its expert, in the same order. One grouped GEMM per weight over all experts, its group boundaries
         read on the device: no host sync. Where the grouped kernel does not apply (_grouped_kernel_takes), the
-        experts run one by one, which reads the counts on the host."""
+        experts run one by one, which reads the counts on the host. Experts NF4 holds (model.quantize_base) are
+        dequantised by each matmul, forward and backward alike (_FrozenStack)."""
         weights = [_local(w) for w in (self.w_in, self.w_gate, self.w_out) if w is not None]
         if torch.is_autocast_enabled(x.device.type):  # what autocast does for each expert's matmul
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
-        if not _grouped_kernel_takes(x, weights):
+            x, weights = x.to(dtype), [w if is_nf4(w) else w.to(dtype) for w in weights]
+        experts = counts.numel()  # this rank's
+        shapes = [_FrozenStack.shape_of(w, experts, x.dtype) for w in weights]
+        if not _grouped_kernel_takes(x, shapes):
             return self._one_by_one(x, weights, counts.tolist())
         offsets = counts.cumsum(0, dtype=torch.int32)
-        return self._mlp(x, weights, lambda rows, w: torch._grouped_mm(rows, w, offs=offsets))
+        return self._mlp(x, weights, lambda rows, w: _FrozenStack.matmul(rows, w, offsets))
 
     def _mlp(self, x: torch.Tensor, weights: list[torch.Tensor], matmul: Callable) -> torch.Tensor:
         if self.w_gate is not None:
@@ -166,6 +176,7 @@ class Experts(nn.Module):
         return matmul(hidden, w_out)
 
     def _one_by_one(self, x: torch.Tensor, weights: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+        weights = [_FrozenStack.whole(w, len(counts), x.dtype) if is_nf4(w) else w for w in weights]
         outputs = [
             self._mlp(rows, [w[e] for w in weights], torch.matmul)
             for e, rows in enumerate(x.split(counts))
@@ -177,6 +188,45 @@ class Experts(nn.Module):
         # backward reaches the exchange that brought x and every rank takes part in it, and to the weights, whose
         # gradient is then zero rather than none: FSDP reduce-scatters it with every other rank's.
         return x[:0] + sum(w.sum() for w in weights) * 0
+
+
+class _FrozenStack(torch.autograd.Function):
+    """rows @ each expert's matrix of a frozen NF4 stack (E x in, out: quantize.py), grouped by `offsets`: the stack
+    dequantised for the product and again for the input's gradient in backward, so a block holds its experts in the
+    compute dtype only while it computes (autograd would otherwise keep every block's until backward). A plain stack
+    goes to torch._grouped_mm as it is."""
+
+    @staticmethod
+    def shape_of(weight: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+        """What the grouped kernel is asked to take: where NF4 holds the stack, its meta twin (experts, in, out) in
+        the compute dtype."""
+        if not is_nf4(weight):
+            return weight
+        rows, columns = weight.shape
+        return torch.empty(experts, rows // experts, columns, dtype=dtype, device="meta")
+
+    @staticmethod
+    def whole(weight: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+        """An NF4 stack of `experts` (experts x in, out) as (experts, in, out) in `dtype`."""
+        return dequantized(weight).to(dtype).view(experts, -1, weight.shape[1])
+
+    @staticmethod
+    def matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(weight):
+            return torch._grouped_mm(rows, weight, offs=offsets)
+        return _FrozenStack.apply(rows, weight, offsets)
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight = weight  # NF4's codes and scales: a quarter of the bf16 stack, held anyway as the parameter
+        ctx.save_for_backward(offsets)
+        return torch._grouped_mm(rows, _FrozenStack.whole(weight, offsets.numel(), rows.dtype), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (offsets,) = ctx.saved_tensors
+        stack = _FrozenStack.whole(ctx.weight, offsets.numel(), grad.dtype).transpose(-1, -2)
+        return torch._grouped_mm(grad, stack, offs=offsets), None, None
 
 
 # (experts, tokens sorted by expert, tokens per expert) -> each token through its expert, in the same order

@@ -13,6 +13,11 @@ its rows of the whole tensor's quantisation (not a quantisation of its rows, who
 rank to rank and from one process's). Its shard must therefore hold whole groups of 16,384 weights, which every
 released model's widths give: a weight that does not divide so stays in the compute dtype.
 
+A mixture's routed experts (E x in x out, stacked) are one NF4 tensor of their rows one after another (E x in,
+out): every expert whole groups, quantised with the same scales as the matrices alone but the double quantisation's
+mean, which is the stack's. FSDP and expert parallelism split it by rows, so by whole experts; a block dequantises
+its experts while it computes and again in backward, never holding them between (moe.py).
+
 The model is built on the meta device with its NF4 weights (their structure only); `quantized_piece` gives a rank
 the values when the model is materialised (model/materialize.py).
 """
@@ -72,12 +77,34 @@ def base_linears(model: nn.Module) -> Iterator[nn.Linear]:
                 yield module
 
 
+def stacked_quantizable(weight: torch.Tensor) -> bool:
+    """Whether NF4 can hold a stack of matrices (a mixture's experts, E x in x out) one after another: each of whole
+    groups, so that no group spans two experts."""
+    return weight.ndim == 3 and (weight.shape[1] * weight.shape[2]) % GROUP == 0
+
+
+def base_stacks(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, attribute, weight) of each frozen stack of matrices in `model`'s blocks that NF4 can hold (the
+    routed experts)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return
+    for module in blocks.modules():
+        for attribute, param in module.named_parameters(recurse=False):
+            if not param.requires_grad and stacked_quantizable(param):
+                yield module, attribute, param
+
+
 def quantize_base(model: nn.Module) -> None:
-    """Replace the frozen linear weights of `model`'s blocks by NF4 tensors of their shape (values come with
-    materialisation: quantized_piece)."""
+    """Replace the frozen linear weights of `model`'s blocks by NF4 tensors of their shape, and each frozen stack of
+    expert matrices (E, in, out) by one NF4 tensor of its experts' rows one after another (E x in, out): the values
+    come with materialisation (quantized_piece)."""
     for linear in list(base_linears(model)):
         rows, columns = linear.weight.shape
         linear.weight = nn.Parameter(empty_nf4(rows, columns, linear.weight.device), requires_grad=False)
+    for module, attribute, stack in list(base_stacks(model)):
+        experts, rows, columns = stack.shape
+        setattr(module, attribute, nn.Parameter(empty_nf4(experts * rows, columns, stack.device), requires_grad=False))
 
 
 def empty_nf4(rows: int, columns: int, device: torch.device) -> torch.Tensor:

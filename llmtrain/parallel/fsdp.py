@@ -52,11 +52,13 @@ def apply_fsdp(
     if param_dtype is not None:
         hold_frozen_in(model, param_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    # Over one shard FSDP gathers nothing, and torch 2.13's one-shard path copies only the first of a tensor
-    # subclass's all-gather inputs (NF4 has three): NF4 weights then stay whole, outside FSDP, as they would be.
-    whole = {param for param in model.parameters() if is_nf4(param)} if shards_of(mesh) == 1 else None
 
     def shard(modules: nn.Module | list[nn.Module], on: DeviceMesh, reshard: bool) -> None:
+        # Over one shard FSDP gathers nothing, and torch 2.13's one-shard path copies only the first of a tensor
+        # subclass's all-gather inputs (NF4 has three): NF4 weights then stay whole, outside FSDP, as they would be
+        # (the experts' over an expert-parallel mesh that leaves them one shard, too).
+        parts = modules if isinstance(modules, list) else [modules]
+        whole = {p for part in parts for p in part.parameters() if is_nf4(p)} if shards_of(on) == 1 else None
         fully_shard(
             modules,
             mesh=on,

@@ -19,10 +19,10 @@ from llmtrain.tools import compose_config
 
 LOGIT_ATOL = 1e-5  # fp32
 VOCAB = 257
-# qwen3-moe-tiny's shape in transformers' terms: heads of 32 over a width of 128, 8 experts of 64, 2 a token
+# qwen3-moe-tiny's shape in transformers' terms: heads of 32 over a width of 128, 8 experts of 128, 2 a token
 TINY = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=32, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
             norm_topk_prob=True, router_aux_loss_coef=0.001)  # fmt: skip
 
 
@@ -91,3 +91,66 @@ def test_a_qwen3_moe_it_cannot_hold_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM only as .*\(model.moe.shared_experts=1") as refused:
         hf_format_of(cfg)
     assert "\n" not in str(refused.value)
+
+
+# -- NF4 experts (model.quantize_base=nf4) ----------------------------------------------------------------------------
+QLORA_EXPERTS = ["model=qwen3-moe-tiny", "model.lora.rank=4", "model.quantize_base=nf4"]
+
+
+def test_nf4_holds_each_blocks_experts_and_a_block_dequantises_them_only_while_it_computes():
+    """Under QLoRA the routed experts are NF4 too: each stack (E, in, out) is torchao's NF4 of its experts' rows one
+    after another, which every expert holds whole groups of; a training step's autograd keeps no dequantised stack
+    for backward (the grouped matmul dequantises again there), and the adapters get gradients."""
+    from llmtrain.model.quantize import BLOCK, SCALER_BLOCK, _nf4, dequantized, is_nf4
+
+    quantized = build_model(compose_config(QLORA_EXPERTS).model, VOCAB, seed=1)
+    plain = build_model(compose_config(QLORA_EXPERTS[:2]).model, VOCAB, seed=1)
+    experts, reference = quantized.blocks["0"].mlp.experts, plain.blocks["0"].mlp.experts
+    for name in ("w_in", "w_gate", "w_out"):
+        stack, whole = getattr(experts, name), getattr(reference, name).detach()
+        assert is_nf4(stack) and stack.shape == (whole.shape[0] * whole.shape[1], whole.shape[2])
+        expected = _nf4().to_nf4(whole.flatten(0, 1).to(torch.bfloat16), BLOCK, SCALER_BLOCK).get_original_weight()
+        assert torch.equal(dequantized(stack), expected)
+    stack_elements = {reference.w_in.numel(), reference.w_out.numel()}
+    saved: list[torch.Size] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.shape)
+        return tensor
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = quantized(ids)[..., :VOCAB].float().logsumexp(-1).mean()
+    loss.backward()
+    assert not [shape for shape in saved if shape.numel() in stack_elements]
+    adapters = [p for name, p in quantized.named_parameters() if "lora" in name]
+    assert adapters and all(p.grad is not None for p in adapters)
+
+
+# Qwen3-MoE under the layouts that take experts, against one process (2 ranks): FSDP sharding experts by expert,
+# expert parallelism over 2 (all-to-all), tensor parallelism splitting the experts by hidden units, and QLoRA's NF4
+# experts (wider, so that every NF4 tensor splits into 2 shards of whole groups) under FSDP and expert parallelism.
+NF4_WIDTH = "model.d_model=256 model.lora.rank=4 model.quantize_base=nf4"
+QWEN3_MOE_LAYOUTS = [
+    "parallel=fsdp",
+    "parallel=fsdp parallel.ep=2",
+    "parallel=tp",
+    f"{NF4_WIDTH} parallel=fsdp",
+    f"{NF4_WIDTH} parallel=fsdp parallel.ep=2",
+]
+
+
+@pytest.fixture(scope="module")
+def layout_results(tmp_path_factory) -> dict:
+    from harness.layouts import GROUP_RUN, layout_group
+
+    common = f"model=qwen3-moe-tiny {GROUP_RUN}"
+    return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", QWEN3_MOE_LAYOUTS)
+def test_qwen3_moe_under_a_layout_matches_one_process(layout, layout_results):
+    from harness.layouts import assert_matches_single
+
+    assert_matches_single(layout_results, layout)
