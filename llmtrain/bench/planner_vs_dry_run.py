@@ -48,11 +48,19 @@ PRESETS = {
     "mixtral": ["model=mixtral-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
 }
 # Beside the grid's, the other preset families at one small shape each: Qwen3's (heads wider than d_model / n_head,
-# query and key norms) and Gemma 3's (sandwich norms, GeGLU, sliding windows).
+# query and key norms), Gemma 3's (sandwich norms, GeGLU, sliding windows) and Qwen3-MoE's under QLoRA (NF4 experts,
+# each block's dequantised while it computes; every NF4 tensor whole groups on each of 4 shards).
 EVERY_PRESET = {
     **PRESETS,
     "qwen3": ["model=qwen3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
     "gemma3": ["model=gemma3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "qwen3-moe-qlora": [
+        "model=qwen3-moe-tiny",
+        "model.d_model=256",
+        "model.n_kv_head=8",
+        "model.lora.rank=16",
+        "model.quantize_base=nf4",
+    ],  # fmt: skip
 }
 SHAPE_LAYERS = 4
 SHAPE = [f"model.n_layer={SHAPE_LAYERS}", "model.vocab_size=256", "train.seq_len=256", "train.micro_batch_size=2"]

@@ -78,8 +78,9 @@ def _set_quantized(model: nn.Module, name: str, param: torch.Tensor, full: torch
     device keeps meta parts, and FSDP takes the new one up at its first step."""
     rows, first = param.shape[0], 0
     if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        rows, first = shape[0], offset[0]
+        rows = param.to_local().shape[0]
+        if full is not None:  # where its rows start (a dry run's fake allocation never asks: its mesh has no values)
+            first = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
     if full is None:
         value = empty_nf4(rows, param.shape[1], param.device)
     else:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from llmtrain.catalog import schedule_spec
 from llmtrain.model.gpt import GPTConfig
 from llmtrain.model.losses import LOSS_CHUNK_VALUES
+from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.shapes import Holding
 
@@ -223,10 +224,14 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     # slots, and the routing keeps the slots gathered (bf16) and their weighted outputs in fp32 (two copies)
     mixtures = sum(m.is_moe_block(i) for i in range(cfg.n_layer)) / cfg.n_layer if m.num_experts else 0.0
     if mixtures:
-        experts = 2 * kind.saved_hidden * (m.d_ff or cfg.hidden) / cfg.d_model
+        # frozen experts (the base beside low-rank adapters) need no input of their output projection for a
+        # weight's gradient: autograd does not keep it
+        saved = kind.saved_hidden - (1 if cfg.lora.enabled else 0)
+        experts = 2 * saved * (m.d_ff or cfg.hidden) / cfg.d_model
         shared = experts * m.shared_experts
         mlp = (1 - mixtures) * mlp + mixtures * (m.top_k * experts + shared)
-    routing = mixtures * m.top_k * (2 + 2 * 4)
+    # (frozen, the router and experts need neither the gathered slots nor the weighted outputs for a gradient)
+    routing = 0.0 if cfg.lora.enabled else mixtures * m.top_k * (2 + 2 * 4)
     # RMSNorm keeps its input and the normalised copy in fp32, 6 bytes an element beyond the 16-bit input counted
     # in `replicated`; sandwich norms are two more, whose inputs (the branch outputs) nothing else keeps. Under
     # autocast the norms' inputs are fp32 already, and only the normalised copies are more.
@@ -357,7 +362,25 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
         total += rerun
     if held.last:
         total += loss_activations(candidate, step, s * b)
-    return total + gradient_being_reduced(candidate, held, sizes)
+    return total + gradient_being_reduced(candidate, held, sizes) + dequantized_experts(candidate, gpt)
+
+
+# torchao's NF4 dequantisation goes through fp32: at its peak it holds three times the dequantised tensor's bf16
+# bytes (its fp32 copy and the result; measured on its ops, and Qwen3-30B-A3B's dry run agrees)
+DEQUANTIZING_PEAK = 3
+
+
+def dequantized_experts(candidate: Candidate, gpt: GPTConfig) -> float:
+    """A block's NF4 experts (model.quantize_base=nf4 under QLoRA) dequantised while it computes, one stack at a time
+    (model/moe.py's _FrozenStack): this rank's experts, at torchao's dequantising peak; 0 where NF4 holds none."""
+    m, d = gpt.moe, candidate.degrees
+    width = m.d_ff or gpt.hidden
+    if not (
+        m.num_experts and gpt.quantize_base == "nf4" and gpt.lora.enabled and (gpt.d_model * width) % NF4_GROUP == 0
+    ):
+        return 0.0
+    stack = m.num_experts // d.ep * gpt.d_model * width // d.tp
+    return DEQUANTIZING_PEAK * stack * 2  # bf16, the dtype NF4 dequantises to
 
 
 def pipeline_gradient_buffer(candidate: Candidate, held: Holding) -> float:

@@ -81,7 +81,7 @@ class PlannedTensor:
         Routed experts: split over ep by expert first, FSDP over the shards / ep left, by expert, or by their
         second dimension where those shards outnumber a rank's experts, divide it evenly and neither ep nor tp
         split them (parallel/fsdp.py's experts_placement). shards * the first shard, which is what a rank holds."""
-        if not self.expert:
+        if self.quantized or not self.expert:  # NF4 (an expert stack's rows too) splits by whole groups, unpadded
             return self.numel if shards == 1 or self.quantized else shards * -(-self.rows // shards) * self.columns
         left = shards // ep if shards > ep else 1
         if left == 1:
@@ -125,8 +125,8 @@ def _linear(cfg: GPTConfig, name: str, n_in: int, n_out: int, column: bool, tp: 
 def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTensor]:
     """Block `index`'s parameters on one of `tp` tensor-parallel ranks: column-parallel q, k, v (k and v as wide
     as the key/value heads) and MLP inputs, row-parallel attention output and MLP output, replicated norms; a
-    mixture's router, routed experts (stacked E x d x f, no biases, split over tp by hidden units) and shared
-    experts as one wider MLP."""
+    mixture's router, routed experts (stacked E x d x f, no biases, split over tp by hidden units; NF4 under QLoRA)
+    and shared experts as one wider MLP."""
     h, m = cfg.d_model, cfg.moe
     frozen = cfg.lora.enabled  # the adapters alone train; the base is frozen, experts included
     tensors: list[PlannedTensor] = []
@@ -139,8 +139,12 @@ def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTe
         f = (m.d_ff or cfg.hidden) // tp
         tensors.append(PlannedTensor(m.num_experts, h, trainable=not frozen, matrix=True))  # the router
         stacked = cfg.mlp_kind.input_projections * [(h, f)] + [(f, h)]  # w_in (, w_gate): E x h x f; w_out: E x f x h
+        # under QLoRA NF4 holds a stack whose every expert is whole groups (quantize.py)
+        quantized = cfg.quantize_base == "nf4" and frozen and (h * (m.d_ff or cfg.hidden)) % NF4_GROUP == 0
         tensors += [
-            PlannedTensor(m.num_experts, n * k, trainable=not frozen, matrix=True, expert=True, second=n)
+            PlannedTensor(
+                m.num_experts, n * k, trainable=not frozen, matrix=True, expert=True, quantized=quantized, second=n
+            )
             for n, k in stacked
         ]
     return tensors
