@@ -25,6 +25,7 @@ from llmtrain.catalog.layouts import (
     schedule_spec,
 )
 from llmtrain.catalog.models import (
+    EXPERT_LORA_TARGETS,
     LORA_TARGETS,
     MLP_KINDS,
     MODEL_FAMILIES,
@@ -84,6 +85,7 @@ __all__ = [
     "DATA_PARALLEL",
     "DATA_SOURCES",
     "DECAY_SHAPES",
+    "EXPERT_LORA_TARGETS",
     "FLOAT8_LAYERS",
     "FLOAT8_RECIPES",
     "LAYOUTS",

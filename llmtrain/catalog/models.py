@@ -129,3 +129,9 @@ LORA_TARGETS = {
     "fc_in": "up_proj",
     "fc_out": "down_proj",
 }
+# The mixtures' routed experts, adapted per expert only when named (every expert of every block: many adapters), by
+# our names and by the parameters of transformers' fused experts that PEFT's target_parameters names.
+EXPERT_LORA_TARGETS = {
+    "experts_in": "experts.gate_up_proj",
+    "experts_out": "experts.down_proj",
+}

@@ -102,10 +102,21 @@ class LoRAGroupConfig:
     dropout: float = key(0.0, fraction(), "dropout on each adapter's input (PEFT's `lora_dropout`)")
     targets: list[str] = key(
         list(catalog.LORA_TARGETS),
-        ListOf(OneOf((*catalog.LORA_TARGETS, *catalog.LORA_TARGETS.values()))),
+        ListOf(
+            OneOf(
+                (
+                    *catalog.LORA_TARGETS,
+                    *catalog.LORA_TARGETS.values(),
+                    *catalog.EXPERT_LORA_TARGETS,
+                    *catalog.EXPERT_LORA_TARGETS.values(),
+                )
+            )
+        ),
         "the projections adapted: `q_proj k_proj v_proj out_proj` (attention), `fc_gate fc_in fc_out` (the MLP), or "
-        "by the names Hugging Face's Llama, Qwen3 and PEFT give them (`o_proj gate_proj up_proj down_proj`); all of "
-        "them by default",
+        "by the names Hugging Face's Llama, Qwen3 and PEFT give them (`o_proj gate_proj up_proj down_proj`), all of "
+        "them by default; a mixture's routed experts, each with adapters of its own, only when named: `experts_in` "
+        "(the gate and input projections, as transformers' fused `experts.gate_up_proj`) and `experts_out` "
+        "(`experts.down_proj`)",
     )
 
 

@@ -91,6 +91,14 @@ def validate_moe(moe, n_layer: int) -> None:
 def validate_lora(cfg) -> None:
     """Low-rank adapters against the settings that would undo them."""
     rank, float8 = cfg.model.lora.rank, cfg.train.float8
+    experts = [t for t in cfg.model.lora.targets if t in catalog.EXPERT_LORA_TARGETS or t in
+               catalog.EXPERT_LORA_TARGETS.values()]  # fmt: skip
+    if rank and experts and cfg.parallel.tp != 1:
+        raise ConfigError(
+            f"model.lora.targets={experts} adapts the routed experts, which tensor parallelism splits by hidden "
+            f"units (parallel.tp={cfg.parallel.tp}) and their adapters not yet: use parallel=fsdp with parallel.ep, "
+            f"or leave the experts out of model.lora.targets"
+        )
     if rank and float8 != "none":
         raise ConfigError(
             f"train.float8={float8} with model.lora.rank={rank}: float8 layers would replace the adapted ones; set "

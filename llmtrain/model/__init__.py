@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.catalog import LORA_TARGETS, imported, model_family
+from llmtrain.catalog import EXPERT_LORA_TARGETS, LORA_TARGETS, imported, model_family
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.flops import flops_per_token
 from llmtrain.model.gpt import GPT, GPTConfig, num_parameters, seeded_init, trainable_parameters
@@ -39,7 +39,7 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
 
 def lora_targets(names: list[str]) -> tuple[str, ...]:
     """model.lora.targets as our projections' names, each given by ours or by Hugging Face's (catalog.LORA_TARGETS)."""
-    ours = {hf: mine for mine, hf in LORA_TARGETS.items()}
+    ours = {hf: mine for mine, hf in (*LORA_TARGETS.items(), *EXPERT_LORA_TARGETS.items())}
     return tuple(dict.fromkeys(ours.get(name, name) for name in names))
 
 

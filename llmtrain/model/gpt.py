@@ -32,7 +32,7 @@ from llmtrain.model.base import LayeredModel
 from llmtrain.model.documents import PackedDocuments, document_attention, visible, whole_window_documents
 from llmtrain.model.dropout import Dropout
 from llmtrain.model.kv_cache import KVCache
-from llmtrain.model.lora import ADAPTERS, LoRAConfig, freeze_base, init_adapter, linear
+from llmtrain.model.lora import LoRAConfig, adapter_kind, freeze_base, init_adapter, linear
 from llmtrain.model.materialize import write_parameters
 from llmtrain.model.moe import Experts, MoE, MoEConfig, expert_init_std
 from llmtrain.model.quantize import quantize_base
@@ -296,7 +296,7 @@ def make_mixture(cfg: GPTConfig) -> MoE:
     m = cfg.moe
     hidden = m.d_ff or cfg.hidden
     shared = MLP(cfg, hidden * m.shared_experts) if m.shared_experts else None
-    return MoE(cfg.d_model, hidden, cfg.mlp_kind, m, shared)
+    return MoE(cfg.d_model, hidden, cfg.mlp_kind, m, shared, cfg.lora)
 
 
 class Block(nn.Module):
@@ -448,8 +448,8 @@ class GPT(LayeredModel):
         identity, biases zero; the padded head's bias is the vocabulary mask; adapters as model/lora.py starts them."""
         module_name, _, kind = name.rpartition(".")
         module = self.get_submodule(module_name)
-        if kind in ADAPTERS:
-            init_adapter(kind, full, generator)
+        if (factor := adapter_kind(kind)) is not None:
+            init_adapter(factor, full, generator)
         elif isinstance(module, OffsetRMSNorm):
             full.zero_()  # a scale of 1 + 0
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

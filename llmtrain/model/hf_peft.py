@@ -22,7 +22,8 @@ from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT
 from llmtrain.model.hf import hf_format_of
 from llmtrain.model.hf_llama import hf_name
-from llmtrain.model.lora import ADAPTERS, LoRAConfig, LoRALinear
+from llmtrain.model.lora import ADAPTERS, LoRAConfig, LoRALinear, is_adapter
+from llmtrain.model.moe import Experts
 from llmtrain.model.quantize import dequantized
 
 # The Hugging Face families whose adapters PEFT can hold as we train them.
@@ -71,13 +72,17 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
 
 
 def merged(model: GPT) -> GPT:
-    """The same model (of its family) without adapters: each adapted layer's weight is W + (alpha / rank) B A (an
-    NF4 base dequantised: the model exported computes what the trained one did)."""
+    """The same model (of its family) without adapters: each adapted layer's weight is W + (alpha / rank) B A, and
+    each adapted expert's (an NF4 base dequantised: the model exported computes what the trained one did)."""
     plain = type(model)(replace(model.cfg, lora=LoRAConfig(), quantize_base="none"))
-    state = {name: dequantized(t) for name, t in model.state_dict().items() if name.rpartition(".")[2] not in ADAPTERS}
+    state = {name: dequantized(t) for name, t in model.state_dict().items() if not is_adapter(name)}
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoRALinear):
                 state[f"{name}.weight"] = module.merged_weight()
+            elif isinstance(module, Experts):  # NF4 stacks as (E, in, out), each with its adapters' update
+                for attribute in ("w_in", "w_gate", "w_out"):
+                    if getattr(module, attribute) is not None:
+                        state[f"{name}.{attribute}"] = module.merged(attribute)
     plain.load_state_dict(state)
     return plain.eval()

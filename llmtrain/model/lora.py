@@ -45,9 +45,15 @@ class LoRAConfig:
         return self.enabled and projection in self.targets
 
 
+def adapter_kind(attribute: str) -> str | None:
+    """Which factor a parameter's attribute name holds: `lora_a` (A), `lora_b` (B) or neither (None). A linear layer
+    names its factors so; a mixture's experts prefix them with the projections they adapt (`in_lora_a`, moe.py)."""
+    return next((kind for kind in ADAPTERS if attribute.endswith(kind)), None)
+
+
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` (a dotted model path) is a low-rank adapter."""
-    return name.rpartition(".")[2] in ADAPTERS
+    return adapter_kind(name.rpartition(".")[2]) is not None
 
 
 class LoRALinear(nn.Linear):
@@ -82,16 +88,16 @@ def linear(in_features: int, out_features: int, bias: bool, lora: LoRAConfig, pr
 
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """`model` computes as its frozen base inside: every adapted layer without its update (preference tuning's
-    reference model, with no second copy of the weights)."""
-    layers = [module for module in model.modules() if isinstance(module, LoRALinear)]
+    """`model` computes as its frozen base inside: every adapted layer (a LoRALinear, a mixture's adapted experts)
+    without its update (preference tuning's reference model, with no second copy of the weights)."""
+    layers = [module for module in model.modules() if getattr(module, "adapting", None) is True]
     for layer in layers:
-        layer.adapting = False
+        setattr(layer, "adapting", False)  # noqa: B010 (a flag of several module classes)
     try:
         yield
     finally:
         for layer in layers:
-            layer.adapting = True
+            setattr(layer, "adapting", True)  # noqa: B010
 
 
 def freeze_base(model: nn.Module) -> None:

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from llmtrain.catalog import MlpKind, imported
+from llmtrain.model.lora import LoRAConfig
 from llmtrain.model.quantize import dequantized, is_nf4
 
 
@@ -133,13 +134,26 @@ class Experts(nn.Module):
     kind is gated, w_out (E, f, d). Under expert parallelism the weights are DTensors sharded on E and `forward` runs
     this rank's experts."""
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, kind: MlpKind):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, kind: MlpKind, lora: LoRAConfig):
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
         self.activation: Callable[[torch.Tensor], torch.Tensor] = imported(kind.activation)
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if kind.gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        # Low-rank adapters per expert (model.lora.targets `experts_in`, `experts_out`), as PEFT adapts
+        # transformers' fused experts: one A and B beside the input projections (gate then up, as their fused
+        # gate_up_proj), one beside the output projection; stacked by expert as the weights are.
+        width_in = hidden * (2 if kind.gated else 1)
+        self.in_lora_a = self.in_lora_b = self.out_lora_a = self.out_lora_b = None
+        if lora.adapts("experts_in"):
+            self.in_lora_a = nn.Parameter(torch.empty(num_experts, d_model, lora.rank))
+            self.in_lora_b = nn.Parameter(torch.empty(num_experts, lora.rank, width_in))
+        if lora.adapts("experts_out"):
+            self.out_lora_a = nn.Parameter(torch.empty(num_experts, hidden, lora.rank))
+            self.out_lora_b = nn.Parameter(torch.empty(num_experts, lora.rank, d_model))
+        self.scale = lora.scale if lora.enabled else 0.0
+        self.adapting = self.in_lora_a is not None or self.out_lora_a is not None  # False: the base alone
         # Tensor parallelism (parallel/tp.py's SplitExperts): each rank of this mesh holds a slice of every
         # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
         self.hidden_split: DeviceMesh | None = None
@@ -156,29 +170,68 @@ class Experts(nn.Module):
         experts run one by one, which reads the counts on the host. Experts NF4 holds (model.quantize_base) are
         dequantised by each matmul, forward and backward alike (_FrozenStack)."""
         weights = [_local(w) for w in (self.w_in, self.w_gate, self.w_out) if w is not None]
+        adapters = [_local(a) for a in self._adapters() if a is not None]
         if torch.is_autocast_enabled(x.device.type):  # what autocast does for each expert's matmul
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), [w if is_nf4(w) else w.to(dtype) for w in weights]
+            adapters = [a.to(dtype) for a in adapters]
         experts = counts.numel()  # this rank's
         shapes = [_FrozenStack.shape_of(w, experts, x.dtype) for w in weights]
-        if not _grouped_kernel_takes(x, shapes):
-            return self._one_by_one(x, weights, counts.tolist())
+        if not _grouped_kernel_takes(x, [*shapes, *adapters]):
+            return self._one_by_one(x, weights, adapters, counts.tolist())
         offsets = counts.cumsum(0, dtype=torch.int32)
-        return self._mlp(x, weights, lambda rows, w: _FrozenStack.matmul(rows, w, offsets))
+        return self._mlp(x, weights, adapters, lambda rows, w: _FrozenStack.matmul(rows, w, offsets))
 
-    def _mlp(self, x: torch.Tensor, weights: list[torch.Tensor], matmul: Callable) -> torch.Tensor:
+    def _adapters(self) -> tuple[torch.Tensor | None, ...]:
+        """(in A, in B, out A, out B), None where not adapted, all None while adapters are disabled."""
+        if not self.adapting:
+            return (None,) * 4
+        return self.in_lora_a, self.in_lora_b, self.out_lora_a, self.out_lora_b
+
+    def merged(self, attribute: str) -> torch.Tensor:
+        """Stack `attribute` (w_in, w_gate, w_out) as the experts compute with it: dequantised (E, in, out), its
+        adapters' update B A added (what an export without adapters holds)."""
+        weight = getattr(self, attribute).detach()
+        stack = _FrozenStack.whole(weight, self.num_experts, torch.float32) if is_nf4(weight) else weight.clone()
+        a, b = (self.in_lora_a, self.in_lora_b) if attribute != "w_out" else (self.out_lora_a, self.out_lora_b)
+        if a is None or b is None:
+            return stack
+        update = (a @ b).detach() * self.scale  # (E, in, width): the gate's columns, then the up-projection's
+        if attribute != "w_out" and self.w_gate is not None:
+            update = update[..., self.hidden :] if attribute == "w_in" else update[..., : self.hidden]
+        return stack + update.to(stack.dtype)
+
+    def _mlp(
+        self, x: torch.Tensor, weights: list[torch.Tensor], adapters: list[torch.Tensor], matmul: Callable
+    ) -> torch.Tensor:
+        """The experts' MLP of `x` (the frozen or trained stacks through `matmul`), each adapted projection's
+        low-rank update (x A) B · scale beside it."""
+        factors = iter(adapters)
+        in_adapted = self.adapting and self.in_lora_a is not None
+        out_adapted = self.adapting and self.out_lora_a is not None
+        update = matmul(matmul(x, next(factors)), next(factors)) * self.scale if in_adapted else None
         if self.w_gate is not None:
             w_in, w_gate, w_out = weights
-            hidden = self.activation(matmul(x, w_gate)) * matmul(x, w_in)
+            gate, up = matmul(x, w_gate), matmul(x, w_in)
+            if update is not None:  # the gate's columns, then the up-projection's
+                width = gate.shape[-1]
+                gate, up = gate + update[..., :width], up + update[..., width:]
+            hidden = self.activation(gate) * up
         else:
             w_in, w_out = weights
-            hidden = self.activation(matmul(x, w_in))
-        return matmul(hidden, w_out)
+            projected = matmul(x, w_in)
+            hidden = self.activation(projected if update is None else projected + update)
+        out = matmul(hidden, w_out)
+        if out_adapted:
+            out = out + matmul(matmul(hidden, next(factors)), next(factors)) * self.scale
+        return out
 
-    def _one_by_one(self, x: torch.Tensor, weights: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    def _one_by_one(
+        self, x: torch.Tensor, weights: list[torch.Tensor], adapters: list[torch.Tensor], counts: list[int]
+    ) -> torch.Tensor:
         weights = [_FrozenStack.whole(w, len(counts), x.dtype) if is_nf4(w) else w for w in weights]
         outputs = [
-            self._mlp(rows, [w[e] for w in weights], torch.matmul)
+            self._mlp(rows, [w[e] for w in weights], [a[e] for a in adapters], torch.matmul)
             for e, rows in enumerate(x.split(counts))
             if len(rows)
         ]
@@ -187,7 +240,7 @@ class Experts(nn.Module):
         # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so that
         # backward reaches the exchange that brought x and every rank takes part in it, and to the weights, whose
         # gradient is then zero rather than none: FSDP reduce-scatters it with every other rank's.
-        return x[:0] + sum(w.sum() for w in weights) * 0
+        return x[:0] + sum(w.sum() for w in (*weights, *adapters) if not is_nf4(w)) * 0
 
 
 class _FrozenStack(torch.autograd.Function):
@@ -245,11 +298,19 @@ class SequenceShare(Protocol):
 class MoE(nn.Module):
     """Router, routed experts and shared experts of one block: (batch, seq, d) -> (batch, seq, d)."""
 
-    def __init__(self, d_model: int, hidden: int, kind: MlpKind, moe: MoEConfig, make_shared: nn.Module | None):
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        kind: MlpKind,
+        moe: MoEConfig,
+        make_shared: nn.Module | None,
+        lora: LoRAConfig,
+    ):
         super().__init__()
         self.moe = moe
         self.router = nn.Linear(d_model, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, d_model, hidden, kind)
+        self.experts = Experts(moe.num_experts, d_model, hidden, kind, lora)
         self.shared = make_shared
         self.dispatch: ExpertDispatch | None = None  # expert parallelism: tokens to their experts' ranks and back
         self.sequence: SequenceShare | None = None  # context parallelism: this rank holds part of each sequence

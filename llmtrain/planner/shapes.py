@@ -147,6 +147,13 @@ def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTe
             )
             for n, k in stacked
         ]
+        r, inputs = cfg.lora.rank, cfg.mlp_kind.input_projections
+        adapters = []  # each adapted expert projection's A (E x in x r) and B (E x r x out): model/moe.py
+        if cfg.lora.adapts("experts_in"):
+            adapters += [(h, r), (r, inputs * f)]
+        if cfg.lora.adapts("experts_out"):
+            adapters += [(f, r), (r, h)]
+        tensors += [PlannedTensor(m.num_experts, n * k, expert=True, adapter=True, second=n) for n, k in adapters]
     return tensors
 
 

@@ -128,15 +128,20 @@ def test_nf4_holds_each_blocks_experts_and_a_block_dequantises_them_only_while_i
 
 
 # Qwen3-MoE under the layouts that take experts, against one process (2 ranks): FSDP sharding experts by expert,
-# expert parallelism over 2 (all-to-all), tensor parallelism splitting the experts by hidden units, and QLoRA's NF4
-# experts (wider, so that every NF4 tensor splits into 2 shards of whole groups) under FSDP and expert parallelism.
+# expert parallelism over 2 (all-to-all), tensor parallelism splitting the experts by hidden units, QLoRA's NF4
+# experts (wider, so that every NF4 tensor splits into 2 shards of whole groups) under FSDP and expert parallelism,
+# and adapters on every expert (over bf16 and over NF4 experts), sharded and exchanged with them.
 NF4_WIDTH = "model.d_model=256 model.lora.rank=4 model.quantize_base=nf4"
+EXPERT_ADAPTERS = "model.lora.rank=4 model.lora.targets=[q_proj,experts_in,experts_out]"
 QWEN3_MOE_LAYOUTS = [
     "parallel=fsdp",
     "parallel=fsdp parallel.ep=2",
     "parallel=tp",
     f"{NF4_WIDTH} parallel=fsdp",
     f"{NF4_WIDTH} parallel=fsdp parallel.ep=2",
+    f"{EXPERT_ADAPTERS} parallel=fsdp",
+    f"{EXPERT_ADAPTERS} parallel=fsdp parallel.ep=2",
+    f"{EXPERT_ADAPTERS} model.d_model=256 model.quantize_base=nf4 parallel=fsdp parallel.ep=2",
 ]
 
 
@@ -173,3 +178,42 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_four_16_gb_cards():
     assert fsdp.heaviest.parameters < 4.5 * 2**30  # a quarter of the NF4 experts, attention and embeddings
     picked = auto_decision(compose_config([*overrides, "parallel=auto"]), 4, 4, 151936, True, "1f1b").chosen
     assert picked is not None and picked.fits and picked.heaviest.total < 15 * 2**30
+
+
+# -- adapters on the experts (model.lora.targets experts_in, experts_out) ---------------------------------------------
+@pytest.mark.parametrize("quantized", [False, True])
+def test_expert_adapters_compute_what_their_merged_experts_compute(quantized):
+    """Per expert, an A and B beside the input projections (the gate's columns, then the up-projection's, as
+    transformers' fused gate_up_proj) and beside the output projection, named by ours or by transformers' names:
+    the adapted model's logits are those of the model whose experts hold W + (alpha / rank) A B (its NF4 stacks
+    dequantised), the base's with the adapters off; they train, and the planner counts them."""
+    from llmtrain.model import trainable_parameters
+    from llmtrain.model.hf_peft import merged
+    from llmtrain.model.lora import adapters_disabled
+    from llmtrain.planner.shapes import holding
+
+    overrides = [
+        "model=qwen3-moe-tiny",
+        "model.lora.rank=4",
+        "model.lora.targets=[q_proj,experts.gate_up_proj,experts_out]",
+    ]
+    cfg = compose_config([*overrides, *(["model.quantize_base=nf4"] if quantized else [])]).model
+    ours = build_model(cfg, VOCAB, seed=1).eval()
+    with torch.no_grad():  # B away from zero: the adapters then change every expert
+        for name, param in ours.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    experts = ours.blocks["0"].mlp.experts
+    assert experts.in_lora_b.shape == (8, 4, 2 * 128) and experts.out_lora_a.shape == (8, 128, 4)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = ours(ids)[..., :VOCAB]
+    with torch.no_grad():
+        assert (merged(ours)(ids)[..., :VOCAB] - logits).abs().max().item() <= LOGIT_ATOL
+        with adapters_disabled(ours):
+            base = ours(ids)[..., :VOCAB]
+    assert (base - logits).abs().max().item() > 1e-3
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(
+        getattr(experts, name).grad is not None for name in ("in_lora_a", "in_lora_b", "out_lora_a", "out_lora_b")
+    )
+    assert holding(ours.cfg).trainable == trainable_parameters(ours)

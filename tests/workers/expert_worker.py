@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from llmtrain.catalog import MLP_KINDS
 from llmtrain.differences import largest
+from llmtrain.model.lora import LoRAConfig
 from llmtrain.model.moe import Experts, MoE, MoEConfig
 from llmtrain.parallel.expert import AllToAllDispatch
 from llmtrain.run.runtime import init_runtime
@@ -31,7 +32,12 @@ EXPERTS, D_MODEL, HIDDEN = 8, 8, 16
 def mixture(skewed: bool) -> MoE:
     torch.manual_seed(0)
     block = MoE(
-        D_MODEL, HIDDEN, kind=MLP_KINDS["swiglu"], moe=MoEConfig(num_experts=EXPERTS, top_k=2), make_shared=None
+        D_MODEL,
+        HIDDEN,
+        kind=MLP_KINDS["swiglu"],
+        moe=MoEConfig(num_experts=EXPERTS, top_k=2),
+        make_shared=None,
+        lora=LoRAConfig(),
     )
     for param in block.parameters():
         torch.nn.init.normal_(param, std=0.5)
@@ -56,7 +62,7 @@ def largest_error(ep: int, group: dist.ProcessGroup, skewed: bool) -> float:
     split = copy.deepcopy(whole)
     local = EXPERTS // ep
     mine = slice(ep_rank * local, (ep_rank + 1) * local)
-    split.experts = Experts(local, D_MODEL, HIDDEN, MLP_KINDS["swiglu"])
+    split.experts = Experts(local, D_MODEL, HIDDEN, MLP_KINDS["swiglu"], LoRAConfig())
     with torch.no_grad():
         for name, param in split.experts.named_parameters():
             param.copy_(getattr(whole.experts, name)[mine])
