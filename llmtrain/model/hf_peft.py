@@ -6,7 +6,8 @@ PEFT names an adapter by the base's module path, `base_model.model.<module>.lora
 and `...lora_B.weight` (our `lora_b`, out x rank), and scales its update by lora_alpha / r as we do. The Llama family
 (Qwen3 too, and Mixtral's attention) keeps one module per projection, so each of our adapters is one of PEFT's;
 GPT-2's fused, transposed `c_attn` has no such module for q, k and v apart, so its adapters are exported merged
-only.
+only. A mixture's adapted experts go to PEFT's `target_parameters` on transformers' fused expert stacks
+(`_expert_adapters`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from llmtrain.model.moe import Experts
 from llmtrain.model.quantize import dequantized
 
 # The Hugging Face families whose adapters PEFT can hold as we train them.
-PEFT_FAMILIES = ("llama", "qwen3", "mixtral")
+PEFT_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe")
+# A mixture's adapted experts -> the parameter of transformers' fused experts PEFT adapts (target_parameters), in
+# the order PEFT nests their wrappers: the first named is the innermost (`experts.base_layer` when both are).
+EXPERT_PARAMETERS = {"in": "gate_up_proj", "out": "down_proj"}
 # Our adapter's name -> PEFT's, after the module path.
 PEFT_ADAPTERS = dict(zip(ADAPTERS, ("lora_A.weight", "lora_B.weight")))
 
@@ -51,6 +55,7 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
             hf_module = hf_name(f"{module}.weight").removesuffix(".weight")
             tensors[f"base_model.model.{hf_module}.{PEFT_ADAPTERS[kind]}"] = tensor.detach().contiguous().clone()
             adapted.add(LORA_TARGETS[module.rpartition(".")[2]])
+    parameters = _expert_adapters(model, tensors)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -59,6 +64,7 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
         "lora_alpha": cfg.lora.alpha,
         "lora_dropout": cfg.lora.dropout,
         "target_modules": sorted(adapted),
+        **({"target_parameters": [f"mlp.experts.{name}" for name in parameters]} if parameters else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -69,6 +75,28 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
     save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def _expert_adapters(model: GPT, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Each block's adapted experts into `tensors` as PEFT's ParamWrapper holds them on transformers' fused stacks
+    (E, out, in): A (E·r, in), its rows expert-major, and B (out, r·E), its columns rank-major, so that expert e's
+    update is Σ_r B[:, r, e] A[e, r, :] (peft/tuners/lora/layer.py); the parameters adapted, in PEFT's order."""
+    adapted = [
+        side
+        for side in EXPERT_PARAMETERS
+        if any(isinstance(m, Experts) and getattr(m, f"{side}_lora_a") is not None for m in model.modules())
+    ]
+    for name, module in model.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        _, layer, _ = name.split(".", 2)  # blocks.<i>.mlp.experts
+        hf_module = f"base_model.model.model.layers.{layer}.mlp.experts"
+        for depth, side in enumerate(adapted):
+            a, b = (getattr(module, f"{side}_lora_{factor}").detach() for factor in "ab")  # (E, in, r), (E, r, out)
+            wrapper = hf_module + ".base_layer" * (len(adapted) - 1 - depth)
+            tensors[f"{wrapper}.lora_A.weight"] = a.transpose(1, 2).reshape(-1, a.shape[1]).contiguous()
+            tensors[f"{wrapper}.lora_B.weight"] = b.permute(2, 1, 0).reshape(b.shape[2], -1).contiguous()
+    return [EXPERT_PARAMETERS[side] for side in adapted]
 
 
 def merged(model: GPT) -> GPT:

@@ -217,3 +217,31 @@ def test_expert_adapters_compute_what_their_merged_experts_compute(quantized):
         getattr(experts, name).grad is not None for name in ("in_lora_a", "in_lora_b", "out_lora_a", "out_lora_b")
     )
     assert holding(ours.cfg).trainable == trainable_parameters(ours)
+
+
+@pytest.mark.parametrize("targets", ["[q_proj,experts_in,experts_out]", "[experts.down_proj]"])
+def test_peft_puts_the_exported_expert_adapters_onto_transformers_qwen3_moe(tmp_path, targets):
+    """The adapters saved in PEFT's format (target_parameters on transformers' fused expert stacks, beside
+    target_modules): PeftModel.from_pretrained onto Qwen3MoeForCausalLM holding our base computes our adapted
+    logits, whichever of the experts' projections are adapted."""
+    from dataclasses import replace
+
+    from llmtrain.model.hf_peft import save_peft_adapter
+    from llmtrain.model.lora import LoRAConfig, is_adapter
+
+    peft = pytest.importorskip("peft")
+    cfg = compose_config(["model=qwen3-moe-tiny", "model.lora.rank=4", f"model.lora.targets={targets}"]).model
+    ours = _spread(build_model(cfg, VOCAB, seed=1)).eval()
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    base = type(ours)(replace(ours.cfg, lora=LoRAConfig()))
+    base.load_state_dict({k: v for k, v in ours.state_dict().items() if not is_adapter(k)})
+    theirs = Qwen3MoeForCausalLM(hf_format_of(base.cfg).hf_config(base.cfg, 0)).eval()
+    theirs.load_state_dict(to_mixtral_state_dict(base), strict=True)
+    save_peft_adapter(ours, None, str(tmp_path / "adapter"))
+    adapted = peft.PeftModel.from_pretrained(theirs, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (adapted(ids).logits - ours(ids)[..., :VOCAB]).abs().max().item() <= LOGIT_ATOL
