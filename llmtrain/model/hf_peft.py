@@ -80,7 +80,7 @@ def save_peft_adapter(model: GPT, base: str | None, directory: str) -> None:
 def _expert_adapters(model: GPT, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Each block's adapted experts into `tensors` as PEFT's ParamWrapper holds them on transformers' fused stacks
     (E, out, in): A (E·r, in), its rows expert-major, and B (out, r·E), its columns rank-major, so that expert e's
-    update is Σ_r B[:, r, e] A[e, r, :] (peft/tuners/lora/layer.py); the parameters adapted, in PEFT's order."""
+    update is Σ_r B[:, r, e] A[e, r, :] (PEFT's ParamWrapper); the parameters adapted, in PEFT's order."""
     adapted = [
         side
         for side in EXPERT_PARAMETERS
