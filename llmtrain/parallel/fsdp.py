@@ -100,6 +100,12 @@ def _shard_experts(
     """Each mixture's experts in `block` as an FSDP unit of their own over `expert_mesh` (`shard` makes one), their
     gradients divided by the whole data-parallel size."""
     for module in block.modules():
+        if isinstance(module, Experts) and shards_of(expert_mesh) > 1 and any(map(is_nf4, module.parameters())):
+            raise ConfigError(
+                f"model.quantize_base=nf4 holds the experts, which expert parallelism would leave FSDP to split over "
+                f"{shards_of(expert_mesh)} ranks more: torchao's NF4 gathers under FSDP alone, not beside expert "
+                f"parallelism's split; set parallel.ep to the data-parallel ranks or to 1"
+            )
         if isinstance(module, Experts):
             shard(module, expert_mesh, reshard)
             unit = cast(FSDPModule, module)  # fully_shard made it one

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config import ParallelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, for_sampling, with_knobs
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, runnable, with_knobs
 from llmtrain.planner.cost import GIB, Decision, LayoutCost, Machine, choose, layout_cost
 from llmtrain.planner.inputs import llmtrain_state_bytes, machine_for, workload_for
 
@@ -38,7 +38,7 @@ def auto_plans(
     work = workload_for(cfg, vocab_size, llmtrain_state_bytes(cfg, bf16))
     machine = machine_for(cfg, world_size, ranks_per_node, bf16)
     candidates = enumerate_candidates(world_size, ranks_per_node, cfg.model, cfg.train, "all", pp_schedule)
-    candidates = for_sampling(for_optimizer(candidates, cfg.optim), work.sampling is not None)
+    candidates = runnable(candidates, cfg, work.sampling is not None)
     if not candidates:
         raise ConfigError(
             f"parallel=auto found no layout for {world_size} ranks with train.batch_size={cfg.train.batch_size} and "

@@ -240,6 +240,20 @@ def _runs(c: Candidate, model_cfg, train_cfg) -> bool:
     return True
 
 
+def runnable(candidates: list[Candidate], cfg, samples: bool) -> list[Candidate]:
+    """The candidates this run can take: its optimizer's (for_optimizer), a sampling step's (for_sampling), NF4
+    experts' (for_nf4_experts)."""
+    return for_nf4_experts(for_sampling(for_optimizer(candidates, cfg.optim), samples), cfg.model)
+
+
+def for_nf4_experts(candidates: list[Candidate], model_cfg) -> list[Candidate]:
+    """Where NF4 holds the routed experts (model.quantize_base=nf4 beside adapters), the candidates that do not
+    shard them by both expert parallelism and FSDP: torchao's NF4 gathers under FSDP alone (parallel/fsdp.py)."""
+    if not (model_cfg.moe.num_experts and model_cfg.quantize_base == "nf4" and model_cfg.lora.rank):
+        return candidates
+    return [c for c in candidates if c.degrees.ep == 1 or c.degrees.dp_shard_cp // c.degrees.ep == 1]
+
+
 def for_sampling(candidates: list[Candidate], samples: bool) -> list[Candidate]:
     """Where a step samples completions (train.objective=grpo), the candidates that can: no pipeline, no context
     parallelism, tensor parallelism without sequence parallelism (parallel/sampling.py says why)."""

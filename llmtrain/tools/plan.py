@@ -28,7 +28,7 @@ from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
-from llmtrain.planner.candidates import describe_layout, enumerate_candidates, for_optimizer, for_sampling, with_knobs
+from llmtrain.planner.candidates import describe_layout, enumerate_candidates, runnable, with_knobs
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
 from llmtrain.run.entry import composition_error_line
@@ -59,7 +59,7 @@ def plan_config(cfg) -> tuple[list[LayoutCost], Decision, Decision, dict[str, An
     candidates = enumerate_candidates(
         world, ranks_per_node, cfg.model, cfg.train, cfg.plan.layouts, cfg.parallel.pp_schedule
     )
-    candidates = for_sampling(for_optimizer(candidates, cfg.optim), work.sampling is not None)
+    candidates = runnable(candidates, cfg, work.sampling is not None)
     if cfg.parallel.layout != AUTO and (world == 1 or layout_spec(cfg.parallel.layout).dims):
         configured = describe_layout(cfg.parallel, world)
         candidates = [configured, *(c for c in candidates if c != configured)]

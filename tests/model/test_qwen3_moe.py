@@ -165,8 +165,8 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_four_16_gb_cards():
     """Qwen3-30B-A3B with its blocks' weights in NF4 (experts included) and rank-16 adapters, sequences of 2,048:
     the layouts that keep every weight on each rank cannot hold the 15.6 GiB of NF4 and bf16 weights; FSDP over the
     four cards does, and parallel=auto picks a layout within the usable 15 GiB a rank (the dry run of that pick
-    agrees within 4%: docs/finetuning.md)."""
-    from llmtrain.planner.auto import auto_decision, configured_cost
+    agrees within 4%: docs/finetuning.md), among layouts that split NF4 experts one way only."""
+    from llmtrain.planner.auto import auto_decision, auto_plans, configured_cost
 
     overrides = ["model=qwen3-30b-a3b", "model.lora.rank=16", "model.quantize_base=nf4", "train.seq_len=2048",
                  "train.batch_size=8", "train.micro_batch_size=1", "train.activation_checkpointing=full",
@@ -178,6 +178,9 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_four_16_gb_cards():
     assert fsdp.heaviest.parameters < 4.5 * 2**30  # a quarter of the NF4 experts, attention and embeddings
     picked = auto_decision(compose_config([*overrides, "parallel=auto"]), 4, 4, 151936, True, "1f1b").chosen
     assert picked is not None and picked.fits and picked.heaviest.total < 15 * 2**30
+    # NF4 experts are split by expert parallelism or by FSDP, never by both (parallel/fsdp.py refuses it)
+    weighed = {p.candidate.degrees for p in auto_plans(cfg, 4, 4, 151936, True, "1f1b")[0]}
+    assert {d.ep for d in weighed} == {1, 4} and all(d.ep in (1, d.dp_shard_cp) for d in weighed)
 
 
 # -- adapters on the experts (model.lora.targets experts_in, experts_out) ---------------------------------------------
