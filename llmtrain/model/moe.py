@@ -190,7 +190,7 @@ class Experts(nn.Module):
 
     def merged(self, attribute: str) -> torch.Tensor:
         """Stack `attribute` (w_in, w_gate, w_out) as the experts compute with it: dequantised (E, in, out), its
-        adapters' update B A added (what an export without adapters holds)."""
+        adapters' update A B · scale added (what an export without adapters holds)."""
         weight = getattr(self, attribute).detach()
         stack = _FrozenStack.whole(weight, self.num_experts, torch.float32) if is_nf4(weight) else weight.clone()
         a, b = (self.in_lora_a, self.in_lora_b) if attribute != "w_out" else (self.out_lora_a, self.out_lora_b)
