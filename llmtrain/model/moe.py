@@ -175,12 +175,15 @@ class Experts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), [w if is_nf4(w) else w.to(dtype) for w in weights]
             adapters = [a.to(dtype) for a in adapters]
-        experts = counts.numel()  # this rank's
-        shapes = [_FrozenStack.shape_of(w, experts, x.dtype) for w in weights]
-        if not _grouped_kernel_takes(x, [*shapes, *adapters]):
-            return self._one_by_one(x, weights, adapters, counts.tolist())
-        offsets = counts.cumsum(0, dtype=torch.int32)
-        return self._mlp(x, weights, adapters, lambda rows, w: _FrozenStack.matmul(rows, w, offsets))
+        if not len(x):
+            # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so
+            # that backward reaches the exchange that brought x and every rank takes part in it, and to the
+            # weights, whose gradient is then zero rather than none: FSDP reduce-scatters it with every other
+            # rank's.
+            return x[:0] + sum(w.sum() for w in (*weights, *adapters) if not is_nf4(w)) * 0
+        shapes = [_FrozenStack.shape_of(w, counts.numel(), x.dtype) for w in weights]
+        groups = _Groups.of(counts, _grouped_kernel_takes(x, [*shapes, *adapters]))
+        return self._mlp(x, weights, adapters, lambda rows, w: _FrozenStack.matmul(rows, w, groups))
 
     def _adapters(self) -> tuple[torch.Tensor | None, ...]:
         """(in A, in B, out A, out B), None where not adapted, all None while adapters are disabled."""
@@ -226,28 +229,43 @@ class Experts(nn.Module):
             out = out + matmul(matmul(hidden, next(factors)), next(factors)) * self.scale
         return out
 
-    def _one_by_one(
-        self, x: torch.Tensor, weights: list[torch.Tensor], adapters: list[torch.Tensor], counts: list[int]
-    ) -> torch.Tensor:
-        weights = [_FrozenStack.whole(w, len(counts), x.dtype) if is_nf4(w) else w for w in weights]
-        outputs = [
-            self._mlp(rows, [w[e] for w in weights], [a[e] for a in adapters], torch.matmul)
-            for e, rows in enumerate(x.split(counts))
-            if len(rows)
-        ]
-        if outputs:
-            return torch.cat(outputs)
-        # No rows (an expert-parallel rank whose experts got no token): an empty result still joined to x, so that
-        # backward reaches the exchange that brought x and every rank takes part in it, and to the weights, whose
-        # gradient is then zero rather than none: FSDP reduce-scatters it with every other rank's.
-        return x[:0] + sum(w.sum() for w in (*weights, *adapters) if not is_nf4(w)) * 0
+
+@dataclass(frozen=True)
+class _Groups:
+    """How a rank's rows split by expert for the experts' matmuls: as the grouped kernel's offsets, read on the
+    device, or where it does not apply (_grouped_kernel_takes), as counts read on the host once a block, the
+    experts then run one by one."""
+
+    offsets: torch.Tensor | None
+    counts: list[int] | None
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, grouped: bool) -> _Groups:
+        if grouped:
+            return cls(counts.cumsum(0, dtype=torch.int32), None)
+        return cls(None, counts.tolist())
+
+    @property
+    def experts(self) -> int:
+        if self.counts is not None:
+            return len(self.counts)
+        assert self.offsets is not None
+        return self.offsets.numel()
+
+    def matmul(self, rows: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
+        """rows @ each expert's matrix of `stack` (experts, in, out)."""
+        if self.offsets is not None:
+            return torch._grouped_mm(rows, stack, offs=self.offsets)
+        assert self.counts is not None
+        parts = [part @ stack[e] for e, part in enumerate(rows.split(self.counts)) if len(part)]
+        return torch.cat(parts) if parts else rows.new_zeros(0, stack.shape[-1])
 
 
 class _FrozenStack(torch.autograd.Function):
-    """rows @ each expert's matrix of a frozen NF4 stack (E x in, out: quantize.py), grouped by `offsets`: the stack
-    dequantised for the product and again for the input's gradient in backward, so a block holds its experts in the
-    compute dtype only while it computes (autograd would otherwise keep every block's until backward). A plain stack
-    goes to torch._grouped_mm as it is."""
+    """rows @ each expert's matrix of a frozen NF4 stack (E x in, out: quantize.py), grouped as `groups` says: the
+    stack dequantised for the product and again for the input's gradient in backward, so a block holds its experts in
+    the compute dtype only while it computes (autograd would otherwise keep every block's until backward), grouped
+    kernel or not. A plain stack goes to the matmul as it is."""
 
     @staticmethod
     def shape_of(weight: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
@@ -264,22 +282,20 @@ class _FrozenStack(torch.autograd.Function):
         return dequantized(weight).to(dtype).view(experts, -1, weight.shape[1])
 
     @staticmethod
-    def matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def matmul(rows: torch.Tensor, weight: torch.Tensor, groups: _Groups) -> torch.Tensor:
         if not is_nf4(weight):
-            return torch._grouped_mm(rows, weight, offs=offsets)
-        return _FrozenStack.apply(rows, weight, offsets)
+            return groups.matmul(rows, weight)
+        return _FrozenStack.apply(rows, weight, groups)
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.weight = weight  # NF4's codes and scales: a quarter of the bf16 stack, held anyway as the parameter
-        ctx.save_for_backward(offsets)
-        return torch._grouped_mm(rows, _FrozenStack.whole(weight, offsets.numel(), rows.dtype), offs=offsets)
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, groups: _Groups) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight, ctx.groups = weight, groups  # NF4's codes and scales: held anyway as the parameter
+        return groups.matmul(rows, _FrozenStack.whole(weight, groups.experts, rows.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (offsets,) = ctx.saved_tensors
-        stack = _FrozenStack.whole(ctx.weight, offsets.numel(), grad.dtype).transpose(-1, -2)
-        return torch._grouped_mm(grad, stack, offs=offsets), None, None
+        stack = _FrozenStack.whole(ctx.weight, ctx.groups.experts, grad.dtype).transpose(-1, -2)
+        return ctx.groups.matmul(grad, stack), None, None
 
 
 # (experts, tokens sorted by expert, tokens per expert) -> each token through its expert, in the same order

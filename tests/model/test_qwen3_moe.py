@@ -97,11 +97,17 @@ def test_a_qwen3_moe_it_cannot_hold_is_refused_in_one_line():
 QLORA_EXPERTS = ["model=qwen3-moe-tiny", "model.lora.rank=4", "model.quantize_base=nf4"]
 
 
-def test_nf4_holds_each_blocks_experts_and_a_block_dequantises_them_only_while_it_computes():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_nf4_holds_each_blocks_experts_and_a_block_dequantises_them_only_while_it_computes(grouped, monkeypatch):
     """Under QLoRA the routed experts are NF4 too: each stack (E, in, out) is torchao's NF4 of its experts' rows one
     after another, which every expert holds whole groups of; a training step's autograd keeps no dequantised stack
-    for backward (the grouped matmul dequantises again there), and the adapters get gradients."""
+    for backward (the matmul dequantises again there), with the grouped kernel or without it (the experts one by
+    one, as on an RTX 4080), and the adapters get gradients."""
+    import llmtrain.model.moe as moe
     from llmtrain.model.quantize import BLOCK, SCALER_BLOCK, _nf4, dequantized, is_nf4
+
+    if not grouped:
+        monkeypatch.setattr(moe, "_grouped_kernel_takes", lambda x, weights: False)
 
     quantized = build_model(compose_config(QLORA_EXPERTS).model, VOCAB, seed=1)
     plain = build_model(compose_config(QLORA_EXPERTS[:2]).model, VOCAB, seed=1)
