@@ -96,7 +96,7 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
 
 # DPO under the layouts, against one process: pairs split over data-parallel ranks, their rows' log-probabilities
 # summed over a context-parallel ring and over tensor parallelism's sequence shards, pipeline micro-batches of whole
-# pairs, and QLoRA's NF4 base under FSDP as the reference.
+# pairs, QLoRA's NF4 base under FSDP as the reference, and Qwen3-MoE's adapted experts over expert parallelism.
 QLORA_WIDTHS = "model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 model.quantize_base=nf4"
 DPO_LAYOUTS = {
     2: [
@@ -106,6 +106,8 @@ DPO_LAYOUTS = {
         "parallel=pp parallel.microbatches=2",
         "parallel=fsdp parallel.cp=2",
         f"{QLORA_WIDTHS} parallel=fsdp",
+        # a mixture of experts with adapters on every expert, the reference with them off, experts over ep 2
+        "model=qwen3-moe-tiny model.lora.targets=[q_proj,experts_in,experts_out] parallel=fsdp parallel.ep=2",
     ]
 }
 
