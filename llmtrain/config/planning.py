@@ -62,6 +62,13 @@ class HardwareConfig:
         "step speed with `train.activation_checkpointing=selective` against none (full recomputation's cost is "
         "counted as FLOPs: a forward more)",
     )
+    kernel_launch_us: float = key(
+        5.0,
+        positive(),
+        "microseconds the host takes to launch one CUDA kernel (about 5 on current drivers): what a mixture's experts "
+        "cost beyond their FLOPs where torch has no fused grouped GEMM for the card (Ada, Ampere), each expert's "
+        "matmuls then launched one by one after a host read of the counts (the planner's step time)",
+    )
     peer_to_peer: bool = key(
         True,
         Flag(),

@@ -85,6 +85,8 @@ class Machine:
     links: Links
     speeds: FeatureSpeeds = FeatureSpeeds()
     memory_bandwidth: float = float("inf")  # bytes/s a rank reads its memory at (decoding's limit); inf: not known
+    # seconds to launch one expert's matmul where the experts run one by one (no fused grouped GEMM); 0: they do not
+    expert_launch_s: float = 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -274,6 +276,7 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
     matmul_speed, attention_speed = work.speeds(machine.speeds, step.recompute)
     seconds_per_flop = (per_token - attention) / matmul_speed + attention / attention_speed
     compute = seconds_per_flop * tokens_per_rank * (forwards + 2) / 3 / (machine.peak_flops * machine.mfu)
+    compute += experts_one_by_one_s(c, gpt, step, machine, forwards)
     overlapped = comm_s[OVERLAPPED]
     exposed = comm_s[EXPOSED] + (max(0.0, overlapped - compute) if c.spec.overlaps else overlapped)
     exposed += max(0.0, comm_s[RING] - compute)
@@ -300,6 +303,19 @@ def layout_cost(c: Candidate, work: Workload, machine: Machine) -> LayoutCost:
         sampling_s=sampling_s,
         gathers_once=once,
     )
+
+
+def experts_one_by_one_s(c: Candidate, gpt: GPTConfig, step: StepShape, machine: Machine, forwards: int) -> float:
+    """Where the card has no fused grouped GEMM (Machine.expert_launch_s > 0), what a rank's mixtures cost beyond
+    their FLOPs: each matmul of each of its experts launched on its own after a host read, forward (`forwards`
+    passes) and backward (the input's gradient, and the weights' where they train), in every micro-batch."""
+    m = gpt.moe
+    if not (m.num_experts and machine.expert_launch_s):
+        return 0.0
+    mixtures = sum(m.is_moe_block(i) for i in range(gpt.n_layer)) / c.degrees.pp
+    backward = 1 if gpt.lora.enabled else 2
+    matmuls = gpt.mlp_kind.matrices * (m.num_experts // c.degrees.ep) * (forwards + backward)
+    return step.microbatches * mixtures * matmuls * machine.expert_launch_s
 
 
 def _rollout(

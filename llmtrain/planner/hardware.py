@@ -15,6 +15,7 @@ import os
 from omegaconf import OmegaConf
 
 from llmtrain.config import CONF_DIR, HardwareConfig
+from llmtrain.model.moe import FUSED_GROUPED_GEMM_MAJORS
 
 # Dense bf16 tensor-core peak (FLOP/s, fp32 accumulate, no sparsity) by a substring of the device name (torch's, or
 # a hardware config's device_name, which holds it), the first match winning: a card's PCIe / NVL variants come
@@ -50,6 +51,19 @@ GPU_MEMORY_BANDWIDTH = [
     ("RTX 4080", 0.717e12),
     ("RTX 3090", 0.936e12),
 ]
+# Compute capability majors by the same substrings: whether torch's grouped GEMM has a fused kernel for a mixture's
+# experts there (model/moe.py's FUSED_GROUPED_GEMM_MAJORS: Hopper 9, Blackwell 10; not Ampere's or Ada's 8).
+GPU_ARCHITECTURE_MAJOR = [
+    ("H200", 9),
+    ("H100", 9),
+    ("B200", 10),
+    ("A100", 8),
+    ("L40S", 8),
+    ("A10G", 8),
+    ("RTX 4090", 8),
+    ("RTX 4080", 8),
+    ("RTX 3090", 8),
+]
 # fp32 matmuls run on the TF32 tensor cores (runtime.py enables them), at half the bf16 rate on every card above.
 TF32_FRACTION_OF_BF16 = 0.5
 
@@ -59,6 +73,13 @@ def peak_flops_of(device_name: str, bf16: bool) -> float | None:
     name) for the run's precision (bf16, or fp32 on TF32 tensor cores); None for a card missing from the table."""
     peak = next((peak for key, peak in GPU_PEAK_BF16_FLOPS if key in device_name), None)
     return None if peak is None else peak * (1.0 if bf16 else TF32_FRACTION_OF_BF16)
+
+
+def runs_experts_one_by_one(device_name: str) -> bool:
+    """Whether a mixture's experts run one by one on the card `device_name` names (no fused grouped GEMM there; a
+    card missing from the table counts as having one)."""
+    major = next((major for key, major in GPU_ARCHITECTURE_MAJOR if key in device_name), None)
+    return major is not None and major not in FUSED_GROUPED_GEMM_MAJORS
 
 
 def memory_bandwidth_of(device_name: str) -> float | None:

@@ -19,7 +19,7 @@ from llmtrain.planner.cost import (
     host_memory_bandwidth,
     total_memory_gib,
 )
-from llmtrain.planner.hardware import memory_bandwidth_of, peak_flops_of
+from llmtrain.planner.hardware import memory_bandwidth_of, peak_flops_of, runs_experts_one_by_one
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
 from llmtrain.planner.rollout import Sampling
@@ -109,6 +109,7 @@ def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machin
         links=Links(hw.intra_node_gbps, hw.inter_node_gbps, cfg.plan.measured),
         speeds=FeatureSpeeds(hw.compile_speed, hw.float8_speed, hw.document_mask_speed, hw.selective_recompute_speed),
         memory_bandwidth=_memory_bandwidth(cfg, ranks_per_node),
+        expert_launch_s=hw.kernel_launch_us * 1e-6 if hw.device_name and runs_experts_one_by_one(hw.device_name) else 0,
     )
 
 

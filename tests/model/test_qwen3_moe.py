@@ -254,3 +254,23 @@ def test_peft_puts_the_exported_expert_adapters_onto_transformers_qwen3_moe(tmp_
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (adapted(ids).logits - ours(ids)[..., :VOCAB]).abs().max().item() <= LOGIT_ATOL
+
+
+def test_the_planner_counts_experts_run_one_by_one_where_the_card_has_no_fused_grouped_gemm():
+    """On an RTX 4080 (Ada, sm_89) torch has no fused grouped GEMM: each of a rank's 128 experts' 3 matmuls is
+    launched on its own, in each forward pass (2 with full recomputation) and the input's backward (the experts are
+    frozen), in each of the 8 micro-batches of all 48 mixtures: 8 x 48 x 3 x 128 x 3 launches of
+    hardware.kernel_launch_us beyond the FLOPs. An H200 (Hopper) runs them as one grouped GEMM: nothing more."""
+    from llmtrain.planner.auto import configured_cost
+
+    run = ["model=qwen3-30b-a3b", "model.lora.rank=16", "model.quantize_base=nf4", "train.seq_len=2048",
+           "train.batch_size=32", "train.micro_batch_size=1", "train.activation_checkpointing=full",
+           "data.tokenizer.kind=byte", "parallel=fsdp"]  # fmt: skip
+
+    def compute_s(hardware: str, launch_us: float) -> float:
+        cfg = compose_config([*run, f"hardware={hardware}", f"hardware.kernel_launch_us={launch_us}"])
+        return configured_cost(cfg, 4, 4, 151936, True).compute_s
+
+    launches = 8 * 48 * 3 * 128 * 3
+    assert compute_s("rtx4080x4", 5.0) - compute_s("rtx4080x4", 1e-9) == pytest.approx(launches * 5e-6, rel=1e-6)
+    assert compute_s("h200", 5.0) == compute_s("h200", 1e-9)
