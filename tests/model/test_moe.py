@@ -192,6 +192,9 @@ LAYOUTS = [
     "model=mixtral-tiny parallel=fsdp_tp parallel.tp=2",
     f"model=mixtral-tiny {FOUR_BLOCKS} parallel=pp_fsdp parallel.pp_schedule=interleaved_1f1b"
     " parallel.pp_stages_per_rank=2 parallel.ep=2",
+    # Qwen3-MoE's experts with adapters of their own, over ep 2 x expert_shard 2 (FSDP splits experts and adapters)
+    "model=qwen3-moe-tiny model.lora.rank=4 model.lora.targets=[q_proj,experts_in,experts_out] parallel=fsdp"
+    " parallel.ep=2",
 ]
 EXPERT_PARALLEL = LAYOUTS[1:4]  # fsdp over 4 ranks with ep 1, 2, 4
 
