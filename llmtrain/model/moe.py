@@ -254,8 +254,8 @@ class _Groups:
 
     def matmul(self, rows: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
         """rows @ each expert's matrix of `stack` (experts, in, out)."""
-        if self.offsets is not None:
-            return torch._grouped_mm(rows, stack, offs=self.offsets)
+        if self.offsets is not None:  # (CPU's kernel is given both operands contiguous: see _FrozenStack.backward)
+            return torch._grouped_mm(rows.contiguous(), stack.contiguous(), offs=self.offsets)
         assert self.counts is not None
         parts = [part @ stack[e] for e, part in enumerate(rows.split(self.counts)) if len(part)]
         return torch.cat(parts) if parts else rows.new_zeros(0, stack.shape[-1])
