@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.layouts import needs_torchao
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # at collection: its first import runs ldconfig
@@ -97,6 +98,7 @@ def test_a_qwen3_moe_it_cannot_hold_is_refused_in_one_line():
 QLORA_EXPERTS = ["model=qwen3-moe-tiny", "model.lora.rank=4", "model.quantize_base=nf4"]
 
 
+@needs_torchao
 @pytest.mark.parametrize("grouped", [True, False])
 def test_nf4_holds_each_blocks_experts_and_a_block_dequantises_them_only_while_it_computes(grouped, monkeypatch):
     """Under QLoRA the routed experts are NF4 too: each stack (E, in, out) is torchao's NF4 of its experts' rows one
@@ -198,7 +200,7 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_four_16_gb_cards():
 
 
 # -- adapters on the experts (model.lora.targets experts_in, experts_out) ---------------------------------------------
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [False, pytest.param(True, marks=needs_torchao)])
 def test_expert_adapters_compute_what_their_merged_experts_compute(quantized):
     """Per expert, an A and B beside the input projections (the gate's columns, then the up-projection's, as
     transformers' fused gate_up_proj) and beside the output projection, named by ours or by transformers' names:
