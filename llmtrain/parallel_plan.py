@@ -316,12 +316,20 @@ def validate_schedule(
             f"and weight gradients in separate passes over the graph: set train.compile=false or "
             f"use 1f1b / interleaved_1f1b"
         )
-    if recompute == "selective" and spec.splits_backward:
-        # found by the dry run: selective checkpointing's cache of saved ops serves one backward pass only
+    if recompute != "none" and spec.splits_backward:
+        # Found by the dry run: selective checkpointing's cache of saved ops serves one backward pass only, and
+        # under full recomputation each block's rerun keeps its activations for the deferred weight-gradient
+        # pass, every micro-batch in flight: more than without recomputation (issue 76's grid)
+        why = (
+            "its cache of saved ops serves one backward pass, and this schedule runs two over each block (input, "
+            "then weight gradients)"
+            if recompute == "selective"
+            else "the rerun's activations wait for the deferred weight-gradient pass: it holds more than no "
+            "recomputation"
+        )
         raise ConfigError(
-            f"train.activation_checkpointing=selective does not work with parallel.pp_schedule={name}, which "
-            f"runs two backward passes over each block (input, then weight gradients): set "
-            f"train.activation_checkpointing=full or none, or use 1f1b / interleaved_1f1b"
+            f"train.activation_checkpointing={recompute} does not pay with parallel.pp_schedule={name}: {why}; "
+            f"set train.activation_checkpointing=none, or use 1f1b / interleaved_1f1b to recompute"
         )
     v = stages_per_rank
     if spec.stages_per_rank == "one" and v != 1:

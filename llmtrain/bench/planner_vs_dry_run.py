@@ -5,6 +5,7 @@ recomputation x world sizes (llmtrain/tools/dry_run.py: training's own build and
     python -m llmtrain.bench.planner_vs_dry_run --sample 20261205:6  # 6 points of it drawn with a seed
     python -m llmtrain.bench.planner_vs_dry_run --replan grid.json   # those rows against today's planner
     python -m llmtrain.bench.planner_vs_dry_run --quick          # 7 points
+    python -m llmtrain.bench.planner_vs_dry_run --real-scale real.json   # released models at scale (16 dry runs)
 
 The grid: every layout family the dry run runs (fsdp, zero2, hsdp, tp and fsdp_tp with and without sequence
 parallelism, pp under GPipe and 1F1B, pp_fsdp under every schedule, 3d, fsdp with context and with expert
@@ -94,6 +95,28 @@ LAYOUTS = {
 RECOMPUTES = ("none", "selective", "full")
 WORLD_SIZES = (4, 64, 1024)
 
+# The real-scale sample (issue 76): released models at their own widths, vocabularies and depths, 4,096-token
+# sequences of one sequence a micro-batch, at the world sizes they are trained at; adapter runs among them.
+REAL_MODELS = {
+    "llama3.1-8b": ["model=llama3.1-8b"],
+    "llama3.1-8b-lora": ["model=llama3.1-8b", "model.lora.rank=16"],
+    "llama3.1-70b": ["model=llama3.1-8b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64",
+                     "model.d_ff=28672"],
+    "qwen3-8b": ["model=qwen3-8b"],
+    "mixtral-8x7b": ["model=mixtral-tiny", "model.n_layer=32", "model.d_model=4096", "model.n_head=32",
+                     "model.n_kv_head=8", "model.d_ff=14336", "model.vocab_size=32000", "model.max_seq_len=4096"],
+}  # fmt: skip
+REAL_SHAPE = ["train.seq_len=4096", "train.micro_batch_size=1", "hardware=h100x8"]
+# name -> (overrides, the ranks of one model replica (tp x pp), the micro-batches a replica's step takes)
+REAL_LAYOUTS: dict[str, tuple[list[str], int, int]] = {
+    "fsdp": (["parallel=fsdp"], 1, 1),
+    "fsdp ep8": (["parallel=fsdp", "parallel.ep=8"], 1, 1),
+    "fsdp_tp tp8": (["parallel=fsdp_tp", "parallel.tp=8"], 8, 1),
+    "pp_fsdp pp4": (["parallel=pp_fsdp", "parallel.pp=4"], 4, 8),
+    "3d pp4 tp8": (["parallel=3d", "parallel.pp=4", "parallel.tp=8"], 32, 8),
+    "3d pp8 tp8": (["parallel=3d", "parallel.pp=8", "parallel.tp=8"], 64, 16),
+}
+
 
 @dataclass(frozen=True)
 class Point:
@@ -104,6 +127,18 @@ class Point:
     rank: int = 0  # a pipeline's first stage holds the most micro-batches in flight, its last the logits
 
     def overrides(self) -> list[str]:
+        if self.family == "held-out":
+            return [*HELD_OUT[self.layout], *HELD_OUT_MODEL, f"dry_run.world_size={self.world_size}"]
+        if self.family in REAL_MODELS:
+            layout, replica, microbatches = REAL_LAYOUTS[self.layout]
+            return [
+                *layout,
+                *REAL_MODELS[self.family],
+                *REAL_SHAPE,
+                f"train.batch_size={self.world_size // replica * microbatches}",
+                f"train.activation_checkpointing={self.recompute}",
+                f"dry_run.world_size={self.world_size}",
+            ]
         # one micro-batch of 2 rows per data-parallel rank, or more; the schedules of two stages per rank need as
         # many micro-batches as stages
         batch = 2 * self.world_size * (2 if self.layout.split()[-1] in TWO_STAGE_SCHEDULES else 1)
@@ -128,7 +163,44 @@ def grid(quick: bool) -> list[Point]:
             Point("fsdp ep2", "mixtral", "none", 4),
         ]
     points = [point for point in combinations() if runs(point)]
-    return points + [last_stage(p) for p in points if pipelined(p)]
+    return points + [last_stage(p) for p in points if pipelined(p)] + real_scale()
+
+
+# The shapes no grid point had, at which issue 76 found the planner short (a first stage holding a whole gradient of
+# its split embedding) or over: Llama's family at 8 blocks of 256 wide, its own 50,304-row vocabulary
+HELD_OUT_MODEL = ["model=llama-tiny", "model.n_layer=8", "model.d_model=256", "train.seq_len=256",
+                  "train.micro_batch_size=1"]  # fmt: skip
+HELD_OUT = {
+    "3d pp2 tp4": ["parallel=3d", "parallel.pp=2", "parallel.tp=4", "train.batch_size=32"],
+    "pp_fsdp pp4": ["parallel=pp_fsdp", "parallel.pp=4", "train.batch_size=64"],
+}
+HELD_OUT_POINTS = [
+    Point("3d pp2 tp4", "held-out", "none", 8),
+    Point("3d pp2 tp4", "held-out", "none", 16),
+    Point("pp_fsdp pp4", "held-out", "none", 64),
+]
+# (layout, model, recomputation, ranks): torchtitan's published shapes (Llama 3.1 8B on 8 and 128, 70B on 256 with
+# tensor parallelism 8), 3-D at 1,024, pipelines over FSDP, Qwen3-8B, Mixtral's experts over 8 ranks and split by
+# FSDP, and adapters on a frozen base
+REAL_SCALE = [
+    Point("fsdp", "llama3.1-8b", "selective", 8),
+    Point("fsdp", "llama3.1-8b", "selective", 128),
+    Point("fsdp", "llama3.1-8b-lora", "selective", 8),
+    Point("pp_fsdp pp4", "llama3.1-8b-lora", "full", 64),
+    Point("pp_fsdp pp4", "llama3.1-8b", "selective", 64),
+    Point("fsdp_tp tp8", "llama3.1-70b", "full", 256),
+    Point("3d pp8 tp8", "llama3.1-70b", "selective", 1024),
+    Point("fsdp_tp tp8", "qwen3-8b", "selective", 64),
+    Point("3d pp4 tp8", "qwen3-8b", "selective", 256),
+    Point("fsdp", "mixtral-8x7b", "selective", 8),
+    Point("fsdp ep8", "mixtral-8x7b", "full", 64),  # selective recomputation does not run under ep (its one line)
+]
+
+
+def real_scale() -> list[Point]:
+    """The shapes held out of the grid and the real-scale sample, a pipeline's at its first and last stage."""
+    points = [*HELD_OUT_POINTS, *REAL_SCALE]
+    return [*points, *(last_stage(point) for point in points if pipelined(point))]
 
 
 def last_stage(point: Point) -> Point:
@@ -158,7 +230,7 @@ def sample(seed: int, count: int) -> list[Point]:
 
 
 def pipelined(point: Point) -> bool:
-    return point.layout.startswith("pp") or point.layout == "3d"
+    return point.layout.startswith(("pp", "3d"))
 
 
 def runs(point: Point) -> bool:
@@ -275,12 +347,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     columns = [*KINDS, "peak", "all_gather", "reduce_scatter", "all_reduce"]
     short = {"optimizer state": "optimizer", "activations and temporaries": "activations"}
     lines = [
-        f"{'layout':26}{'family':8}{'recompute':11}{'ranks':>6}{'rank':>6}"
+        f"{'layout':26}{'family':18}{'recompute':11}{'ranks':>6}{'rank':>6}"
         + "".join(f"{short.get(c, c):>13}" for c in columns)
     ]
     for row in rows:
         p = row["point"]
-        where = f"{p['layout']:26}{p['family']:8}{p['recompute']:11}{p['world_size']:6d}{p['rank']:6d}"
+        where = f"{p['layout']:26}{p['family']:18}{p['recompute']:11}{p['world_size']:6d}{p['rank']:6d}"
         if "error" in row:
             lines.append(f"{where}  {row['error']}")
             continue
@@ -349,6 +421,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the small grid of 7 points")
     parser.add_argument("--sample", metavar="SEED:COUNT", help="COUNT points of the whole grid drawn with SEED")
+    parser.add_argument("--real-scale", action="store_true", help="the held-out shapes and released models alone")
     parser.add_argument("--jobs", type=int, default=1, help="dry runs at once, each in a process of its own")
     parser.add_argument("--replan", metavar="JSON", help="an earlier run's rows against today's planner (no dry run)")
     parser.add_argument("output", nargs="?", help="also write every row as JSON here")
@@ -360,6 +433,8 @@ def main() -> None:
         if args.sample:
             seed, count = (int(part) for part in args.sample.split(":"))
             points = sample(seed, count)
+        elif args.real_scale:
+            points = real_scale()
         else:
             points = grid(args.quick)
         rows = compare_all(points, args.jobs)

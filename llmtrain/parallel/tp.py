@@ -30,11 +30,22 @@ the cross-entropy runs on vocabulary shards and no rank ever holds full-vocabula
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import cast
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -75,6 +86,35 @@ def apply_tensor_parallel(
 def loss_context(tp: int, loss_parallel_on: bool) -> AbstractContextManager:
     """Around the loss and its backward: cross-entropy on vocabulary shards when the head's output is split."""
     return loss_parallel() if loss_parallel_on and tp > 1 else nullcontext()
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """The token embedding split by vocabulary rows (Megatron's VocabParallelEmbedding): each rank looks up the ids
+    its rows hold on its local shard, zeros the others, and the ranks' partial sums are reduced into
+    `output_layout` (the sequence chunk under sequence parallelism). The weight's gradient is then the rank's rows
+    alone. DTensor's own embedding backward has no rule that keeps rows split: it makes a Partial gradient of the
+    whole table, which FSDP reduce-scatters afterwards and a pipeline stage kept whole across its micro-batches (an
+    fp32 copy of the whole vocabulary on every tensor-parallel rank)."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameters(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+        embedding = cast(nn.Embedding, module)
+        # FSDP2 swaps the module's class and its parameter but calls `forward`, so the lookup stays this one
+        embedding.forward = partial(_lookup_own_rows, embedding, device_mesh, self.output_layout)  # type: ignore[method-assign]
+        return module
+
+
+def _lookup_own_rows(module: nn.Embedding, mesh: DeviceMesh, layout: Placement, ids: torch.Tensor) -> torch.Tensor:
+    weight = cast(DTensor, module.weight)  # FSDP's gathered one in a forward, split by rows over `mesh`
+    rows = weight.to_local()  # backward returns this rank's rows' gradient as the weight's own placement
+    first = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # Shard(0) puts ceil(V / t) rows a rank
+    elsewhere = (ids < first) | (ids >= first + rows.shape[0])
+    found = F.embedding((ids - first).masked_fill(elsewhere, 0), rows).masked_fill(elsewhere.unsqueeze(-1), 0)
+    return DTensor.from_local(found, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
 
 
 class SplitDropout(ParallelStyle):
@@ -245,7 +285,7 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
     }
     residual = Shard(1) if sequence_parallel else Replicate()
     if model.tok_emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        plan["tok_emb"] = VocabParallelEmbedding(output_layout=residual)
         if sequence_parallel:
             if model.pos_emb is not None:  # rotary positions have no weights
                 plan["pos_emb"] = ChunkPositions()

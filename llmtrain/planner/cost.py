@@ -400,8 +400,6 @@ def unmodelled_memory(c: Candidate, gpt: GPTConfig, step: StepShape) -> str | No
         return None
     if m.num_experts:
         return "experts inside pipeline stages: the routed slots each stage keeps per micro-batch in flight"
-    if schedule_spec(c.pp_schedule).splits_backward:
-        return f"parallel.pp_schedule={c.pp_schedule} defers weight gradients: what the deferred passes keep"
     if not c.spec.fsdp_shards(d.dp * d.cp) and step.recompute != "none":
         return "recomputation in pipeline stages without FSDP (autocast's casts of each micro-batch's rerun)"
     return None

@@ -352,13 +352,13 @@ def activations(candidate: Candidate, held: Holding, pp_rank: int, step: StepSha
         # sits beside the micro-batches still in flight then, not all of them (the dry run: GPT-2's pp_fsdp)
         after_first = min(in_flight, step.microbatches - 1)
         total = max(total, after_first * per_microbatch + buffer)
+    fresh = fresh_embedding_gradient(candidate, held, step)
+    if fresh:
+        # the embedding's backward, a micro-batch's last op, writes its rows' gradient before adding it to the
+        # accumulated one: beside the micro-batches still in flight (the dry run: 3-D's first stage)
+        total = max(total, (in_flight - 1) * per_microbatch + buffer + fresh)
     rerun = layer_activations(s, b, h, a, d.tp, sp, "none", scores_stored, terms) * sizes.compute / 2
-    if step.recompute == "full" and schedule_spec(candidate.pp_schedule).splits_backward and d.pp > 1:
-        # the input-gradient pass reruns each block, and its activations wait for the deferred weight-gradient
-        # pass: every micro-batch in flight holds them beside the checkpoint's input (the dry run: more than
-        # without recomputation)
-        total += in_flight * held.blocks * rerun
-    elif step.recompute == "full" and held.blocks:  # the layer being recomputed holds its activations meanwhile
+    if step.recompute == "full" and held.blocks:  # the layer being recomputed holds its activations meanwhile
         total += rerun
     if held.last:
         total += loss_activations(candidate, step, s * b)
@@ -383,6 +383,17 @@ def dequantized_experts(candidate: Candidate, gpt: GPTConfig) -> float:
     return DEQUANTIZING_PEAK * stack * 2  # bf16, the dtype NF4 dequantises to
 
 
+def fresh_embedding_gradient(candidate: Candidate, held: Holding, step: StepShape) -> float:
+    """The token embedding's fp32 gradient of one micro-batch (this rank's vocabulary rows) where autograd adds it
+    to the weight's gradient accumulated over the micro-batches (no FSDP: fp32 weights under autocast); 0 on a rank
+    without the embedding, where it does not train, or under FSDP, whose gradients it reduces or accumulates
+    itself (the dry run: pp_fsdp's first stage holds no such copy beside its buffer)."""
+    d, gpt = candidate.degrees, step.gpt
+    if not held.first or gpt.lora.enabled or step.microbatches == 1 or candidate.spec.fsdp_shards(d.dp * d.cp):
+        return 0.0
+    return gpt.padded_vocab_size // d.tp * gpt.d_model * 4
+
+
 def pipeline_gradient_buffer(candidate: Candidate, held: Holding) -> float:
     """The fp32 gradients FSDP accumulates whole inside a pipeline stage until the schedule reduces them, less
     the shards the model state counts (0 without FSDP in the stages)."""
@@ -400,9 +411,9 @@ LOSS_FORMS = ("chunked", "fused", "whole")
 
 def loss_activations(candidate: Candidate, step: StepShape, positions: int) -> float:
     """What the loss over a micro-batch of `positions` holds at its peak, per micro-batch in flight. Whole (over
-    vocabulary shards, which llmtrain never chunks, or values that fit one chunk): its fp32 log-probabilities kept
-    (and a pipeline's last stage also the logits it returned), two fp32 gradients of that size in backward (the
-    log-probabilities' and the logits'). Chunked: the logits kept in the compute dtype, their gradient beside them,
+    vocabulary shards, which llmtrain never chunks, or values that fit one chunk): its fp32 log-probabilities kept,
+    two fp32 gradients of that size in backward (the log-probabilities' and the logits'; a pipeline's last stage
+    returns no logits: pipeline.py). Chunked: the logits kept in the compute dtype, their gradient beside them,
     and one chunk's fp32 log-probabilities and their two gradients. Fused: the logits and their gradient alone."""
     d, vocabulary = candidate.degrees, step.gpt.padded_vocab_size
     logits_in_flight = step.microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
@@ -410,8 +421,7 @@ def loss_activations(candidate: Candidate, step: StepShape, positions: int) -> f
     split = candidate.loss_parallel and d.tp > 1
     form = "whole" if split else "chunked" if step.loss == "fused" and d.tp > 1 else step.loss
     if form == "whole" or (form == "chunked" and values <= chunk_values(vocabulary)):
-        kept = 4 + (step.sizes.compute if d.pp > 1 else 0)
-        return (logits_in_flight * kept + 2 * 4) * values / (d.tp if split else 1)
+        return (logits_in_flight * 4 + 2 * 4) * values / (d.tp if split else 1)
     chunk = 3 * 4 * chunk_values(vocabulary) if form == "chunked" else 0
     return (logits_in_flight + 1) * step.sizes.compute * values + chunk
 

@@ -249,7 +249,11 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
     indices = [i for stage in mine for i in layers[stage]]
     first, last = 0 in mine, n_stages - 1 in mine
     shapes = family_shapes(cfg)
-    root_tensors = (shapes.embedding(cfg, tp) if first else []) + (shapes.head(cfg, tp, pp > 1) if last else [])
+    embedding, head = (shapes.embedding(cfg, tp) if first else []), (shapes.head(cfg, tp, pp > 1) if last else [])
+    root_tensors = embedding + head
+    # FSDP's units outside the blocks (parallel/fsdp.py's edge_units): the embedding and the head apart, or one
+    # root where they are one tied weight
+    edges = [embedding, head] if not cfg.tie_embeddings or pp > 1 else [root_tensors]
     root_trainable, frozen = size(root_tensors, trainable=True), size(root_tensors, trainable=False)
     in_blocks = [shapes.block(cfg, tp, i) for i in indices]
     every = [t for tensors in [root_tensors, *in_blocks] for t in tensors]
@@ -261,7 +265,7 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
     root = root_trainable + frozen
     trainable = sum(per_block) + root_trainable
     matrices = sum(size(tensors, matrix=True) for tensors in in_blocks)
-    largest_reduced = max([*gathered_blocks, root_trainable])
+    largest_reduced = max([*gathered_blocks, *(size(tensors, trainable=True) for tensors in edges)])
     last_block, last_block_experts = (per_block[-1], experts[-1]) if indices else (0, 0)
     if cfg.lora.enabled:  # the adapters alone train; the base is frozen, experts included
         frozen, trainable, matrices = frozen + trainable - sum(adapters), sum(adapters), sum(adapters)
@@ -270,7 +274,7 @@ def holding(cfg: GPTConfig, candidate: Candidate | None = None, pp_rank: int = 0
         trainable=trainable,
         frozen=frozen,
         root=root,
-        largest_unit=max([*gathered_blocks, root]),
+        largest_unit=max([*gathered_blocks, *(size(tensors) for tensors in edges)]),
         blocks=len(indices),
         first=first,
         last=last,

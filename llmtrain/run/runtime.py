@@ -8,13 +8,14 @@ before a Runtime can exist: launch_env.py (the run directory every rank agrees o
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -222,21 +223,32 @@ def init_runtime(device_preference: str = "auto", timeout_minutes: float = 30) -
     return Runtime(rank, world_size, local_rank, device, launcher, notes, attempt)
 
 
-def roll_call(runtime: Runtime, prefix: str, mine: str, seconds: float) -> dict[int, bytes]:
+def roll_call(runtime: Runtime, prefix: str, mine: str | bytes, seconds: float) -> dict[int, bytes]:
     """Post `mine` under `prefix` to the job's store and read what the other ranks post within `seconds`: for a
     rank whose collectives have failed or hang (the store is a separate connection). Rank -> its post, this rank's
     included; {} when the store's host is gone too."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=seconds))
-        store.set(f"{prefix}/{runtime.rank}", mine)
-        keys = [f"{prefix}/{rank}" for rank in range(runtime.world_size)]
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(0.1)
-        return {rank: store.get(key) for rank, key in enumerate(keys) if store.check([key])}
+        return gather_posts(store, runtime.rank, runtime.world_size, prefix, mine, seconds)
     except (RuntimeError, dist.DistStoreError):
         return {}
+
+
+def gather_posts(
+    store: dist.Store, rank: int, world_size: int, prefix: str, mine: str | bytes, seconds: float
+) -> dict[int, bytes]:
+    """Every rank's post under `prefix` that arrives within `seconds`, by rank: each rank appends its own to one
+    key and counts itself in, the one that completes the count says so, and each reads all posts in one call once
+    it has or `seconds` have passed. Five calls a rank at any world size (a key a rank, each read by every rank,
+    cost world_size² calls)."""
+    store.set_timeout(datetime.timedelta(seconds=seconds))
+    text = mine.decode() if isinstance(mine, bytes) else mine
+    store.append(f"{prefix}/posts", json.dumps([rank, text]) + "\n")  # type: ignore[attr-defined]  # (stubs)
+    if store.add(f"{prefix}/count", 1) == world_size:
+        store.set(f"{prefix}/all", "")
+    _appeared(store, [f"{prefix}/all"], seconds)
+    posts = (json.loads(line) for line in store.get(f"{prefix}/posts").decode().splitlines())
+    return {int(poster): post.encode() for poster, post in posts}
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
@@ -253,7 +265,9 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> t
 _STORE_NAME, _ATTEMPTS_DRAWN, _HELLO, _ANSWER, _CONFIRMED = (
     f"llmtrain/join/{part}" for part in ("store", "drawn", "hello", "answer", "ok")
 )
-_POLL_SECONDS = 0.05
+# How long rank 0 waits for the confirmations at a time before it reads the posts again (a rank that started after
+# its last read is answered then)
+_REREAD_SECONDS = 0.5
 
 
 def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> str:
@@ -262,7 +276,12 @@ def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: dat
     (TORCHELASTIC_RESTART_COUNT), and torch's agent does not count a restart that another node's failure caused,
     so the counts differ across nodes. Rank 0 draws the count; every other rank posts a name of its own making and
     waits for rank 0's answer to that name, so it never takes a count drawn before it started. Rank 0 answers every
-    name it sees (a dead predecessor's too, harmlessly) until each rank has confirmed the answer."""
+    post it reads (a dead predecessor's too, harmlessly) until each rank has confirmed the answer.
+
+    Every call waits inside the store, none polls it: another rank makes three calls (post, answer, confirm),
+    rank 0 a few at start and three each `_REREAD_SECONDS` while ranks are missing (the posts read in one call,
+    the new ones answered in one, the confirmations awaited in one): a 1,024-rank start costs the store about
+    3,000 calls in all (llmtrain/bench/startup_store.py), where polling every rank's keys cost that many a poll."""
     if rank != 0:
         hello = os.urandom(16).hex()
         store.set(f"{_HELLO}/{rank}", hello)
@@ -273,20 +292,40 @@ def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: dat
         store.set(f"{_CONFIRMED}/{name}/{rank}", "")
         return name
     name = f"{store.compare_set(_STORE_NAME, '', os.urandom(4).hex()).decode()}.{store.add(_ATTEMPTS_DRAWN, 1)}"
-    answered: dict[int, bytes] = {}
-    waiting = set(range(1, world_size))
+    posts = [f"{_HELLO}/{peer}" for peer in range(1, world_size)]
+    confirmations = [f"{_CONFIRMED}/{name}/{peer}" for peer in range(1, world_size)]
     deadline = time.monotonic() + timeout.total_seconds()
-    while waiting:
-        for peer in sorted(waiting):
-            if store.check([f"{_CONFIRMED}/{name}/{peer}"]):
-                waiting.discard(peer)
-            elif store.check([f"{_HELLO}/{peer}"]) and (posted := store.get(f"{_HELLO}/{peer}")) != answered.get(peer):
-                store.set(f"{_ANSWER}/{posted.decode()}", name)
-                answered[peer] = posted
-        if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"rank 0: ranks {', '.join(map(str, sorted(waiting)))} did not start within {timeout}")
-        time.sleep(_POLL_SECONDS if waiting else 0)
+    answered: Sequence[bytes | None] = [None] * len(posts)
+    while posts:
+        # every rank's post is there (its own, or a dead predecessor's): answer the ones not answered yet
+        if not _appeared(store, posts, deadline - time.monotonic()):
+            _did_not_start(store, posts, timeout)
+        read = store.multi_get(posts)
+        new = [post for post, before in zip(read, answered) if post != before]
+        if new:
+            answers = [f"{_ANSWER}/{post.decode()}" for post in new]
+            store.multi_set(answers, [name] * len(new))  # type: ignore[attr-defined]  # (missing from torch's stubs)
+        answered = read
+        if _appeared(store, confirmations, _REREAD_SECONDS):
+            break
+        if time.monotonic() > deadline:
+            _did_not_start(store, confirmations, timeout)
     return name
+
+
+def _appeared(store: dist.Store, keys: list[str], seconds: float) -> bool:
+    """Whether every key of `keys` is in the store now or appears within `seconds` (one call, waiting in it)."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except dist.DistStoreError:
+        return False
+
+
+def _did_not_start(store: dist.Store, keys: list[str], timeout: datetime.timedelta) -> NoReturn:
+    """Rank 0's error naming the ranks (1, 2, ... in `keys`' order) whose key is still missing."""
+    missing = [rank for rank, key in enumerate(keys, 1) if not store.check([key])]
+    raise RuntimeError(f"rank 0: ranks {', '.join(map(str, missing))} did not start within {timeout}")
 
 
 def _agent_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:

@@ -15,11 +15,13 @@ import torch.multiprocessing as mp
 from harness.paths import REPO
 from harness.processes import free_port, rank_slots
 
+from llmtrain.bench.startup_store import CountedStore
 from llmtrain.errors import ConfigError
 from llmtrain.run.runtime import (
     agree_on_attempt,
     cuda_device_index,
     first_slurm_host,
+    gather_posts,
     init_runtime,
     peer_to_peer_verdict,
     process_group_backend,
@@ -300,3 +302,39 @@ def test_the_ranks_of_an_attempt_agree_on_its_number_whatever_an_earlier_attempt
     third = attempt(list(range(world)), {0: 0.6, order[0]: 0.0, order[1]: 0.2, order[2]: 1.0})
     assert len(third) == world and len(set(third.values())) == 1, third
     assert set(third.values()) != set(first.values())
+
+
+def test_a_start_costs_each_rank_the_same_few_store_calls_at_any_world_size():
+    """The attempt agreement and a roll call on a real TCP store, 6 and then 20 ranks (threads, a connection each):
+    every rank gets the one name and every post in at most 12 calls, at 20 ranks as at 6 (rank 0 polled
+    every rank's keys before: its calls grew with the world, about 3 a rank a poll). A roll call missing a rank
+    returns the others' posts once its seconds have passed."""
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+    # few connections, made once: without a resolver, every 25th or so waits 5 s for its own host name
+    connections = [dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout) for _ in range(20)]
+
+    def start(world: int) -> dict[int, int]:
+        calls: dict[int, int] = {}
+        names: set[str] = set()
+
+        def rank_starts(rank: int) -> None:
+            store = CountedStore(connections[rank])
+            names.add(agree_on_attempt(store, rank, world, timeout))  # type: ignore[arg-type]
+            posts = gather_posts(store, rank, world, f"roll/{world}", f"rank {rank}", 30)  # type: ignore[arg-type]
+            assert posts == {peer: f"rank {peer}".encode() for peer in range(world)}
+            calls[rank] = sum(store.calls.values())
+
+        threads = [threading.Thread(target=rank_starts, args=(rank,)) for rank in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert len(calls) == world and len(names) == 1, (calls, names)
+        return calls
+
+    small, large = start(6), start(20)
+    assert max(small.values()) <= 12 and max(large.values()) <= 12, (small, large)  # the last poster sets one key more
+    started = time.monotonic()
+    posts = gather_posts(server, 0, 3, "roll/missing", "here", 0.5)
+    assert posts == {0: b"here"} and time.monotonic() - started < 5

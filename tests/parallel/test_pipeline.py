@@ -107,15 +107,18 @@ def test_schedules_refuse_what_they_cannot_run(schedule, pp, per_rank, m, messag
         validate_schedule(schedule, pp, per_rank, m)
 
 
-def test_compiled_or_selectively_recomputed_blocks_only_with_schedules_that_run_backward_whole():
-    """Both fail at the first step of a schedule that splits backward in two (the dry run found the second)."""
+def test_compiled_or_recomputed_blocks_only_with_schedules_that_run_backward_whole():
+    """Compiled and selectively recomputed blocks fail at the first step of a schedule that splits backward in two
+    (the dry run found the second); fully recomputed ones hold more than without recomputation there (the grid)."""
     validate_schedule("1f1b", 2, 1, 4, compiled=True, recompute="selective")
+    validate_schedule("interleaved_1f1b", 2, 2, 4, recompute="full")
     with pytest.raises(ConfigError, match="train.compile=true does not work with parallel.pp_schedule=zbv"):
         validate_schedule("zbv", 2, 2, 4, compiled=True)
     for schedule in ("zero_bubble", "zbv", "dualpipev"):
-        with pytest.raises(ConfigError, match=f"selective does not work with parallel.pp_schedule={schedule}"):
-            validate_schedule(schedule, 2, 2, 4, recompute="selective")
-    validate_schedule("zero_bubble", 2, 2, 4, recompute="full")
+        for recompute in ("selective", "full"):
+            with pytest.raises(ConfigError, match=f"={recompute} does not pay with parallel.pp_schedule={schedule}"):
+                validate_schedule(schedule, 2, 2, 4, recompute=recompute)
+        validate_schedule(schedule, 2, 2, 4, recompute="none")
 
 
 @pytest.mark.parametrize(
