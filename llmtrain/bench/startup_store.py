@@ -62,7 +62,10 @@ def polling_agreement(store: dist.Store, rank: int, world_size: int) -> str:
     name = str(store.add("join/drawn", 1))
     answered: dict[int, bytes] = {}
     waiting = set(range(1, world_size))
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
     while waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0: {len(waiting)} ranks unconfirmed after {TIMEOUT}")
         for peer in sorted(waiting):
             if store.check([f"{confirmed_key}/{name}/{peer}"]):
                 waiting.discard(peer)
@@ -79,7 +82,8 @@ def polling_roll_call(store: dist.Store, rank: int, world_size: int, prefix: str
     """The baseline roll call: a key a rank, every rank checking them all at 10 Hz, then reading each."""
     store.set(f"{prefix}/{rank}", mine)
     keys = [f"{prefix}/{peer}" for peer in range(world_size)]
-    while not store.check(keys):
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not store.check(keys) and time.monotonic() < deadline:
         time.sleep(0.1)
     return {peer: store.get(key) for peer, key in enumerate(keys) if store.check([key])}
 
