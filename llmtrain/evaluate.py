@@ -15,7 +15,6 @@ pip install -e ".[eval]".
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -126,44 +125,17 @@ def run_harness(lm, config: EvaluateRootConfig) -> dict:
 def live_model(checkpoint: str, config: EvaluateRootConfig, runtime: Runtime, observers: tuple = ()):
     """Collective: the checkpoint's model laid out by `config` on this rank, its weights loaded, as an lm-eval model
     (llmtrain/lm_eval_model.py: LiveModel) whose scoring calls `observers` watch."""
-    from transformers import AutoTokenizer
-
-    from llmtrain.checkpoint.manager import load_checkpoint, read_meta
-    from llmtrain.checkpoint.state import load_model_weights_state, model_weights_state
-    from llmtrain.checkpoint.training import check_base_matches, check_model_matches
     from llmtrain.data.tokenizers import FastTokenizer
     from llmtrain.lm_eval_model import LiveModel
-    from llmtrain.model import GPTConfig, base_of, model_group_of
-    from llmtrain.model.scoring import TokenMarks
-    from llmtrain.run.build import build_parallel_model
+    from llmtrain.run.laid_out import laid_out_checkpoint
 
-    meta = read_meta(checkpoint)
-    gpt_cfg, base = GPTConfig.from_dict(meta["model"]), meta.get("base")
-    t = config.train
-    # The plan's checks read train.seq_len (a row is at most the model's length) and a batch every layout divides.
-    train = dataclasses.replace(t, seq_len=gpt_cfg.max_seq_len, batch_size=t.micro_batch_size * runtime.world_size)
-    hf_tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
-    model_group, seed = model_group_of(gpt_cfg, config.model), config.seed
-    if base is not None:  # low-rank adapters: the checkpoint holds them alone, the base comes from where it names
-        model_group, seed = dataclasses.replace(model_group, init_from=base["init_from"]), base.get("seed", seed)
-        check_base_matches(checkpoint, base_of(model_group, seed))
-    model = build_parallel_model(
-        dataclasses.replace(config, model=model_group, train=train, seed=seed),
-        runtime,
-        gpt_cfg.vocab_size,
-        marks=TokenMarks(hf_tokenizer.eos_token_id),
-    )
-    check_model_matches(checkpoint, gpt_cfg)  # the shape went through the model group and back unchanged
-    state = model_weights_state(model, adapters_only=base is not None)
-    load_checkpoint(checkpoint, state.values, runtime.distributed)
-    load_model_weights_state(model, state)
-    model.module.eval()
+    model, hf_tokenizer = laid_out_checkpoint(checkpoint, config, runtime)
     tokenizer = FastTokenizer(hf_tokenizer, eos_id=hf_tokenizer.eos_token_id, vocab_size=len(hf_tokenizer))
     return LiveModel(
         model,
         tokenizer,
-        gpt_cfg.max_seq_len,
-        t.micro_batch_size,
+        model.plan.train.seq_len,
+        config.train.micro_batch_size,
         show_progress=runtime.is_main,
         rank=runtime.rank,
         observers=observers,

@@ -18,32 +18,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 
-from llmtrain.data.rl import end_of_turn
+from llmtrain.checkpoint.offline import load_model_and_tokenizer
+from llmtrain.data.chat_prompt import PromptFormat
 from llmtrain.errors import closed_pipe_is_quiet, exits_on_run_error
-from llmtrain.model import GPT, materialize
+from llmtrain.model import GPT
 from llmtrain.model.sampling import SamplingSettings, decode_step, sample
-
-
-def load_for_sampling(path: str):
-    """(model, tokenizer) from an exported Hugging Face directory or from a checkpoint / run directory."""
-    from transformers import AutoTokenizer
-
-    if os.path.isfile(os.path.join(path, "config.json")):
-        from llmtrain.model.hf import hf_config_of, hf_weights
-
-        with torch.device("meta"):
-            model = GPT(hf_config_of(path))
-        materialize(model, torch.device("cpu"), hf_weights(path, model.cfg))
-        return model.eval(), AutoTokenizer.from_pretrained(path)
-    from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
-
-    checkpoint = find_checkpoint(path)
-    return load_checkpoint_model(checkpoint), AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
 
 
 @torch.no_grad()
@@ -72,19 +55,6 @@ def last_document(prompt: Sequence[int], eos_id: int | None) -> list[int]:
     return list(prompt[ends[-1] + 1 :] if ends else prompt)
 
 
-def _prompt_ids(tokenizer, prompt: str, raw: bool) -> tuple[list[int], tuple[int, ...]]:
-    """The prompt's tokens (with a chat template: the user's turn and the assistant's opening) and the tokens that
-    end a continuation."""
-    stops = [tokenizer.eos_token_id]
-    if not raw and getattr(tokenizer, "chat_template", None):
-        user = [{"role": "user", "content": prompt}]
-        opened = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(opened, add_special_tokens=False)["input_ids"]
-        return ids, tuple(token for token in (*stops, end_of_turn(tokenizer)) if token is not None)
-    ids = tokenizer(prompt)["input_ids"] if prompt else [tokenizer.eos_token_id]
-    return ids, tuple(token for token in stops if token is not None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a checkpoint, checkpoint directory, run directory or exported HF directory")
@@ -97,12 +67,13 @@ def main() -> None:
     parser.add_argument("--raw", action="store_true", help="the prompt as it is, no chat template")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    model, tokenizer = load_for_sampling(args.path)
+    model, tokenizer = load_model_and_tokenizer(args.path)
     prompts = args.prompt or [""]
-    encoded = [_prompt_ids(tokenizer, prompt, args.raw) for prompt in prompts]
-    stops = encoded[0][1]
+    form = PromptFormat.of(tokenizer, raw=args.raw)
+    stops = form.stop_ids
+    encoded = [form.ids([{"role": "user", "content": p}]) if form.templated else form.text_ids(p) for p in prompts]
     settings = SamplingSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, stops)
-    drawn = continuations(model, [ids for ids, _ in encoded], settings, args.seed, tokenizer.eos_token_id, args.samples)
+    drawn = continuations(model, encoded, settings, args.seed, tokenizer.eos_token_id, args.samples)
     for index, new in enumerate(drawn):
         prompt = prompts[index // args.samples]
         if args.samples > 1 or len(prompts) > 1:

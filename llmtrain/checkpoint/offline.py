@@ -1,8 +1,10 @@
-"""A checkpoint's model in one process, without the run that wrote it: for export and sampling."""
+"""A trained model in one process, without the run that wrote it: a checkpoint's or an exported directory's, for
+export, sampling and chat."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -15,7 +17,7 @@ from llmtrain.checkpoint.manager import (
     verify,
 )
 from llmtrain.errors import ConfigError
-from llmtrain.model import GPT, GPTConfig, ParameterInit, family_class, pretrained_or_seeded
+from llmtrain.model import GPT, GPTConfig, ParameterInit, family_class, materialize, pretrained_or_seeded
 from llmtrain.model.hf_files import local_hf_directory, weights_fingerprint
 from llmtrain.model.lora import is_adapter
 from llmtrain.model.materialize import allocate, write_parameters
@@ -59,6 +61,22 @@ def load_checkpoint_model(path: str) -> GPT:
     }
     load_checkpoint(path, {"model": weights}, distributed=False)
     return model.eval()
+
+
+def load_model_and_tokenizer(path: str) -> tuple[GPT, Any]:
+    """(the whole model in eval mode on the CPU, its transformers tokenizer) of an exported Hugging Face directory
+    (llmtrain.export, or a released model's) or of a checkpoint, checkpoint directory or run directory."""
+    from transformers import AutoTokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from llmtrain.model.hf import hf_config_of, hf_weights
+
+        with torch.device("meta"):
+            model = GPT(hf_config_of(path))
+        materialize(model, torch.device("cpu"), hf_weights(path, model.cfg))
+        return model.eval(), AutoTokenizer.from_pretrained(path)
+    checkpoint = find_checkpoint(path)
+    return load_checkpoint_model(checkpoint), AutoTokenizer.from_pretrained(os.path.join(checkpoint, "tokenizer"))
 
 
 def _base_weights(path: str, model: GPT, base: dict) -> ParameterInit:

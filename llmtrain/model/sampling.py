@@ -12,7 +12,7 @@ chat template's end of turn), which its completion keeps, or at `max_new_tokens`
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,40 @@ def sample(
     """`group` completions of each of `prompts` (token ids, each known by its id in `prompt_ids`: its seeds come
     from it). `any_unfinished`: whether any row of any process still decodes, given this process's answer (every
     process that shares the model's collectives runs as many forward passes)."""
+    rows = len(prompts) * group
+    tokens = torch.zeros(rows, settings.max_new_tokens, dtype=torch.long, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    columns = drawn_columns(decode, prompts, prompt_ids, group, settings, seed, device, any_unfinished)
+    for position, column in enumerate(columns):
+        tokens[:, position] = column.tokens
+        lengths += column.drew.long()
+        stopped = column.stopped
+    return Completions(tokens, lengths, stopped)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One position of every row's completion: its tokens (rows,), 0 in a row that had ended before it; which rows
+    drew theirs (had not ended); and which rows have ended on a stop token, this one's included."""
+
+    tokens: torch.Tensor
+    drew: torch.Tensor
+    stopped: torch.Tensor
+
+
+def drawn_columns(
+    decode: DecodeStep,
+    prompts: Sequence[Sequence[int]],
+    prompt_ids: Sequence[int],
+    group: int,
+    settings: SamplingSettings,
+    seed: int,
+    device: torch.device,
+    any_unfinished: Callable[[bool], bool] = lambda unfinished: unfinished,
+) -> Generator[Column, None, None]:
+    """`sample`'s completions a position at a time, as they are drawn (a chat streams them): each column is drawn
+    when the one before it has been taken, and a caller that stops taking them stops the decoding."""
     longest = max(len(prompt) for prompt in prompts)
     starts = torch.tensor([longest - len(prompt) for prompt in prompts], device=device)
     padded = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
@@ -80,22 +114,18 @@ def sample(
     seeds = torch.tensor(
         [completion_seed(seed, prompt_id, k) for prompt_id in prompt_ids for k in range(group)], device=device
     )
-    rows = len(prompts) * group
-    tokens = torch.zeros(rows, settings.max_new_tokens, dtype=torch.long, device=device)
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped = torch.zeros(len(prompts) * group, dtype=torch.bool, device=device)
     stops = torch.tensor(settings.stop_ids, dtype=torch.long, device=device)
     for position in range(settings.max_new_tokens):
         drawn = draw(last, settings, seeds, position)
         running = ~stopped
-        tokens[:, position] = torch.where(running, drawn, 0)
-        lengths += running.long()
-        stopped |= running & torch.isin(drawn, stops)
+        tokens = torch.where(running, drawn, 0)
+        stopped = stopped | (running & torch.isin(drawn, stops))
+        yield Column(tokens, running, stopped)
         if position + 1 == settings.max_new_tokens or not any_unfinished(not bool(stopped.all())):
-            break
-        last = decode(tokens[:, position : position + 1], cache)[:, -1]
+            return
+        last = decode(tokens[:, None], cache)[:, -1]
         cache.advance(1)
-    return Completions(tokens, lengths, stopped)
 
 
 def draw(logits: torch.Tensor, settings: SamplingSettings, seeds: torch.Tensor, position: int) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""Talk to a trained model: a chat in the terminal, or served to the browser and to OpenAI's clients.
+
+    python -m llmtrain.chat outputs/<run>                         # the run's latest checkpoint, in the terminal
+    python -m llmtrain.chat outputs/<run> --compare               # adapters on and off, each answering every message
+    python -m llmtrain.chat outputs/sft --compare outputs/base    # two checkpoints (or exported directories)
+    python -m llmtrain.chat exported/ --serve --port 8000         # the page at http://127.0.0.1:8000/ and /v1/...
+    torchrun --nproc_per_node=2 -m llmtrain.chat outputs/<run> parallel=tp --serve   # laid out over 2 ranks
+
+The path is a checkpoint (step-*), a checkpoint directory, a run directory (its latest complete checkpoint) or a
+Hugging Face directory (llmtrain.export's, or a released model's). A model with a chat template is spoken to in its
+turns, as SFT trained it; one without (pretrained on plain text here) reads a plain transcript, "User: ..." and
+"Assistant: ..." lines. Answers are drawn by the KV-cached sampler (llmtrain/model/sampling.py) with the settings
+below (each request or /set may change them): the same conversation, settings and seed give the same answer.
+
+In one process the model is whole, on train.device in train.precision (autocast in bf16, as in training). Under
+torchrun it is laid out over the ranks as training lays it out (parallel=..., train.precision=..., hardware=...:
+training's keys after the options): rank 0 talks, every rank computes. `--serve` gives the page (the conversation,
+streamed, its sampling settings, two models side by side) and OpenAI's API: /v1/chat/completions, /v1/completions
+(streamed or not; lm-eval's local-completions with echo and logprobs), /v1/models. It listens on 127.0.0.1 unless
+--host says otherwise: it has no authentication, so expose it to no network you do not trust."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from llmtrain.chat.api import Defaults
+from llmtrain.chat.engine import Answerer, Engine, Peers
+from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
+
+
+def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmtrain.chat",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", help="a checkpoint, checkpoint directory, run directory or exported HF directory")
+    parser.add_argument(
+        "--compare",
+        nargs="?",
+        const="",
+        metavar="OTHER",
+        help="answer each message twice: with and without the low-rank adapters, or by the model at OTHER",
+    )
+    parser.add_argument("--serve", action="store_true", help="serve the page and the API instead of the terminal chat")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on (default 127.0.0.1: this machine)")
+    parser.add_argument("--port", type=int, default=8000, help="the port to serve on (0: any free one)")
+    parser.add_argument("--temperature", type=float, default=Defaults.temperature, help="0: the likeliest token")
+    parser.add_argument("--top-k", type=int, default=Defaults.top_k, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--top-p", type=float, default=Defaults.top_p, help="the fewest tokens reaching p (1: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="an answer's longest (default: the context)")
+    parser.add_argument("--seed", type=int, default=Defaults.seed, help="the draws' seed")
+    parser.add_argument("--raw", action="store_true", help="a plain transcript even where a chat template is")
+    return parser.parse_known_args(argv)
+
+
+def _label(path: str) -> str:
+    """A model's name from its path: the run's and the checkpoint's directories, or an exported directory's."""
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "checkpoints":
+        return f"{parts[-3]}/{parts[-1]}"
+    return parts[-1]
+
+
+def _config(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    from llmtrain.config import RootConfig, check_domains
+    from llmtrain.run.entry import compose_or_refuse
+
+    composed = compose_or_refuse("train", overrides, RootConfig)
+    check_domains(composed, RootConfig)
+    return OmegaConf.to_object(composed)
+
+
+def _whole(path: str, config, raw: bool, device: torch.device) -> tuple[str, Answerer]:
+    """One process: the whole model at `path` on `device`, in train.precision."""
+    from llmtrain.checkpoint.offline import find_checkpoint, load_model_and_tokenizer
+    from llmtrain.data.chat_prompt import PromptFormat
+    from llmtrain.parallel.precision import precision_policy, uses_bf16
+
+    exported = os.path.isfile(os.path.join(path, "config.json"))
+    model, tokenizer = load_model_and_tokenizer(path)
+    context, _ = precision_policy(device, uses_bf16(config.train.precision, device), fsdp_mixed_precision=False)
+    name = _label(path if exported else find_checkpoint(path))
+    return name, Answerer(name, model.to(device), PromptFormat.of(tokenizer, raw), device, context)
+
+
+def _laid_out(path: str, config, raw: bool, runtime) -> tuple[str, Answerer]:
+    """Under torchrun: this rank's part of the checkpoint's model, laid out by `config`."""
+    from llmtrain.checkpoint.offline import find_checkpoint
+    from llmtrain.data.chat_prompt import PromptFormat
+    from llmtrain.parallel.parallel_model import unwrap
+    from llmtrain.parallel.sampling import check_samples
+    from llmtrain.run.laid_out import laid_out_checkpoint
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{path} is an exported directory: lay out a checkpoint, or chat with it in one process")
+    checkpoint = find_checkpoint(path)
+    model, tokenizer = laid_out_checkpoint(checkpoint, config, runtime)
+    check_samples(model.plan)
+    name = _label(checkpoint)
+    return name, Answerer(name, unwrap(model.module), PromptFormat.of(tokenizer, raw), runtime.device, model.precision)
+
+
+def answerers(args: argparse.Namespace, config, runtime) -> list[Answerer]:
+    """The models to answer with: the path's, and with --compare its base (adapters off) or OTHER's."""
+    load = (
+        (lambda path: _laid_out(path, config, args.raw, runtime))
+        if runtime.distributed
+        else (lambda path: _whole(path, config, args.raw, runtime.device))
+    )
+    name, first = load(args.path)
+    if args.compare is None:
+        return [first]
+    if args.compare == "":
+        if not first.has_adapters:
+            raise ConfigError(
+                f"--compare without a path compares adapters on and off, but {args.path} has no low-rank adapters: "
+                f"give the model to compare with (--compare OTHER)"
+            )
+        from dataclasses import replace
+
+        return [first, replace(first, name=f"{name}:base", adapters=False)]
+    other_name, other = load(args.compare)
+    if other_name == name:
+        other = Answerer(f"{other_name}:2", other.model, other.prompts, other.device, other.context)
+    return [first, other]
+
+
+def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port: int) -> None:
+    from llmtrain.chat.server import ChatServer
+
+    server = ChatServer((host, port), engine, defaults, names if len(names) > 1 else None)
+    print(f"serving {', '.join(names)} at {server.url} (OpenAI API under {server.url}v1/); Ctrl-C ends", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("", flush=True)
+    finally:
+        server.server_close()
+
+
+def main(argv: list[str]) -> None:
+    from llmtrain.run.runtime import init_runtime
+
+    args, overrides = _arguments(argv)
+    if not os.path.exists(args.path):
+        raise ConfigError(f"{args.path} does not exist: give a checkpoint, a run directory or an exported directory")
+    if args.compare and not os.path.exists(args.compare):
+        raise ConfigError(f"--compare {args.compare} does not exist: give a checkpoint, run or exported directory")
+    config = _config(overrides)
+    runtime = init_runtime(config.train.device)
+    engine = Engine(answerers(args, config, runtime), Peers(runtime.device))
+    if not runtime.is_main:
+        engine.follow()
+        runtime.shutdown()
+        return
+    defaults = Defaults(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+    print(f"loaded {', '.join(engine.names)} on {runtime.device} ({runtime.world_size} process(es))", flush=True)
+    try:
+        if args.serve:
+            serve(engine, engine.names, defaults, args.host, args.port)
+        else:
+            from llmtrain.chat.terminal import chat_in_terminal
+
+            chat_in_terminal(engine, engine.names, defaults)
+    finally:
+        engine.close()
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    torch.set_grad_enabled(False)
+    with closed_pipe_is_quiet(), exits_on_run_error():
+        main(sys.argv[1:])

@@ -1,0 +1,222 @@
+"""What a chat asks of its models: an answer's tokens as they are drawn, and the log-probabilities of a row's tokens.
+
+An Answerer is one model under a name: a whole model in this process, or this rank's part of a model laid out over
+the ranks that launched the chat (torchrun). Its answers are drawn by the KV-cached sampler
+(llmtrain/model/sampling.py, `drawn_columns`), so an answer is the sampler's for the same tokens, settings and seed,
+whether it is streamed, served or sampled by `llmtrain.generate`.
+
+Laid out, every rank runs every forward pass: rank 0 (the terminal or the server) posts each piece of work to the
+job's store, where the other ranks wait for it (`Engine.follow`: a store's wait, no collective to time out while
+nobody types), and the ranks agree after each token whether to go on (an all-reduce of one flag: rank 0 stops early
+where its reader has what it wanted, a stop text or a closed connection). One piece of work at a time: a second
+request waits for the first's answer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.data.chat_prompt import PromptFormat
+from llmtrain.model.kv_cache import KVCache
+from llmtrain.model.lora import adapters_disabled
+from llmtrain.model.sampling import DecodeStep, SamplingSettings, drawn_columns
+from llmtrain.parallel.tensors import full_tensor
+
+# A laid-out rank's wait for rank 0's next piece of work is one store wait of this long, then another.
+FOLLOWER_WAIT = timedelta(hours=1)
+WORK_KEY = "llmtrain/chat/work/{}"
+
+
+class RequestError(ValueError):
+    """A request the chat cannot answer, and why (the terminal prints it, the server answers it with 4xx); `param`
+    names the request's field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclass(frozen=True)
+class Answerer:
+    """A model a chat answers with, under `name`: `model` (whole, or this rank's part of it laid out) and its
+    tokenizer's way with conversations (`prompts`); `device` where its inputs go; `context` what each forward pass
+    runs within (autocast); `adapters` False: its low-rank adapters switched off (its base model answers)."""
+
+    name: str
+    model: torch.nn.Module
+    prompts: PromptFormat
+    device: torch.device
+    context: Callable[[], AbstractContextManager] = nullcontext
+    adapters: bool = True
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(cast(Any, self.model).cfg.max_seq_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(cast(Any, self.model).cfg.vocab_size)
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(cast(Any, self.model).cfg.lora.enabled)
+
+    def _adapters(self) -> AbstractContextManager:
+        return nullcontext() if self.adapters else adapters_disabled(self.model)
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """DecodeStep: the last position's logits of the next columns of `cache`'s rows."""
+        with torch.no_grad(), self.context(), self._adapters(), self.model.decoding(cache):  # type: ignore[operator]
+            return full_tensor(self.model(tokens, last_logits_only=True))
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(rows, t, vocabulary) in fp32: every position's logits of the whole rows `tokens`."""
+        with torch.no_grad(), self.context(), self._adapters():
+            return full_tensor(self.model(tokens)).float()
+
+    def room(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """The new tokens an answer to `prompt` may have: `max_new_tokens` within the context; RequestError where the
+        prompt leaves no room."""
+        if len(prompt) >= self.max_seq_len:
+            raise RequestError(
+                f"the prompt is {len(prompt)} tokens and {self.name}'s context is {self.max_seq_len}: shorten it "
+                f"(in a chat: /reset, or a shorter system text)",
+                param="messages",
+            )
+        return min(max_new_tokens, self.max_seq_len - len(prompt))
+
+
+@dataclass(frozen=True)
+class Work:
+    """One piece of work every rank runs: `answer` (draw an answer) or `score` (log-probabilities), or `quit`."""
+
+    kind: str
+    model: str = ""
+    tokens: list[int] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+class Peers:
+    """The ranks an Engine's models are laid out over, as rank 0 sees them (one process alone: nothing to tell)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.laid_out = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.store = dist.distributed_c10d._get_default_store() if self.laid_out else None
+        self.posted = 0
+
+    def post(self, work: Work) -> None:
+        """Rank 0: the next piece of work, for the others."""
+        if self.store is not None:
+            self.store.set(WORK_KEY.format(self.posted), json.dumps(asdict(work)))
+            self.posted += 1
+
+    def next_work(self) -> Work:
+        """Another rank: rank 0's next piece of work, however long it waits for it."""
+        assert self.store is not None
+        key = WORK_KEY.format(self.posted)
+        while True:
+            try:
+                self.store.wait([key], FOLLOWER_WAIT)
+                break
+            except dist.DistStoreError as error:  # the wait's time is up: wait again
+                if "timeout" not in str(error).lower():
+                    raise
+        self.posted += 1
+        return Work(**json.loads(self.store.get(key)))
+
+    def all_go_on(self, mine: bool) -> bool:
+        """Collective where laid out: whether every rank goes on decoding."""
+        if not self.laid_out:
+            return mine
+        flag = torch.tensor(float(mine), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+class Engine:
+    """The chat's models by name, answering one piece of work at a time (collectively where laid out)."""
+
+    def __init__(self, answerers: Sequence[Answerer], peers: Peers):
+        self.answerers = {answerer.name: answerer for answerer in answerers}
+        self.peers = peers
+        self._one_at_a_time = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.answerers)
+
+    def answerer(self, name: str | None) -> Answerer:
+        """The model named `name` (None: the first); RequestError (404) where there is none of that name."""
+        if name is None or name == "":
+            return next(iter(self.answerers.values()))
+        if name not in self.answerers:
+            raise RequestError(
+                f"model {name!r} is not served here: choose one of {', '.join(self.answerers)}", "model", 404
+            )
+        return self.answerers[name]
+
+    def answer(
+        self, name: str, prompt: Sequence[int], settings: SamplingSettings, seed: int
+    ) -> Generator[int, None, None]:
+        """The tokens of `name`'s answer to `prompt`, each as it is drawn, the stop token (if one ends it) last.
+        Closing the iterator early ends the decoding on every rank. `settings.max_new_tokens` must fit the context
+        (Answerer.room)."""
+        work = Work("answer", name, list(prompt), asdict(settings), seed)
+        with self._one_at_a_time:
+            self.peers.post(work)
+            yield from self._answer(work, rank_zero=True)
+
+    def log_probabilities(self, name: str, tokens: Sequence[int]) -> torch.Tensor:
+        """(t, vocabulary) fp32 log-probabilities of each next token of the row `tokens`, from position 0's on."""
+        work = Work("score", name, list(tokens))
+        with self._one_at_a_time:
+            self.peers.post(work)
+            return self._score(work)
+
+    def follow(self) -> None:
+        """Another rank than 0 where laid out: run rank 0's work, the forward passes alone, until it quits."""
+        while (work := self.peers.next_work()).kind != "quit":
+            if work.kind == "answer":
+                for _ in self._answer(work, rank_zero=False):
+                    pass
+            else:
+                self._score(work)
+
+    def close(self) -> None:
+        """Rank 0: the other ranks stop following."""
+        self.peers.post(Work("quit"))
+
+    def _answer(self, work: Work, rank_zero: bool) -> Generator[int, None, None]:
+        answerer = self.answerers[work.model]
+        settings = SamplingSettings(**{**work.settings, "stop_ids": tuple(work.settings["stop_ids"])})
+        go_on = [True]  # rank 0's: False once its reader has closed the answer
+
+        def any_unfinished(unfinished: bool) -> bool:
+            return self.peers.all_go_on(unfinished and go_on[0])
+
+        decode: DecodeStep = answerer.decode
+        columns = drawn_columns(decode, [work.tokens], [0], 1, settings, work.seed, answerer.device, any_unfinished)
+        try:
+            for column in columns:
+                if bool(column.drew[0]):
+                    yield int(column.tokens[0])
+        finally:
+            if rank_zero and self.peers.laid_out:
+                go_on[0] = False
+                next(columns, None)  # the other ranks hear that it ends: the next agreement says stop
+            columns.close()
+
+    def _score(self, work: Work) -> torch.Tensor:
+        answerer = self.answerers[work.model]
+        row = torch.tensor([work.tokens], device=answerer.device)
+        return torch.log_softmax(answerer.logits(row)[0], dim=-1)
