@@ -1,0 +1,236 @@
+"""The chat in one process: a small Llama with adapters and a ChatML tokenizer behind the engine, the terminal's chat
+read from a script, and the server on a thread of this process, spoken to by OpenAI's own client and by plain HTTP.
+Every answer is held against the KV-cached sampler's for the same tokens, settings and seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+from harness.corpora import CHAT_TEMPLATE, chat_tokenizer
+
+from llmtrain.chat.api import Defaults
+from llmtrain.chat.engine import Answerer, Engine, Peers
+from llmtrain.chat.server import ChatServer
+from llmtrain.chat.terminal import TerminalChat
+from llmtrain.chat.text import StreamedAnswer
+from llmtrain.data.chat_prompt import NEXT_USER_TURN, PromptFormat
+from llmtrain.model import GPT, GPTConfig
+from llmtrain.model.lora import LoRAConfig, adapters_disabled
+from llmtrain.model.sampling import SamplingSettings, sample
+
+CPU = torch.device("cpu")
+QUESTION = [{"role": "user", "content": "Return the name of the module."}]
+
+
+class CountedAnswerer(Answerer):
+    """An Answerer counting its decoding steps (a test's view of how far an answer was decoded)."""
+
+    steps = 0
+
+    def decode(self, tokens, cache):
+        type(self).steps += 1
+        return super().decode(tokens, cache)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer(CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> GPT:
+    """Llama-shaped, 2 blocks, adapters on two projections with B drawn (so adapters on and off answer apart),
+    logits sharpened so answers end on the end-of-turn token now and then."""
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "fc_out"))
+    cfg = GPTConfig(
+        vocab_size=len(tokenizer), n_layer=2, n_head=4, d_model=32, max_seq_len=96, norm="rmsnorm", position="rope",
+        mlp="swiglu", bias=False, lora=lora,
+    )  # fmt: skip
+    model = GPT(cfg)
+    model.init_weights(0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer) -> Engine:
+    adapted = CountedAnswerer("tiny", model, PromptFormat.of(tokenizer), CPU)
+    return Engine([adapted, dataclasses.replace(adapted, name="tiny:base", adapters=False)], Peers(CPU))
+
+
+@pytest.fixture(scope="module")
+def server(engine) -> Iterator[ChatServer]:
+    served = ChatServer(("127.0.0.1", 0), engine, Defaults(), ["tiny", "tiny:base"])
+    thread = threading.Thread(target=served.serve_forever, daemon=True)
+    thread.start()
+    yield served
+    served.shutdown()
+    served.server_close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
+    client.models.list()  # the client's first request reads the platform (`uname -p`): here, before the tests
+    return client
+
+
+def sampled_text(model, tokenizer, messages, settings: SamplingSettings, seed: int, adapters: bool = True) -> str:
+    """What the sampler draws for the rendered conversation, as text (the stop token left out)."""
+    form = PromptFormat.of(tokenizer)
+    answerer = Answerer("referee", model, form, CPU)
+    settings = dataclasses.replace(settings, stop_ids=form.stop_ids)
+    with adapters_disabled(model) if not adapters else torch.no_grad():
+        (drawn,) = sample(answerer.decode, [form.ids(messages)], [0], 1, settings, seed, CPU).rows()
+    return tokenizer.decode([t for t in drawn if t not in form.stop_ids], skip_special_tokens=True)
+
+
+def test_streamed_text_is_the_whole_rows_text_and_ends_before_a_stop_text(tokenizer):
+    """Token by token, multi-byte characters split over byte tokens come out whole, and the pieces join to the
+    decoding of the whole row; a stop text split over tokens is held back and never shown."""
+    text = "Café ☃ naïve — 数据 ok.\nUser: never shown"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # characters split over tokens
+    answer = StreamedAnswer((t for t in ids), tokenizer, stop_ids=(), stop_texts=())
+    pieces = list(answer)
+    assert "".join(pieces) == tokenizer.decode(ids) == answer.text
+    assert not any("\ufffd" in piece for piece in pieces)
+    cut = StreamedAnswer((t for t in ids), tokenizer, stop_ids=(), stop_texts=(NEXT_USER_TURN,))
+    assert "".join(cut) == "Café ☃ naïve — 数据 ok." and cut.finish_reason == "stop"
+    assert len(cut.ids) < len(ids)  # the tokens after the stop text were never drawn
+
+
+def test_the_api_answers_what_the_sampler_draws(client, model, tokenizer):
+    """Through OpenAI's client: the chat answer, whole or streamed, is the sampler's for the same conversation,
+    settings and seed; the base model (adapters off) answers as the sampler does with them off, and otherwise."""
+    settings = SamplingSettings(24, temperature=0.9, top_k=40, top_p=0.95)
+    options = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=5, extra_body={"top_k": 40})
+    whole = client.chat.completions.create(model="tiny", messages=QUESTION, **options)
+    expected = sampled_text(model, tokenizer, QUESTION, settings, seed=5)
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == len(PromptFormat.of(tokenizer).ids(QUESTION))
+    stream = client.chat.completions.create(model="tiny", messages=QUESTION, stream=True, **options)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    base = client.chat.completions.create(model="tiny:base", messages=QUESTION, **options).choices[0].message.content
+    assert base == sampled_text(model, tokenizer, QUESTION, settings, seed=5, adapters=False) != expected
+    listed = [m.id for m in client.models.list().data]
+    assert listed == ["tiny", "tiny:base"]
+
+
+def test_echoed_log_probabilities_are_the_models(client, model, tokenizer):
+    """/v1/completions as lm-eval's local-completions asks it (token ids, echo, logprobs, one new token): each
+    prompt token's log-probability is the model's log-softmax at the position before it, the top one the most
+    likely; the drawn token's text follows the echoed prompt."""
+    prompt = tokenizer("Return the name of the module.", add_special_tokens=False)["input_ids"]
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    logprobs = answer.choices[0].logprobs
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(prompt) + 1
+    for position in range(1, len(prompt)):
+        assert logprobs.token_logprobs[position] == pytest.approx(float(expected[position - 1, prompt[position]]), abs=1e-5)
+        assert max(logprobs.top_logprobs[position].values()) == pytest.approx(float(expected[position - 1].max()), abs=1e-5)
+    assert answer.choices[0].text.startswith(tokenizer.decode(prompt))
+    assert logprobs.token_logprobs[-1] == pytest.approx(float(expected[-1].max()), abs=1e-5)  # greedy: the likeliest
+
+
+def _post(server: ChatServer, path: str, body: bytes | dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(server.server_address[0], server.server_address[1], timeout=60)
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection.request("POST", path, payload, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    status, text = response.status, response.read()
+    connection.close()
+    return status, json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        ({"model": "other", "messages": QUESTION}, 404, "model"),
+        ({"messages": QUESTION, "n": 2}, 400, "n"),
+        ({"messages": QUESTION, "temperature": 5}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "word " * 200}]}, 400, "messages"),
+        ({"messages": [*QUESTION, {"role": "assistant", "content": "Yes."}]}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+        ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ],
+)
+def test_a_request_it_cannot_answer_gets_a_4xx_naming_the_field_and_the_server_goes_on(server, body, status, param):
+    got, reason = _post(server, "/v1/chat/completions", body)
+    assert got == status and reason["error"]["param"] == param and reason["error"]["message"]
+    fine, answer = _post(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})
+    assert fine == 200 and answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_reader_that_goes_away_ends_its_answers_decoding(server, engine):
+    """A streamed request whose reader closes the connection after the first piece: the decoding stops there (not
+    at max_tokens), and the next request is answered."""
+    import socket
+
+    whole = {"model": "tiny:base", "messages": QUESTION, "max_tokens": 80, "temperature": 0}
+    CountedAnswerer.steps = 0
+    assert _post(server, "/v1/chat/completions", whole)[1]["choices"][0]["finish_reason"] == "length"
+    steps = CountedAnswerer.steps  # the prefill and 79 steps
+    body = json.dumps({**whole, "stream": True})
+    request = (
+        f"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"{body}"
+    )
+    CountedAnswerer.steps = 0
+    with socket.create_connection(server.server_address[:2], timeout=30) as connection:
+        connection.sendall(request.encode())
+        received = b""
+        while b"data: " not in received:  # the headers, then the first event
+            received += connection.recv(4096)
+        connection.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 30
+    while engine._one_at_a_time.locked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine._one_at_a_time.locked()
+    assert CountedAnswerer.steps < steps / 2
+    assert _post(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})[0] == 200
+
+
+def test_the_terminal_chat_keeps_each_models_conversation(engine, model, tokenizer):
+    """Scripted lines through the terminal's chat, side by side: /system and /set take effect, each model's answer
+    is the sampler's for its own conversation so far, /reset forgets the turns."""
+    lines = iter(["/system Be brief.", "/set temperature=0", "/set max_tokens=12", "Hello", "Name a file.", "/reset"])
+
+    def read(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError  # as input() at the end of its input: the chat ends
+        return line
+
+    out = io.StringIO()
+    chat = TerminalChat(engine, ["tiny", "tiny:base"], Defaults(), read, out)
+    chat.run()
+    printed = out.getvalue()
+    settings = SamplingSettings(12, temperature=0.0, top_k=Defaults.top_k)
+    system = {"role": "system", "content": "Be brief."}
+    first = [system, {"role": "user", "content": "Hello"}]
+    for name, adapters in (("tiny", True), ("tiny:base", False)):
+        hello = sampled_text(model, tokenizer, first, settings, 0, adapters)
+        second = [*first, {"role": "assistant", "content": hello}, {"role": "user", "content": "Name a file."}]
+        assert f"{name}> {hello}\n" in printed
+        assert f"{name}> {sampled_text(model, tokenizer, second, settings, 0, adapters)}\n" in printed
+    assert all(not conversation.turns for conversation in chat.conversations)
+    assert "(temperature=0.0)" in printed and "(system: Be brief.;" in printed
