@@ -19,8 +19,8 @@ LAYERS = [
     {"parallel"},
     {"planner", "checkpoint"},
     {"train"},
-    {"run.build", "run.job", "run.retry", "run.reporting", "run.exits", "run.spawn", "lm_eval_model"},
-    {"run.entry", "tools", "bench", "export", "generate"},
+    {"run.build", "run.laid_out", "run.job", "run.retry", "run.reporting", "run.exits", "run.spawn", "lm_eval_model"},
+    {"run.entry", "tools", "bench", "export", "generate", "chat"},
 ]
 
 

@@ -29,7 +29,8 @@ import sys
 import torch
 
 from llmtrain.chat.api import Defaults
-from llmtrain.chat.engine import Answerer, Engine, Peers
+from llmtrain.chat.engine import Engine, Peers
+from llmtrain.chat.models import answerers, chat_config
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error
 
 
@@ -60,80 +61,6 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def _label(path: str) -> str:
-    """A model's name from its path: the run's and the checkpoint's directories, or an exported directory's."""
-    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
-    if len(parts) >= 3 and parts[-2] == "checkpoints":
-        return f"{parts[-3]}/{parts[-1]}"
-    return parts[-1]
-
-
-def _config(overrides: list[str]):
-    from omegaconf import OmegaConf
-
-    from llmtrain.config import RootConfig, check_domains
-    from llmtrain.run.entry import compose_or_refuse
-
-    composed = compose_or_refuse("train", overrides, RootConfig)
-    check_domains(composed, RootConfig)
-    return OmegaConf.to_object(composed)
-
-
-def _whole(path: str, config, raw: bool, device: torch.device) -> tuple[str, Answerer]:
-    """One process: the whole model at `path` on `device`, in train.precision."""
-    from llmtrain.checkpoint.offline import find_checkpoint, load_model_and_tokenizer
-    from llmtrain.data.chat_prompt import PromptFormat
-    from llmtrain.parallel.precision import precision_policy, uses_bf16
-
-    exported = os.path.isfile(os.path.join(path, "config.json"))
-    model, tokenizer = load_model_and_tokenizer(path)
-    context, _ = precision_policy(device, uses_bf16(config.train.precision, device), fsdp_mixed_precision=False)
-    name = _label(path if exported else find_checkpoint(path))
-    return name, Answerer(name, model.to(device), PromptFormat.of(tokenizer, raw), device, context)
-
-
-def _laid_out(path: str, config, raw: bool, runtime) -> tuple[str, Answerer]:
-    """Under torchrun: this rank's part of the checkpoint's model, laid out by `config`."""
-    from llmtrain.checkpoint.offline import find_checkpoint
-    from llmtrain.data.chat_prompt import PromptFormat
-    from llmtrain.parallel.parallel_model import unwrap
-    from llmtrain.parallel.sampling import check_samples
-    from llmtrain.run.laid_out import laid_out_checkpoint
-
-    if os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{path} is an exported directory: lay out a checkpoint, or chat with it in one process")
-    checkpoint = find_checkpoint(path)
-    model, tokenizer = laid_out_checkpoint(checkpoint, config, runtime)
-    check_samples(model.plan)
-    name = _label(checkpoint)
-    return name, Answerer(name, unwrap(model.module), PromptFormat.of(tokenizer, raw), runtime.device, model.precision)
-
-
-def answerers(args: argparse.Namespace, config, runtime) -> list[Answerer]:
-    """The models to answer with: the path's, and with --compare its base (adapters off) or OTHER's."""
-    load = (
-        (lambda path: _laid_out(path, config, args.raw, runtime))
-        if runtime.distributed
-        else (lambda path: _whole(path, config, args.raw, runtime.device))
-    )
-    name, first = load(args.path)
-    if args.compare is None:
-        return [first]
-    if args.compare == "":
-        if not first.has_adapters:
-            raise ConfigError(
-                f"--compare without a path compares adapters on and off, but {args.path} has no low-rank adapters: "
-                f"give the model to compare with (--compare OTHER)"
-            )
-        from dataclasses import replace
-
-        return [first, replace(first, name=f"{name}:base", adapters=False)]
-    other_name, other = load(args.compare)
-    if other_name == name:
-        other = Answerer(f"{other_name}:2", other.model, other.prompts, other.device, other.context)
-    return [first, other]
-
-
 def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port: int) -> None:
     from llmtrain.chat.server import ChatServer
 
@@ -155,9 +82,9 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"{args.path} does not exist: give a checkpoint, a run directory or an exported directory")
     if args.compare and not os.path.exists(args.compare):
         raise ConfigError(f"--compare {args.compare} does not exist: give a checkpoint, run or exported directory")
-    config = _config(overrides)
+    config = chat_config(overrides)
     runtime = init_runtime(config.train.device)
-    engine = Engine(answerers(args, config, runtime), Peers(runtime.device))
+    engine = Engine(answerers(args.path, args.compare, args.raw, config, runtime), Peers(runtime.device))
     if not runtime.is_main:
         engine.follow()
         runtime.shutdown()

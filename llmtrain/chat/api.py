@@ -2,9 +2,9 @@
 prompts, lm-evaluation-harness's `local-completions` included: `echo` and `logprobs` score a prompt's tokens).
 
 A request's fields, as OpenAI names them: model, messages or prompt, max_tokens (or max_completion_tokens), temperature,
-top_p, seed, stop (up to 4 texts), stream, n (1), logprobs and echo (completions); and top_k, which vLLM's server
-also takes. What it cannot answer is a RequestError naming the field (HTTP 4xx with OpenAI's error body), checked
-before any token is drawn."""
+top_p, seed, stop (up to 4 texts), stream, n (1), logprobs and echo (completions); and top_k and ignore_eos (the model's
+own stop tokens do not end the answer: a benchmark's fixed length), which vLLM's server also takes. What it cannot
+answer is a RequestError naming the field (HTTP 4xx with OpenAI's error body), checked before any token is drawn."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
         top_k=int(_integer(body, "top_k", defaults.top_k, 0) or 0),
         top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0),
-        stop_ids=answerer.prompts.stop_ids,
+        stop_ids=() if body.get("ignore_eos") else answerer.prompts.stop_ids,
     )
     if settings.top_p == 0:
         raise RequestError("top_p must be above 0 (0.01 keeps the likeliest token alone)", "top_p")

@@ -144,8 +144,12 @@ def test_echoed_log_probabilities_are_the_models(client, model, tokenizer):
         expected = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
     assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(prompt) + 1
     for position in range(1, len(prompt)):
-        assert logprobs.token_logprobs[position] == pytest.approx(float(expected[position - 1, prompt[position]]), abs=1e-5)
-        assert max(logprobs.top_logprobs[position].values()) == pytest.approx(float(expected[position - 1].max()), abs=1e-5)
+        assert logprobs.token_logprobs[position] == pytest.approx(
+            float(expected[position - 1, prompt[position]]), abs=1e-5
+        )
+        assert max(logprobs.top_logprobs[position].values()) == pytest.approx(
+            float(expected[position - 1].max()), abs=1e-5
+        )
     assert answer.choices[0].text.startswith(tokenizer.decode(prompt))
     assert logprobs.token_logprobs[-1] == pytest.approx(float(expected[-1].max()), abs=1e-5)  # greedy: the likeliest
 
@@ -234,3 +238,44 @@ def test_the_terminal_chat_keeps_each_models_conversation(engine, model, tokeniz
         assert f"{name}> {sampled_text(model, tokenizer, second, settings, 0, adapters)}\n" in printed
     assert all(not conversation.turns for conversation in chat.conversations)
     assert "(temperature=0.0)" in printed and "(system: Be brief.;" in printed
+
+
+@pytest.mark.slow  # seconds: lm-eval's import
+def test_lm_evals_local_completions_model_scores_and_generates_through_the_server(server, model, tokenizer, tmp_path):
+    """lm-evaluation-harness's own `local-completions` model pointed at the server: its log-likelihoods are the
+    model's (summed log-softmax of the continuation given the context), and its greedy generation is the sampler's
+    at temperature 0, cut at the task's stop text."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    lm = LocalCompletionsAPI(
+        base_url=f"{server.url}v1/completions", model="tiny", tokenizer_backend="huggingface",
+        tokenizer=str(tmp_path / "tokenizer"), max_length=model.cfg.max_seq_len, max_retries=1,
+    )  # fmt: skip
+    pairs = [("Return the name of", " the module."), ("Open a file", " and read it.")]
+    requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)]
+    for (context, continuation), (scored, _) in zip(pairs, lm.loglikelihood(requests)):
+        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        whole = context_ids + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor([whole]))[0].float(), dim=-1)
+        expected = sum(float(log_probs[i - 1, whole[i]]) for i in range(len(context_ids), len(whole)))
+        assert scored == pytest.approx(expected, abs=1e-4)
+    until = {"until": ["\n"], "max_gen_toks": 12, "temperature": 0}
+    (generated,) = lm.generate_until([Instance("generate_until", {}, ("Return the name of", until), 0)])
+    prompt = tokenizer("Return the name of", add_special_tokens=False)["input_ids"]
+    form = PromptFormat.of(tokenizer)
+    (drawn,) = sample(
+        Answerer("referee", model, form, CPU).decode,
+        [prompt],
+        [0],
+        1,
+        SamplingSettings(12, 0.0, stop_ids=form.stop_ids),
+        1234,
+        CPU,
+    ).rows()
+    assert (
+        generated
+        == tokenizer.decode([t for t in drawn if t not in form.stop_ids], skip_special_tokens=True).split("\n")[0]
+    )

@@ -21,8 +21,8 @@ from harness.paths import REPO
 from harness.processes import free_port, kill_hard, rank_slots
 from harness.runs import run_train
 
-from llmtrain.checkpoint.offline import find_checkpoint, load_model_and_tokenizer
 from llmtrain.chat.engine import Answerer
+from llmtrain.checkpoint.offline import find_checkpoint, load_model_and_tokenizer
 from llmtrain.data.chat_prompt import PromptFormat
 from llmtrain.model.lora import adapters_disabled
 from llmtrain.model.sampling import SamplingSettings, sample
@@ -56,7 +56,9 @@ def expected_answers(run_dir: Path, conversation: list[dict]) -> tuple[str, str]
     texts = []
     for adapters in (True, False):
         with torch.no_grad() if adapters else adapters_disabled(model):
-            (drawn,) = sample(answerer.decode, [form.ids(conversation)], [0], 1, settings, 3, torch.device("cpu")).rows()
+            (drawn,) = sample(
+                answerer.decode, [form.ids(conversation)], [0], 1, settings, 3, torch.device("cpu")
+            ).rows()
         texts.append(tokenizer.decode([t for t in drawn if t not in form.stop_ids], skip_special_tokens=True))
     return texts[0], texts[1]
 
@@ -67,7 +69,9 @@ def read_until(fd: int, marker: bytes, seen: bytearray, timeout: float = 120) ->
     while seen.count(marker) == before:
         ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
         if not ready:
-            raise AssertionError(f"no {marker!r} within {timeout:.0f} s; the terminal shows:\n{seen.decode(errors='replace')}")
+            raise AssertionError(
+                f"no {marker!r} within {timeout:.0f} s; the terminal shows:\n{seen.decode(errors='replace')}"
+            )
         seen += os.read(fd, 65536)
 
 
@@ -104,7 +108,8 @@ def test_the_terminal_chat_laid_out_over_two_ranks_answers_as_one_process(fine_t
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None, reason="needs Debian's chromium and chromium-driver (.ci/run installs them)"
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)",
 )
 def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tuned):
     """The server in its own process and headless Chromium driving the page: settings typed in, a message sent,
@@ -116,7 +121,9 @@ def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tu
 
     port = free_port()
     command = [sys.executable, "-m", "llmtrain.chat", str(fine_tuned), "--compare", "--serve", "--port", str(port)]
-    server = subprocess.Popen([*command, "train.device=cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    server = subprocess.Popen(
+        [*command, "train.device=cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO
+    )
     options = webdriver.ChromeOptions()
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,720"):
         options.add_argument(argument)
@@ -137,7 +144,9 @@ def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tu
         done = ".message[data-state=done]"
         WebDriverWait(browser, 120).until(lambda b: len(b.find_elements("css selector", done)) == 2)
         answers = [e.get_attribute("textContent") for e in browser.find_elements("css selector", done)]
-        assert [e.get_attribute("class") for e in browser.find_elements("css selector", done)] == ["message assistant"] * 2
+        assert [e.get_attribute("class") for e in browser.find_elements("css selector", done)] == [
+            "message assistant"
+        ] * 2
         assert answers == list(expected_answers(fine_tuned, [{"role": "user", "content": "Name a file."}]))
         if os.environ.get("LLMTRAIN_CHAT_SCREENSHOT"):
             browser.save_screenshot(os.environ["LLMTRAIN_CHAT_SCREENSHOT"])

@@ -1,0 +1,117 @@
+"""What serving costs: the chat's answers drawn by the sampler alone, by the engine with their text streamed, and by the
+server over HTTP (OpenAI's API, streamed and whole), side by side in one process.
+
+    python -m llmtrain.bench.chat_serving outputs/<run> [--new-tokens 128] [--rounds 5] [train.device=cuda]
+
+The model is the path's (a checkpoint, run directory or exported directory), whole in this process, on train.device in
+train.precision, as `python -m llmtrain.chat` holds it. Every way draws the same answer to the same chat prompt (the
+same seed, temperature 0.8, top-k 50, --new-tokens tokens: the model's stop tokens ignored, as vLLM's `ignore_eos`), so
+each counts the same tokens; they take turns for --rounds rounds after a warm-up round, and the median of each is
+printed with its ratio to the sampler alone. The server runs on a thread of this process, listening on 127.0.0.1; its
+client reads the stream as it comes (time to the first piece printed too)."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+from llmtrain.chat.api import Defaults
+from llmtrain.chat.engine import Engine, Peers
+from llmtrain.chat.models import chat_config, whole_answerer
+from llmtrain.chat.server import ChatServer
+from llmtrain.chat.text import StreamedAnswer
+from llmtrain.model.sampling import SamplingSettings, sample
+from llmtrain.run.runtime import init_runtime
+
+QUESTION = [{"role": "user", "content": "Write a short function that reads a file and returns its lines."}]
+
+
+def _post(port: int, body: dict) -> tuple[float, float, int]:
+    """(seconds to the first piece of text, seconds in all, tokens drawn) of one request."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    started = time.perf_counter()
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first, tokens = None, 0
+    if not body.get("stream"):
+        tokens = json.loads(response.read())["usage"]["completion_tokens"]
+        first = time.perf_counter() - started
+    else:
+        for line in response:
+            if first is None and b'"content": "' in line and b'"content": ""' not in line:
+                first = time.perf_counter() - started
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    connection.close()
+    return first or 0.0, time.perf_counter() - started, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="a checkpoint, run directory or exported directory")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    args, overrides = parser.parse_known_args()
+    config = chat_config(overrides)
+    device = init_runtime(config.train.device).device
+    answerer = whole_answerer(args.path, config, raw=False, device=device)
+    engine, name = Engine([answerer], Peers(device)), answerer.name
+    prompt = answerer.prompts.ids(QUESTION)
+    new_tokens = answerer.room(prompt, args.new_tokens)
+    settings = SamplingSettings(new_tokens, 0.8, 50, 1.0)  # no stop token: every way draws --new-tokens
+    server = ChatServer(("127.0.0.1", 0), engine, Defaults(max_tokens=new_tokens), None)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    body = {
+        "messages": QUESTION,
+        "max_tokens": new_tokens,
+        "temperature": 0.8,
+        "top_k": 50,
+        "seed": 0,
+        "ignore_eos": True,
+    }
+
+    def sampler() -> tuple[float, float, int]:
+        started = time.perf_counter()
+        (drawn,) = sample(answerer.decode, [prompt], [0], 1, settings, 0, device).rows()
+        return 0.0, time.perf_counter() - started, len(drawn)
+
+    def streamed() -> tuple[float, float, int]:
+        started, first = time.perf_counter(), None
+        answer = StreamedAnswer(engine.answer(name, prompt, settings, 0), answerer.prompts.backend, settings.stop_ids)
+        for _ in answer:
+            first = first or time.perf_counter() - started
+        return first or 0.0, time.perf_counter() - started, len(answer.ids)
+
+    ways: dict[str, Callable[[], tuple[float, float, int]]] = {
+        "sampler alone": sampler,
+        "engine, text streamed": streamed,
+        "server, streamed (SSE)": lambda: _post(port, {**body, "stream": True}),
+        "server, whole answer": lambda: _post(port, body),
+    }
+    timings: dict[str, list[tuple[float, float, int]]] = {way: [] for way in ways}
+    for round_index in range(args.rounds + 1):
+        for way, run in ways.items():
+            measured = run()
+            if round_index:  # the first round warms every way up
+                timings[way].append(measured)
+    server.shutdown()
+    tokens = {way: {n for _, _, n in runs} for way, runs in timings.items()}
+    assert len(set().union(*tokens.values())) == 1, f"the ways drew different answers: {tokens}"
+    drawn = timings["sampler alone"][0][2]
+    print(f"{name} on {device}: {len(prompt)}-token chat prompt, {drawn} tokens drawn, median of {args.rounds} rounds")
+    base = drawn / statistics.median(seconds for _, seconds, _ in timings["sampler alone"])
+    for way, runs in timings.items():
+        rate = drawn / statistics.median(seconds for _, seconds, _ in runs)
+        first = statistics.median(first for first, _, _ in runs)
+        first_text = f", first piece after {first * 1000:.0f} ms" if first else ""
+        print(f"  {way:24s} {rate:9,.1f} tokens/s  ({rate / base:.2f}x the sampler's{first_text})")
+
+
+if __name__ == "__main__":
+    main()
