@@ -10,7 +10,7 @@ The path is a checkpoint (step-*), a checkpoint directory, a run directory (its 
 Hugging Face directory (llmtrain.export's, or a released model's). A model with a chat template is spoken to in its
 turns, as SFT trained it; one without (pretrained on plain text here) reads a plain transcript, "User: ..." and
 "Assistant: ..." lines. Answers are drawn by the KV-cached sampler (llmtrain/model/sampling.py) with the settings
-below (each request or /set may change them): the same conversation, settings and seed give the same answer.
+the options give (a request or /set may change them): the same conversation, settings and seed give the same answer.
 
 In one process the model is whole, on train.device in train.precision (autocast in bf16, as in training). Under
 torchrun it is laid out over the ranks as training lays it out (parallel=..., train.precision=..., hardware=...:
@@ -50,15 +50,32 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="answer each message twice: with and without the low-rank adapters, or by the model at OTHER",
     )
     parser.add_argument("--serve", action="store_true", help="serve the page and the API instead of the terminal chat")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on (default 127.0.0.1: this machine)")
-    parser.add_argument("--port", type=int, default=8000, help="the port to serve on (0: any free one)")
-    parser.add_argument("--temperature", type=float, default=Defaults.temperature, help="0: the likeliest token")
-    parser.add_argument("--top-k", type=int, default=Defaults.top_k, help="sample among the k likeliest (0: all)")
-    parser.add_argument("--top-p", type=float, default=Defaults.top_p, help="the fewest tokens reaching p (1: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="an answer's longest (default: the context)")
-    parser.add_argument("--seed", type=int, default=Defaults.seed, help="the draws' seed")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the address to serve on (default: 127.0.0.1, this machine alone)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the port to serve on, 0: any free one (default: %(default)s)"
+    )
+    settings = parser.add_argument_group("sampling (a request or the terminal's /set changes them)")
+    settings.add_argument(
+        "--temperature", type=float, default=Defaults.temperature, help="0: the likeliest token (default: %(default)s)"
+    )
+    settings.add_argument(
+        "--top-k", type=int, default=Defaults.top_k, help="the k likeliest tokens, 0: all (default: %(default)s)"
+    )
+    settings.add_argument(
+        "--top-p",
+        type=float,
+        default=Defaults.top_p,
+        help="the fewest tokens reaching p, 1: all (default: %(default)s)",
+    )
+    settings.add_argument("--max-new-tokens", type=int, default=None, help="an answer's longest (default: the context)")
+    settings.add_argument("--seed", type=int, default=Defaults.seed, help="the draws' seed (default: %(default)s)")
     parser.add_argument("--raw", action="store_true", help="a plain transcript even where a chat template is")
-    return parser.parse_known_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    if args.compare and "=" in args.compare and not os.path.exists(args.compare):  # `--compare key=value`: a key
+        args.compare, overrides = "", [args.compare, *overrides]
+    return args, overrides
 
 
 def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port: int) -> None:

@@ -63,6 +63,17 @@ def expected_answers(run_dir: Path, conversation: list[dict]) -> tuple[str, str]
     return texts[0], texts[1]
 
 
+def started_server(command: list[str]) -> subprocess.Popen:
+    """`command` started, once it prints that it serves (its output read meanwhile, so that it never blocks)."""
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    assert server.stdout is not None
+    shown = b""
+    while b"serving " not in (line := server.stdout.readline()):
+        shown += line
+        assert line, f"the server ended ({server.wait()}):\n{shown.decode(errors='replace')[-3000:]}"
+    return server
+
+
 def read_until(fd: int, marker: bytes, seen: bytearray, timeout: float = 120) -> None:
     """Read the terminal into `seen` until `marker` appears once more than it had."""
     deadline, before = time.monotonic() + timeout, seen.count(marker)
@@ -154,3 +165,43 @@ def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tu
         if browser is not None:
             browser.quit()
         kill_hard(server)
+
+
+@pytest.mark.slow
+def test_the_api_of_a_model_sharded_over_two_ranks_answers_as_one_process(fine_tuned):
+    """torchrun with two ranks, parallel=fsdp (each rank holds half of every weight and gathers a block's for its
+    forward pass), --serve, spoken to by OpenAI's client: the streamed answer is one process's sampler's; an answer
+    cut by a stop text ends the decoding on both ranks, which then answer the next request alike; echoed
+    log-probabilities are the whole model's."""
+    import openai
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain.chat",
+        str(fine_tuned), "--serve", "--port", str(port), "parallel=fsdp", "train.device=cpu",
+    ]  # fmt: skip
+    question = [{"role": "user", "content": "Name a file."}]
+    expected, _ = expected_answers(fine_tuned, question)
+    model, tokenizer = load_model_and_tokenizer(str(fine_tuned))
+    with rank_slots(2):
+        server = started_server(command)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+            options = dict(messages=question, max_tokens=16, temperature=0.7, seed=3, extra_body={"top_k": 20})
+            (name,) = [m.id for m in client.models.list().data]
+            streamed = client.chat.completions.create(model=name, stream=True, **options)
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == expected
+            stop = expected[len(expected) // 2 :][:2]
+            assert stop.strip(), f"the answer {expected!r} has no text to stop at"
+            cut = client.chat.completions.create(model=name, stop=[stop], **options).choices[0]
+            assert (cut.message.content, cut.finish_reason) == (expected[: expected.index(stop)], "stop")
+            again = client.chat.completions.create(model=name, **options).choices[0].message.content
+            assert again == expected
+            prompt = tokenizer("Return the name of the module.", add_special_tokens=False)["input_ids"]
+            scored = client.completions.create(model=name, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+            with torch.no_grad():
+                whole = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
+            given = scored.choices[0].logprobs.token_logprobs[1 : len(prompt)]
+            assert given == pytest.approx([float(whole[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4)
+        finally:
+            kill_hard(server)
