@@ -10,7 +10,6 @@ import pty
 import select
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from harness.corpora import write_chat_data
 from harness.paths import REPO
-from harness.processes import free_port, kill_hard, rank_slots
+from harness.processes import free_port, kill_hard, python, rank_slots, warm_interpreter
 from harness.runs import run_train
 
 from llmtrain.chat.engine import Answerer
@@ -33,7 +32,7 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def fine_tuned(tmp_path_factory, cache_dir) -> Path:
-    """A run directory: 30 steps of SFT with rank-4 adapters on a 2-block Llama, its final checkpoint written."""
+    """A run directory: 12 steps of SFT with rank-4 adapters on a 2-block Llama, its final checkpoint written."""
     workdir = tmp_path_factory.mktemp("chat-run")
     tokenizer, conversations = write_chat_data(workdir)
     run = run_train(
@@ -41,7 +40,7 @@ def fine_tuned(tmp_path_factory, cache_dir) -> Path:
         "data=sft", f"data.path={conversations}", "data.tokenizer.kind=hf", f"data.tokenizer.name={tokenizer}",
         "data.val_fraction=0.1", "model=llama-tiny", "model.n_layer=2", "model.lora.rank=4",
         "train.attention=document", "train.seq_len=128", "train.batch_size=8", "train.micro_batch_size=4",
-        "train.steps=30", "train.eval_every=30", "optim.lr=3e-3",
+        "train.steps=12", "train.eval_every=12", "optim.lr=3e-3",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return run.run_dir
@@ -65,7 +64,9 @@ def expected_answers(run_dir: Path, conversation: list[dict]) -> tuple[str, str]
 
 def started_server(command: list[str]) -> subprocess.Popen:
     """`command` started, once it prints that it serves (its output read meanwhile, so that it never blocks)."""
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **warm_interpreter()}
+    )
     assert server.stdout is not None
     shown = b""
     while b"serving " not in (line := server.stdout.readline()):
@@ -93,11 +94,12 @@ def test_the_terminal_chat_laid_out_over_two_ranks_answers_as_one_process(fine_t
     process answers; /quit ends every rank."""
     primary, replica = pty.openpty()
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain.chat",
+        python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain.chat",
         str(fine_tuned), "--compare", *SETTINGS, "parallel=tp", "train.device=cpu",
     ]  # fmt: skip
     with rank_slots(2):
-        process = subprocess.Popen(command, stdin=replica, stdout=replica, stderr=subprocess.PIPE, cwd=REPO)
+        env = {**os.environ, **warm_interpreter()}
+        process = subprocess.Popen(command, stdin=replica, stdout=replica, stderr=subprocess.PIPE, cwd=REPO, env=env)
         os.close(replica)
         seen = bytearray()
         try:
@@ -131,7 +133,7 @@ def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tu
     from selenium.webdriver.support.ui import WebDriverWait
 
     port = free_port()
-    command = [sys.executable, "-m", "llmtrain.chat", str(fine_tuned), "--compare", "--serve", "--port", str(port)]
+    command = [python(), "-m", "llmtrain.chat", str(fine_tuned), "--compare", "--serve", "--port", str(port)]
     server = subprocess.Popen(
         [*command, "train.device=cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO
     )
@@ -177,7 +179,7 @@ def test_the_api_of_a_model_sharded_over_two_ranks_answers_as_one_process(fine_t
 
     port = free_port()
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain.chat",
+        python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain.chat",
         str(fine_tuned), "--serve", "--port", str(port), "parallel=fsdp", "train.device=cpu",
     ]  # fmt: skip
     question = [{"role": "user", "content": "Name a file."}]
