@@ -81,7 +81,12 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port: int) -> None:
     from llmtrain.chat.server import ChatServer
 
-    server = ChatServer((host, port), engine, defaults, names if len(names) > 1 else None)
+    try:
+        server = ChatServer((host, port), engine, defaults, names if len(names) > 1 else None)
+    except OSError as error:
+        raise ConfigError(
+            f"--host {host} --port {port} cannot be served on ({error.strerror}): --port 0 takes any free one"
+        ) from None
     print(f"serving {', '.join(names)} at {server.url} (OpenAI API under {server.url}v1/); Ctrl-C ends", flush=True)
     try:
         server.serve_forever()

@@ -16,7 +16,7 @@ COMMANDS = """/reset            forget the conversation (the system text stays)
 /set KEY=VALUE    a sampling setting: temperature, top_k, top_p, max_tokens, seed
 /settings         the settings now
 /help             this list
-/quit             the end (so is Ctrl-D)"""
+/quit             the end (so is Ctrl-D; Ctrl-C stops an answer)"""
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ class TerminalChat:
         while True:
             try:
                 line = self.read("you> ").strip()
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: the end
                 self._say("")
                 return
             if not line:
@@ -108,9 +108,13 @@ class TerminalChat:
         answer = api.streamed(self.engine, request, request.prompts[0])
         self.out.write(label)
         started = time.perf_counter()
-        for piece in answer:
-            self.out.write(piece)
-            self.out.flush()
+        try:
+            for piece in answer:
+                self.out.write(piece)
+                self.out.flush()
+        except KeyboardInterrupt:  # Ctrl-C mid-answer: that answer stops (its decoding too), the chat goes on
+            self._say("\n  (stopped; the turn is forgotten)")
+            return
         seconds = time.perf_counter() - started
         self.out.write(
             f"\n  ({answer.finish_reason}, {len(answer.ids)} tokens, {len(answer.ids) / seconds:.1f} tokens/s)\n"

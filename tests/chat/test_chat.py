@@ -221,7 +221,7 @@ def test_the_terminal_chat_keeps_each_models_conversation(engine, model, tokeniz
     def read(prompt: str) -> str:
         line = next(lines, None)
         if line is None:
-            raise EOFError  # as input() at the end of its input: the chat ends
+            raise KeyboardInterrupt  # Ctrl-C at the prompt: the chat ends, quietly
         return line
 
     out = io.StringIO()
