@@ -1,30 +1,38 @@
-"""What serving costs: the chat's answers drawn by the sampler alone, by the engine with their text streamed, and by the
-server over HTTP (OpenAI's API, streamed and whole), side by side in one process.
+"""What serving costs: the chat's answers drawn by the sampler alone, by the engine with their text streamed, and by
+the server over HTTP (OpenAI's API, streamed and whole), side by side in one process.
 
-    python -m llmtrain.bench.chat_serving outputs/<run> [--new-tokens 128] [--rounds 5] [train.device=cuda]
+    python -m llmtrain.bench.chat_serving outputs/<run> [--new-tokens 128] [--rounds 5] [--device cuda]
+    python -m llmtrain.bench.chat_serving --device cuda model=qwen3-0.6b       # seeded weights: gpu_check's row
 
-The model is the path's (a checkpoint, run directory or exported directory), whole in this process, on train.device in
-train.precision, as `python -m llmtrain.chat` holds it. Every way draws the same answer to the same chat prompt (the
-same seed, temperature 0.8, top-k 50, --new-tokens tokens: the model's stop tokens ignored, as vLLM's `ignore_eos`), so
-each counts the same tokens; they take turns for --rounds rounds after a warm-up round, and the median of each is
-printed with its ratio to the sampler alone. The server runs on a thread of this process, listening on 127.0.0.1; its
-client reads the stream as it comes (time to the first piece printed too)."""
+The model is the path's (a checkpoint, run directory or exported directory), whole in this process, on --device in
+train.precision, as `python -m llmtrain.chat` holds it; without a path, the config's (`model=...`) with seeded
+weights and a small byte-level BPE (a plain transcript: no chat template). Every way draws the same answer to the
+same chat prompt (the same seed, temperature 0.8, top-k 50, --new-tokens tokens: the model's stop tokens ignored, as
+vLLM's `ignore_eos`), so each counts the same tokens; they take turns for --rounds rounds after a warm-up round, and
+the median of each is printed with its ratio to the sampler alone. The server runs on a thread of this process,
+listening on 127.0.0.1; its client reads the stream as it comes (time to the first piece printed too)."""
 
 from __future__ import annotations
 
 import argparse
 import http.client
 import json
+import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from llmtrain.chat.api import Defaults
-from llmtrain.chat.engine import Engine, Peers
-from llmtrain.chat.models import chat_config, whole_answerer
+from llmtrain.chat.engine import Answerer, Engine, Peers
+from llmtrain.chat.models import chat_config, whole_answerer, whole_model_answerer
 from llmtrain.chat.server import ChatServer
 from llmtrain.chat.text import StreamedAnswer
+from llmtrain.config import RootConfig
+from llmtrain.data.tokenizers import EOS_TOKEN, train_bpe
+from llmtrain.model import build_model
 from llmtrain.model.sampling import SamplingSettings, sample
 from llmtrain.run.runtime import init_runtime
 
@@ -51,15 +59,28 @@ def _post(port: int, body: dict) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - started, tokens
 
 
-def main() -> None:
+def seeded_answerer(config: RootConfig, device: torch.device) -> Answerer:
+    """The config's model with seeded weights, its vocabulary a byte-level BPE of the question's text."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_bpe([QUESTION[0]["content"]] * 4, vocab_size=300)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN)
+    model = build_model(config.model, len(tokenizer), config.seed).eval()
+    return whole_model_answerer(f"seeded {config.model.name}", model, tokenizer, config, False, device)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", help="a checkpoint, run directory or exported directory")
+    parser.add_argument("path", nargs="?", help="a checkpoint, run directory or exported directory (none: seeded)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    args, overrides = parser.parse_known_args()
-    config = chat_config(overrides)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (train.device's)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.path and "=" in args.path and not os.path.exists(args.path):  # no path: a key came first
+        args.path, overrides = None, [args.path, *overrides]
+    config = chat_config([f"train.device={args.device}", *overrides])
     device = init_runtime(config.train.device).device
-    answerer = whole_answerer(args.path, config, raw=False, device=device)
+    answerer = whole_answerer(args.path, config, False, device) if args.path else seeded_answerer(config, device)
     engine, name = Engine([answerer], Peers(device)), answerer.name
     prompt = answerer.prompts.ids(QUESTION)
     new_tokens = answerer.room(prompt, args.new_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -38,13 +38,22 @@ def chat_config(overrides: list[str]) -> RootConfig:
 def whole_answerer(path: str, config: RootConfig, raw: bool, device: torch.device) -> Answerer:
     """One process: the whole model at `path` on `device`, in train.precision."""
     from llmtrain.checkpoint.offline import find_checkpoint, load_model_and_tokenizer
-    from llmtrain.data.chat_prompt import PromptFormat
-    from llmtrain.parallel.precision import precision_policy, uses_bf16
 
     exported = os.path.isfile(os.path.join(path, "config.json"))
     model, tokenizer = load_model_and_tokenizer(path)
+    return whole_model_answerer(
+        model_name(path if exported else find_checkpoint(path)), model, tokenizer, config, raw, device
+    )
+
+
+def whole_model_answerer(
+    name: str, model: torch.nn.Module, tokenizer: Any, config: RootConfig, raw: bool, device: torch.device
+) -> Answerer:
+    """`model` (whole, on the CPU) answering under `name` on `device`, in train.precision, with `tokenizer`."""
+    from llmtrain.data.chat_prompt import PromptFormat
+    from llmtrain.parallel.precision import precision_policy, uses_bf16
+
     context, _ = precision_policy(device, uses_bf16(config.train.precision, device), fsdp_mixed_precision=False)
-    name = model_name(path if exported else find_checkpoint(path))
     return Answerer(name, model.to(device), PromptFormat.of(tokenizer, raw), device, context)
 
 

@@ -321,7 +321,8 @@ GRPO = ("data=rl", "data.reward=[exact_number,regex]", "data.reward_pattern='###
 
 
 def sampling_checks() -> list[Check]:
-    """The KV-cached sampler on the GPU against transformers' generate, then GRPO steps: rollouts decoded in bf16
+    """The KV-cached sampler on the GPU against transformers' generate, the chat served over HTTP against the
+    sampler alone, then GRPO steps: rollouts decoded in bf16
     (the ratio of a rollout's first step is then not exactly 1), alone and under one-rank FSDP gathering the whole
     model once over NCCL."""
     return [
@@ -330,6 +331,13 @@ def sampling_checks() -> list[Check]:
             [],
             "the KV-cached sampler's tokens/s against transformers' generate with its cache, greedy, same tokens",
             module="llmtrain.bench.sampling",
+            options=("model=qwen3-0.6b", "--rounds", "3"),
+        ),
+        Check(
+            "chat served vs sampler",
+            [],
+            "the chat's answers over HTTP (OpenAI's API, streamed and whole) against the sampler alone, same tokens",
+            module="llmtrain.bench.chat_serving",
             options=("model=qwen3-0.6b", "--rounds", "3"),
         ),
         Check("grpo", [*GRPO], "GRPO steps: bf16 rollouts, rewards, the reference's KL, LoRA", prompts=True, steps=6),

@@ -8,6 +8,7 @@ import dataclasses
 import http.client
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -238,6 +239,19 @@ def test_the_terminal_chat_keeps_each_models_conversation(engine, model, tokeniz
         assert f"{name}> {sampled_text(model, tokenizer, second, settings, 0, adapters)}\n" in printed
     assert all(not conversation.turns for conversation in chat.conversations)
     assert "(temperature=0.0)" in printed and "(system: Be brief.;" in printed
+
+
+@pytest.mark.slow  # seconds: a config composed, a tokenizer trained, four ways timed
+def test_the_serving_benchmark_draws_the_same_tokens_every_way(capsys):
+    """gpu_check's chat row, rehearsed: a seeded model's answer drawn by the sampler alone, the engine, and the
+    server streamed and whole, each the same tokens (the benchmark checks it), each with its ratio."""
+    from llmtrain.bench import chat_serving
+
+    chat_serving.main(["--new-tokens", "6", "--rounds", "1", "--device", "cpu", "model=tiny"])
+    printed = capsys.readouterr().out
+    assert "6 tokens drawn" in printed
+    for way in ("sampler alone", "engine, text streamed", "server, streamed (SSE)", "server, whole answer"):
+        assert re.search(rf"{re.escape(way)} +[\d,.]+ tokens/s +\([\d.]+x the sampler's", printed), printed
 
 
 @pytest.mark.slow  # seconds: lm-eval's import
