@@ -76,7 +76,7 @@ def engine(model, tokenizer) -> Engine:
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[ChatServer]:
     served = ChatServer(("127.0.0.1", 0), engine, Defaults(), ["tiny", "tiny:base"])
-    thread = threading.Thread(target=served.serve_forever, daemon=True)
+    thread = threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield served
     served.shutdown()
