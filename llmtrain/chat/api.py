@@ -107,10 +107,29 @@ def _prompts(body: dict, answerer: Answerer) -> tuple[list[list[int]], list[str]
     return rows, texts
 
 
+# Fields of OpenAI's API that would change the answer and that the chat does not do: refused, never ignored.
+NOT_SERVED = ("tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias")
+PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+def _refuse_what_is_not_served(body: dict, chat: bool) -> None:
+    asked = [key for key in NOT_SERVED if body.get(key) not in (None, [], {}, "none", "auto")]
+    asked += [key for key in PENALTIES if body.get(key) not in (None, 0, 0.0)]
+    if chat and body.get("logprobs"):
+        asked.append("logprobs")
+    if asked:
+        raise RequestError(
+            f"{asked[0]} is not served by llmtrain.chat (it answers with the sampler's settings alone): leave it out"
+            + (" or ask /v1/completions for logprobs" if asked[0] == "logprobs" else ""),
+            asked[0],
+        )
+
+
 def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
     """The checked request of a JSON `body` sent to /v1/chat/completions (`chat`) or /v1/completions."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    _refuse_what_is_not_served(body, chat)
     answerer = engine.answerer(body.get("model"))
     if _integer(body, "n", 1, 1) != 1:
         raise RequestError("n must be 1: send the request again with another seed for another answer", "n")

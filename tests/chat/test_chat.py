@@ -176,6 +176,8 @@ def _post(server: ChatServer, path: str, body: bytes | dict) -> tuple[int, dict]
         ({"messages": [*QUESTION, {"role": "assistant", "content": "Yes."}]}, 400, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
         ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ],
 )
 def test_a_request_it_cannot_answer_gets_a_4xx_naming_the_field_and_the_server_goes_on(server, body, status, param):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import shutil
 import subprocess
@@ -157,6 +158,8 @@ def test_the_page_in_a_browser_streams_the_samplers_answers_side_by_side(fine_tu
         done = ".message[data-state=done]"
         WebDriverWait(browser, 120).until(lambda b: len(b.find_elements("css selector", done)) == 2)
         answers = [e.get_attribute("textContent") for e in browser.find_elements("css selector", done)]
+        pieces = [int(re.search(r"(\d+) pieces", m.text).group(1)) for m in browser.find_elements("class name", "meta")]
+        assert len(pieces) == 2 and max(pieces) > 1  # the answers arrived in pieces, as drawn
         assert [e.get_attribute("class") for e in browser.find_elements("css selector", done)] == [
             "message assistant"
         ] * 2
