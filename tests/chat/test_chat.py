@@ -261,6 +261,7 @@ def test_lm_evals_local_completions_model_scores_and_generates_through_the_serve
     """lm-evaluation-harness's own `local-completions` model pointed at the server: its log-likelihoods are the
     model's (summed log-softmax of the continuation given the context), and its greedy generation is the sampler's
     at temperature 0, cut at the task's stop text."""
+    pytest.importorskip("lm_eval", reason="the eval extra: pip install -e '.[eval]'")
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
