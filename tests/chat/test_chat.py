@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import openai
 import pytest
 import torch
 from harness.corpora import CHAT_TEMPLATE, chat_tokenizer
@@ -84,7 +83,9 @@ def server(engine) -> Iterator[ChatServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def client(server):
+    import openai  # imported here, not when the fast tier collects every file
+
     client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
     client.models.list()  # the client's first request reads the platform (`uname -p`): here, before the tests
     return client
