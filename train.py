@@ -14,12 +14,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from llmtrain.config import RootConfig, register_schemas, validate
+from llmtrain.config.composition import job, run_entry
 from llmtrain.errors import ConfigError
 from llmtrain.faults import check_armed
 from llmtrain.parallel_plan import check_layout
-from llmtrain.run.entry import job, run_entry
-from llmtrain.run.launch_env import launch_coordinates, launch_rank, restart_count, under_a_restarting_agent
-from llmtrain.run.run_dir import exit_with_config_error
+from llmtrain.process.launch_env import launch_coordinates, launch_rank, restart_count, under_a_restarting_agent
+from llmtrain.process.run_dir import exit_with_config_error
 
 register_schemas()
 # This file's path, for the workers a launcher starts (under submitit, sys.argv[0] is submitit's own script).
@@ -50,7 +50,7 @@ def main(cfg) -> None:
             check_data_files(cfg.data)
         except ConfigError as error:
             if launch_rank() == 0 and under_a_restarting_agent():  # its restarts leave at once, not check it again
-                from llmtrain.run.runtime import record_end_on_purpose
+                from llmtrain.process.runtime import record_end_on_purpose
 
                 record_end_on_purpose(None, ConfigError.exit_code, f"error: {error}")
             exit_with_config_error(error, HydraConfig.get().runtime.output_dir, is_main=launch_rank() == 0)

@@ -8,7 +8,7 @@
 # or 1 without GPUs.
 #
 # Peer-to-peer between consumer PCIe cards (RTX 40-series) is decided by train.py itself, from the devices, in
-# every launch path (llmtrain/run/runtime.py). NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
+# every launch path (llmtrain/process/runtime.py). NCCL_IB_DISABLE=1 skips InfiniBand probing on a workstation.
 # OMP_NUM_THREADS caps CPU threads per worker so N workers do not oversubscribe the cores.
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the caching allocator grow segments instead of splitting
 # fixed blocks: less fragmentation, which is what runs out first on 16 GB cards.

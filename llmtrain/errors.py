@@ -47,7 +47,7 @@ class OutOfMemory(RunError, RuntimeError):
 
 
 class OutOfMemoryRetried(OutOfMemory):
-    """Out of memory in a step where a smaller micro-batch is left to try (llmtrain/run/attempts.py): a restart or
+    """Out of memory in a step where a smaller micro-batch is left to try (llmtrain/process/attempts.py): a restart or
     requeue resumes with it, the global batch unchanged."""
 
     restartable = True

@@ -26,15 +26,15 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import EvaluateRootConfig, check_domains, evaluation_keys, keys_help
 from llmtrain.errors import ConfigError, RunError, closed_pipe_is_quiet, exit_for, first_line
-from llmtrain.run.launch_env import launch_rank
+from llmtrain.process.launch_env import launch_rank
 
 if TYPE_CHECKING:
-    from llmtrain.run.runtime import Runtime
+    from llmtrain.process.runtime import Runtime
 
 
 def _composed(overrides: list[str]):
     """The evaluation config of these overrides; a composition error is one line and exit 2, like train.py's."""
-    from llmtrain.run.entry import compose_or_refuse
+    from llmtrain.config.composition import compose_or_refuse
 
     return compose_or_refuse("evaluate", overrides, EvaluateRootConfig)
 
@@ -147,7 +147,7 @@ def evaluate(checkpoint: str, config: EvaluateRootConfig) -> dict:
     rank 0; {} on the others). Under training's rules: the hang watchdog (train.hang_timeout; its stacks in the
     checkpoint directory's evaluate/hang/), and a peer's death one line and exit 77, not a wait for the group's
     timeout."""
-    from llmtrain.run.runtime import init_runtime
+    from llmtrain.process.runtime import init_runtime
     from llmtrain.train.peer_loss import is_peer_loss, peer_lost
     from llmtrain.train.watchdog import StepWatchdog
 

@@ -25,13 +25,14 @@ import torch
 from llmtrain.checkpoint.offline import load_model_and_tokenizer
 from llmtrain.data.chat_prompt import PromptFormat
 from llmtrain.errors import closed_pipe_is_quiet, exits_on_run_error
-from llmtrain.model import GPT
-from llmtrain.model.sampling import SamplingSettings, decode_step, sample
+from llmtrain.model.base import LayeredModel
+from llmtrain.model.sampling import SamplingSettings, sample
+from llmtrain.parallel.sampling import laid_out_decode
 
 
 @torch.no_grad()
 def continuations(
-    model: GPT,
+    model: LayeredModel,
     prompts: Sequence[Sequence[int]],
     settings: SamplingSettings,
     seed: int,
@@ -40,11 +41,11 @@ def continuations(
 ) -> list[list[int]]:
     """`samples` continuations of each prompt (its own consecutively), each prompt read from its last document and
     the continuation held within the model's max_seq_len."""
-    contexts = [last_document(prompt, eos_id)[-(model.cfg.max_seq_len - 1) :] for prompt in prompts]
-    room = model.cfg.max_seq_len - max(len(context) for context in contexts)
+    contexts = [last_document(prompt, eos_id)[-(model.context_length - 1) :] for prompt in prompts]
+    room = model.context_length - max(len(context) for context in contexts)
     bounded = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, room))
     device = next(model.parameters()).device
-    drawn = sample(decode_step(model.eval()), contexts, range(len(contexts)), samples, bounded, seed, device)
+    drawn = sample(laid_out_decode(model.eval()), contexts, range(len(contexts)), samples, bounded, seed, device)
     return drawn.rows()
 
 

@@ -47,8 +47,8 @@ from llmtrain.planner.candidates import Candidate, enumerate_candidates, for_opt
 from llmtrain.planner.cost import layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, llmtrain_state_bytes, machine_for, workload_for
 from llmtrain.planner.shapes import holding, whole_model_parameters
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_training
-from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.layout_doc import option_file, readme_table, state_table
 from llmtrain.train.loop import Trainer

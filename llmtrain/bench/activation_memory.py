@@ -18,8 +18,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from llmtrain.errors import closed_pipe_is_quiet
+from llmtrain.process.runtime import init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import init_runtime
 from llmtrain.tools import compose_config
 
 

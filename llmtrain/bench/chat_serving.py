@@ -34,7 +34,7 @@ from llmtrain.config import RootConfig
 from llmtrain.data.tokenizers import EOS_TOKEN, train_bpe
 from llmtrain.model import build_model
 from llmtrain.model.sampling import SamplingSettings, sample
-from llmtrain.run.runtime import init_runtime
+from llmtrain.process.runtime import init_runtime
 
 QUESTION = [{"role": "user", "content": "Write a short function that reads a file and returns its lines."}]
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     config = chat_config([f"train.device={args.device}", *overrides])
     device = init_runtime(config.train.device).device
     answerer = whole_answerer(args.path, config, False, device) if args.path else seeded_answerer(config, device)
-    engine, name = Engine([answerer], Peers(device)), answerer.name
+    engine, name = Engine([answerer], Peers()), answerer.name
     prompt = answerer.prompts.ids(QUESTION)
     new_tokens = answerer.room(prompt, args.new_tokens)
     settings = SamplingSettings(new_tokens, 0.8, 50, 1.0)  # no stop token: every way draws --new-tokens

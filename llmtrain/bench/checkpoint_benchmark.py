@@ -21,8 +21,8 @@ from llmtrain.checkpoint.manager import CheckpointManager, checkpoint_path
 from llmtrain.checkpoint.state import checkpoint_state
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import cross_entropy_loss
+from llmtrain.process.runtime import init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import init_runtime
 from llmtrain.tools import compose_config
 
 

@@ -39,7 +39,7 @@ from llmtrain.config import check_domains, keys_help, schema_keys, unknown_key_l
 from llmtrain.domains import Flag, ListOf, OneOf, WritableDirectory, at_least, key
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
 from llmtrain.planner.probe import OK, UNSUPPORTED, WRONG, Result, measure, round_size, slowest, timed, write_csv
-from llmtrain.run.runtime import Runtime, init_runtime, join_single_process_group
+from llmtrain.process.runtime import Runtime, init_runtime, join_single_process_group
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -35,8 +35,8 @@ from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.model import cross_entropy_loss
 from llmtrain.model.documents import document_starts
 from llmtrain.model.scoring import TokenMarks
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_parallel_model, build_training
-from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 

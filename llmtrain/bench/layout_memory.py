@@ -36,9 +36,9 @@ from llmtrain.model import meta_model, num_parameters
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.auto import configured_cost
+from llmtrain.process.launch_env import ranks_per_node
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.launch_env import ranks_per_node
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.memory import MemoryPeak, held_bytes, peak_since_reset, reset_peak, tensor_bytes
 

@@ -30,8 +30,8 @@ from llmtrain.config import RootConfig
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.optim import adamw_options, param_groups
 from llmtrain.optional import import_torchao
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_parallel_model, build_training
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 

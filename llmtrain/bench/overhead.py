@@ -43,8 +43,8 @@ from llmtrain.model import build_model, cross_entropy_loss
 from llmtrain.optim import build_lr_schedule
 from llmtrain.parallel.layout import apply_compile
 from llmtrain.parallel.precision import uses_bf16
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_training
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from llmtrain.errors import closed_pipe_is_quiet
 from llmtrain.parallel import ring_attention as ring
-from llmtrain.run.runtime import Runtime, init_runtime
+from llmtrain.process.runtime import Runtime, init_runtime
 
 
 def _synchronize(device: torch.device) -> None:

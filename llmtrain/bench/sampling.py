@@ -21,14 +21,14 @@ import torch
 
 from llmtrain.export import hf_model_of
 from llmtrain.model import build_model
-from llmtrain.model.sampling import SamplingSettings, decode_step, sample
+from llmtrain.model.sampling import SamplingSettings, sample
 from llmtrain.tools import compose_config
 
 
 def _ours(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
     settings = SamplingSettings(new_tokens, temperature=0)
     started = time.perf_counter()
-    drawn = sample(decode_step(model), prompts, range(len(prompts)), 1, settings, 0, device).rows()
+    drawn = sample(model.decode, prompts, range(len(prompts)), 1, settings, 0, device).rows()
     return time.perf_counter() - started, drawn  # rows() reads the tokens on the host: the device is waited for
 
 

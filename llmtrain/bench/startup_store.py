@@ -1,6 +1,6 @@
 """What a start and a restart at scale cost the job's store: a real TCPStore on loopback, one client connection per
 simulated rank (threads in a few processes), each rank doing what a worker does through the store when an agent
-starts it (llmtrain/run/runtime.py): agreeing on the attempt's name, then a roll call (the one a lost peer or a
+starts it (llmtrain/process/runtime.py): agreeing on the attempt's name, then a roll call (the one a lost peer or a
 hang makes, the watchdog's and peer_loss's). Then the same ranks start again on the same store, as after a restart,
 in a shuffled order with rank 0 last, over what the first attempt left. Printed: the store calls a rank makes (rank
 0's and the most any other makes) and the wall time, for llmtrain's way and for the polling it replaced (the
@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from llmtrain.errors import closed_pipe_is_quiet
-from llmtrain.run.runtime import agree_on_attempt, gather_posts
+from llmtrain.process.runtime import agree_on_attempt, gather_posts
 
 # How long a rank waits on the store before its start counts as failed
 TIMEOUT = datetime.timedelta(minutes=2)

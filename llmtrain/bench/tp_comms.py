@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from llmtrain.errors import closed_pipe_is_quiet
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 
 # (sequence parallelism, train.activation_checkpointing): the settings measured

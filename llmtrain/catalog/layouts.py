@@ -15,7 +15,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # links.
 WITHIN_NODE_DIMS = ("cp", "tp")
 # A degree template's value for "the ranks of one node" (conf/parallel/*.yaml resolves it in
-# llmtrain/run/launch_env.py).
+# llmtrain/process/launch_env.py).
 RANKS_PER_NODE = "${llmtrain_ranks_per_node:}"
 
 

@@ -97,7 +97,7 @@ def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port:
 
 
 def main(argv: list[str]) -> None:
-    from llmtrain.run.runtime import init_runtime
+    from llmtrain.process.runtime import init_runtime
 
     args, overrides = _arguments(argv)
     if not os.path.exists(args.path):
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"--compare {args.compare} does not exist: give a checkpoint, run or exported directory")
     config = chat_config(overrides)
     runtime = init_runtime(config.train.device)
-    engine = Engine(answerers(args.path, args.compare, args.raw, config, runtime), Peers(runtime.device))
+    engine = Engine(answerers(args.path, args.compare, args.raw, config, runtime), Peers())
     if not runtime.is_main:
         engine.follow()
         runtime.shutdown()

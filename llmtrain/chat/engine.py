@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.data.chat_prompt import PromptFormat
-from llmtrain.model.kv_cache import KVCache
-from llmtrain.model.lora import adapters_disabled
+from llmtrain.model.base import LayeredModel
+from llmtrain.model.lora import adapters_disabled, has_adapters
 from llmtrain.model.sampling import DecodeStep, SamplingSettings, drawn_columns
+from llmtrain.parallel.sampling import laid_out_decode, still_decoding
 from llmtrain.parallel.tensors import full_tensor
 
 # A laid-out rank's wait for rank 0's next piece of work is one store wait of this long, then another.
@@ -51,7 +52,7 @@ class Answerer:
     runs within (autocast); `adapters` False: its low-rank adapters switched off (its base model answers)."""
 
     name: str
-    model: torch.nn.Module
+    model: LayeredModel
     prompts: PromptFormat
     device: torch.device
     context: Callable[[], AbstractContextManager] = nullcontext
@@ -59,27 +60,29 @@ class Answerer:
 
     @property
     def max_seq_len(self) -> int:
-        return int(cast(Any, self.model).cfg.max_seq_len)
+        return self.model.context_length
 
     @property
     def vocab_size(self) -> int:
-        return int(cast(Any, self.model).cfg.vocab_size)
+        return self.model.vocab_size
 
     @property
     def has_adapters(self) -> bool:
-        return bool(cast(Any, self.model).cfg.lora.enabled)
+        return has_adapters(self.model)
 
-    def _adapters(self) -> AbstractContextManager:
-        return nullcontext() if self.adapters else adapters_disabled(self.model)
+    @contextmanager
+    def _within(self) -> Iterator[None]:
+        """What each forward pass runs within: the precision's context, and the adapters off where asked."""
+        with self.context(), nullcontext() if self.adapters else adapters_disabled(self.model):
+            yield
 
-    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """DecodeStep: the last position's logits of the next columns of `cache`'s rows."""
-        with torch.no_grad(), self.context(), self._adapters(), self.model.decoding(cache):  # type: ignore[operator]
-            return full_tensor(self.model(tokens, last_logits_only=True))
+    @property
+    def decode(self) -> DecodeStep:
+        return laid_out_decode(self.model, self._within)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(rows, t, vocabulary) in fp32: every position's logits of the whole rows `tokens`."""
-        with torch.no_grad(), self.context(), self._adapters():
+        with torch.no_grad(), self._within():
             return full_tensor(self.model(tokens)).float()
 
     def room(self, prompt: Sequence[int], max_new_tokens: int) -> int:
@@ -108,8 +111,7 @@ class Work:
 class Peers:
     """The ranks an Engine's models are laid out over, as rank 0 sees them (one process alone: nothing to tell)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self) -> None:
         self.laid_out = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.store = dist.distributed_c10d._get_default_store() if self.laid_out else None
         self.posted = 0
@@ -133,14 +135,6 @@ class Peers:
                     raise
         self.posted += 1
         return Work(**json.loads(self.store.get(key)))
-
-    def all_go_on(self, mine: bool) -> bool:
-        """Collective where laid out: whether every rank goes on decoding."""
-        if not self.laid_out:
-            return mine
-        flag = torch.tensor(float(mine), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
 
 class Engine:
@@ -199,20 +193,20 @@ class Engine:
     def _answer(self, work: Work, rank_zero: bool) -> Generator[int, None, None]:
         answerer = self.answerers[work.model]
         settings = SamplingSettings(**{**work.settings, "stop_ids": tuple(work.settings["stop_ids"])})
-        go_on = [True]  # rank 0's: False once its reader has closed the answer
+        reader_left = [False]  # rank 0's: True once its reader has closed the answer
 
         def any_unfinished(unfinished: bool) -> bool:
-            return self.peers.all_go_on(unfinished and go_on[0])
+            return still_decoding(unfinished, answerer.device, stop=reader_left[0])
 
-        decode: DecodeStep = answerer.decode
-        columns = drawn_columns(decode, [work.tokens], [0], 1, settings, work.seed, answerer.device, any_unfinished)
+        tokens, device = [work.tokens], answerer.device
+        columns = drawn_columns(answerer.decode, tokens, [0], 1, settings, work.seed, device, any_unfinished)
         try:
             for column in columns:
                 if bool(column.drew[0]):
                     yield int(column.tokens[0])
         finally:
             if rank_zero and self.peers.laid_out:
-                go_on[0] = False
+                reader_left[0] = True
                 next(columns, None)  # the other ranks hear that it ends: the next agreement says stop
             columns.close()
 

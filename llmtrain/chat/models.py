@@ -11,7 +11,8 @@ import torch
 from llmtrain.chat.engine import Answerer
 from llmtrain.config import RootConfig
 from llmtrain.errors import ConfigError
-from llmtrain.run.runtime import Runtime
+from llmtrain.model.base import LayeredModel
+from llmtrain.process.runtime import Runtime
 
 
 def model_name(path: str) -> str:
@@ -28,7 +29,7 @@ def chat_config(overrides: list[str]) -> RootConfig:
     from omegaconf import OmegaConf
 
     from llmtrain.config import check_domains
-    from llmtrain.run.entry import compose_or_refuse
+    from llmtrain.config.composition import compose_or_refuse
 
     composed = compose_or_refuse("train", overrides, RootConfig)
     check_domains(composed, RootConfig)
@@ -47,7 +48,7 @@ def whole_answerer(path: str, config: RootConfig, raw: bool, device: torch.devic
 
 
 def whole_model_answerer(
-    name: str, model: torch.nn.Module, tokenizer: Any, config: RootConfig, raw: bool, device: torch.device
+    name: str, model: LayeredModel, tokenizer: Any, config: RootConfig, raw: bool, device: torch.device
 ) -> Answerer:
     """`model` (whole, on the CPU) answering under `name` on `device`, in train.precision, with `tokenizer`."""
     from llmtrain.data.chat_prompt import PromptFormat

@@ -56,8 +56,8 @@ from llmtrain.checkpoint.safe_load import (
     write_data_position,
 )
 from llmtrain.errors import CheckpointWriteError, ConfigError, first_line
+from llmtrain.process.runtime import Runtime
 from llmtrain.releases import stager_outlives_a_save
-from llmtrain.run.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 # DCP warns on each call without a process group that it assumes one process, which is what a single-process run

@@ -36,7 +36,7 @@ from llmtrain.data.tokenizers import save_for_transformers
 from llmtrain.errors import ConfigError
 from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 

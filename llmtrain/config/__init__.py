@@ -5,7 +5,8 @@ the module of its group: model.py, data.py, parallel.py, optim.py, training.py (
 checkpoint), planning.py (hardware, plan). schema.py joins them into the root each command composes and registers
 those; keys.py lists and checks keys by their dotted names (`--help`, an unknown key's one line); validation.py
 holds `validate`: every key against its domain, then the rules that span several keys, each refusal a ConfigError
-of one line that names the key and the fix.
+of one line that names the key and the fix; composition.py composes a command's config, a composition error one line
+as well (train.py and llmtrain.data.prepare run their @hydra.main functions through it).
 
 The package is torch-free and reads no data files: train.py validates a config before torch loads.
 """

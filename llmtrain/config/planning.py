@@ -125,4 +125,9 @@ class PlanConfig:
         Number(low=0),
         "per device, kept out of the plan: CUDA context, NCCL buffers, allocator fragmentation",
     )
-    out: str = key("plan.json", Text(), "where `llmtrain.tools.plan` writes its JSON")
+    out: Optional[str] = key(
+        None,
+        Text(),
+        "a file `llmtrain.tools.plan` writes its table to as JSON (the layouts, the pick and why); null: the printed "
+        "table alone, nothing written",
+    )

@@ -24,7 +24,7 @@ from llmtrain.config.planning import HardwareConfig, PlanConfig
 from llmtrain.config.rl import RLConfig
 from llmtrain.config.training import CheckpointConfig, EvalConfig, LoggingConfig, ProfileConfig, TrainConfig
 from llmtrain.domains import ListOf, Number, Text, WritableDirectory, at_least, key
-from llmtrain.run.launch_env import register_resolvers
+from llmtrain.process.launch_env import register_resolvers
 
 # The option files (train.yaml, prepare.yaml, one folder per group): conf/ at the top of a checkout, which
 # llmtrain/conf (beside this package) links to, so that a wheel carries them inside llmtrain and the tools find them

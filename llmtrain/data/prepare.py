@@ -34,6 +34,7 @@ from llmtrain.config import (
     register_schemas,
     validate_data,
 )
+from llmtrain.config.composition import job, run_entry
 from llmtrain.data import build_tokenizer
 from llmtrain.data.files import check_data_files, local_data_files
 from llmtrain.data.sources import TRAIN, VALIDATION, open_documents, stdlib_files
@@ -49,7 +50,6 @@ from llmtrain.data.store import (
 )
 from llmtrain.data.tokenizers import Tokenizer, load_saved_tokenizer, save_for_transformers, vocabulary_sha256
 from llmtrain.errors import ConfigError
-from llmtrain.run.entry import job, run_entry
 
 # A worker's task: documents up to about this much text (large enough that pickling is a small share of the work).
 BATCH_CHARS = 1 << 20

@@ -408,8 +408,20 @@ class GPT(LayeredModel):
         if self.cfg.quantize_base == "nf4":
             quantize_base(self)
 
+    @property
+    def context_length(self) -> int:
+        return self.cfg.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        with torch.no_grad(), self._decoding(cache):
+            return self(tokens, last_logits_only=True)
+
     @contextmanager
-    def decoding(self, cache: KVCache) -> Iterator[None]:
+    def _decoding(self, cache: KVCache) -> Iterator[None]:
         """Forward passes compute the next positions of `cache`'s rows over their cached keys, until the block ends."""
         attentions = [cast(Block, block).attn for block in self.blocks.values()]
         kept = self.sequence, [attention.sequence for attention in attentions]

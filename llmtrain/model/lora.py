@@ -86,6 +86,11 @@ def linear(in_features: int, out_features: int, bias: bool, lora: LoRAConfig, pr
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+def has_adapters(model: nn.Module) -> bool:
+    """Whether any layer of `model` adapts its frozen base (a LoRALinear, a mixture's adapted experts)."""
+    return any(getattr(module, "adapting", None) is True for module in model.modules())
+
+
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """`model` computes as its frozen base inside: every adapted layer (a LoRALinear, a mixture's adapted experts)

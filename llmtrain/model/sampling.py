@@ -20,8 +20,9 @@ import torch
 from llmtrain.model.counter_random import uniform
 from llmtrain.model.kv_cache import KVCache
 
-# (tokens (rows, t), the cache those rows' keys are kept in) -> logits (rows, t or 1, vocabulary), the last position's
-# last: one forward pass of the model over the next columns, the cache's `filled` ones before them.
+# (tokens (rows, t), the cache those rows' keys are kept in) -> the last position's logits (rows, 1, vocabulary): one
+# forward pass of the model over the next columns, the cache's `filled` ones before them. A whole model's `decode`
+# (LayeredModel's, model/base.py) is one; a laid-out model's is parallel/sampling.py's `laid_out_decode`.
 DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
 
 
@@ -151,13 +152,3 @@ def filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-
-
-def decode_step(model: torch.nn.Module) -> DecodeStep:
-    """A whole model's forward pass over the next columns (a GPT, or any family with GPT's `decoding`)."""
-
-    def step(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        with torch.no_grad(), model.decoding(cache):  # type: ignore[operator]
-            return model(tokens, last_logits_only=True)
-
-    return step

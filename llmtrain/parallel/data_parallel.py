@@ -37,7 +37,7 @@ from llmtrain.parallel.ddp import apply_ddp
 from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.tensors import clip_gradients, replicate_partial_gradients
 from llmtrain.parallel.zero import ZeroOneShards
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 

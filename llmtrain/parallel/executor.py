@@ -1,6 +1,6 @@
 """How a step's micro-batches run through this rank's model: one protocol, two executors. Accumulation
 (accumulation.py) runs the whole model (as the layout splits it) on each micro-batch in turn and adds up the
-gradients; a pipeline (pipeline/pipeline.py) runs this rank's stages of the model cut by depth under a schedule,
+gradients; a pipeline (pipelined.py) runs this rank's stages of the model cut by depth under a schedule,
 together with the other stages' ranks. A ParallelModel holds one, whole when made, and never asks which."""
 
 from __future__ import annotations

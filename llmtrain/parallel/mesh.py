@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.catalog import MESH_DIMS
 from llmtrain.parallel_plan import Degrees, ParallelPlan
-from llmtrain.run.runtime import Runtime, join_single_process_group
+from llmtrain.process.runtime import Runtime, join_single_process_group
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:

@@ -2,7 +2,7 @@
 optimizer, its precision; per step forward/backward, reductions, clipping, and its state for checkpoints. The
 trainer calls these methods and never asks which layout it runs. One class for every layout: what differs is held,
 not overridden: the data-parallel mechanism (data_parallel.py) and the executor that runs the step's micro-batches
-(executor.py: accumulation.py's, or for a pipelined layout pipeline/pipeline.py's), each made whole before the model
+(executor.py: accumulation.py's, or for a pipelined layout pipelined.py's), each made whole before the model
 is; what every executor does alike to a step is step_setup.py's; how the modules are laid out is layout.py's linear
 sequence of steps."""
 
@@ -34,7 +34,7 @@ from llmtrain.parallel.precision import precision_policy, uses_bf16
 from llmtrain.parallel.step_setup import StepSetup
 from llmtrain.parallel.tensors import MicroBatches
 from llmtrain.parallel_plan import ParallelPlan
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 
 def data_parallel_class(name: str) -> type[DataParallel]:
@@ -81,7 +81,7 @@ class ParallelModel:
         self._data_parallel = data_parallel_class(plan.name)(mesh, runtime, plan.parallel)
         self.executor: Executor
         if plan.pipelined:  # imported only where a run pipelines: torch's pipelining costs a process ~0.7 s
-            from llmtrain.parallel.pipeline.pipeline import Pipeline
+            from llmtrain.parallel.pipelined import Pipeline
 
             self.executor = Pipeline(self._setup, model, steps, allocate)
         else:

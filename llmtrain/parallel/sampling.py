@@ -10,15 +10,16 @@ decides (train/grpo_objective.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
+from llmtrain.model.base import LayeredModel
 from llmtrain.model.kv_cache import KVCache
-from llmtrain.model.sampling import Completions, SamplingSettings, decode_step, sample
+from llmtrain.model.sampling import Completions, DecodeStep, SamplingSettings, sample
 from llmtrain.parallel.fsdp import gathered_whole
 from llmtrain.parallel.parallel_model import ParallelModel, unwrap
 from llmtrain.parallel.tensors import full_tensor
@@ -44,6 +45,30 @@ def check_samples(plan: ParallelPlan) -> None:
         )
 
 
+def laid_out_decode(model: LayeredModel, context: Callable[[], AbstractContextManager] = nullcontext) -> DecodeStep:
+    """The decode step of `model`, whole or this rank's part of it laid out (collective then: FSDP gathers, tensor
+    parallelism reduces), within `context` (autocast, adapters switched off): the whole vocabulary's logits on every
+    rank, whatever shards them."""
+
+    def decode(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        with context():
+            return full_tensor(model.decode(tokens, cache))
+
+    return decode
+
+
+def still_decoding(unfinished: bool, device: torch.device, stop: bool = False) -> bool:
+    """Whether every rank decodes another position: some rank has a row still to draw (`unfinished`: this rank's)
+    and none was told to stop (`stop`: a chat whose reader has what it wanted). Collective where the process group
+    spans several ranks, which all run as many forward passes: one all-reduce of two flags."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return unfinished and not stop
+    flags = torch.tensor([float(unfinished), float(stop)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    go_on, stopped = flags.tolist()
+    return bool(go_on) and not bool(stopped)
+
+
 def sample_completions(
     model: ParallelModel,
     prompts: Sequence[Sequence[int]],
@@ -59,23 +84,17 @@ def sample_completions(
     model on each rank meanwhile) instead of block by block for every decoded token."""
     check_samples(model.plan)
     module = unwrap(model.module)
-    whole = decode_step(module)
-
-    def decode(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return full_tensor(whole(tokens, cache))
+    device = model.runtime.device
 
     def any_unfinished(unfinished: bool) -> bool:
-        if not model.runtime.distributed:
-            return unfinished
-        flag = torch.tensor(float(unfinished), device=model.runtime.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return still_decoding(unfinished, device)
 
     training = module.training
     module.eval()
     gathered = gathered_whole(module, model.plan.parallel.reshard_after_forward) if gather_once else nullcontext()
     try:
         with gathered:
-            return sample(decode, prompts, prompt_ids, group, settings, seed, model.runtime.device, any_unfinished)
+            decode = laid_out_decode(module)
+            return sample(decode, prompts, prompt_ids, group, settings, seed, device, any_unfinished)
     finally:
         module.train(training)

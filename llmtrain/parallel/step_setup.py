@@ -21,7 +21,7 @@ from llmtrain.parallel.precision import PrecisionContext
 from llmtrain.parallel.tensors import MicroBatches
 from llmtrain.parallel.tp import loss_context
 from llmtrain.parallel_plan import ParallelPlan
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llmtrain.optim import Compute, Muon, adamw_options, param_groups
 from llmtrain.optim.groups import FUSED, adamw_state
-from llmtrain.run.runtime import all_gather_single, reduce_scatter_single
+from llmtrain.process.runtime import all_gather_single, reduce_scatter_single
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 

@@ -413,8 +413,9 @@ def loss_activations(candidate: Candidate, step: StepShape, positions: int) -> f
     """What the loss over a micro-batch of `positions` holds at its peak, per micro-batch in flight. Whole (over
     vocabulary shards, which llmtrain never chunks, or values that fit one chunk): its fp32 log-probabilities kept,
     two fp32 gradients of that size in backward (the log-probabilities' and the logits'; a pipeline's last stage
-    returns no logits: pipeline.py). Chunked: the logits kept in the compute dtype, their gradient beside them,
-    and one chunk's fp32 log-probabilities and their two gradients. Fused: the logits and their gradient alone."""
+    returns no logits: parallel/pipelined.py). Chunked: the logits kept in the compute dtype, their gradient beside
+    them, and one chunk's fp32 log-probabilities and their two gradients. Fused: the logits and their gradient
+    alone."""
     d, vocabulary = candidate.degrees, step.gpt.padded_vocab_size
     logits_in_flight = step.microbatches if candidate.pp_schedule == "gpipe" and d.pp > 1 else 1
     values = positions * vocabulary

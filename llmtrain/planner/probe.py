@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.planner.links import CSV_HEADER, bus_factor
-from llmtrain.run.runtime import Runtime, all_gather_single, reduce_scatter_single
+from llmtrain.process.runtime import Runtime, all_gather_single, reduce_scatter_single
 
 # An op whose first call raised one of these is reported as unsupported: c10 errors (gloo's "not supported",
 # an unsupported dtype) reach Python as RuntimeError, NotImplementedError or ValueError.

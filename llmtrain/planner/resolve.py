@@ -21,8 +21,8 @@ from llmtrain.parallel.precision import uses_bf16
 from llmtrain.planner.auto import AutoLayout, auto_layout, prediction
 from llmtrain.planner.hardware import hardware_for_device
 from llmtrain.planner.probe import probe_links
-from llmtrain.run.launch_env import ranks_per_node
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.launch_env import ranks_per_node
+from llmtrain.process.runtime import Runtime
 
 log = logging.getLogger("llmtrain")
 

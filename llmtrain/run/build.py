@@ -46,8 +46,8 @@ from llmtrain.parallel.mesh import RankMesh
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel_plan import ParallelPlan
 from llmtrain.planner.resolve import resolved_for_device
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.retry import micro_batch_after_running_out
-from llmtrain.run.runtime import Runtime
 from llmtrain.train.loop import Components, ModelFacts
 from llmtrain.train.memory import MIB, HeldBytes, MemoryPeak, held_bytes
 from llmtrain.train.objectives import build_objective

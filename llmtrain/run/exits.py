@@ -16,10 +16,10 @@ from hydra.core.hydra_config import HydraConfig
 
 from llmtrain.errors import ConfigError, Preempted, RunError, exit_for
 from llmtrain.parallel_plan import with_layouts_that_run
-from llmtrain.run import attempts
-from llmtrain.run.launch_env import launch_rank
-from llmtrain.run.run_dir import exit_with_config_error, remove_if_empty_run
-from llmtrain.run.runtime import Runtime, ended_on_purpose, record_end_on_purpose
+from llmtrain.process import attempts
+from llmtrain.process.launch_env import launch_rank
+from llmtrain.process.run_dir import exit_with_config_error, remove_if_empty_run
+from llmtrain.process.runtime import Runtime, ended_on_purpose, record_end_on_purpose
 from llmtrain.train.peer_loss import is_peer_loss, peer_lost
 from llmtrain.train.preemption import PreemptionWatch
 

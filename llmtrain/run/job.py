@@ -17,12 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain.checkpoint import save_final_model
 from llmtrain.config import RootConfig
 from llmtrain.errors import PREEMPTED_EXIT, RunError, note_step
+from llmtrain.process.run_dir import remove_if_empty_run
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_training
 from llmtrain.run.exits import exits_on_config_error, leave_if_ended_on_purpose, run_to_exit
 from llmtrain.run.reporting import log_end_summary, run_loggers, wandb_identity
 from llmtrain.run.retry import out_of_memory_in_step, plan_command_of_run
-from llmtrain.run.run_dir import remove_if_empty_run
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.run.spawn import launched_externally, spawn_workers
 from llmtrain.train.fault_points import FaultPoints
 from llmtrain.train.loop import Components, Trainer

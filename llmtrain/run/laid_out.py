@@ -9,7 +9,7 @@ from typing import Any
 
 from llmtrain.config import RootConfig
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 
 def laid_out_checkpoint(checkpoint: str, config: RootConfig, runtime: Runtime) -> tuple[ParallelModel, Any]:

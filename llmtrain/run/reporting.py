@@ -11,7 +11,7 @@ from hydra.types import RunMode
 
 from llmtrain.config import WandbConfig
 from llmtrain.planner.resolve import predicted
-from llmtrain.run import attempts
+from llmtrain.process import attempts
 from llmtrain.train.loggers import RunLoggers
 from llmtrain.train.loop import Components
 from llmtrain.train.profiling import StepProfiler

@@ -13,8 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from llmtrain.config import RootConfig
 from llmtrain.errors import ConfigError, OutOfMemory, OutOfMemoryRetried
 from llmtrain.parallel_plan import ParallelPlan, plan_command
-from llmtrain.run import attempts
-from llmtrain.run.runtime import Runtime
+from llmtrain.process import attempts
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.memory import out_of_memory
 
 log = logging.getLogger("llmtrain")

@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from llmtrain.errors import ConfigError
-from llmtrain.run.runtime import first_slurm_host, slurm_job_port
+from llmtrain.process.runtime import first_slurm_host, slurm_job_port
 from llmtrain.train.preemption import PREEMPTION_SIGNALS, PreemptionWatch
 
 # What the elastic agent itself acts on (stopping its workers); the preemption signals are forwarded instead.

@@ -56,6 +56,7 @@ from llmtrain.config import (
     keys_help,
     validate,
 )
+from llmtrain.config.composition import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
 from llmtrain.files import write_json_atomic
 from llmtrain.model import GPT, ParameterInit
@@ -66,9 +67,8 @@ from llmtrain.parallel.expert import AllToAllDispatch
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel_plan import ParallelPlan, check_layout
 from llmtrain.planner.auto import configured_cost
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.entry import compose_or_refuse
-from llmtrain.run.runtime import Runtime
 from llmtrain.train.memory import storage_tensors
 
 MIB, GIB = 2**20, 2**30
@@ -271,7 +271,7 @@ def _answer_the_pipeline_vote(model: ParallelModel, config: DryRunRootConfig) ->
         return
     from torch.distributed.pipelining._utils import InferenceMode, extract_tensor_metas
 
-    from llmtrain.parallel.pipeline.pipeline import Pipeline
+    from llmtrain.parallel.pipelined import Pipeline
 
     pipeline = model.executor
     assert isinstance(pipeline, Pipeline), "a pipelined plan's executor"

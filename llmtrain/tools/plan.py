@@ -10,8 +10,8 @@ layout it prints the bytes per rank of parameters, gradients, optimizer state, g
 activations (the heaviest pipeline rank), whether that fits hardware.device_memory_gib less plan.reserved_gib,
 the bytes the busiest rank communicates per step, the predicted step time and `max_parameters`: the largest
 model whose states fit (ZeRO's accounting), and beside it the largest that also fits this batch's activations.
-Then one line: the layout it would pick and why. Everything goes to plan.out (plan.json) too. Exit 2 with a
-one-line error for a bad key.
+Then one line: the layout it would pick and why. With plan.out=FILE everything goes to that JSON file too (nothing
+is written where it is not asked for). Exit 2 with a one-line error for a bad key.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from omegaconf import OmegaConf
 
 from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
+from llmtrain.config.composition import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, runnable, with_knobs
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
 from llmtrain.planner.inputs import configured_state_bytes, machine_for, planned_vocab_size, plans_bf16, workload_for
-from llmtrain.run.entry import composition_error_line
 from llmtrain.tools import compose_config
 
 
@@ -169,6 +169,8 @@ def main(argv: list[str]) -> None:
         "auto_pick": auto.chosen.name if auto.chosen else None,
         "auto_reason": auto.reason,
     }
+    if cfg.plan.out is None:
+        return
     out = os.path.abspath(os.path.expanduser(cfg.plan.out))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     partial = out + ".partial"

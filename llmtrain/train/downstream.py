@@ -21,7 +21,7 @@ import torch
 from llmtrain.data.tasks import Task
 from llmtrain.model.scoring import SUMMED_LOSSES, RowStatistic
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.run.runtime import all_gather_single
+from llmtrain.process.runtime import all_gather_single
 
 
 def score_rows(

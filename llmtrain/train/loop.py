@@ -25,8 +25,8 @@ from llmtrain.model import GPTConfig
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.precision import uses_bf16
 from llmtrain.parallel.tensors import full_tensor
-from llmtrain.run import attempts
-from llmtrain.run.runtime import Runtime
+from llmtrain.process import attempts
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.downstream import evaluate_tasks
 from llmtrain.train.metrics import begin_step_memory, mfu, peak_flops, step_memory
 from llmtrain.train.objectives import Objective
@@ -91,7 +91,7 @@ class Components:
     checkpoints: Checkpoints
     state: LoopState
     wandb_id: str | None  # the W&B run this job continues (rank 0)
-    run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/run/attempts.py)
+    run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/process/attempts.py)
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
 
 

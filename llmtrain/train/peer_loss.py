@@ -13,7 +13,7 @@ import re
 import torch.distributed as dist
 
 from llmtrain.errors import PEER_LOST_EXIT, PeerLost
-from llmtrain.run.runtime import Runtime, roll_call
+from llmtrain.process.runtime import Runtime, roll_call
 
 # What the backends say when the other end of a connection has gone.
 PEER_GONE = (

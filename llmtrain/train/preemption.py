@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from llmtrain.errors import PREEMPTED_EXIT
 
 if TYPE_CHECKING:
-    from llmtrain.run.runtime import Runtime
+    from llmtrain.process.runtime import Runtime
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -10,7 +10,7 @@ import os
 import torch
 
 from llmtrain.config import ProfileConfig
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.observers import StepObserver
 
 log = logging.getLogger("llmtrain")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmtrain.run.runtime import Runtime, all_gather_single
+from llmtrain.process.runtime import Runtime, all_gather_single
 from llmtrain.train.flight_recorder import flight_entries, seconds_in_collectives
 from llmtrain.train.observers import StepObserver
 

@@ -17,8 +17,8 @@ from typing import Any
 from llmtrain.config import TrainConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import RolledBack, TrainingDiverged
-from llmtrain.run import attempts
-from llmtrain.run.runtime import Runtime
+from llmtrain.process import attempts
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.observers import StepObserver
 from llmtrain.train.state import LoopState
 

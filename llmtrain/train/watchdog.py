@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from llmtrain.errors import HUNG_EXIT
-from llmtrain.run import attempts
-from llmtrain.run.runtime import Runtime, roll_call
+from llmtrain.process import attempts
+from llmtrain.process.runtime import Runtime, roll_call
 from llmtrain.train.flight_recorder import describe, flight_entries, flight_record, group_of, oldest_unfinished
 from llmtrain.train.observers import StepObserver
 

@@ -19,7 +19,7 @@ from llmtrain.bench.comm_bench import OPS, PAIRS_HEADER, parse_config
 from llmtrain.errors import ConfigError
 from llmtrain.planner.links import CSV_HEADER, bus_factor
 from llmtrain.planner.probe import OK, UNSUPPORTED, WRONG, first_call, make_op, round_size
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 
 CPU = torch.device("cpu")
 SIZES, PAIR_BYTES, RANKS = (4096, 65536), 1 << 20, 4

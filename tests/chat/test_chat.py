@@ -69,7 +69,7 @@ def model(tokenizer) -> GPT:
 @pytest.fixture(scope="module")
 def engine(model, tokenizer) -> Engine:
     adapted = CountedAnswerer("tiny", model, PromptFormat.of(tokenizer), CPU)
-    return Engine([adapted, dataclasses.replace(adapted, name="tiny:base", adapters=False)], Peers(CPU))
+    return Engine([adapted, dataclasses.replace(adapted, name="tiny:base", adapters=False)], Peers())
 
 
 @pytest.fixture(scope="module")

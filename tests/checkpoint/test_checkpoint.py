@@ -57,7 +57,7 @@ from llmtrain.config import CheckpointConfig
 from llmtrain.differences import max_relative_difference
 from llmtrain.errors import PREEMPTED_EXIT, ConfigError
 from llmtrain.faults import arm
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.tools import upgrade_checkpoint
 
 

@@ -122,8 +122,8 @@ def _sharded_init_from_worker(rank: int, port: int, directory: str, results) -> 
     from transformers import GPT2LMHeadModel
 
     from llmtrain.model import GPT
+    from llmtrain.process.runtime import init_runtime
     from llmtrain.run.build import build_parallel_model
-    from llmtrain.run.runtime import init_runtime
 
     runtime = init_runtime("cpu")
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -32,8 +32,8 @@ from llmtrain.config import (
     schema_keys,
     validate,
 )
+from llmtrain.config.composition import composition_error_line
 from llmtrain.errors import CLOSED_PIPE_EXIT, ConfigError
-from llmtrain.run.entry import composition_error_line
 
 register_schemas()
 

@@ -24,7 +24,7 @@ from llmtrain.data.prefetch import Prefetched
 from llmtrain.data.stream import StreamedBatches, TrainingWindows
 from llmtrain.data.tokenizers import ByteTokenizer
 from llmtrain.errors import HUNG_EXIT, ConfigError, DataUnavailable
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.watchdog import Position, StepWatchdog, describe_hang
 
 WINDOWS = 300  # windows of 33 bytes: about 200 of the corpus's short documents

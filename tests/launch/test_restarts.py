@@ -1,5 +1,6 @@
 """Restarts and requeues only for what the machine did: a crash that repeats an earlier attempt's, at the same step
-and place, ends the run for good (llmtrain/run/attempts.py), and a run that was restarted says so in its end summary."""
+and place, ends the run for good (llmtrain/process/attempts.py), and a run that was restarted says so in its end
+summary."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from harness.runs import PARITY, assert_parity
 
 from llmtrain.errors import note_step
 from llmtrain.faults import arm
-from llmtrain.run import attempts
+from llmtrain.process import attempts
 
 
 def _crash(step: int | None) -> KeyError:

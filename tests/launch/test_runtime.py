@@ -17,7 +17,7 @@ from harness.processes import free_port, rank_slots
 
 from llmtrain.bench.startup_store import CountedStore
 from llmtrain.errors import ConfigError
-from llmtrain.run.runtime import (
+from llmtrain.process.runtime import (
     agree_on_attempt,
     cuda_device_index,
     first_slurm_host,
@@ -93,7 +93,7 @@ def test_first_slurm_host(nodelist, first):
 
 
 def _stamp_worker(rank: int, results) -> None:
-    from llmtrain.run.launch_env import hydra_output_subdir, run_stamp
+    from llmtrain.process.launch_env import hydra_output_subdir, run_stamp
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     time.sleep(1.2 * rank)  # the ranks' clocks are a second apart when they compose the config
@@ -113,7 +113,7 @@ def test_ranks_started_seconds_apart_agree_on_the_run_directory(monkeypatch):
 
 
 def test_slurm_job_names_the_run_directory(monkeypatch):
-    from llmtrain.run.launch_env import run_stamp
+    from llmtrain.process.launch_env import run_stamp
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert run_stamp() == "slurm-4242"
@@ -184,7 +184,7 @@ def test_a_stop_signal_is_announced_once_per_node_by_the_rank_the_runtime_names(
     the environment says), by local rank 0 only; further signals add no line."""
     import signal
 
-    from llmtrain.run.runtime import Runtime
+    from llmtrain.process.runtime import Runtime
     from llmtrain.train.preemption import PreemptionWatch
 
     monkeypatch.setenv("RANK", "0")
@@ -207,7 +207,7 @@ def test_only_the_runtime_and_what_runs_before_it_read_rank_variables():
     import re
 
     package = REPO / "llmtrain"
-    allowed = {"run/runtime.py", "run/launch_env.py", "run/spawn.py"}
+    allowed = {"process/runtime.py", "process/launch_env.py", "run/spawn.py"}
     variables = re.compile(
         r"\b(LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|SLURM_PROCID|SLURM_LOCALID|SLURM_NTASKS|"
         r"SLURM_STEP_NUM_TASKS)\b"

@@ -34,8 +34,8 @@ from llmtrain.model.documents import (
     whole_window_documents,
 )
 from llmtrain.model.scoring import TokenMarks
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 
 EOS = 0

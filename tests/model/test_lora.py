@@ -94,8 +94,8 @@ def test_the_planner_counts_a_frozen_base_as_the_built_model_holds_it(quantize, 
     from llmtrain.planner.inputs import llmtrain_state_bytes
     from llmtrain.planner.memory import model_states
     from llmtrain.planner.shapes import block_projections, holding
+    from llmtrain.process.runtime import Runtime
     from llmtrain.run.build import build_parallel_model
-    from llmtrain.run.runtime import Runtime
     from llmtrain.train.memory import held_bytes
 
     if quantize == "nf4":

@@ -346,7 +346,7 @@ def test_compile_takes_the_whole_model_where_nothing_splits_it(overrides, world_
     from llmtrain.parallel.mesh import RankMesh
     from llmtrain.parallel.step_setup import StepSetup
     from llmtrain.parallel_plan import ParallelPlan
-    from llmtrain.run.runtime import Runtime
+    from llmtrain.process.runtime import Runtime
     from llmtrain.tools import compose_config
 
     cfg = compose_config([*overrides, "train.compile=true"])

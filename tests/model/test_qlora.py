@@ -188,8 +188,8 @@ def test_qlora_under_fsdp_over_one_rank_steps_as_one_process():
     one process's."""
     from omegaconf import OmegaConf
 
+    from llmtrain.process.runtime import Runtime
     from llmtrain.run.build import build_parallel_model
-    from llmtrain.run.runtime import Runtime
 
     widths = ["model.d_model=256", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=512", "model.n_layer=2"]
     one_process = Runtime(rank=0, world_size=1, local_rank=0, device=CPU, launcher="none")

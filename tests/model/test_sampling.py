@@ -9,7 +9,7 @@ import torch
 
 from llmtrain.model import GPT, GPTConfig
 from llmtrain.model.kv_cache import KVCache
-from llmtrain.model.sampling import SamplingSettings, decode_step, draw, sample
+from llmtrain.model.sampling import SamplingSettings, draw, sample
 
 CPU = torch.device("cpu")
 SHAPES = {
@@ -39,9 +39,9 @@ def test_each_cached_step_has_the_whole_forward_passs_logits(shape):
     logits, position by position, are those of the whole sequence run at once (within fp32 rounding), windows and
     grouped-query attention included."""
     model = _model(shape)
-    completions = sample(decode_step(model), PROMPTS, [0, 1, 2], 2, SamplingSettings(6), seed=3, device=CPU)
+    completions = sample(model.decode, PROMPTS, [0, 1, 2], 2, SamplingSettings(6), seed=3, device=CPU)
     seen: list[torch.Tensor] = []
-    decode = decode_step(model)
+    decode = model.decode
 
     def recording(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         logits = decode(tokens, cache)
@@ -63,15 +63,15 @@ def test_a_completion_depends_on_its_prompt_seed_and_model_alone():
     draws the same, another seed other completions."""
     model = _model("llama", sharpness=4.0)
     settings = SamplingSettings(8, temperature=1.0, top_k=20, top_p=0.9)
-    batched = sample(decode_step(model), PROMPTS, [10, 11, 12], 3, settings, seed=7, device=CPU).rows()
+    batched = sample(model.decode, PROMPTS, [10, 11, 12], 3, settings, seed=7, device=CPU).rows()
     alone = [
         row
         for index, prompt in enumerate(PROMPTS)
-        for row in sample(decode_step(model), [prompt], [10 + index], 3, settings, seed=7, device=CPU).rows()
+        for row in sample(model.decode, [prompt], [10 + index], 3, settings, seed=7, device=CPU).rows()
     ]
     assert batched == alone
     assert len({tuple(row) for row in batched}) > len(PROMPTS)  # a group's completions differ
-    other = sample(decode_step(model), PROMPTS, [10, 11, 12], 3, settings, seed=8, device=CPU).rows()
+    other = sample(model.decode, PROMPTS, [10, 11, 12], 3, settings, seed=8, device=CPU).rows()
     assert other != batched
 
 
@@ -79,7 +79,7 @@ def test_a_row_ends_after_a_stop_token_which_it_keeps():
     """Greedy decoding (temperature 0) is the whole model's argmax step by step; a stop token ends its row, kept
     and counted in its length, while the other rows go on to max_new_tokens."""
     model = _model("gpt2")
-    greedy = sample(decode_step(model), PROMPTS, [0, 1, 2], 1, SamplingSettings(6, temperature=0), 0, CPU).rows()
+    greedy = sample(model.decode, PROMPTS, [0, 1, 2], 1, SamplingSettings(6, temperature=0), 0, CPU).rows()
     for prompt, completion in zip(PROMPTS, greedy):
         ids = list(prompt)
         for _ in range(6):
@@ -88,7 +88,7 @@ def test_a_row_ends_after_a_stop_token_which_it_keeps():
         assert completion == ids[len(prompt) :]
     stop = greedy[1][2]
     settings = SamplingSettings(6, temperature=0, stop_ids=(stop,))
-    ended = sample(decode_step(model), PROMPTS, [0, 1, 2], 1, settings, 0, CPU)
+    ended = sample(model.decode, PROMPTS, [0, 1, 2], 1, settings, 0, CPU)
     assert ended.rows()[1] == greedy[1][: greedy[1].index(stop) + 1] and bool(ended.stopped[1])
     for row, completion in enumerate(greedy):
         if stop not in completion:
@@ -113,13 +113,13 @@ def test_the_sampler_sees_the_current_adapters():
             if name.endswith("lora_b"):
                 param.copy_(torch.randn(param.shape, generator=generator))
     settings = SamplingSettings(8)
-    drawn = sample(decode_step(adapted.eval()), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+    drawn = sample(adapted.eval().decode, PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
     base = GPT(cfg)
     base.init_weights(0)
     with torch.no_grad():
         base.lm_head.weight.mul_(4)
-    assert drawn == sample(decode_step(merged(adapted)), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
-    assert drawn != sample(decode_step(base.eval()), PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+    assert drawn == sample(merged(adapted).decode, PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
+    assert drawn != sample(base.eval().decode, PROMPTS, [0, 1, 2], 2, settings, seed=1, device=CPU).rows()
 
 
 @pytest.mark.parametrize(
@@ -212,3 +212,30 @@ def test_greedy_batches_decode_what_transformers_generate_decodes(preset):
     _, ours = _ours(model, prompts, 12, cpu)
     _, theirs = _theirs(hf_model_of(model, eos_id=256), prompts, 12, cpu)
     assert ours == theirs
+
+
+def test_every_family_offers_the_decoding_contract_and_a_model_without_it_says_so():
+    """generate, the chat and GRPO's rollouts decode through LayeredModel's context_length, vocab_size and decode
+    alone: every catalog family implements them, and a model that does not is refused with a line naming them (not
+    an AttributeError deep in a decoding loop)."""
+    from importlib import import_module
+
+    from llmtrain.catalog.models import MODEL_FAMILIES
+    from llmtrain.model.base import LayeredModel
+    from llmtrain.parallel.sampling import laid_out_decode
+
+    for name, row in MODEL_FAMILIES.items():
+        module, _, attribute = row.model.partition(":")
+        family = getattr(import_module(module), attribute)
+        for member in ("context_length", "vocab_size", "decode"):
+            assert getattr(family, member) is not getattr(LayeredModel, member), f"{name} lacks {member}"
+    model = _model("llama")
+    assert (model.context_length, model.vocab_size) == (32, 97)
+
+    class Silent(LayeredModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleDict()
+
+    with pytest.raises(NotImplementedError, match="Silent does not decode: implement LayeredModel's context_length"):
+        sample(laid_out_decode(Silent()), PROMPTS, [0, 1, 2], 1, SamplingSettings(2), seed=0, device=CPU)

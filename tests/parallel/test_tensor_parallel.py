@@ -53,8 +53,8 @@ def _logits_worker(rank: int, port: int, results) -> None:
 
     from llmtrain.config import register_schemas
     from llmtrain.model import cross_entropy_loss
+    from llmtrain.process.runtime import init_runtime
     from llmtrain.run.build import build_parallel_model
-    from llmtrain.run.runtime import init_runtime
 
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

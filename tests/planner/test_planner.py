@@ -349,6 +349,13 @@ def test_the_pick_turns_micro_batch_and_recomputation_when_no_layout_fits_as_con
     assert "train.micro_batch_size=" in printed.split("run:")[1].splitlines()[0]
 
 
+def test_the_plan_is_written_only_where_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    plan_tool.main(["model=tiny", "hardware=rtx4080x4"])
+    assert "pick:" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir()), "plan.out unset: the working directory is left as it was"
+
+
 @pytest.mark.parametrize(
     "overrides, batch",
     [

@@ -26,7 +26,7 @@ from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer, train_bpe
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.faults import arm
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.downstream import score_rows, task_accuracy
 
 pytest.importorskip("lm_eval", reason="the eval extra: pip install -e '.[eval]'")

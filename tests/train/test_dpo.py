@@ -18,7 +18,7 @@ from llmtrain.data.preference import pair_of, tokenized_pairs
 from llmtrain.data.sft import chat_template_of
 from llmtrain.data.tokenizers import load_tokenizer
 from llmtrain.errors import ConfigError
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.dpo import REWARDS, DirectPreference
 

@@ -22,7 +22,7 @@ from llmtrain.data import RankSlice
 from llmtrain.data.rl import HEADER, PromptBatches, PromptSet, SlotRows, prompt_of
 from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer
 from llmtrain.errors import ConfigError
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.grpo import SCALE_EPSILON, token_losses, token_shares
 from llmtrain.train.grpo_objective import GroupRelative
@@ -263,13 +263,13 @@ def test_the_planners_kv_cache_is_the_one_the_sampler_allocates():
     llama-tiny (grouped-query: 2 key/value heads of 4), prompts of one length, fp32."""
     from llmtrain.model import GPT, gpt_config
     from llmtrain.model.kv_cache import KVCache
-    from llmtrain.model.sampling import SamplingSettings, decode_step, sample
+    from llmtrain.model.sampling import SamplingSettings, sample
     from llmtrain.parallel_plan import Degrees
     from llmtrain.planner.rollout import RolloutRank, kv_cache_bytes
 
     cfg = compose_config(["model=llama-tiny", "model.n_layer=2"])
     model = GPT(gpt_config(cfg.model, 61)).eval()
-    step, caches = decode_step(model), []
+    step, caches = model.decode, []
 
     def decode(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         caches.append(cache)

@@ -19,8 +19,8 @@ from llmtrain import faults
 from llmtrain.config import DataConfig, PrepareConfig, RootConfig
 from llmtrain.data.prepare import prepare
 from llmtrain.errors import TrainingDiverged
+from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_training
-from llmtrain.run.runtime import Runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.fault_points import FaultPoints
 from llmtrain.train.loop import Trainer

@@ -20,7 +20,7 @@ from harness.runs import PARITY, Run, assert_resumed_exactly, run_train, start_r
 
 from llmtrain.errors import HUNG_EXIT
 from llmtrain.faults import arm
-from llmtrain.run.runtime import Runtime
+from llmtrain.process.runtime import Runtime
 from llmtrain.train.watchdog import STARTUP_ALLOWANCE, StepWatchdog
 
 TIMEOUT = 5

@@ -24,7 +24,7 @@ from llmtrain.differences import largest
 from llmtrain.model.lora import LoRAConfig
 from llmtrain.model.moe import Experts, MoE, MoEConfig
 from llmtrain.parallel.expert import AllToAllDispatch
-from llmtrain.run.runtime import init_runtime
+from llmtrain.process.runtime import init_runtime
 
 EXPERTS, D_MODEL, HIDDEN = 8, 8, 16
 

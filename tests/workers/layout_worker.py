@@ -27,8 +27,8 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain.model.scoring import SUMMED_LOSSES, UNSCORED
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_training
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 from llmtrain.train.flight_recorder import flight_entries

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from llmtrain.catalog import SCHEDULES as ALL_SCHEDULES
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.tools.compare_runs import max_weight_difference
 

@@ -18,8 +18,8 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_training
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
 

@@ -24,7 +24,7 @@ from llmtrain.model.documents import document_starts, visible
 from llmtrain.parallel import ring_attention as ring
 from llmtrain.parallel.kernel_emulation import emulating_cuda_kernels
 from llmtrain.parallel.ring_attention import zigzag_positions
-from llmtrain.run.runtime import init_runtime
+from llmtrain.process.runtime import init_runtime
 
 
 def largest_error(

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from llmtrain.model.sampling import SamplingSettings
 from llmtrain.model.scoring import UNSCORED, token_log_probs
 from llmtrain.parallel.sampling import sample_completions
+from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import Runtime, init_runtime
 from llmtrain.tools import compose_config
 
 PROMPTS = [[3, 7, 11], [5], [8, 9, 10, 11, 12], [2, 4], [13, 1, 6], [7, 7, 7, 7]]

@@ -28,8 +28,8 @@ from llmtrain.checkpoint.state import checkpoint_state, load_checkpoint_state
 from llmtrain.differences import largest, tensor_difference
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.zero import ZeroOneAdamW
+from llmtrain.process.runtime import Runtime, all_gather_single, init_runtime
 from llmtrain.run.build import build_parallel_model
-from llmtrain.run.runtime import Runtime, all_gather_single, init_runtime
 from llmtrain.tools import compose_config
 from llmtrain.train.memory import MemoryPeak
 

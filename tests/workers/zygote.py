@@ -38,7 +38,7 @@ from warm_python import STATUS, receive_exactly, startup_environment
 # Not the modules runs execute as __main__ (runpy warns when one was imported already).
 PRELOAD = (
     "llmtrain.run.job",
-    "llmtrain.run.entry",
+    "llmtrain.config.composition",
     "llmtrain.tools",
     "hydra.main",
     "torch.distributed.launcher.api",

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
-from llmtrain.run.attempts import this_attempt
-from llmtrain.run.launch_env import launch_coordinates, restart_count, under_a_restarting_agent
+from llmtrain.process.attempts import this_attempt
+from llmtrain.process.launch_env import launch_coordinates, restart_count, under_a_restarting_agent
 
 # The flat collectives under their torch >= 2.10 names: the older ones warn on every call (once a rank); torch
 # 2.9, llmtrain's floor, has only those.

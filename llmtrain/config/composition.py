@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, first_line
-from llmtrain.run.launch_env import launch_rank
-from llmtrain.run.run_dir import exit_quietly_after_the_main_rank
+from llmtrain.process.launch_env import launch_rank
+from llmtrain.process.run_dir import exit_quietly_after_the_main_rank
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 

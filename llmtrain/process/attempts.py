@@ -22,7 +22,7 @@ from typing import Any
 
 from llmtrain.errors import failed_step
 from llmtrain.files import write_json_atomic
-from llmtrain.run.launch_env import restart_count, under_a_restarting_agent
+from llmtrain.process.launch_env import restart_count, under_a_restarting_agent
 
 ATTEMPTS = "attempts.jsonl"
 NOT_REQUEUED = "not-requeued"
