@@ -39,6 +39,7 @@ from llmtrain.process.runtime import Runtime
 from llmtrain.run.build import build_parallel_model, build_training
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
+from llmtrain.train.objectives import token_rows
 
 QUIET = ["logging.wandb.mode=disabled", "checkpoint.resume=none", "train.save_model=false", "logging.progress=lines"]
 MODES = ("causal", "document")
@@ -71,7 +72,7 @@ def step_seconds(overrides: list[str], repeats: int) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as run_dir:
             parts = build_training(config, ONE_PROCESS, run_dir)
             try:
-                batch = parts.train_slice.micro_batches(parts.data.train.next(), ONE_PROCESS.device)
+                batch = parts.train_slice.micro_batches(token_rows(parts.data.train.next()), ONE_PROCESS.device)
             finally:
                 parts.data.close()
         tokenizer = parts.data.tokenizer

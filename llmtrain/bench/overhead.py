@@ -47,6 +47,7 @@ from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.run.build import build_training
 from llmtrain.tools import compose_config
 from llmtrain.train.loop import Trainer
+from llmtrain.train.objectives import token_rows
 
 Batches = list[list[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -132,10 +133,10 @@ def measure(overrides: list[str], steps: int, rounds: int, runtime: Runtime) -> 
         trainer = Trainer(training, lambda record: None)
         data, train_slice = training.data.train, training.train_slice
         vocab_size = training.facts.shape.vocab_size
-        batches = [train_slice.micro_batches(data.next()) for _ in range(max(steps, 4))]
+        batches = [train_slice.micro_batches(token_rows(data.next())) for _ in range(max(steps, 4))]
         started = time.perf_counter()  # the pipeline's own cost, once it has started (its first reads open files)
         for _ in range(steps):
-            train_slice.micro_batches(data.next())
+            train_slice.micro_batches(token_rows(data.next()))
         data_s = (time.perf_counter() - started) / steps
         device, compiled = runtime.device, config.train.compile
         ladder = {"bare": bare_loop(config, vocab_size, batches, device, "whole" if compiled else "none")}

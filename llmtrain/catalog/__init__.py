@@ -1,13 +1,14 @@
 """What llmtrain can be asked for by name, one torch-free table each: the model families and MLP kinds (models.py),
 the parallel layouts and pipeline schedules (layouts.py), the optimizers and learning-rate schedules
-(optimizers.py), the training objectives (objectives.py), and here the data sources, tokenizers, recomputation and
-attention modes and the other short lists. The config's choices and --help, and the code that builds each one, read
-these tables; nothing else lists the names. A row names the code it runs by an import string, "module:Name",
-imported (`imported`) only when a run asks for it, so the tables stay torch-free and a new row needs no other edit
-to be built."""
+(optimizers.py), the training objectives (objectives.py), the data sources (data_sources.py), and here the
+tokenizers, recomputation and attention modes and the other short lists. The config's choices and --help, and the
+code that builds each one, read these tables; nothing else lists the names. A row names the code it runs by an
+import string, "module:Name", imported (`imported`) only when a run asks for it, so the tables stay torch-free and a
+new row needs no other edit to be built."""
 
 from __future__ import annotations
 
+from llmtrain.catalog.data_sources import DATA_SOURCES, DataSourceSpec, data_source, objectives_fed
 from llmtrain.catalog.layouts import (
     AUTO,
     AUTO_DESCRIPTION,
@@ -55,10 +56,6 @@ from llmtrain.catalog.optimizers import (
 )
 from llmtrain.catalog.rows import described, imported
 
-# data.source: where the text comes from (llmtrain/data/sources.py), prepared token stores (data/prepared.py,
-# data/mixture.py), conversations (data/sft.py), preference pairs (data/preference.py) or prompts to sample and
-# reward (data/rl.py).
-DATA_SOURCES = ("stdlib", "local", "hf", "prepared", "mix", "sft", "preference", "rl")
 # data.tokenizer.kind (llmtrain/data/tokenizers.py describes each).
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
 # train.activation_checkpointing, from keeping the most to recomputing the most (llmtrain/model/recompute.py): the
@@ -84,6 +81,7 @@ __all__ = [
     "AUTO_EXAMPLES",
     "DATA_PARALLEL",
     "DATA_SOURCES",
+    "DataSourceSpec",
     "DECAY_SHAPES",
     "EXPERT_LORA_TARGETS",
     "FLOAT8_LAYERS",
@@ -114,12 +112,14 @@ __all__ = [
     "OptimizerSpec",
     "RewardSpec",
     "ScheduleSpec",
+    "data_source",
     "described",
     "imported",
     "layout_spec",
     "mlp_kind",
     "model_family",
     "objective_of",
+    "objectives_fed",
     "schedule_spec",
     "zero1_form",
 ]

@@ -51,10 +51,8 @@ class TokenizerConfig:
 class DataConfig:
     source: str = key(
         MISSING,
-        OneOf(catalog.DATA_SOURCES),
-        "`stdlib`, `local`, `hf`, `prepared`, `mix`, `sft` (conversations for fine-tuning, `data/sft.py`) or "
-        "`preference` (prompt, chosen and rejected answers for DPO, `data/preference.py`) or `rl` (prompts to "
-        "sample and reward, `data/rl.py`): set by the `data` option",
+        OneOf(tuple(catalog.DATA_SOURCES)),
+        f"set by the `data` option: {catalog.described(catalog.DATA_SOURCES)}",
     )
     path: Optional[str] = key(
         None,
@@ -139,10 +137,10 @@ class DataConfig:
 def reads_prepared_stores(data_cfg) -> bool:
     """data=prepared and data=mix: token stores llmtrain.data.prepare wrote, of which each rank reads its rows (the
     other sources are streamed and tokenised while training)."""
-    return data_cfg.source in ("prepared", "mix")
+    return catalog.data_source(data_cfg.source).stores is not None
 
 
 def reads_local_files(data_cfg) -> bool:
     """data=local, and data=sft, preference or rl given a path: files named by data.path (and data.val_path), which
     llmtrain.data.files finds."""
-    return data_cfg.source in ("local", "sft", "preference", "rl") and bool(data_cfg.path)
+    return catalog.data_source(data_cfg.source).local_files and bool(data_cfg.path)

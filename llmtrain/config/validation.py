@@ -151,23 +151,17 @@ def validate_data(d) -> None:
     """The data keys' domains and the rules between them (also what llmtrain.data.prepare checks); the files the
     paths name are llmtrain.data.files.check_data_files's."""
     check_domains(d, DataConfig, "data.")
-    if d.source in ("local", "prepared") and not d.path:
-        what = "<file, folder or glob>" if d.source == "local" else "<directory written by llmtrain.data.prepare>"
-        raise ConfigError(f"data.path is not set: data={d.source} needs data.path={what}")
+    source = catalog.data_source(d.source)
+    if source.needs is not None and not getattr(d, source.needs):
+        needed = f"data.{source.needs}"
+        raise ConfigError(f"{needed} is not set: data={d.source} needs {needed}={source.needs_what}")
     if d.val_path is not None and not reads_local_files(d):
         raise ConfigError(
             f"data.val_path is for data=local (data={d.source}): use data.val_split for data=hf, "
             f"or unset data.val_path to hold out data.val_fraction"
         )
-    if d.source == "mix" and not d.sources:
-        raise ConfigError(
-            "data.sources is not set: data=mix needs data.sources=[{name: ..., path: <prepared store>, weight: ...}, "
-            "...]"
-        )
-    if d.source != "mix" and d.sources:
+    if source.needs != "sources" and d.sources:
         raise ConfigError(f"data.sources is for data=mix (data={d.source}): choose data=mix or unset data.sources")
-    if d.source == "hf" and not d.name:
-        raise ConfigError("data.name is not set: data=hf needs data.name=<dataset on the hub>")
     _validate_conversations(d)
     if reads_prepared_stores(d):
         return  # the stores' manifests fix the tokenizer and the split: llmtrain/data/prepared.py checks them
@@ -182,19 +176,21 @@ def validate_data(d) -> None:
 
 
 def _validate_conversations(d) -> None:
-    """data=sft, data=preference and data=rl: records from files or the hub; the first two rendered by a
-    transformers tokenizer's chat template."""
-    if d.source not in ("sft", "preference", "rl"):
+    """A source of records (conversations, preference pairs, prompts) from files or the hub; rendered by a chat
+    template where the source says so, which only a transformers tokenizer has."""
+    source = catalog.data_source(d.source)
+    if source.records is None:
         return
-    what = {"sft": "conversations", "preference": "preference pairs", "rl": "prompts"}[d.source]
     if not d.path and not d.name:
         raise ConfigError(
-            f"data={d.source} needs {what}: data.path=<.jsonl or .parquet files> or data.name=<dataset on the hub>"
+            f"data={d.source} needs {source.records}: data.path=<.jsonl or .parquet files> or data.name=<dataset on "
+            f"the hub>"
         )
-    if d.source != "rl" and d.tokenizer.kind != "hf":
+    if source.chat_template and d.tokenizer.kind != "hf":
         raise ConfigError(
-            f"data.tokenizer.kind={d.tokenizer.kind}: data={d.source} renders {what} with a chat template, which only "
-            f"a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's directory>"
+            f"data.tokenizer.kind={d.tokenizer.kind}: data={d.source} renders {source.records} with a chat template, "
+            f"which only a transformers tokenizer has: set data.tokenizer.kind=hf data.tokenizer.name=<the model's "
+            f"directory>"
         )
 
 
@@ -210,13 +206,11 @@ def validate_objective(cfg) -> None:
             f"train.objective={objective} with data={cfg.data.source}: it needs {wanted}; use train.objective=auto "
             f"(dpo on data=preference, grpo on data=rl, next_token on any other data)"
         )
-    if cfg.data.source == "preference":
-        _validate_preference(cfg)
-    if cfg.data.source == "rl":
-        _validate_rl(cfg)
+    if (rules := catalog.data_source(cfg.data.source).rules) is not None:
+        catalog.imported(rules)(cfg)
 
 
-def _validate_preference(cfg) -> None:
+def preference_rules(cfg) -> None:
     """Pairs that no split parts, and a reference to compare with (the base, adapters off)."""
     if cfg.train.micro_batch_size % 2:
         raise ConfigError(
@@ -230,7 +224,7 @@ def _validate_preference(cfg) -> None:
         )
 
 
-def _validate_rl(cfg) -> None:
+def rl_rules(cfg) -> None:
     """Whole groups of completions, room for them after a prompt, rewards that can score, a reference where the
     KL term asks for one."""
     rl, t, d = cfg.rl, cfg.train, cfg.data

@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
+Batch = TypeVar("Batch", covariant=True)
 
 
-class Batches(Protocol):
-    def next(self) -> np.ndarray:
-        """(per_rank, seq_len + 1) int64: this rank's rows of the next global batch."""
+class Batches(Protocol[Batch]):
+    def next(self) -> Batch:
+        """This rank's part of the next global batch: (per_rank, seq_len + 1) int64 token rows, or a source's own
+        kind (data=rl's completion slots)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -21,12 +22,12 @@ class Batches(Protocol):
         ...
 
 
-class Prefetched:
+class Prefetched(Generic[Batch]):
     """`source`'s batches, up to `prefetch` of them made ahead by a daemon thread. Each comes with the source's
     position after it, so `state_dict()` is the position after the last batch *taken*, however far the thread
     has read ahead. The source is only ever touched by that thread."""
 
-    def __init__(self, source: Batches, prefetch: int = 2):
+    def __init__(self, source: Batches[Batch], prefetch: int = 2):
         self._source = source
         self._position = source.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -51,7 +52,7 @@ class Prefetched:
                 self._queue.get(timeout=0.05)
         self._thread.join()
 
-    def next(self) -> np.ndarray:
+    def next(self) -> Batch:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item

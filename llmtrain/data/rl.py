@@ -7,19 +7,18 @@ rendered with the tokenizer's chat template and its generation prompt (the assis
 a conversational prompt. A completion ends at the tokenizer's end-of-text or, with a chat template, at the
 template's end of turn (`stop_ids`).
 
-Rows: a global batch holds `train.batch_size` completions, `rl.group_size` of each of its prompts in a row; each
-row is one completion's slot, carrying its prompt: [record, draw, prompt length, the prompt's tokens, zeros] in
-train.seq_len + 1 columns. `record` indexes the prompt set (its text and columns); `draw` numbers the prompt in the
-run's order of prompts (epoch x prompts + position), which seeds its completions (model/sampling.py), so the same
-prompt drawn in another epoch samples afresh and a resumed run draws what the original would have. Each epoch
-shuffles the prompts with the seed and the epoch; with rl.iterations = μ the same prompts fill μ global batches in
-a row (their rollout is trained on μ times). A prompt with no room for rl.max_new_tokens after it in a row is left
-out, counted in the start summary.
+Batches: a global batch holds `train.batch_size` completions, `rl.group_size` of each of its prompts in a row; each
+is one completion's slot, and a rank's slots of a batch are a PromptBatch: each slot's record (its index in the
+prompt set: its text, tokens and columns) and draw. `draw` numbers the prompt in the run's order of prompts (epoch x
+prompts + position), which seeds its completions (model/sampling.py), so the same prompt drawn in another epoch
+samples afresh and a resumed run draws what the original would have. Each epoch shuffles the prompts with the seed
+and the epoch; with rl.iterations = μ the same prompts fill μ global batches in a row (their rollout is trained on μ
+times). A prompt with no room for rl.max_new_tokens after it in train.seq_len tokens is left out, counted in the
+start summary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,18 +28,6 @@ from llmtrain.data.sft import chat_template_of, is_message
 from llmtrain.data.stream import RankSlice
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
-
-HEADER = 3  # a row's columns before its prompt's tokens: record, draw, prompt length
-
-
-@dataclass(frozen=True)
-class RolloutShape:
-    """How data=rl fills a global batch: `group` completions of each prompt, each batch of prompts trained on
-    `repeats` times in a row, and `room` tokens kept after every prompt for its completion."""
-
-    group: int
-    repeats: int
-    room: int
 
 
 def prompt_of(record: object, where: str) -> dict[str, Any]:
@@ -117,15 +104,6 @@ class PromptSet:
             len(records) - len(kept),
         )
 
-    def rows(self, records: Sequence[int], draws: Sequence[int], width: int) -> np.ndarray:
-        """(len(records), width): a slot row for each record, drawn as `draws` number them (the module docstring)."""
-        rows = np.zeros((len(records), width), dtype=np.int64)
-        for row, (record, drawn) in enumerate(zip(records, draws)):
-            tokens = self.tokens[record]
-            rows[row, :HEADER] = (record, drawn, len(tokens))
-            rows[row, HEADER : HEADER + len(tokens)] = tokens
-        return rows
-
     def describe(self) -> str:
         lengths = [len(t) for t in self.tokens]
         line = f"{len(self.tokens):,} prompts of {min(lengths)}-{max(lengths)} tokens" if lengths else "no prompts"
@@ -137,41 +115,61 @@ class PromptSet:
 
 
 @dataclass(frozen=True)
-class SlotRows:
-    """This rank's slot rows unpacked: each row's record, draw and prompt tokens."""
+class PromptBatch:
+    """Completion slots of a batch, a rank's or a global one: each slot's record in `prompts` and its draw (the
+    module docstring), the slots of one prompt consecutive."""
 
+    prompts: PromptSet
     records: list[int]
     draws: list[int]
-    prompts: list[list[int]]
 
-    @classmethod
-    def of(cls, rows: np.ndarray) -> SlotRows:
-        return cls(
-            rows[:, 0].tolist(),
-            rows[:, 1].tolist(),
-            [row[HEADER : HEADER + length].tolist() for row, length in zip(rows, rows[:, 2].tolist())],
-        )
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each slot's prompt tokens."""
+        return [self.prompts.tokens[record].tolist() for record in self.records]
+
+    @property
+    def given(self) -> list[Any]:
+        """Each slot's prompt as given: text, or chat messages."""
+        return [self.prompts.prompts[record] for record in self.records]
+
+    @property
+    def columns(self) -> dict[str, list[Any]]:
+        """Each slot's record's other columns, by name: what the rewards read beside the completions."""
+        return {name: [values[record] for record in self.records] for name, values in self.prompts.columns.items()}
+
+    def every(self, group: int) -> PromptBatch:
+        """One slot of each prompt whose `group` slots are consecutive here."""
+        return PromptBatch(self.prompts, self.records[::group], self.draws[::group])
+
+    def sliced(self, rank_slice: RankSlice) -> PromptBatch:
+        """This rank's slots of a global batch."""
+        first = rank_slice.dp_rank * rank_slice.per_rank
+        mine = slice(first, first + rank_slice.per_rank)
+        return PromptBatch(self.prompts, self.records[mine], self.draws[mine])
 
 
 class PromptBatches:
-    """This rank's slot rows of global batch k (the Batches protocol of prefetch.py): the epochs' shuffled prompts
-    in turn, batch_size / group of them a batch, each `group` times, each batch `repeats` times in a row."""
+    """This rank's slots of global batch k (the Batches protocol of prefetch.py): the epochs' shuffled prompts in
+    turn, batch_size / group of them a batch, each `group` times, each batch `repeats` times in a row."""
 
     def __init__(
         self,
         prompts: PromptSet,
-        width: int,
         group: int,
         repeats: int,
         seed: int,
         rank_slice: RankSlice,
         position: dict | None,
     ):
-        self._prompts, self._width, self._group, self._repeats = prompts, width, group, repeats
+        self._prompts, self._group, self._repeats = prompts, group, repeats
         self._seed, self._slice = seed, rank_slice
         self._taken: int = position["taken"] if position else 0  # global batches taken
 
-    def next(self) -> np.ndarray:
+    def next(self) -> PromptBatch:
         per_batch, count = self._slice.batch_size // self._group, len(self._prompts.tokens)
         first = self._taken // self._repeats * per_batch  # the batch's first draw
         draws = list(range(first, first + per_batch))
@@ -181,8 +179,9 @@ class PromptBatches:
                 orders[drawn // count] = np.random.default_rng([self._seed, drawn // count]).permutation(count)
         records = [int(orders[drawn // count][drawn % count]) for drawn in draws]
         self._taken += 1
-        rows = self._prompts.rows(records, draws, self._width)
-        return self._slice.rows(np.repeat(rows, self._group, axis=0))
+        repeated = [(record, drawn) for record, drawn in zip(records, draws) for _ in range(self._group)]
+        slots = PromptBatch(self._prompts, [record for record, _ in repeated], [drawn for _, drawn in repeated])
+        return slots.sliced(self._slice)
 
     def state_dict(self) -> dict:
         return {"taken": self._taken}

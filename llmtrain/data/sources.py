@@ -21,12 +21,14 @@ import sysconfig
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from time import sleep
 from typing import TypeVar
 
 import datasets
 from datasets import IterableDataset
 
+from llmtrain.catalog import data_source, imported
 from llmtrain.data.files import local_data_files
 from llmtrain.errors import ConfigError, DataUnavailable, first_line
 from llmtrain.hub import from_hub
@@ -279,18 +281,13 @@ def _split_for(texts: list[str], fraction: float, validation: bool) -> list[str]
 
 
 def open_documents(data_cfg, split: str) -> IterableDataset:
-    """The document stream of `split` (TRAIN or VALIDATION), unshuffled, as an IterableDataset of {"text"}."""
-    if data_cfg.source == "hf" and data_cfg.val_split is not None:
-        return _hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split)
-    if data_cfg.source == "local" and data_cfg.val_path is not None:
-        return _local_dataset(data_cfg, "data.path" if split == TRAIN else "data.val_path")
-    if data_cfg.source == "stdlib":
-        ds = _from_generator(_read_text_files, stdlib_files(), strict=False)
-    elif data_cfg.source == "local":
-        ds = _local_dataset(data_cfg, "data.path")
-    else:
-        ds = _hub_dataset(data_cfg, data_cfg.split)
-    return ds.map(
+    """The document stream of `split` (TRAIN or VALIDATION), unshuffled, as an IterableDataset of {"text"}: the
+    source row's documents, held out by data.val_fraction unless a validation split or path names the held-out
+    text."""
+    opened = imported(_documents_of(data_cfg))(data_cfg, split)
+    if isinstance(opened, _WholeSplit):
+        return opened.documents
+    return opened.map(
         _split_side,
         batched=True,
         batch_size=16,
@@ -298,16 +295,48 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
     )
 
 
+@dataclass(frozen=True)
+class _WholeSplit:
+    """Documents that are the split asked for as they are (a validation split or path of their own)."""
+
+    documents: IterableDataset
+
+
+def _documents_of(data_cfg) -> str:
+    documents = data_source(data_cfg.source).documents
+    if documents is None:
+        raise ConfigError(f"data={data_cfg.source} has no text documents to stream: use data=stdlib, local or hf")
+    return documents
+
+
+def stdlib_documents(data_cfg, split: str) -> IterableDataset:
+    """data=stdlib: the standard library's source files."""
+    return _from_generator(_read_text_files, stdlib_files(), strict=False)
+
+
+def local_documents(data_cfg, split: str) -> IterableDataset | _WholeSplit:
+    """data=local: the files under data.path (the held-out ones under data.val_path where it is set)."""
+    if data_cfg.val_path is not None:
+        return _WholeSplit(_local_dataset(data_cfg, "data.path" if split == TRAIN else "data.val_path"))
+    return _local_dataset(data_cfg, "data.path")
+
+
+def hub_documents(data_cfg, split: str) -> IterableDataset | _WholeSplit:
+    """data=hf: the dataset's split on the hub (data.val_split's where it is set)."""
+    if data_cfg.val_split is not None:
+        return _WholeSplit(_hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split))
+    return _hub_dataset(data_cfg, data_cfg.split)
+
+
 def _split_side(batch: dict, fraction: float, validation: bool) -> dict:
     return {"text": _split_for(batch["text"], fraction, validation)}
 
 
 def source_name(data_cfg) -> str:
-    """The training documents' source as a message names it: its key and value."""
-    if data_cfg.source == "hf":
-        return f"data.name={data_cfg.name}"
-    if data_cfg.source == "local":
-        return f"data.path={data_cfg.path}"
+    """The training documents' source as a message names it: the key that names them, or the source."""
+    needs = data_source(data_cfg.source).needs
+    if needs in ("path", "name"):
+        return f"data.{needs}={getattr(data_cfg, needs)}"
     return f"data={data_cfg.source}"
 
 

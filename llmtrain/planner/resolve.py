@@ -1,7 +1,7 @@
 """The planner on a live run, on its own device and ranks: the hardware config that describes the device
 (hardware.py), `parallel=auto` decided on rank 0 (auto.py, with the links measured on this machine when the config
-names none: probe.py) and handed to every rank; and, for the end summary, what the planner predicts for the layout
-the run used."""
+names none: probe.py) and handed to every rank, and so is rl.gather_weights=auto (how a rollout gathers FSDP's
+weights); and, for the end summary, what the planner predicts for the layout the run used."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import cast
 
 import torch
 
-from llmtrain.catalog import AUTO
+from llmtrain.catalog import AUTO, OBJECTIVES, objective_of
 from llmtrain.config import HardwareConfig, RootConfig
 from llmtrain.errors import ConfigError
 from llmtrain.parallel.precision import uses_bf16
@@ -37,7 +37,7 @@ def resolved_for_device(config: RootConfig, runtime: Runtime, vocab_size: int) -
             log.info(f"hardware  {hardware.name} (conf/hardware/{hardware.name}.yaml), the config of this run's device")
         config = replace(config, hardware=hardware)
     if config.parallel.layout != AUTO:
-        return config, False
+        return _gathering_resolved(config, runtime, vocab_size), False
     if isinstance(hardware, str):
         raise ConfigError(f"parallel=auto cannot plan for this device: {hardware}")
     if config.plan.measured is None and runtime.world_size > 1:  # measure first: the links this machine has
@@ -48,7 +48,18 @@ def resolved_for_device(config: RootConfig, runtime: Runtime, vocab_size: int) -
         raise decided
     config = replace(config, parallel=decided.parallel, train=replace(config.train, **decided.train))
     log.info(decided.summary)
-    return config, True
+    return _gathering_resolved(config, runtime, vocab_size), True
+
+
+def _gathering_resolved(config: RootConfig, runtime: Runtime, vocab_size: int) -> RootConfig:
+    """Collective: rl.gather_weights=auto decided where a step samples: `once` where rank 0's planner finds the
+    whole model fits beside the rollout's cache, else `per_token`."""
+    objective = OBJECTIVES[objective_of(config.train.objective, config.data.source)]
+    if config.rl.gather_weights != AUTO or not objective.samples:
+        return config
+    mine = bool(predicted(config, runtime, vocab_size).get("gathers_once", False)) if runtime.is_main else None
+    gathering = "once" if runtime.from_main(mine) else "per_token"
+    return replace(config, rl=replace(config.rl, gather_weights=gathering))
 
 
 def predicted(config: RootConfig, runtime: Runtime, vocab_size: int) -> dict:

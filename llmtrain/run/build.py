@@ -25,7 +25,6 @@ from llmtrain.checkpoint.training import (
 )
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, DataReading, RankSlice, build_data, build_tokenizer, streaming_scale_warning
-from llmtrain.data.rl import RolloutShape
 from llmtrain.data.tasks import read_task
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.errors import ConfigError
@@ -48,6 +47,7 @@ from llmtrain.parallel_plan import ParallelPlan
 from llmtrain.planner.resolve import resolved_for_device
 from llmtrain.process.runtime import Runtime
 from llmtrain.run.retry import micro_batch_after_running_out
+from llmtrain.train.expert_load import ExpertLoad
 from llmtrain.train.loop import Components, ModelFacts
 from llmtrain.train.memory import MIB, HeldBytes, MemoryPeak, held_bytes
 from llmtrain.train.objectives import build_objective
@@ -144,16 +144,12 @@ def _resume(config: RootConfig, runtime: Runtime, run_dir: str, meta: GPT) -> _R
 
 def _data(config: RootConfig, tokenizer: Tokenizer, place: _Placement, resume: _Resume) -> Data:
     """This rank's training batches, at the resumed checkpoint's position, and its validation rows."""
-    t = config.train
     reading = DataReading(
-        t.seq_len,
-        config.seed,
         train=place.train_slice,
-        validation=place.val_slice if t.eval_every > 0 else None,
+        validation=place.val_slice if config.train.eval_every > 0 else None,
         position=read_data_position(resume.path) if resume.path else None,
-        rollout=RolloutShape(config.rl.group_size, config.rl.iterations, config.rl.max_new_tokens),
     )
-    return build_data(config.data, tokenizer, reading, steps=t.steps, packs_documents=t.attention == "document")
+    return build_data(config, tokenizer, reading)
 
 
 def _components(
@@ -190,12 +186,13 @@ def _components(
         lr_schedule=lr_schedule,
         data=data,
         train_slice=place.train_slice,
-        objective=build_objective(config, model, data, place.val_slice),
+        objective=build_objective(config, model, data, place.train_slice, place.val_slice),
         checkpoints=checkpoints,
         state=LoopState(step=point.step, records=list(point.records)) if point else LoopState(),
         wandb_id=wandb_id,
         run_dir=os.path.abspath(run_dir),
         tasks=[read_task(path, data.tokenizer, t.seq_len, config.eval.limit) for path in config.eval.tasks or []],
+        observers=[ExpertLoad(model)] if gpt_cfg.moe.num_experts else [],
     )
     return parts, memory
 

@@ -35,7 +35,15 @@ def wandb_identity(wandb: WandbConfig, run_dir: str) -> tuple[str, str | None]:
 def run_loggers(training: Components, run_dir: str) -> RunLoggers:
     """Rank 0's console log, metrics.jsonl and W&B run, continuing the history of the run resumed."""
     name, group = wandb_identity(training.config.logging.wandb, run_dir)
-    return RunLoggers(training.config, run_dir, name, group, history=training.state.records, wandb_id=training.wandb_id)
+    return RunLoggers(
+        training.config,
+        run_dir,
+        name,
+        group,
+        history=training.state.records,
+        wandb_id=training.wandb_id,
+        objective=training.objective.console,
+    )
 
 
 def log_end_summary(

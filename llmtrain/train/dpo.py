@@ -22,18 +22,19 @@ two. With dropout the policy's two passes draw different masks: the gradient is 
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from llmtrain.config import RootConfig
-from llmtrain.data import Data, RankSlice
+from llmtrain.data import Data, RankSlice, SourceBatch
 from llmtrain.errors import ConfigError
 from llmtrain.model.lora import adapters_disabled
 from llmtrain.model.scoring import SUMMED_LOSSES, weighted_targets
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.tensors import MicroBatches
-from llmtrain.train.objectives import Objective, PreparedStep
+from llmtrain.train.objectives import Objective, PreparedStep, token_rows
 
 # What a step records beside its loss, in the order `statistics` stacks them.
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -42,9 +43,9 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 class DirectPreference(Objective):
     """DPO over the model's pairs of rows (chosen, rejected), β = data.beta."""
 
-    metrics = REWARDS
-
-    def __init__(self, model: ParallelModel, data: Data, val_slice: RankSlice, config: RootConfig):
+    def __init__(
+        self, model: ParallelModel, data: Data, train_slice: RankSlice, val_slice: RankSlice, config: RootConfig
+    ):
         rows, _ = model.plan.micro_batching()
         if rows % 2:
             raise ConfigError(
@@ -53,7 +54,7 @@ class DirectPreference(Objective):
                 f"each holds an even number of rows"
             )
         self.model, self.beta = model, config.data.beta
-        self._held_out, self._val_slice = data.validation, val_slice
+        self._train_slice, self._held_out, self._val_slice = train_slice, data.validation, val_slice
 
     def pair_losses(self, margins: torch.Tensor) -> torch.Tensor:
         """Each pair's loss of its reward margin z = r(chosen) - r(rejected): DPO's -log σ(z)."""
@@ -82,9 +83,10 @@ class DirectPreference(Objective):
         )
         return self.model.reduce_mean(mine)  # every data-parallel rank holds as many pairs
 
-    def prepared(self, micro_batches: MicroBatches, rows: np.ndarray) -> PreparedStep:
-        """Collective: the micro-batches with each row's targets weighted so that the training loss's gradient is
-        the pair loss's (the module docstring); the loss and REWARDS recorded."""
+    def prepared(self, batch: SourceBatch) -> PreparedStep:
+        """Collective: this rank's pairs' micro-batches with each row's targets weighted so that the training loss's
+        gradient is the pair loss's (the module docstring); the loss and REWARDS recorded."""
+        micro_batches = self._train_slice.micro_batches(token_rows(batch), self.model.runtime.device)
         rewards = self.rewards(micro_batches)
         margins = (rewards[:, 0] - rewards[:, 1]).requires_grad_()
         with torch.enable_grad():
@@ -97,11 +99,14 @@ class DirectPreference(Objective):
             for (inputs, targets), weights in zip(micro_batches, row_weights)
         ]
         statistics = self.statistics(rewards)
-        return PreparedStep(weighted, statistics[0], statistics[1:])
+        return PreparedStep(weighted, statistics[0], dict(zip(REWARDS, statistics[1:])))
+
+    def console(self, record: dict[str, Any]) -> list[str]:
+        return [f"margin {record['rewards/margins']:.3f} acc {record['rewards/accuracies']:.2f}"]
 
     def validation(self) -> dict[str, float]:
         """Collective: the held-out pairs' loss and rewards (`val_loss`, `val_rewards/...`)."""
         (held_out,) = self._held_out
-        micro_batches = self._val_slice.micro_batches(held_out.rows, self.model.runtime.device)
+        micro_batches = self._val_slice.micro_batches(token_rows(held_out.rows), self.model.runtime.device)
         values = self.statistics(self.rewards(micro_batches)).tolist()
         return {"val_loss": values[0], **{f"val_{name}": value for name, value in zip(REWARDS, values[1:])}}

@@ -2,7 +2,7 @@
 of its prompts on the laid-out policy (parallel/sampling.py), scores them with data.reward, and trains the loss of
 train/grpo.py on them.
 
-A step, on each rank over its own rows (data/rl.py's completion slots):
+A step, on each rank over its own completion slots (data/rl.py's PromptBatch):
 1. the rollout (the first of every rl.iterations steps): the completions, drawn by the KV-cached sampler with the
    run's seed and each prompt's draw number (so every layout draws what one process draws); their rewards, text
    decoded without the stop token, TRL's calling convention; each group's advantages; the completion tokens'
@@ -20,18 +20,18 @@ is normal: GRPO's loss is not a measure of progress (the reward is).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from llmtrain.config import RootConfig
-from llmtrain.data import Data, RankSlice
+from llmtrain.data import Data, RankSlice, SourceBatch
 from llmtrain.data.rewards import reward_function, scored
-from llmtrain.data.rl import PromptSet, SlotRows
+from llmtrain.data.rl import PromptBatch
 from llmtrain.errors import ConfigError
 from llmtrain.model.lora import adapters_disabled
 from llmtrain.model.sampling import Completions, SamplingSettings
@@ -40,7 +40,6 @@ from llmtrain.parallel.mesh import sum_over
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.sampling import check_samples, sample_completions
 from llmtrain.parallel.tensors import MicroBatches
-from llmtrain.planner.resolve import predicted
 from llmtrain.train.grpo import GlobalBatch, GRPOSettings, advantages, loss_and_weights
 from llmtrain.train.objectives import Objective, PreparedStep
 
@@ -64,13 +63,16 @@ class Rollout:
     entropies: torch.Tensor
     reference: torch.Tensor | None
     batch: GlobalBatch
-    sampled: torch.Tensor  # (metrics, 2): the rollout's own metrics (rewards, lengths) as numerator, denominator
+    # the rollout's own metrics (rewards, lengths) by name: (numerator, denominator) summed over the ranks
+    sampled: dict[str, torch.Tensor]
 
 
 class GroupRelative(Objective):
     """GRPO over data=rl's prompts, as config.rl says."""
 
-    def __init__(self, model: ParallelModel, data: Data, val_slice: RankSlice, config: RootConfig):
+    def __init__(
+        self, model: ParallelModel, data: Data, train_slice: RankSlice, val_slice: RankSlice, config: RootConfig
+    ):
         check_samples(model.plan)
         rl, t = config.rl, config.train
         per_rank = t.batch_size // model.plan.dp_size
@@ -81,61 +83,33 @@ class GroupRelative(Objective):
                 f"{per_rank} completions, not whole groups of rl.group_size={rl.group_size} (a group is sampled "
                 f"from one prefill on one rank): set train.batch_size to a multiple of {whole}"
             )
-        assert data.rollout is not None, "the config's check gives grpo data=rl's prompts"
-        self.model, self.data, self._prompts = model, data, data.rollout
+        self.model, self.data = model, data
         self._seed, self._seq_len = config.seed, t.seq_len
         self.group, self.scale, self.temperature = rl.group_size, rl.scale_rewards, rl.temperature
         self.settings = GRPOSettings(
             rl.loss, rl.beta, rl.epsilon, rl.epsilon if rl.epsilon_high is None else rl.epsilon_high, rl.max_new_tokens
         )
-        self.sampling = SamplingSettings(
-            rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, self._prompts.train.stop_ids
-        )
+        # the stop tokens are the prompt set's (the tokenizer's end of text, a chat template's end of turn)
+        self.sampling = SamplingSettings(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p)
         names = list(config.data.reward or [])
         self.rewards = [reward_function(name, config.data.reward_pattern) for name in names]
         self.weights = list(config.data.reward_weights or [1.0] * len(names))
         # TRL logs a function's rewards under its name
         self.reward_names = [name.partition(":")[2] or name for name in names]
-        self.metrics = (
-            "reward",
-            "reward_std",
-            *(f"rewards/{name}/mean" for name in self.reward_names),
-            "frac_reward_zero_std",
-            "completions/mean_length",
-            "completions/clipped_ratio",
-            "entropy",
-            "clip_ratio/low_mean",
-            "clip_ratio/high_mean",
-            "clip_ratio/region_mean",
-            *(("kl",) if self.settings.beta else ()),
-        )
-        self.gather_once = self._gathers_once(config)
+        # rl.gather_weights=auto is decided by the planner before the job is built (planner/resolve.py)
+        self.gather_once = rl.gather_weights == "once"
         self.current: Rollout | None = None  # the rollout the last step trained on
         self._rollout_seconds = 0.0  # the last step's sampling (0 where it reused a rollout)
         self._told_zero_std = False
 
-    def _gathers_once(self, config: RootConfig) -> bool:
-        """Collective: whether a rollout gathers FSDP's weights once (rl.gather_weights; `auto`: rank 0's planner
-        says whether the whole model fits beside the cache), not for every decoded token."""
-        if config.rl.gather_weights != "auto":
-            return config.rl.gather_weights == "once"
-        runtime = self.model.runtime
-        mine = None
-        if runtime.is_main:
-            mine = bool(predicted(config, runtime, self.data.tokenizer.vocab_size).get("gathers_once", False))
-        return bool(runtime.from_main(mine))
-
     # -- the rollout ---------------------------------------------------------------------------------------------
-    def rollout(self, slots: SlotRows, prompts: PromptSet, group: int) -> Rollout:
+    def rollout(self, slots: PromptBatch, group: int) -> Rollout:
         """Collective: the completions of this rank's slots (`group` consecutive ones a prompt), rewarded and
         scored (the module docstring's step 1)."""
         device = self.model.runtime.device
-        first = slice(None, None, group)
-        drawn = sample_completions(
-            self.model, slots.prompts[first], slots.draws[first], group, self.sampling, self._seed, self.gather_once
-        )
-        rewards, each = self._rewarded(slots, prompts, drawn)
-        rows, scored = self._rows(slots.prompts, drawn)
+        drawn = self._sampled_completions(slots.every(group), group)
+        rewards, each = self._rewarded(slots, drawn)
+        rows, scored = self._rows(slots.tokens, drawn)
         old, entropies = self._log_probs(rows, scored)
         reference = None
         if self.settings.beta:
@@ -156,17 +130,23 @@ class GroupRelative(Objective):
             self._sampled(rewards, each, drawn, group),
         )
 
-    def _rewarded(self, slots: SlotRows, prompts: PromptSet, drawn: Completions) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sampled_completions(self, prompts: PromptBatch, group: int) -> Completions:
+        """Collective: `group` completions of each of `prompts`, stopping at their prompt set's stop tokens."""
+        settings = dataclasses.replace(self.sampling, stop_ids=prompts.prompts.stop_ids)
+        return sample_completions(
+            self.model, prompts.tokens, prompts.draws, group, settings, self._seed, self.gather_once
+        )
+
+    def _rewarded(self, slots: PromptBatch, drawn: Completions) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows,) each completion's reward, NaN where no function scored it; (functions, rows) each one's score."""
-        stops = set(self.sampling.stop_ids)
+        stops = set(slots.prompts.stop_ids)
         texts = []
         for tokens in drawn.rows():
             ended = tokens[:-1] if tokens and tokens[-1] in stops else tokens
             texts.append(self.data.tokenizer.decode(ended))
-        given = [prompts.prompts[record] for record in slots.records]
+        given = slots.given
         completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(given, texts)]
-        columns = {name: [values[record] for record in slots.records] for name, values in prompts.columns.items()}
-        totals, each = scored(self.rewards, self.weights, given, completions, columns)
+        totals, each = scored(self.rewards, self.weights, given, completions, slots.columns)
         device = self.model.runtime.device
         return (
             torch.tensor(totals, dtype=torch.float64, device=device),
@@ -196,34 +176,40 @@ class GroupRelative(Objective):
         values = self.model.row_sums(self._micro_batches(rows, targets), statistic).to(rows.device)
         return values[:, : self._seq_len], values[:, self._seq_len :]
 
-    def _sampled(self, rewards: torch.Tensor, each: torch.Tensor, drawn: Completions, group: int) -> torch.Tensor:
+    def _sampled(
+        self, rewards: torch.Tensor, each: torch.Tensor, drawn: Completions, group: int
+    ) -> dict[str, torch.Tensor]:
         """The rollout's metrics (reward ... completions/clipped_ratio), each as (numerator, denominator) summed
         over the data-parallel ranks."""
         grouped = rewards.nan_to_num(0.0).view(-1, group)
         spread = grouped.std(dim=1)
         rows = torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device)
         groups = torch.tensor(float(len(spread)), dtype=torch.float64, device=rewards.device)
-        pairs = [
-            (rewards.nan_to_num(0.0).sum(), rows),
-            (spread.sum(), groups),
-            *((scores.nan_to_num(0.0).sum(), (~scores.isnan()).sum().double()) for scores in each),
-            ((spread < ZERO_STD).sum().double(), groups),
-            (drawn.lengths.double().sum().to(rewards.device), rows),
-            ((~drawn.stopped).sum().double().to(rewards.device), rows),
-        ]
-        return sum_over(torch.stack([torch.stack(pair) for pair in pairs]), self.model.mesh.dp_mesh)
+        pairs = {
+            "reward": (rewards.nan_to_num(0.0).sum(), rows),
+            "reward_std": (spread.sum(), groups),
+            **{
+                f"rewards/{name}/mean": (scores.nan_to_num(0.0).sum(), (~scores.isnan()).sum().double())
+                for name, scores in zip(self.reward_names, each)
+            },
+            "frac_reward_zero_std": ((spread < ZERO_STD).sum().double(), groups),
+            "completions/mean_length": (drawn.lengths.double().sum().to(rewards.device), rows),
+            "completions/clipped_ratio": ((~drawn.stopped).sum().double().to(rewards.device), rows),
+        }
+        return _summed_pairs(pairs, self.model)
 
     # -- a step ----------------------------------------------------------------------------------------------------
-    def prepared(self, micro_batches: MicroBatches, rows: np.ndarray) -> PreparedStep:
-        """Collective: the rollout (sampled on the first of its steps), the training rows weighted with GRPO's
-        gradient, its loss and metrics."""
-        slots = SlotRows.of(rows)
+    def prepared(self, batch: SourceBatch) -> PreparedStep:
+        """Collective: the rollout of this rank's completion slots (sampled on the first of its steps), the
+        training rows weighted with GRPO's gradient, its loss and metrics."""
+        assert isinstance(batch, PromptBatch), "the config's check feeds grpo data=rl's prompts"
+        slots = batch
         fresh = self.current is None or self.current.draws != tuple(slots.draws)
         self._rollout_seconds = 0.0
         if fresh:
             self.current = None  # its memory is free before the next one's
             started = time.perf_counter()
-            self.current = self.rollout(slots, self._prompts.train, self.group)
+            self.current = self.rollout(slots, self.group)
             self._rollout_seconds = time.perf_counter() - started  # its host reads waited for the device
         rollout = self.current
         assert rollout is not None
@@ -237,14 +223,13 @@ class GroupRelative(Objective):
         targets = torch.where(rollout.scored, rollout.rows[:, 1:], 0)
         weighted = weighted_targets(targets, weights, self.temperature)
         trained = self._micro_batches(rollout.rows, weighted)
-        mesh = self.model.mesh.dp_mesh
-        stepped = sum_over(torch.stack([torch.stack(p) for p in self._stepped(log_probs, entropies, rollout)]), mesh)
-        values = torch.cat([rollout.sampled, stepped])
-        return PreparedStep(trained, sum_over(loss, mesh), values[:, 0] / values[:, 1].clamp(min=1))
+        fractions = {**rollout.sampled, **_summed_pairs(self._stepped(log_probs, entropies, rollout), self.model)}
+        metrics = {name: pair[0] / pair[1].clamp(min=1) for name, pair in fractions.items()}
+        return PreparedStep(trained, sum_over(loss, self.model.mesh.dp_mesh), metrics)
 
     def _stepped(
         self, log_probs: torch.Tensor, entropies: torch.Tensor, rollout: Rollout
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This step's metrics (entropy, the clip ratios, kl) over this rank's completion tokens, as (numerator,
         denominator)."""
         mask, settings = rollout.scored.double(), self.settings
@@ -253,14 +238,19 @@ class GroupRelative(Objective):
         a = rollout.advantages[:, None]
         low = ((ratio < 1 - settings.epsilon) & (a < 0)).double() * mask
         high = ((ratio > 1 + settings.epsilon_high) & (a > 0)).double() * mask
-        pairs = [(values.sum(), tokens) for values in (entropies * mask, low, high, low + high)]
+        pairs = {
+            "entropy": ((entropies * mask).sum(), tokens),
+            "clip_ratio/low_mean": (low.sum(), tokens),
+            "clip_ratio/high_mean": (high.sum(), tokens),
+            "clip_ratio/region_mean": ((low + high).sum(), tokens),
+        }
         if settings.beta and rollout.reference is not None:
             gap = rollout.reference - log_probs
-            pairs.append((((torch.exp(gap) - gap - 1) * mask).sum(), tokens))
+            pairs["kl"] = (((torch.exp(gap) - gap - 1) * mask).sum(), tokens)
         return pairs
 
-    def recorded(self, values: list[float]) -> dict[str, Any]:
-        record = {**dict(zip(self.metrics, values)), "rollout_seconds": self._rollout_seconds}
+    def recorded(self, metrics: dict[str, float]) -> dict[str, Any]:
+        record = {**metrics, "rollout_seconds": self._rollout_seconds}
         if record["frac_reward_zero_std"] == 1 and not self._told_zero_std and self.model.runtime.is_main:
             self._told_zero_std = True
             log.warning(
@@ -270,16 +260,20 @@ class GroupRelative(Objective):
             )
         return record
 
+    def console(self, record: dict[str, Any]) -> list[str]:
+        parts = [f"reward {record['reward']:.3f} len {record['completions/mean_length']:.0f}"]
+        if "val_reward" in record:
+            parts.append(f"val reward {record['val_reward']:.3f}")
+        return parts
+
     def validation(self) -> dict[str, float]:
         """Collective: one completion of each held-out prompt, sampled as in training: `val_reward` (their mean
         reward) and `val_completions/mean_length`."""
         (held_out,) = self.data.validation
-        assert self._prompts.validation is not None, "validation rows come with their prompts"
-        slots = SlotRows.of(held_out.rows)
-        drawn = sample_completions(
-            self.model, slots.prompts, slots.draws, 1, self.sampling, self._seed, self.gather_once
-        )
-        rewards, _ = self._rewarded(slots, self._prompts.validation, drawn)
+        slots = held_out.rows
+        assert isinstance(slots, PromptBatch), "data=rl holds out prompts"
+        drawn = self._sampled_completions(slots, 1)
+        rewards, _ = self._rewarded(slots, drawn)
         device = self.model.runtime.device
         sums = torch.stack(
             [
@@ -290,3 +284,9 @@ class GroupRelative(Objective):
         )
         reward, length, count = sum_over(sums, self.model.mesh.dp_mesh).tolist()
         return {"val_reward": reward / max(count, 1), "val_completions/mean_length": length / max(count, 1)}
+
+
+def _summed_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ParallelModel) -> dict[str, torch.Tensor]:
+    """Each metric's (numerator, denominator) summed over the data-parallel ranks, in one all-reduce."""
+    summed = sum_over(torch.stack([torch.stack(pair) for pair in pairs.values()]), model.mesh.dp_mesh)
+    return dict(zip(pairs, summed))

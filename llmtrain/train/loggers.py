@@ -8,7 +8,7 @@ import logging
 import netrc
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 from tqdm import tqdm
@@ -100,16 +100,11 @@ class WandbLogger:
         self._run.finish()
 
 
-def _format(record: dict[str, Any]) -> str:
+def _format(record: dict[str, Any], objective: ObjectiveLine) -> str:
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
-    if "rewards/margins" in record:  # preference tuning (train/dpo.py)
-        parts.append(f"margin {record['rewards/margins']:.3f} acc {record['rewards/accuracies']:.2f}")
-    if "reward" in record:  # reinforcement learning (train/grpo_objective.py)
-        parts.append(f"reward {record['reward']:.3f} len {record['completions/mean_length']:.0f}")
-    if "val_reward" in record:
-        parts.append(f"val reward {record['val_reward']:.3f}")
+    parts += objective(record)
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
@@ -118,23 +113,33 @@ def _format(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-class Console:
-    """A progress bar when attached to a terminal (or asked for), plain log lines every `log_every` otherwise."""
+# What a step's console line shows of the objective's record entries (train/objectives.py: Objective.console).
+ObjectiveLine = Callable[[dict[str, Any]], list[str]]
 
-    def __init__(self, total_steps: int, log_every: int, progress: str, done_steps: int = 0):
+
+def _nothing(record: dict[str, Any]) -> list[str]:
+    return []
+
+
+class Console:
+    """A progress bar when attached to a terminal (or asked for), plain log lines every `log_every` otherwise; each
+    line with the objective's part (`objective`)."""
+
+    def __init__(
+        self, total_steps: int, log_every: int, progress: str, done_steps: int = 0, objective: ObjectiveLine = _nothing
+    ):
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", dynamic_ncols=True) if use_bar else None
-        self._log_every = log_every
-        self._total = total_steps
+        self._log_every, self._total, self._objective = log_every, total_steps, objective
 
     def step(self, record: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix_str(_format(record).split(" | ", 1)[1], refresh=False)
+            self._bar.set_postfix_str(_format(record, self._objective).split(" | ", 1)[1], refresh=False)
             if "val_loss" in record:
-                self._bar.write(_format(record))
+                self._bar.write(_format(record, self._objective))
         elif record["step"] % self._log_every == 0 or record["step"] == self._total or "val_loss" in record:
-            log.info(_format(record))
+            log.info(_format(record, self._objective))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -155,6 +160,7 @@ class RunLoggers:
         group: str | None,
         history: Sequence[dict[str, Any]] = (),
         wandb_id: str | None = None,
+        objective: ObjectiveLine = _nothing,
     ):
         self.run_dir = run_dir
         self.title = name
@@ -164,7 +170,8 @@ class RunLoggers:
         self.wandb = None
         if config.logging.wandb.mode != "disabled":
             self.wandb = WandbLogger(config.logging.wandb, run_dir, name, group, dataclasses.asdict(config), wandb_id)
-        self.console = Console(config.train.steps, config.logging.log_every, config.logging.progress, len(history))
+        logging_cfg = config.logging
+        self.console = Console(config.train.steps, logging_cfg.log_every, logging_cfg.progress, len(history), objective)
 
     def record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)

@@ -51,14 +51,12 @@ class Checkpoints(Protocol):
 @dataclass(frozen=True)
 class StepResults:
     """What a step's one host read brings: loss and gradient norm (reduced over the ranks), the ranks' agreed flag
-    (Trainer._agreed_flag), the objective's metrics, the experts' load (empty without experts) and the observers'
-    values (Observers.values_to_read)."""
+    (Trainer._agreed_flag), the objective's metrics by name and the observers' values (Observers.values_to_read)."""
 
     loss: float
     grad_norm: float
     agreed: float
-    metrics: list[float]
-    expert_load: list[float]
+    metrics: dict[str, float]
     observed: list[float]
 
 
@@ -78,7 +76,7 @@ class ModelFacts:
 class Components:
     """What one job trains with, whole when made (llmtrain/run/build.py's build_training builds it): the config, the
     model laid out with its optimizer, the LR schedule, the data and this rank's slices of each batch, what a step
-    optimizes, the checkpoints and the loop's state (restored when resuming)."""
+    optimizes, the checkpoints, the loop's state (restored when resuming) and what the model asks to record."""
 
     config: RootConfig
     runtime: Runtime
@@ -93,6 +91,8 @@ class Components:
     wandb_id: str | None  # the W&B run this job continues (rank 0)
     run_dir: str  # where the run's attempts leave what the next one reads (llmtrain/process/attempts.py)
     tasks: list[Task]  # eval.tasks, read and tokenised (empty: none)
+    # what the model built asks to record of each step (the experts' load of a mixture: expert_load.py)
+    observers: list[StepObserver]
 
 
 class StopSignals(Protocol):
@@ -132,7 +132,7 @@ class Trainer:
     ):
         self._config, self._train, self._runtime = parts.config, parts.config.train, parts.runtime
         self.model, self._optimizer, self._lr_schedule = parts.model, parts.model.optimizer, parts.lr_schedule
-        self._data, self._train_slice, self._objective = parts.data, parts.train_slice, parts.objective
+        self._data, self._objective = parts.data, parts.objective
         self.checkpoints, self.state, self._tasks = parts.checkpoints, parts.state, parts.tasks
         self._on_record, self._preemption = on_record, preemption
         self._flops_per_token = parts.facts.flops_per_token
@@ -142,7 +142,7 @@ class Trainer:
         guard = UpdateGuard(
             self._train, parts.runtime, parts.state, parts.data, parts.train_slice, parts.run_dir, self._left_out
         )
-        self._observers = Observers([guard, *observers])
+        self._observers = Observers([guard, *parts.observers, *observers])
         self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end
         self._clock_save_due = False  # checkpoint.every_minutes have passed: set by each step, acted on at its end
         self._last_save = time.monotonic()  # or the run's start
@@ -186,10 +186,9 @@ class Trainer:
             self._data.train.next()
             if self._runtime.is_main:
                 log.warning(f"step {step}: the batch whose loss spiked before the run rolled back is left out")
-        rows = self._data.train.next()
-        micro_batches = self._train_slice.micro_batches(rows, self._runtime.device)
+        batch = self._data.train.next()
         self._observers.phase_begins(step, "preparing the batch")
-        prepared = self._objective.prepared(micro_batches, rows)
+        prepared = self._objective.prepared(batch)
         self._observers.phase_begins(step, "forward/backward")
         trained = self.model.reduce_mean(self.model.forward_backward(prepared.micro_batches))
         loss = self._observers.gradients_computed(step, trained if prepared.loss is None else prepared.loss)
@@ -205,7 +204,6 @@ class Trainer:
             "lr": self._lr_schedule.get_last_lr()[0],
             "grad_norm": results.grad_norm,
         }
-        record.update(_expert_balance(results.expert_load))
         record.update(self._objective.recorded(results.metrics))
         self._observers.results_read(step, results.observed, record)
         self._observers.phase_begins(step, "optimizer")
@@ -220,24 +218,21 @@ class Trainer:
         return record, seconds
 
     def _read_results(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: torch.Tensor
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict[str, torch.Tensor]
     ) -> StepResults:
         """Collective: the step's one host synchronisation. Loss, norm and stop flag come over together, with the
-        objective's metrics, the experts' load and what the observers asked for. The optimizer step depends on them
-        (a non-finite step leaves the weights untouched), so it cannot be skipped. Each comes to the compute device
-        first: with parallel.cpu_offload the gradient norm is a host tensor."""
+        objective's metrics and what the observers asked for. The optimizer step depends on them (a non-finite step
+        leaves the weights untouched), so it cannot be skipped. Each comes to the compute device first: with
+        parallel.cpu_offload the gradient norm is a host tensor."""
         agreed = self._agreed_flag()
-        load = self.model.expert_load()
-        loads = [] if load is None else [load]
         observed = self._observers.values_to_read(step)
         self._observers.phase_begins(step, "reading the step's results")
-        scalars = [full_tensor(loss), grad_norm, agreed, metrics, *loads, *observed]
+        scalars = [full_tensor(loss), grad_norm, agreed, *metrics.values(), *observed]
         loss_value, norm_value, agreed_value, *rest = torch.cat(
             [value.to(device=self._runtime.device, dtype=torch.float64).reshape(-1) for value in scalars]
         ).tolist()
-        measured, rest = rest[: metrics.numel()], rest[metrics.numel() :]
-        counted = sum(tensor.numel() for tensor in loads)
-        return StepResults(loss_value, norm_value, agreed_value, measured, rest[:counted], rest[counted:])
+        measured = dict(zip(metrics, rest[: len(metrics)]))
+        return StepResults(loss_value, norm_value, agreed_value, measured, rest[len(metrics) :])
 
     def _seconds_since_last_read(self, started: float) -> float:
         """A step's time runs from the step before's read to this one's: the device is waited for only there, so the
@@ -302,13 +297,3 @@ class Trainer:
         if stop:  # every rank stops here: they agreed on it with the step's results
             self.checkpoints.finish()
             raise Preempted(step, self._preemption.signal_name or "a signal on another rank")
-
-
-def _expert_balance(load: list[float]) -> dict[str, Any]:
-    """Routed slots per expert, all mixture blocks together, and their imbalance (none without experts)."""
-    if not load:
-        return {}
-    return {
-        "expert_load": [round(value) for value in load],
-        "expert_imbalance": max(load) * len(load) / max(sum(load), 1),
-    }

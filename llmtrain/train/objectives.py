@@ -1,5 +1,6 @@
-"""What a training step optimizes. An Objective turns this rank's slice of a global batch into the micro-batches the
-layout trains on, says what the step records beside its loss, and validates. Every layout trains any objective
+"""What a training step optimizes. An Objective turns what its data source yields for this rank's slice of a global
+batch (token rows; data=rl's prompts) into the micro-batches the layout trains on, names what the step records beside
+its loss and what of it the console line shows, and validates. Every layout trains any objective
 whose gradient is a weighted sum over target tokens (model/scoring.py's weighted targets: DPO's is one), so an
 objective never touches the layout. The Trainer (loop.py) names none: train.objective picks a row of
 llmtrain/catalog/objectives.py's OBJECTIVES, built here for the job's model and data."""
@@ -15,7 +16,7 @@ import torch
 
 from llmtrain.catalog import OBJECTIVES, imported, objective_of
 from llmtrain.config import RootConfig
-from llmtrain.data import Data, RankSlice
+from llmtrain.data import Data, RankSlice, SourceBatch
 from llmtrain.data.tokenizers import token_byte_lengths
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.tensors import MicroBatches
@@ -27,32 +28,46 @@ class PreparedStep:
 
     micro_batches: MicroBatches  # what the layout's forward/backward trains on
     loss: torch.Tensor | None  # on the device: the loss the step records; None: the loss trained on
-    metrics: torch.Tensor  # on the device: the values of the objective's `metrics`, read with the step's results
+    # on the device, by name: what the step records beside its loss, each one value, read with the step's results
+    metrics: dict[str, torch.Tensor]
 
 
 class Objective:
-    """What a step optimizes, for one job's model and data. Subclasses are built by (model, data, validation slice,
-    config): whole when made, collectively (every rank builds its own at the same point)."""
+    """What a step optimizes, for one job's model and data. Subclasses are built by (model, data, this rank's slices
+    of a training and of a validation batch, config): whole when made, collectively (every rank builds its own at
+    the same point)."""
 
-    metrics: tuple[str, ...] = ()  # what a step records beside its loss, in the order `prepared` gives them
-
-    def prepared(self, micro_batches: MicroBatches, rows: np.ndarray) -> PreparedStep:
-        """Collective: this rank's micro-batches (from its `rows` of the global batch) as the layout trains them."""
+    def prepared(self, batch: SourceBatch) -> PreparedStep:
+        """Collective: what the data source yielded for this rank's slice of a global batch, as the layout trains
+        it."""
         raise NotImplementedError
 
-    def recorded(self, values: list[float]) -> dict[str, Any]:
-        """The step's record entries from its metrics' values, read on the host."""
-        return dict(zip(self.metrics, values))
+    def recorded(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """The step's record entries from its metrics, read on the host."""
+        return dict(metrics)
+
+    def console(self, record: dict[str, Any]) -> list[str]:
+        """What a step's console line shows of this objective's entries of `record`, after its loss."""
+        return []
 
     def validation(self) -> dict[str, float]:
         """Collective: the held-out data's losses (`val_loss`, ...), the model in eval mode."""
         raise NotImplementedError
 
 
-def build_objective(config: RootConfig, model: ParallelModel, data: Data, val_slice: RankSlice) -> Objective:
+def build_objective(
+    config: RootConfig, model: ParallelModel, data: Data, train_slice: RankSlice, val_slice: RankSlice
+) -> Objective:
     """Collective: train.objective's row built for this job (`auto`: the data's)."""
     name = objective_of(config.train.objective, config.data.source)
-    return imported(OBJECTIVES[name].implementation)(model, data, val_slice, config)
+    return imported(OBJECTIVES[name].implementation)(model, data, train_slice, val_slice, config)
+
+
+def token_rows(batch: SourceBatch) -> np.ndarray:
+    """`batch` as the token rows (rows, seq_len + 1) of a source of text, conversations or pairs; a source of
+    anything else (data=rl's prompts) feeds another objective, which the config's check makes sure of."""
+    assert isinstance(batch, np.ndarray), f"token rows expected, not a {type(batch).__name__}"
+    return batch
 
 
 class NextToken(Objective):
@@ -61,9 +76,10 @@ class NextToken(Objective):
     set's loss, their mean weighted as the sets are (`val_loss`), its bits per UTF-8 byte (`val_bpb`: comparable
     across tokenizers) and each named set's own `val_loss/<source>`."""
 
-    def __init__(self, model: ParallelModel, data: Data, val_slice: RankSlice, config: RootConfig):
-        self._model, self._data, self._val_slice = model, data, val_slice
-        self.metrics = ("trained_tokens",) if data.masks_targets else ()
+    def __init__(
+        self, model: ParallelModel, data: Data, train_slice: RankSlice, val_slice: RankSlice, config: RootConfig
+    ):
+        self._model, self._data, self._train_slice, self._val_slice = model, data, train_slice, val_slice
         self._val_bytes_per_token = self._measured_val_bytes_per_token()
 
     def _measured_val_bytes_per_token(self) -> list[float]:
@@ -73,30 +89,32 @@ class NextToken(Objective):
         lengths = token_byte_lengths(self._data.tokenizer)
         mine = []
         for validation in self._data.validation:
-            targets = validation.rows[:, 1:]
+            targets = token_rows(validation.rows)[:, 1:]
             scored = targets[targets >= 0]  # fine-tuning scores the assistant's tokens alone (data/packing.py)
             mine.append(float(lengths[scored].sum()) / max(scored.size, 1))
         device = self._model.runtime.device
         return self._model.reduce_mean(torch.tensor(mine, device=device)).tolist()
 
-    def prepared(self, micro_batches: MicroBatches, rows: np.ndarray) -> PreparedStep:
+    def prepared(self, batch: SourceBatch) -> PreparedStep:
         device = self._model.runtime.device
+        rows = token_rows(batch)
+        micro_batches = self._train_slice.micro_batches(rows, device)
         if not self._data.masks_targets:
-            return PreparedStep(micro_batches, None, torch.zeros(0, device=device))
+            return PreparedStep(micro_batches, None, {})
         # the targets trained in the global batch: counted on the host from this rank's rows, summed on the device
         mine = torch.full((), float((rows[:, 1:] >= 0).sum()), device=device)
         trained = self._model.reduce_mean(mine) * self._model.plan.dp_size
-        return PreparedStep(micro_batches, None, trained.reshape(1))
+        return PreparedStep(micro_batches, None, {"trained_tokens": trained})
 
-    def recorded(self, values: list[float]) -> dict[str, Any]:
-        return {name: round(value) for name, value in zip(self.metrics, values)}
+    def recorded(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {name: round(value) for name, value in metrics.items()}
 
     def validation(self) -> dict[str, float]:
         device = self._model.runtime.device
         # One host read for all the sets: the device runs every set's forwards without waiting in between.
         losses = torch.stack(
             [
-                self._model.reduce_mean(self._model.evaluate(self._val_slice.micro_batches(v.rows, device)))
+                self._model.reduce_mean(self._model.evaluate(self._val_slice.micro_batches(token_rows(v.rows), device)))
                 for v in self._data.validation
             ]
         ).tolist()

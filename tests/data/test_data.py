@@ -12,6 +12,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 import pytest
+from harness.corpora import job_reading
 from omegaconf import OmegaConf
 
 from llmtrain.config import DataConfig, validate_data
@@ -287,12 +288,12 @@ def test_val_path_names_the_validation_files(corpus, tmp_path):
 
 def test_a_too_small_validation_set_names_a_fix_that_works(tmp_path):
     cfg = _data_cfg(path=str(_one_long_document(tmp_path, 200_000)), val_fraction=0.01)
-    reading = DataReading(63, 0, train=RankSlice(16, 16, 0, 1), validation=RankSlice(128, 16, 0, 1))
+    reading = DataReading(train=RankSlice(16, 16, 0, 1), validation=RankSlice(128, 16, 0, 1))
     with pytest.raises(ConfigError, match=r"raise data.val_fraction to (\S+)") as error:
-        build_data(cfg, ByteTokenizer(), reading)
+        build_data(job_reading(cfg, 63, 0), ByteTokenizer(), reading)
     assert "\n" not in str(error.value)
     cfg.val_fraction = float(re.search(r"val_fraction to (\S+)", str(error.value)).group(1))
-    data = build_data(cfg, ByteTokenizer(), reading)
+    data = build_data(job_reading(cfg, 63, 0), ByteTokenizer(), reading)
     data.close()  # its stream's reading thread would read on in the background, into other tests' fault points
     assert data.validation[0].rows.shape == (128, 64)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness.corpora import job_reading
 from omegaconf import OmegaConf
 from test_prepare import _data_cfg, _prepare, write_corpus
 
@@ -198,8 +199,8 @@ def test_a_mixture_builds_with_its_metrics_and_a_validation_set_per_source(store
     cfg = _config(stores)
     tokenizer = build_tokenizer(cfg, True, lambda: None)
     assert isinstance(tokenizer, ByteTokenizer)
-    reading = DataReading(SEQ_LEN, 7, train=RankSlice(16, 2, 0, 2), validation=RankSlice(32, 2, 0, 2))
-    data = build_data(cfg, tokenizer, reading, steps=100)
+    reading = DataReading(train=RankSlice(16, 2, 0, 2), validation=RankSlice(32, 2, 0, 2))
+    data = build_data(job_reading(cfg, SEQ_LEN, 7, steps=100), tokenizer, reading)
     try:
         # a validation set for each source whose split holds 32 windows (eval_batches x batch_size; here the
         # smaller sources hold out too little text and are left out), its rows on this rank

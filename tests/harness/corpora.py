@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from llmtrain.config import RootConfig
 
 # Short documents (the first lines of the standard library's docstrings, 47 characters on average), so that most
 # windows of the layout tests hold several packed documents, and the overrides that train on them within each one
@@ -106,3 +111,10 @@ def write_prompt_data(directory: Path, prompts: int = 200) -> Path:
     path = directory / "prompts.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
+
+
+def job_reading(data_cfg, seq_len: int, seed: int, steps: int = 0) -> RootConfig:
+    """The root config of a job that reads `data_cfg` in windows of seq_len + 1 tokens with `seed`: what a data
+    source's reader is given."""
+    base = RootConfig(data=OmegaConf.to_object(data_cfg) if isinstance(data_cfg, DictConfig) else data_cfg)
+    return dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=seq_len, steps=steps), seed=seed)

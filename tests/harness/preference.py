@@ -54,7 +54,7 @@ def refereed_step(parts: Components) -> RefereedStep:
     rows = parts.data.train.next()
     micro_batches = parts.train_slice.micro_batches(rows)
     referee, reference = copy.deepcopy(module), copy.deepcopy(module)
-    prepared = parts.objective.prepared(micro_batches, rows)
+    prepared = parts.objective.prepared(rows)
     parts.model.forward_backward(prepared.micro_batches)
     inputs, targets = (torch.cat(part) for part in zip(*micro_batches))
     with torch.no_grad():

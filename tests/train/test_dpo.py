@@ -82,7 +82,7 @@ def test_a_dpo_step_has_the_referees_loss_rewards_and_gradients(pairs, tmp_path)
     finally:
         parts.data.close()
     assert step.prepared.loss is not None
-    statistics = torch.cat([step.prepared.loss.reshape(1), step.prepared.metrics])
+    statistics = torch.stack([step.prepared.loss, *(step.prepared.metrics[name] for name in REWARDS)])
     rewards = beta * step.log_ratios
     margins = rewards[:, 0] - rewards[:, 1]
     loss = -F.logsigmoid(margins).mean()

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config import validate
 from llmtrain.data import RankSlice
-from llmtrain.data.rl import HEADER, PromptBatches, PromptSet, SlotRows, prompt_of
+from llmtrain.data.rl import PromptBatch, PromptBatches, PromptSet, prompt_of
 from llmtrain.data.tokenizers import ByteTokenizer, FastTokenizer
 from llmtrain.errors import ConfigError
 from llmtrain.process.runtime import Runtime
@@ -53,26 +53,28 @@ def test_a_batch_holds_each_prompt_group_times_numbered_by_its_draw():
     prompts = PromptSet.of([{"prompt": f"question {i}", "answer": str(i)} for i in range(5)], ByteTokenizer(), 20, "p")
     assert prompts.stop_ids == (ByteTokenizer.eos_id,) and prompts.columns == {"answer": [str(i) for i in range(5)]}
 
-    def batches(rank: int, dp: int, repeats: int, position=None, count: int = 4) -> list[np.ndarray]:
-        reader = PromptBatches(prompts, 30, 2, repeats, 7, RankSlice(8, 2, rank, dp), position)
+    def batches(rank: int, dp: int, repeats: int, position=None, count: int = 4) -> list[PromptBatch]:
+        reader = PromptBatches(prompts, 2, repeats, 7, RankSlice(8, 2, rank, dp), position)
         return [reader.next() for _ in range(count)]
 
+    def slots(batch: PromptBatch) -> list[tuple[int, int]]:
+        return list(zip(batch.records, batch.draws))
+
     whole = batches(0, 1, 1)
-    slots = [SlotRows.of(rows) for rows in whole]
-    assert [s.draws for s in slots[:2]] == [[0, 0, 1, 1, 2, 2, 3, 3], [4, 4, 5, 5, 6, 6, 7, 7]]
-    first_epoch = [r for s in slots for r in s.records[::2]][:5]
+    assert [s.draws for s in whole[:2]] == [[0, 0, 1, 1, 2, 2, 3, 3], [4, 4, 5, 5, 6, 6, 7, 7]]
+    first_epoch = [r for s in whole for r in s.records[::2]][:5]
     assert sorted(first_epoch) == list(range(5))  # every prompt once an epoch
-    for s in slots:
-        assert all(prompts.tokens[r].tolist() == p for r, p in zip(s.records, s.prompts))
-        assert s.records[::2] == s.records[1::2]  # a group's rows share their prompt
-    assert (whole[0][:, HEADER + len(prompts.tokens[0]) + 1 :] == 0).all()
+    for s in whole:
+        assert s.tokens == [prompts.tokens[r].tolist() for r in s.records]
+        assert s.given == [f"question {r}" for r in s.records] and s.columns == {"answer": [str(r) for r in s.records]}
+        assert s.records[::2] == s.records[1::2]  # a group's slots share their prompt
     halves = [batches(rank, 2, 1) for rank in range(2)]
-    assert all(np.array_equal(np.concatenate([a, b]), w) for a, b, w in zip(*halves, whole))
+    assert all(slots(a) + slots(b) == slots(w) for a, b, w in zip(*halves, whole))
     repeated = batches(0, 1, 2)
-    assert np.array_equal(repeated[0], repeated[1]) and np.array_equal(repeated[2], whole[1])
-    reader = PromptBatches(prompts, 30, 2, 1, 7, RankSlice(8, 2, 0, 1), None)
+    assert slots(repeated[0]) == slots(repeated[1]) and slots(repeated[2]) == slots(whole[1])
+    reader = PromptBatches(prompts, 2, 1, 7, RankSlice(8, 2, 0, 1), None)
     reader.next()
-    assert np.array_equal(batches(0, 1, 1, reader.state_dict(), 1)[0], whole[1])
+    assert slots(batches(0, 1, 1, reader.state_dict(), 1)[0]) == slots(whole[1])
 
 
 def test_message_prompts_are_rendered_with_the_chat_template_and_stop_at_its_end_of_turn():
@@ -158,11 +160,11 @@ def test_a_grpo_step_has_the_referees_loss_and_gradients(prompts_file, tmp_path,
             if name.endswith("lora_b"):
                 param.zero_()
     try:
-        rows = parts.data.train.next()
+        batch = parts.data.train.next()
         old = None
         for step in range(2):
             referee = copy.deepcopy(module)
-            prepared = objective.prepared(parts.train_slice.micro_batches(rows), rows)
+            prepared = objective.prepared(batch)
             rollout = objective.current
             assert rollout is not None
             parts.model.optimizer.zero_grad(set_to_none=True)
@@ -180,7 +182,7 @@ def test_a_grpo_step_has_the_referees_loss_and_gradients(prompts_file, tmp_path,
             assert prepared.loss is not None
             assert prepared.loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7), step
             assert_adapter_gradients_match(module, referee)
-            record = objective.recorded(prepared.metrics.tolist())
+            record = objective.recorded({name: value.item() for name, value in prepared.metrics.items()})
             if step == 0:
                 first = rollout
                 assert record["clip_ratio/region_mean"] == 0 and 0 < record["reward"] < 1
