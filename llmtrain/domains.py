@@ -14,6 +14,7 @@ import glob
 import math
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,8 @@ class MeshDegree(Domain):
 
 @dataclass(frozen=True)
 class OneOf(Domain):
-    choices: tuple[Any, ...]
+    # a tuple, or a catalog table whose names are the choices (read when a value is checked: a row added is one)
+    choices: Collection[Any]
 
     def complaint(self, value: Any) -> str | None:
         return None if value in self.choices else "is not one of the choices"

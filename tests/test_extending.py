@@ -17,13 +17,15 @@ import torch
 from extending_worker import (
     blocks,
     edits,
+    install_data_source,
     install_family,
     install_layout,
     install_objective,
     install_optimizer,
+    install_reward,
     write_options,
 )
-from harness.corpora import DOCUMENT_CORPUS, write_preference_data
+from harness.corpora import DOCUMENT_CORPUS, write_preference_data, write_prompt_data
 from harness.layouts import assert_matches_single, needs_torchao
 from harness.paths import WORKERS
 from harness.preference import assert_adapter_gradients_match, preference_run, refereed_step
@@ -35,7 +37,7 @@ from llmtrain.checkpoint.manager import read_meta
 from llmtrain.checkpoint.offline import find_checkpoint, load_checkpoint_model
 from llmtrain.checkpoint.training import check_model_matches
 from llmtrain.config import OptimConfig, ParallelConfig
-from llmtrain.config.validation import validate_flat_slices, validate_objective
+from llmtrain.config.validation import validate_data, validate_flat_slices, validate_objective
 from llmtrain.errors import ConfigError
 from llmtrain.export import export
 from llmtrain.model import GPT, GPTConfig, meta_model, model_group_of, trainable_parameters
@@ -95,13 +97,16 @@ def _train(overrides: list[str], steps: int, run_dir: Path):
 
 
 def test_the_guide_adds_new_files_and_catalog_rows_and_edits_nothing_else():
-    """A layout, a family and an optimizer are each code of its own and rows of llmtrain/catalog/'s tables: the
-    page edits no function, and every block it adds to an existing file is rows of one of those tables."""
+    """A layout, a family, an optimizer, an objective, a data source and a reward are each code of its own and rows
+    of llmtrain/catalog/'s tables: the page edits no function, and every block it adds to an existing file is rows
+    of one of those tables."""
     assert edits() == [
         "llmtrain/catalog/layouts.py LAYOUTS",
         "llmtrain/catalog/models.py MODEL_FAMILIES",
         "llmtrain/catalog/optimizers.py OPTIMIZERS",
         "llmtrain/catalog/objectives.py OBJECTIVES",
+        "llmtrain/catalog/data_sources.py DATA_SOURCES",
+        "llmtrain/catalog/objectives.py REWARDS",
     ]
     for marker in edits():
         assert isinstance(getattr(catalog, marker.split()[1]), dict)
@@ -325,3 +330,68 @@ def test_the_guides_objective_matches_single_on_two_ranks(tmp_path_factory, pair
     results = json.loads((out / "results.json").read_text())
     assert_matches_single(results, "parallel=fsdp")
     assert results["parallel=fsdp"]["losses"][0] == pytest.approx(1.0)
+
+
+# -- the data source -------------------------------------------------------------------------------------------------
+NAMES = [f"{first}{second}" for first in ("ka", "mi", "to", "re", "su", "no") for second in ("ra", "ko", "li", "den")]
+
+
+def test_the_data_sources_lines_are_documents_and_it_trains(monkeypatch, options, tmp_path):
+    """Its row alone makes data=lines read: each line a document ended by end-of-text (data=local would read the
+    file as one), the held-out lines apart, the row's key required in one line; a few steps learn."""
+    install_data_source(monkeypatch)
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(NAMES * 10) + "\n")
+    run = [options, "data=lines", f"data.path={names}", "data.tokenizer.kind=byte", "train.seq_len=32"]
+    run += ["train.batch_size=8", "train.micro_batch_size=8", "train.eval_every=0", "train.save_model=false"]
+    run += ["train.device=cpu", "optim.warmup_steps=0", "optim.lr=3e-3", "checkpoint.resume=none"]
+    run += ["logging.wandb.mode=disabled", "model=tiny"]
+    config = compose_config(run)
+    with pytest.raises(ConfigError, match=r"^data\.path is not set: data=lines needs data\.path=<file, folder or glob"):
+        validate_data(compose_config([options, "data=lines"]).data)
+    parts = build_training(OmegaConf.to_object(config), ALONE, str(tmp_path / "run"))
+    records: list[dict] = []
+    try:
+        rows = parts.data.train.next()
+        eos = parts.data.tokenizer.eos_id
+        for row in rows.tolist():
+            pieces = bytes(t if t != eos else 10 for t in row).decode().split("\n")
+            assert set(pieces[1:-1]) <= set(NAMES) and len(pieces) > 3  # whole names between the ends
+        trainer = Trainer(parts, records.append)
+        for _ in range(8):
+            trainer.advance()
+    finally:
+        parts.data.close()
+    losses = [record["loss"] for record in records]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+# -- the reward ------------------------------------------------------------------------------------------------------
+def test_the_rewards_scores_are_the_ones_graded_by_hand_and_grpo_trains_with_it(monkeypatch, tmp_path):
+    """answer_in_text finds the answer inside a sentence, an alias of a list, a punctuated and articled answer; a
+    wrong one scores 0 and a record without an answer is left unscored; data.reward=[answer_in_text] names it in
+    GRPO's record."""
+    module = install_reward(monkeypatch)
+    scores = module.answer_in_text(
+        ["q"] * 5,
+        ["It was Paris, of course.", "I think the Eiffel Tower.", "Mount Everest", "nope", "anything"],
+        ["paris", ["Tour Eiffel", "eiffel tower"], "The Everest!", "42", ""],
+    )
+    assert scores == [1.0, 1.0, 1.0, 0.0, None]
+    assert module.answer_in_text(["q"], [[{"role": "assistant", "content": "Everest."}]], ["everest"]) == [1.0]
+    prompts = write_prompt_data(tmp_path)
+    run = ["data=rl", f"data.path={prompts}", "data.tokenizer.kind=byte", "data.reward=[answer_in_text]"]
+    run += ["model=llama-tiny", "model.n_layer=2", "train.seq_len=64", "train.batch_size=8", "train.micro_batch_size=4"]
+    run += ["rl.group_size=4", "rl.max_new_tokens=6", "train.device=cpu", "logging.wandb.mode=disabled"]
+    run += ["train.eval_every=0", "checkpoint.resume=none", "train.save_model=false"]
+    parts = build_training(OmegaConf.to_object(compose_config(run)), ALONE, str(tmp_path / "run"))
+    records: list[dict] = []
+    try:
+        Trainer(parts, records.append).advance()
+    finally:
+        parts.data.close()
+    (record,) = records
+    assert (
+        0.0 <= record["rewards/answer_in_text/mean"] <= 1.0
+        and record["rewards/answer_in_text/mean"] == record["reward"]
+    )

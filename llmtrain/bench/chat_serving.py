@@ -39,7 +39,10 @@ from llmtrain.process.runtime import init_runtime
 QUESTION = [{"role": "user", "content": "Write a short function that reads a file and returns its lines."}]
 
 
-def _post(port: int, body: dict) -> tuple[float, float, int]:
+Timing = tuple[float, float, int]  # seconds to the first piece (0: answered whole), seconds in all, tokens drawn
+
+
+def _post(port: int, body: dict) -> Timing:
     """(seconds to the first piece of text, seconds in all, tokens drawn) of one request."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     started = time.perf_counter()
@@ -81,51 +84,64 @@ def main(argv: list[str] | None = None) -> None:
     config = chat_config([f"train.device={args.device}", *overrides])
     device = init_runtime(config.train.device).device
     answerer = whole_answerer(args.path, config, False, device) if args.path else seeded_answerer(config, device)
-    engine, name = Engine([answerer], Peers()), answerer.name
+    engine = Engine([answerer], Peers())
     prompt = answerer.prompts.ids(QUESTION)
     new_tokens = answerer.room(prompt, args.new_tokens)
-    settings = SamplingSettings(new_tokens, 0.8, 50, 1.0)  # no stop token: every way draws --new-tokens
     server = ChatServer(("127.0.0.1", 0), engine, Defaults(max_tokens=new_tokens), None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = int(server.server_address[1])
-    body = {
-        "messages": QUESTION,
-        "max_tokens": new_tokens,
-        "temperature": 0.8,
-        "top_k": 50,
-        "seed": 0,
-        "ignore_eos": True,
-    }
+    try:
+        timings = _timed(_ways(engine, answerer, prompt, new_tokens, int(server.server_address[1])), args.rounds)
+    finally:
+        server.shutdown()
+    _report(timings, f"{answerer.name} on {device}: {len(prompt)}-token chat prompt", args.rounds)
 
-    def sampler() -> tuple[float, float, int]:
+
+def _ways(
+    engine: Engine, answerer: Answerer, prompt: list[int], new_tokens: int, port: int
+) -> dict[str, Callable[[], Timing]]:
+    """Each way of drawing the same answer: the sampler, the engine streaming text, the server streamed and whole."""
+    settings = SamplingSettings(new_tokens, 0.8, 50, 1.0)  # no stop token: every way draws --new-tokens
+    body = {"messages": QUESTION, "max_tokens": new_tokens, "temperature": 0.8, "top_k": 50, "seed": 0}
+    body["ignore_eos"] = True
+    device = answerer.device
+
+    def sampler() -> Timing:
         started = time.perf_counter()
         (drawn,) = sample(answerer.decode, [prompt], [0], 1, settings, 0, device).rows()
         return 0.0, time.perf_counter() - started, len(drawn)
 
-    def streamed() -> tuple[float, float, int]:
+    def streamed() -> Timing:
         started, first = time.perf_counter(), None
-        answer = StreamedAnswer(engine.answer(name, prompt, settings, 0), answerer.prompts.backend, settings.stop_ids)
+        tokens = engine.answer(answerer.name, prompt, settings, 0)
+        answer = StreamedAnswer(tokens, answerer.prompts.backend, settings.stop_ids)
         for _ in answer:
             first = first or time.perf_counter() - started
         return first or 0.0, time.perf_counter() - started, len(answer.ids)
 
-    ways: dict[str, Callable[[], tuple[float, float, int]]] = {
+    return {
         "sampler alone": sampler,
         "engine, text streamed": streamed,
         "server, streamed (SSE)": lambda: _post(port, {**body, "stream": True}),
         "server, whole answer": lambda: _post(port, body),
     }
-    timings: dict[str, list[tuple[float, float, int]]] = {way: [] for way in ways}
-    for round_index in range(args.rounds + 1):
+
+
+def _timed(ways: dict[str, Callable[[], Timing]], rounds: int) -> dict[str, list[Timing]]:
+    """Each way's timings over `rounds` rounds, after a round that warms every way up; every way drew as many."""
+    timings: dict[str, list[Timing]] = {way: [] for way in ways}
+    for round_index in range(rounds + 1):
         for way, run in ways.items():
             measured = run()
-            if round_index:  # the first round warms every way up
+            if round_index:
                 timings[way].append(measured)
-    server.shutdown()
     tokens = {way: {n for _, _, n in runs} for way, runs in timings.items()}
     assert len(set().union(*tokens.values())) == 1, f"the ways drew different answers: {tokens}"
+    return timings
+
+
+def _report(timings: dict[str, list[Timing]], what: str, rounds: int) -> None:
     drawn = timings["sampler alone"][0][2]
-    print(f"{name} on {device}: {len(prompt)}-token chat prompt, {drawn} tokens drawn, median of {args.rounds} rounds")
+    print(f"{what}, {drawn} tokens drawn, median of {rounds} rounds")
     base = drawn / statistics.median(seconds for _, seconds, _ in timings["sampler alone"])
     for way, runs in timings.items():
         rate = drawn / statistics.median(seconds for _, seconds, _ in runs)

@@ -10,7 +10,7 @@ class ObjectiveSpec:
     """What a step optimizes (llmtrain/train/objectives.py: an Objective), named by an import string and built for
     the job's model and data."""
 
-    implementation: str  # "module:Class" of the Objective: (model, data, validation slice, config) make it whole
+    implementation: str  # "module:Class" of the Objective: (model, data, its two slices, config) make it whole
     description: str  # one line for train.objective's --help and docs/config.md
     # the data source it trains on, where no objective without one does (data=preference's pairs, data=rl's
     # prompts); None: any other source. train.objective=auto picks the first row of the job's source

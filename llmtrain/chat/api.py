@@ -134,21 +134,39 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
     if _integer(body, "n", 1, 1) != 1:
         raise RequestError("n must be 1: send the request again with another seed for another answer", "n")
     stream = bool(body.get("stream", False))
+    prompts, texts, logprobs, echo = _asked(body, chat, answerer, stream)
+    settings = _sampling(body, defaults, answerer, _max_tokens(body, chat, defaults, answerer, echo))
+    for prompt in prompts:
+        answerer.room(prompt, settings.max_new_tokens)  # a prompt that fills the context is refused before drawing
+    stop_texts = answerer.prompts.stop_texts + _stop_texts(body)
+    seed = _integer(body, "seed", defaults.seed, 0)
+    assert seed is not None
+    return Request(chat, answerer, prompts, texts, settings, stop_texts, seed, stream, logprobs, echo)
+
+
+def _asked(
+    body: dict, chat: bool, answerer: Answerer, stream: bool
+) -> tuple[list[list[int]], list[str], int | None, bool]:
+    """What is to be answered: the prompts' tokens and texts (a chat's conversation rendered as its model's chat
+    template renders it), and for completions the log-probabilities and echo asked for."""
     if chat:
         try:
             messages = checked_messages(body.get("messages"))
         except ValueError as reason:
             raise RequestError(str(reason), "messages") from None
-        prompts, texts = [answerer.prompts.ids(messages)], [messages[-1]["content"]]
-        logprobs, echo = None, False
-    else:
-        prompts, texts = _prompts(body, answerer)
-        logprobs = _integer(body, "logprobs", None, 0)
-        if logprobs is not None and logprobs > MOST_LOGPROBS:
-            raise RequestError(f"logprobs must be at most {MOST_LOGPROBS}", "logprobs")
-        echo = bool(body.get("echo", False))
-        if stream and (logprobs is not None or echo):
-            raise RequestError("logprobs and echo are answered whole: send them with stream=false", "stream")
+        return [answerer.prompts.ids(messages)], [messages[-1]["content"]], None, False
+    prompts, texts = _prompts(body, answerer)
+    logprobs = _integer(body, "logprobs", None, 0)
+    if logprobs is not None and logprobs > MOST_LOGPROBS:
+        raise RequestError(f"logprobs must be at most {MOST_LOGPROBS}", "logprobs")
+    echo = bool(body.get("echo", False))
+    if stream and (logprobs is not None or echo):
+        raise RequestError("logprobs and echo are answered whole: send them with stream=false", "stream")
+    return prompts, texts, logprobs, echo
+
+
+def _max_tokens(body: dict, chat: bool, defaults: Defaults, answerer: Answerer, echo: bool) -> int:
+    """The most tokens to draw: max_completion_tokens (OpenAI's newer name) or max_tokens, else the default."""
     chat_default = defaults.max_tokens if defaults.max_tokens is not None else answerer.max_seq_len
     default_tokens = chat_default if chat else COMPLETIONS_MAX_TOKENS
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
@@ -158,6 +176,11 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
         raise RequestError(
             "max_tokens=0 draws nothing: ask for at least 1 (or echo the prompt's logprobs)", "max_tokens"
         )
+    return max_tokens
+
+
+def _sampling(body: dict, defaults: Defaults, answerer: Answerer, max_tokens: int) -> SamplingSettings:
+    """How the answer is drawn: temperature, top-k, top-p and the stop tokens (none with vLLM's ignore_eos)."""
     settings = SamplingSettings(
         max_new_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
@@ -167,12 +190,7 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
     )
     if settings.top_p == 0:
         raise RequestError("top_p must be above 0 (0.01 keeps the likeliest token alone)", "top_p")
-    for prompt in prompts:
-        answerer.room(prompt, max_tokens)  # a prompt that fills the context is refused before anything is drawn
-    stop_texts = answerer.prompts.stop_texts + _stop_texts(body)
-    seed = _integer(body, "seed", defaults.seed, 0)
-    assert seed is not None
-    return Request(chat, answerer, prompts, texts, settings, stop_texts, seed, stream, logprobs, echo)
+    return settings
 
 
 def streamed(engine: Engine, request: Request, prompt: list[int]) -> StreamedAnswer:

@@ -51,7 +51,7 @@ class TokenizerConfig:
 class DataConfig:
     source: str = key(
         MISSING,
-        OneOf(tuple(catalog.DATA_SOURCES)),
+        OneOf(catalog.DATA_SOURCES),
         f"set by the `data` option: {catalog.described(catalog.DATA_SOURCES)}",
     )
     path: Optional[str] = key(

@@ -24,12 +24,14 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from llmtrain.catalog import DATA_SOURCES, data_source
 from llmtrain.config import (
     CONF_DIR,
     DataConfig,
     PrepareConfig,
     PrepareRootConfig,
     check_domains,
+    reads_local_files,
     reads_prepared_stores,
     register_schemas,
     validate_data,
@@ -58,11 +60,11 @@ BATCH_DOCS = 4096
 
 def _inputs(data_cfg: DataConfig) -> list[list[Any]]:
     """(path, size, mtime) of every input file, so that edited or added files make a different store."""
-    if data_cfg.source == "stdlib":
-        paths = stdlib_files()
-    elif data_cfg.source == "local":
+    if reads_local_files(data_cfg):
         assert data_cfg.path is not None
         paths = local_data_files(data_cfg.path) + (local_data_files(data_cfg.val_path) if data_cfg.val_path else [])
+    elif data_cfg.source == "stdlib":  # the one source whose files are the machine's (a row field would serve one)
+        paths = stdlib_files()
     else:
         return []  # a hub dataset is named by its config
     return [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
@@ -171,10 +173,10 @@ def _check_settings(data_cfg: DataConfig, prepare_cfg: PrepareConfig) -> None:
     check_domains(prepare_cfg, PrepareConfig, "prepare.")
     validate_data(data_cfg)
     check_data_files(data_cfg)
-    if reads_prepared_stores(data_cfg):
-        raise ConfigError(
-            f"data={data_cfg.source} reads prepared stores: choose the source to prepare (data=stdlib|local|hf)"
-        )
+    if data_source(data_cfg.source).documents is None:
+        held = "reads prepared stores" if reads_prepared_stores(data_cfg) else "holds no text documents"
+        sources = "|".join(name for name, row in DATA_SOURCES.items() if row.documents is not None)
+        raise ConfigError(f"data={data_cfg.source} {held}: choose the source to prepare (data={sources})")
 
 
 def _prepared_before(out: str, configured_out: str, fingerprint: str) -> dict[str, Any] | None:

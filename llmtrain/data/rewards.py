@@ -13,6 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.catalog import REWARDS, imported
@@ -114,3 +115,29 @@ def scored(
         kept = [weight * score for weight, score in zip(weights, row) if not math.isnan(score)]
         totals.append(sum(kept) if kept else math.nan)
     return totals, each
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """data.reward's functions with their weights, each under the name TRL logs it by (`rewards/<name>/mean`)."""
+
+    functions: list[RewardFunction]
+    weights: list[float]
+    names: list[str]
+
+    @classmethod
+    def of(cls, data_cfg) -> Rewards:
+        """data.reward, data.reward_weights (None: 1 each) and data.reward_pattern's rewards; ConfigError naming
+        data.reward where one is neither a built-in nor importable."""
+        names = list(data_cfg.reward or [])
+        return cls(
+            [reward_function(name, data_cfg.reward_pattern) for name in names],
+            list(data_cfg.reward_weights or [1.0] * len(names)),
+            [name.partition(":")[2] or name for name in names],
+        )
+
+    def scored(
+        self, prompts: Sequence[Any], completions: Sequence[Completion], columns: dict[str, list[Any]]
+    ) -> tuple[list[float], list[list[float]]]:
+        """`scored` with these functions and weights."""
+        return scored(self.functions, self.weights, prompts, completions, columns)

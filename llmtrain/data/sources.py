@@ -285,7 +285,7 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
     source row's documents, held out by data.val_fraction unless a validation split or path names the held-out
     text."""
     opened = imported(_documents_of(data_cfg))(data_cfg, split)
-    if isinstance(opened, _WholeSplit):
+    if isinstance(opened, WholeSplit):
         return opened.documents
     return opened.map(
         _split_side,
@@ -296,7 +296,7 @@ def open_documents(data_cfg, split: str) -> IterableDataset:
 
 
 @dataclass(frozen=True)
-class _WholeSplit:
+class WholeSplit:
     """Documents that are the split asked for as they are (a validation split or path of their own)."""
 
     documents: IterableDataset
@@ -314,17 +314,17 @@ def stdlib_documents(data_cfg, split: str) -> IterableDataset:
     return _from_generator(_read_text_files, stdlib_files(), strict=False)
 
 
-def local_documents(data_cfg, split: str) -> IterableDataset | _WholeSplit:
+def local_documents(data_cfg, split: str) -> IterableDataset | WholeSplit:
     """data=local: the files under data.path (the held-out ones under data.val_path where it is set)."""
     if data_cfg.val_path is not None:
-        return _WholeSplit(_local_dataset(data_cfg, "data.path" if split == TRAIN else "data.val_path"))
+        return WholeSplit(_local_dataset(data_cfg, "data.path" if split == TRAIN else "data.val_path"))
     return _local_dataset(data_cfg, "data.path")
 
 
-def hub_documents(data_cfg, split: str) -> IterableDataset | _WholeSplit:
+def hub_documents(data_cfg, split: str) -> IterableDataset | WholeSplit:
     """data=hf: the dataset's split on the hub (data.val_split's where it is set)."""
     if data_cfg.val_split is not None:
-        return _WholeSplit(_hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split))
+        return WholeSplit(_hub_dataset(data_cfg, data_cfg.split if split == TRAIN else data_cfg.val_split))
     return _hub_dataset(data_cfg, data_cfg.split)
 
 

@@ -12,7 +12,8 @@ import torch
 from llmtrain.catalog import EXPERT_LORA_TARGETS, LORA_TARGETS, imported, model_family
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.flops import flops_per_token
-from llmtrain.model.gpt import GPT, GPTConfig, num_parameters, seeded_init, trainable_parameters
+from llmtrain.model.gpt import GPT, num_parameters, seeded_init, trainable_parameters
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.lora import LoRAConfig, is_adapter
 from llmtrain.model.losses import chunked_cross_entropy, cross_entropy_loss, summed_cross_entropy
 from llmtrain.model.materialize import Materializer, ParameterInit, materialize

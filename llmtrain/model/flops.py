@@ -3,7 +3,7 @@ time)."""
 
 from __future__ import annotations
 
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int, trainable: int | None = None) -> float:

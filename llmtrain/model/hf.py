@@ -18,7 +18,8 @@ import torch
 from llmtrain.catalog import MODEL_FAMILIES, imported, model_family
 from llmtrain.errors import ConfigError
 from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
-from llmtrain.model.gpt import GPT, GPTConfig
+from llmtrain.model.gpt import GPT
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
 
 

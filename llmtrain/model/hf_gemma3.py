@@ -23,7 +23,8 @@ import os
 from typing import Any
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPT, GPTConfig
+from llmtrain.model.gpt import GPT
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_llama import (
     LLAMA_SHAPE_KEYS,
     LlamaWeights,

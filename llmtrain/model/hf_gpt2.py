@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
+from llmtrain.model.gpt import GPT, vocabulary_mask
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_files import lazy_tensors, local_hf_directory
 
 

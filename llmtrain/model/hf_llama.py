@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPT, GPTConfig, vocabulary_mask
+from llmtrain.model.gpt import GPT, vocabulary_mask
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_files import lazy_tensors, local_hf_directory
 from llmtrain.model.rope import RopeScaling
 

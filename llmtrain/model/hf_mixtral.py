@@ -19,7 +19,8 @@ from typing import cast
 import torch
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPT, Block, GPTConfig
+from llmtrain.model.gpt import GPT, Block
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_llama import (
     LLAMA_SHAPE_KEYS,
     LlamaWeights,

@@ -10,7 +10,7 @@ sliding window (the dense releases use none), rotary base 1e6.
 from __future__ import annotations
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_llama import (
     LLAMA_SHAPE_KEYS,
     LlamaWeights,

@@ -15,7 +15,7 @@ own only with `output_router_logits`, off in the releases.
 from __future__ import annotations
 
 from llmtrain.errors import ConfigError
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_llama import config_from_llama_like, decoder_fields, is_llama
 from llmtrain.model.hf_mixtral import MixtralWeights
 from llmtrain.model.moe import MoEConfig

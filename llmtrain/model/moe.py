@@ -35,8 +35,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import MlpKind, imported
 from llmtrain.model.lora import LoRAConfig
@@ -90,14 +89,17 @@ def add_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor
     return _AuxiliaryLoss.apply(output, loss)
 
 
-def _into_split(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's f: identity forward; backward all-reduces the partial gradients of the ranks' hidden slices."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+class HiddenSplit(Protocol):
+    """How a mixture's inputs enter and its outputs leave experts whose hidden units are split over ranks (tensor
+    parallelism sets one: parallel/tp.py's SplitExperts)."""
 
+    def into(self, x: torch.Tensor) -> torch.Tensor:
+        """Megatron's f: identity forward; backward sums the ranks' partial gradients."""
+        ...
 
-def _out_of_split(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's g: all-reduce of the ranks' partial sums forward; identity backward."""
-    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    def out_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Megatron's g: the ranks' partial sums summed forward; identity backward."""
+        ...
 
 
 def _recomputing() -> bool:
@@ -154,9 +156,9 @@ class Experts(nn.Module):
             self.out_lora_b = nn.Parameter(torch.empty(num_experts, lora.rank, d_model))
         self.scale = lora.scale if lora.enabled else 0.0
         self.adapting = self.in_lora_a is not None or self.out_lora_a is not None  # False: the base alone
-        # Tensor parallelism (parallel/tp.py's SplitExperts): each rank of this mesh holds a slice of every
-        # expert's hidden units, so its outputs are partial sums, reduced by the MoE once per token.
-        self.hidden_split: DeviceMesh | None = None
+        # Tensor parallelism (parallel/tp.py's SplitExperts): each rank holds a slice of every expert's hidden
+        # units, so its outputs are partial sums, reduced by the MoE once per token.
+        self.hidden_split: HiddenSplit | None = None
 
     def stack_shape(self, attribute: str) -> tuple[int, int, int]:
         """The whole stack `attribute` (w_in, w_gate, w_out) holds: (experts, in, out), however NF4 stores it."""
@@ -357,7 +359,7 @@ class MoE(nn.Module):
         # number per slot) is reduced too; the router stays replicated, its gradients the same on every rank.
         expert_tokens = tokens
         if split is not None:
-            expert_tokens, slot_weights = _into_split(tokens, split), _into_split(slot_weights, split)
+            expert_tokens, slot_weights = split.into(tokens), split.into(slot_weights)
         rows = expert_tokens[token_of_slot]
         routed = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         # Each token's top_k outputs are weighted and summed in fp32, the routing weights' dtype, then cast to the
@@ -367,7 +369,7 @@ class MoE(nn.Module):
         out = torch.zeros(tokens.shape, dtype=routed.dtype, device=tokens.device)
         out = out.index_add_(0, token_of_slot, routed).to(tokens.dtype)
         if split is not None:
-            out = _out_of_split(out, split)
+            out = split.out_of(out)
         if self.shared is not None:
             out = out + self.shared(tokens)
         # A training step's routing, once: not validation's, not shape probes', not activation checkpointing's rerun.

@@ -30,6 +30,7 @@ the cross-entropy runs on vocabulary shards and no rank ever holds full-vocabula
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
@@ -177,6 +178,20 @@ class AdaptedRowwise(RowwiseParallel):
 EXPERT_HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}
 
 
+@dataclass(frozen=True)
+class MegatronSplit:
+    """moe.HiddenSplit over `mesh`: Megatron's f and g as DTensor conversions."""
+
+    mesh: DeviceMesh
+
+    def into(self, x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    def out_of(self, x: torch.Tensor) -> torch.Tensor:
+        local = DTensor.from_local(x, self.mesh, [Partial()], run_check=False)
+        return local.redistribute(self.mesh, [Replicate()]).to_local()
+
+
 class SplitExperts(ParallelStyle):
     """Each rank keeps a slice of every expert's hidden units and computes a partial sum of each routed slot's
     output; the MoE reduces them once per token (moe.py: Megatron's f and g around the experts, after the slots
@@ -189,7 +204,7 @@ class SplitExperts(ParallelStyle):
                 split = distribute_tensor(param.data, device_mesh, [Shard(EXPERT_HIDDEN_DIM[name])], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         assert isinstance(module, Experts)
-        module.hidden_split = device_mesh
+        module.hidden_split = MegatronSplit(device_mesh)
         return module
 
 

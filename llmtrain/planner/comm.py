@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from llmtrain.catalog import MOMENT_BYTES, schedule_spec
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.parallel.pipeline.split import rank_stages, stage_rank
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.memory import StepShape, residual_bytes

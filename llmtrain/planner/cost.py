@@ -13,15 +13,13 @@ The estimate ranks layouts; it is not a benchmark (llmtrain.bench.layout_benchma
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, replace
 from functools import reduce
 from typing import Any
 
 from llmtrain.catalog import MOMENT_BYTES, OPTIMIZERS, schedule_spec
 from llmtrain.model.flops import attention_flops_per_token, flops_per_token
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.planner.candidates import Candidate
 from llmtrain.planner.comm import (
     Traffic,
@@ -479,38 +477,3 @@ def _described(plan: LayoutCost) -> str:
     """The layout's name and the train.* knobs it turned, if any."""
     knobs = " ".join(f"train.{key}={value}" for key, value in plan.candidate.train_values().items())
     return f"{plan.name} with {knobs}" if knobs else plan.name
-
-
-def host_matmul_flops(ranks_per_node: int) -> float:
-    """A CPU rank's fp32 matmul FLOP/s, timed here: the machine's cores are shared by the node's ranks."""
-    import torch
-
-    n, reps = 512, 8
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    measured = 2 * n**3 * reps / (time.perf_counter() - start)
-    cores = os.cpu_count() or 1
-    return measured * min(1.0, cores / ranks_per_node / torch.get_num_threads())
-
-
-def host_memory_bandwidth(ranks_per_node: int) -> float:
-    """A CPU rank's memory bandwidth (bytes/s), timed here by copying a buffer larger than the caches: the node's
-    ranks share the memory's channels."""
-    import torch
-
-    source = torch.ones(8 * 2**20)  # 32 MiB
-    target = torch.empty_like(source)
-    target.copy_(source)
-    reps = 4
-    start = time.perf_counter()
-    for _ in range(reps):
-        target.copy_(source)
-    moved = 2 * source.numel() * source.element_size() * reps  # read and written
-    return moved / (time.perf_counter() - start) / ranks_per_node
-
-
-def total_memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB

@@ -10,16 +10,9 @@ from llmtrain.errors import ConfigError
 from llmtrain.model import gpt_config, meta_model
 from llmtrain.model.quantize import nf4_bytes_per_weight
 from llmtrain.parallel.float8 import float8_weight_share
-from llmtrain.planner.cost import (
-    GIB,
-    FeatureSpeeds,
-    Machine,
-    Workload,
-    host_matmul_flops,
-    host_memory_bandwidth,
-    total_memory_gib,
-)
+from llmtrain.planner.cost import GIB, FeatureSpeeds, Machine, Workload
 from llmtrain.planner.hardware import memory_bandwidth_of, peak_flops_of, runs_experts_one_by_one
+from llmtrain.planner.host import host_matmul_flops, host_memory_bandwidth, total_memory_bytes
 from llmtrain.planner.links import Links
 from llmtrain.planner.memory import StateBytes
 from llmtrain.planner.rollout import Sampling
@@ -98,7 +91,7 @@ def planned_vocab_size(cfg) -> int:
 def machine_for(cfg, world_size: int, ranks_per_node: int, bf16: bool) -> Machine:
     """The hardware config (and plan.measured) as the plan's Machine."""
     hw = cfg.hardware
-    memory_gib = hw.device_memory_gib or total_memory_gib() / ranks_per_node
+    memory_gib = hw.device_memory_gib or total_memory_bytes() / GIB / ranks_per_node
     return Machine(
         world_size=world_size,
         ranks_per_node=ranks_per_node,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmtrain.catalog import schedule_spec
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.losses import LOSS_CHUNK_VALUES
 from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.planner.candidates import Candidate

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.parallel_plan import Degrees
 
 

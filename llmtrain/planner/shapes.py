@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from llmtrain.catalog import imported, model_family, schedule_spec
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.quantize import GROUP as NF4_GROUP
 from llmtrain.parallel.pipeline.split import rank_stages
 from llmtrain.parallel_plan import Degrees, stage_layers

@@ -50,6 +50,37 @@ def advantages(rewards: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
     return centred.flatten()
 
 
+@dataclass(frozen=True)
+class TokenTerms:
+    """Each completion token's terms (rows, positions): the ratio ρ = π / π_old, where the clip holds ρ (below 1 - ε
+    where A < 0, above 1 + ε_high where A > 0: there min() takes the clipped term, constant in π), and the k3 KL to
+    the reference, π_ref/π - log(π_ref/π) - 1 (None without one). The loss, its weights and the step's metrics
+    (clip ratios, kl) all read these."""
+
+    ratio: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    kl: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        reference_log_probs: torch.Tensor | None,
+        advantage: torch.Tensor,
+        settings: GRPOSettings,
+    ) -> TokenTerms:
+        """Differentiable in `log_probs` (ratio and kl)."""
+        ratio = torch.exp(log_probs - old_log_probs)
+        a = advantage[:, None]
+        kl = None
+        if settings.beta and reference_log_probs is not None:
+            gap = reference_log_probs - log_probs
+            kl = torch.exp(gap) - gap - 1
+        return cls(ratio, (a < 0) & (ratio < 1 - settings.epsilon), (a > 0) & (ratio > 1 + settings.epsilon_high), kl)
+
+
 def token_losses(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -58,13 +89,14 @@ def token_losses(
     settings: GRPOSettings,
 ) -> torch.Tensor:
     """(rows, positions): each completion token's loss_t (the module docstring); differentiable in `log_probs`."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    clipped = ratio.clamp(1 - settings.epsilon, 1 + settings.epsilon_high)
-    losses = -torch.minimum(ratio * advantage[:, None], clipped * advantage[:, None])
-    if settings.beta and reference_log_probs is not None:
-        gap = reference_log_probs - log_probs
-        losses = losses + settings.beta * (torch.exp(gap) - gap - 1)
-    return losses
+    terms = TokenTerms.of(log_probs, old_log_probs, reference_log_probs, advantage, settings)
+    return _losses(terms, advantage, settings)
+
+
+def _losses(terms: TokenTerms, advantage: torch.Tensor, settings: GRPOSettings) -> torch.Tensor:
+    clipped = terms.ratio.clamp(1 - settings.epsilon, 1 + settings.epsilon_high)
+    losses = -torch.minimum(terms.ratio * advantage[:, None], clipped * advantage[:, None])
+    return losses if terms.kl is None else losses + settings.beta * terms.kl
 
 
 def token_shares(mask: torch.Tensor, settings: GRPOSettings, batch: GlobalBatch) -> torch.Tensor:
@@ -93,13 +125,10 @@ def loss_and_weights(
     -∂loss/∂log π(token) = share x (A ρ where the clip does not hold ρ, 0 where it does, - β (1 - π_ref/π)), from
     the log-probabilities alone (no graph is kept). The clip holds ρ above 1 + ε_high where A > 0 and below 1 - ε
     where A < 0: there min() takes the clipped term, constant in π."""
-    log_probs = log_probs.detach()
     shares = token_shares(mask, settings, batch)
-    ratio = torch.exp(log_probs - old_log_probs)
-    a = advantage[:, None]
-    held = ((a > 0) & (ratio > 1 + settings.epsilon_high)) | ((a < 0) & (ratio < 1 - settings.epsilon))
-    slope = torch.where(held, torch.zeros_like(ratio), a * ratio)
-    if settings.beta and reference_log_probs is not None:
-        slope = slope - settings.beta * (1 - torch.exp(reference_log_probs - log_probs))
-    losses = token_losses(log_probs, old_log_probs, reference_log_probs, advantage, settings)
-    return (losses * shares).sum(), shares * slope
+    terms = TokenTerms.of(log_probs.detach(), old_log_probs, reference_log_probs, advantage, settings)
+    held = terms.clipped_low | terms.clipped_high
+    slope = torch.where(held, torch.zeros_like(terms.ratio), advantage[:, None] * terms.ratio)
+    if terms.kl is not None and reference_log_probs is not None:
+        slope = slope - settings.beta * (1 - torch.exp(reference_log_probs - log_probs.detach()))
+    return (_losses(terms, advantage, settings) * shares).sum(), shares * slope

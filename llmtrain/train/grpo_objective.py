@@ -30,7 +30,7 @@ import torch
 
 from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice, SourceBatch
-from llmtrain.data.rewards import reward_function, scored
+from llmtrain.data.rewards import Rewards
 from llmtrain.data.rl import PromptBatch
 from llmtrain.errors import ConfigError
 from llmtrain.model.lora import adapters_disabled
@@ -40,7 +40,7 @@ from llmtrain.parallel.mesh import sum_over
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.sampling import check_samples, sample_completions
 from llmtrain.parallel.tensors import MicroBatches
-from llmtrain.train.grpo import GlobalBatch, GRPOSettings, advantages, loss_and_weights
+from llmtrain.train.grpo import GlobalBatch, GRPOSettings, TokenTerms, advantages, loss_and_weights
 from llmtrain.train.objectives import Objective, PreparedStep
 
 log = logging.getLogger("llmtrain")
@@ -74,15 +74,8 @@ class GroupRelative(Objective):
         self, model: ParallelModel, data: Data, train_slice: RankSlice, val_slice: RankSlice, config: RootConfig
     ):
         check_samples(model.plan)
+        _check_whole_groups(model, config)
         rl, t = config.rl, config.train
-        per_rank = t.batch_size // model.plan.dp_size
-        if per_rank % rl.group_size:
-            whole = model.plan.dp_size * rl.group_size
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} over {model.plan.dp_size} data-parallel ranks gives each "
-                f"{per_rank} completions, not whole groups of rl.group_size={rl.group_size} (a group is sampled "
-                f"from one prefill on one rank): set train.batch_size to a multiple of {whole}"
-            )
         self.model, self.data = model, data
         self._seed, self._seq_len = config.seed, t.seq_len
         self.group, self.scale, self.temperature = rl.group_size, rl.scale_rewards, rl.temperature
@@ -91,11 +84,7 @@ class GroupRelative(Objective):
         )
         # the stop tokens are the prompt set's (the tokenizer's end of text, a chat template's end of turn)
         self.sampling = SamplingSettings(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p)
-        names = list(config.data.reward or [])
-        self.rewards = [reward_function(name, config.data.reward_pattern) for name in names]
-        self.weights = list(config.data.reward_weights or [1.0] * len(names))
-        # TRL logs a function's rewards under its name
-        self.reward_names = [name.partition(":")[2] or name for name in names]
+        self.rewards = Rewards.of(config.data)
         # rl.gather_weights=auto is decided by the planner before the job is built (planner/resolve.py)
         self.gather_once = rl.gather_weights == "once"
         self.current: Rollout | None = None  # the rollout the last step trained on
@@ -146,7 +135,7 @@ class GroupRelative(Objective):
             texts.append(self.data.tokenizer.decode(ended))
         given = slots.given
         completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(given, texts)]
-        totals, each = scored(self.rewards, self.weights, given, completions, slots.columns)
+        totals, each = self.rewards.scored(given, completions, slots.columns)
         device = self.model.runtime.device
         return (
             torch.tensor(totals, dtype=torch.float64, device=device),
@@ -190,7 +179,7 @@ class GroupRelative(Objective):
             "reward_std": (spread.sum(), groups),
             **{
                 f"rewards/{name}/mean": (scores.nan_to_num(0.0).sum(), (~scores.isnan()).sum().double())
-                for name, scores in zip(self.reward_names, each)
+                for name, scores in zip(self.rewards.names, each)
             },
             "frac_reward_zero_std": ((spread < ZERO_STD).sum().double(), groups),
             "completions/mean_length": (drawn.lengths.double().sum().to(rewards.device), rows),
@@ -232,21 +221,18 @@ class GroupRelative(Objective):
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This step's metrics (entropy, the clip ratios, kl) over this rank's completion tokens, as (numerator,
         denominator)."""
-        mask, settings = rollout.scored.double(), self.settings
+        mask = rollout.scored.double()
         tokens = mask.sum()
-        ratio = torch.exp(log_probs - rollout.old)
-        a = rollout.advantages[:, None]
-        low = ((ratio < 1 - settings.epsilon) & (a < 0)).double() * mask
-        high = ((ratio > 1 + settings.epsilon_high) & (a > 0)).double() * mask
+        terms = TokenTerms.of(log_probs, rollout.old, rollout.reference, rollout.advantages, self.settings)
+        low, high = terms.clipped_low.double() * mask, terms.clipped_high.double() * mask
         pairs = {
             "entropy": ((entropies * mask).sum(), tokens),
             "clip_ratio/low_mean": (low.sum(), tokens),
             "clip_ratio/high_mean": (high.sum(), tokens),
             "clip_ratio/region_mean": ((low + high).sum(), tokens),
         }
-        if settings.beta and rollout.reference is not None:
-            gap = rollout.reference - log_probs
-            pairs["kl"] = (((torch.exp(gap) - gap - 1) * mask).sum(), tokens)
+        if terms.kl is not None:
+            pairs["kl"] = ((terms.kl * mask).sum(), tokens)
         return pairs
 
     def recorded(self, metrics: dict[str, float]) -> dict[str, Any]:
@@ -284,6 +270,19 @@ class GroupRelative(Objective):
         )
         reward, length, count = sum_over(sums, self.model.mesh.dp_mesh).tolist()
         return {"val_reward": reward / max(count, 1), "val_completions/mean_length": length / max(count, 1)}
+
+
+def _check_whole_groups(model: ParallelModel, config: RootConfig) -> None:
+    """A ConfigError where a data-parallel rank's share of the batch is not whole groups (each group is sampled from
+    one prefill on one rank)."""
+    batch_size, group, dp = config.train.batch_size, config.rl.group_size, model.plan.dp_size
+    per_rank = batch_size // dp
+    if per_rank % group:
+        raise ConfigError(
+            f"train.batch_size={batch_size} over {dp} data-parallel ranks gives each {per_rank} completions, not "
+            f"whole groups of rl.group_size={group} (a group is sampled from one prefill on one rank): set "
+            f"train.batch_size to a multiple of {dp * group}"
+        )
 
 
 def _summed_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ParallelModel) -> dict[str, torch.Tensor]:

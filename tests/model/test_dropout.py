@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from llmtrain.model.dropout import Split, keep_mask
-from llmtrain.model.gpt import Block, GPTConfig
+from llmtrain.model.gpt import Block
+from llmtrain.model.gpt_config import GPTConfig
 
 DROPPY = GPTConfig(vocab_size=97, n_layer=1, n_head=4, d_model=32, max_seq_len=16, dropout=0.2, attention_dropout=0.3)
 

@@ -22,7 +22,7 @@ from harness.runs import LOSS_RTOL, PARITY, run_train
 from llmtrain.config import validate
 from llmtrain.errors import ConfigError
 from llmtrain.model import auxiliary_loss_scale, build_model, flops_per_token, meta_model, num_parameters
-from llmtrain.model.gpt import GPTConfig
+from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.moe import Experts, MoE
 from llmtrain.planner.shapes import whole_model_parameters
 from llmtrain.tools import compose_config

@@ -84,6 +84,20 @@ def install_objective(patch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+def install_data_source(patch: pytest.MonkeyPatch) -> ModuleType:
+    """The page's data source: its documents' module and its row in DATA_SOURCES (its option file: write_options)."""
+    module = _new_module("llmtrain/data/lines.py", patch)
+    _install_rows(patch, "DATA_SOURCES")
+    return module
+
+
+def install_reward(patch: pytest.MonkeyPatch) -> ModuleType:
+    """The page's reward module and its row in REWARDS."""
+    module = _new_module("llmtrain/data/answer_text.py", patch)
+    _install_rows(patch, "REWARDS")
+    return module
+
+
 def write_options(directory: Path) -> str:
     """The page's new option files (conf/<group>/<name>.yaml) under `directory`; the override that makes Hydra
     find them beside conf/."""
