@@ -19,6 +19,9 @@ class ObjectiveSpec:
     # and its reference where rl.beta asks for one): the planner's step time counts them
     forwards_alone: int = 0
     samples: bool = False  # a step samples completions first (the planner counts the rollout's time and cache)
+    # its loss measures progress, so one far above the recent median is a spike (train.on_spike judges it); GRPO's
+    # is signed and centred on 0 (docs/rl.md), so only the non-finite rule guards its steps
+    loss_is_progress: bool = True
 
 
 # train.objective -> what a step optimizes; `auto` picks the data's (OBJECTIVE_OF_DATA).
@@ -39,6 +42,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         data="rl",
         forwards_alone=1,
         samples=True,
+        loss_is_progress=False,
     ),
 }
 AUTO_OBJECTIVE = "auto"

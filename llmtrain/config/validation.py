@@ -206,6 +206,12 @@ def validate_objective(cfg) -> None:
             f"train.objective={objective} with data={cfg.data.source}: it needs {wanted}; use train.objective=auto "
             f"(dpo on data=preference, grpo on data=rl, next_token on any other data)"
         )
+    if not catalog.OBJECTIVES[objective].loss_is_progress and cfg.train.on_spike != "log":
+        raise ConfigError(
+            f"train.on_spike={cfg.train.on_spike}: train.objective={objective}'s loss is not a measure of progress "
+            f"(signed, centred on 0), so no loss of it is a spike and none is judged: use train.on_spike=log "
+            f"(non-finite steps are still skipped)"
+        )
     if (rules := catalog.data_source(cfg.data.source).rules) is not None:
         catalog.imported(rules)(cfg)
 

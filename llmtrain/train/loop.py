@@ -140,7 +140,7 @@ class Trainer:
         # steps at which the batch they would take is left out: its loss spiked before a rollback (attempts.py)
         self._left_out = attempts.batches_left_out(parts.run_dir)
         guard = UpdateGuard(
-            self._train, parts.runtime, parts.state, parts.data, parts.train_slice, parts.run_dir, self._left_out
+            self._config, parts.runtime, parts.state, parts.data, parts.train_slice, parts.run_dir, self._left_out
         )
         self._observers = Observers([guard, *parts.observers, *observers])
         self._stop_requested = False  # a rank was asked to stop: set by each step, acted on at its end

@@ -2,8 +2,9 @@
 them: its gradients are dropped, the step is recorded with `skipped: true`, and after train.max_bad_steps such
 steps in a row the run stops. A finite loss over train.spike_factor times the recent median is a spike: a warning
 naming the step and its batch, `spike: true` in its record, and under train.on_spike=skip its update dropped as a
-non-finite step's is; under rollback the run ends for its restart to leave the batch out (attempts.py). Loss and
-norm are reduced over all ranks and the recent losses are the same on each, so every rank decides alike."""
+non-finite step's is; under rollback the run ends for its restart to leave the batch out (attempts.py). Spikes are
+judged only where the objective's loss measures progress (its row's loss_is_progress: not GRPO's). Loss and norm are
+reduced over all ranks and the recent losses are the same on each, so every rank decides alike."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from llmtrain.config import TrainConfig
+from llmtrain.catalog import OBJECTIVES, objective_of
+from llmtrain.config import RootConfig
 from llmtrain.data import Data, RankSlice
 from llmtrain.errors import RolledBack, TrainingDiverged
 from llmtrain.process import attempts
@@ -54,7 +56,7 @@ class UpdateGuard(StepObserver):
 
     def __init__(
         self,
-        train: TrainConfig,
+        config: RootConfig,
         runtime: Runtime,
         state: LoopState,
         data: Data,
@@ -62,16 +64,17 @@ class UpdateGuard(StepObserver):
         run_dir: str,
         left_out: set[int],
     ):
-        self._train, self._runtime, self._state = train, runtime, state
+        self._train, self._runtime, self._state = config.train, runtime, state
         self._data, self._train_slice, self._run_dir, self._left_out = data, train_slice, run_dir, left_out
-        self._recent_losses = self._agreed_recent_losses()
+        judged = OBJECTIVES[objective_of(config.train.objective, config.data.source)].loss_is_progress
+        self._recent_losses = self._agreed_recent_losses(config.train.spike_factor if judged else 0.0)
 
-    def _agreed_recent_losses(self) -> RecentLosses:
+    def _agreed_recent_losses(self, factor: float) -> RecentLosses:
         """Collective where spikes are watched for: the losses of the last train.spike_window steps that updated the
         weights, as rank 0's records hold them. A resumed run's records are rank 0's metrics.jsonl, which another
         rank may not see, or see while rank 0 rewrites it: windows that differed would split the ranks' decisions
         under train.on_spike=skip."""
-        factor, window = self._train.spike_factor, self._train.spike_window
+        window = self._train.spike_window
         if factor == 0:
             return RecentLosses(factor, window)
         updated = [record["loss"] for record in self._state.records if not record.get("skipped")]

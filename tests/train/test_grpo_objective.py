@@ -108,6 +108,8 @@ def test_rl_settings_that_cannot_work_are_refused_in_one_line(prompts_file):
         "rl.beta=0.1": r"rl.beta=0.1 penalises the distance to the reference, .* set model.lora.rank",
         "train.objective=next_token": r"train.objective=next_token with data=rl: it needs an objective of data=rl",
         "data.tokenizer.kind=bpe": r"data.tokenizer.kind=bpe trains a tokenizer on a text stream",
+        "train.on_spike=skip": r"train.on_spike=skip: train.objective=grpo's loss is not a measure of progress",
+        "train.on_spike=rollback": r"train.on_spike=rollback: train.objective=grpo's loss is not a measure",
     }
     for override, message in refusals.items():
         with pytest.raises(ConfigError, match=message):
@@ -198,12 +200,13 @@ def test_a_grpo_step_has_the_referees_loss_and_gradients(prompts_file, tmp_path,
 @pytest.mark.slow
 def test_the_mean_reward_rises_on_a_toy_verifiable_task(prompts_file, tmp_path):
     """A digit anywhere in a 4-byte completion: a random tiny model earns it about 1 time in 5; 24 steps of GRPO
-    (8 completions of each of 4 prompts) bring the mean reward close to 1."""
+    (8 completions of each of 4 prompts) bring the mean reward close to 1. The update guard, judging against a
+    window of 3 steps, finds no spike in GRPO's signed loss (it judges none: the objective's row)."""
     from llmtrain.run.build import build_training
 
     overrides = [*rl_run(prompts_file), "model=tiny", "rl.max_new_tokens=4", "rl.group_size=8"]
     overrides += ["train.batch_size=32", "train.micro_batch_size=16", "optim.lr=3e-3", "optim.warmup_steps=0"]
-    config = compose_config([*overrides, "train.steps=24", "train.eval_every=0"])
+    config = compose_config([*overrides, "train.steps=24", "train.eval_every=0", "train.spike_window=3"])
     parts = build_training(OmegaConf.to_object(config), ONE_PROCESS, str(tmp_path / "run"))
     records: list[dict] = []
     try:
@@ -215,6 +218,7 @@ def test_the_mean_reward_rises_on_a_toy_verifiable_task(prompts_file, tmp_path):
         parts.data.close()
     rewards = [record["reward"] for record in records]
     assert np.mean(rewards[:3]) < 0.4 and np.mean(rewards[-3:]) > 0.85, rewards
+    assert not [record["step"] for record in records if record.get("spike") or record.get("skipped")]
 
 
 # -- every layout that samples -------------------------------------------------------------------------------------
