@@ -232,8 +232,14 @@ def preference_rules(cfg) -> None:
 
 def rl_rules(cfg) -> None:
     """Whole groups of completions, room for them after a prompt, rewards that can score, a reference where the
-    KL term asks for one."""
+    KL term asks for one, and the training rows read as the sampler read them."""
     rl, t, d = cfg.rl, cfg.train, cfg.data
+    if t.attention == "document":
+        raise ConfigError(
+            "train.attention=document: data=rl trains on the log-probabilities the completions were drawn with, "
+            "over the whole prompt, and document masking would cut a prompt at every end-of-text or end-of-turn "
+            "token a chat template puts in it (off-policy): use train.attention=causal"
+        )
     if t.batch_size % rl.group_size:
         fits = t.batch_size // rl.group_size * rl.group_size or rl.group_size
         raise ConfigError(

@@ -22,22 +22,39 @@ from llmtrain.errors import ConfigError
 RewardFunction = Callable[..., list[float | None]]
 Completion = str | list[dict[str, Any]]  # text, or [{"role": "assistant", "content": text}]
 
-# A number as people write answers: a sign, thousands separators, a decimal part.
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number as people write answers: a sign, thousands separators (groups of exactly three digits: "2,3,5" is three
+# numbers), a decimal part, an exponent.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+
+
+def numbers(text: str) -> list[float]:
+    """The numbers in `text`, in order. A hyphen right after a digit or letter joins ("pages 10-12", "x-2") rather
+    than negates, so it is no sign."""
+    found = []
+    for match in _NUMBER.finditer(text):
+        token = match.group()
+        if token.startswith("-") and match.start() > 0 and (text[match.start() - 1].isalnum()):
+            token = token[1:]
+        found.append(float(token.replace(",", "")))
+    return found
 
 
 def final_number(text: str) -> float | None:
-    """The number a text ends its answer with: the first after GSM8K's `####` where the text has one, else the last
-    number in it; None where it has none."""
+    """The number a completion ends its answer with: the first after GSM8K's `####` where the text has one, else the
+    last number in it; None where it has none."""
     _, marked, after = text.rpartition("####")
-    found = _NUMBER.findall(after if marked else text)
+    found = numbers(after if marked else text)
     if not found:
         return None
-    chosen = found[0] if marked else found[-1]
-    try:
-        return float(chosen.replace(",", ""))
-    except ValueError:
-        return None
+    return found[0] if marked else found[-1]
+
+
+def answer_number(text: str) -> float | None:
+    """A record's answer as one number: the one after GSM8K's `####`, or the answer's only number; None where it
+    holds none or several (a range, a list: which one is meant is not guessed)."""
+    _, marked, after = text.rpartition("####")
+    found = numbers(after if marked else text)
+    return found[0] if len(found) == 1 else None
 
 
 def text_of(completion: Completion) -> str:
@@ -49,10 +66,10 @@ def exact_number(
     prompts: Sequence[Any], completions: Sequence[Completion], answer: Sequence[str], **_: Any
 ) -> list[float | None]:
     """1 where the completion's final number is the record's `answer`'s (a number, or a worked GSM8K solution
-    ending `#### n`), 0 where it is another or none; None where the answer holds no number."""
+    ending `#### n`), 0 where it is another or none; None where the answer holds no number, or several."""
     scores: list[float | None] = []
     for completion, expected in zip(completions, answer):
-        wanted, given = final_number(str(expected)), final_number(text_of(completion))
+        wanted, given = answer_number(str(expected)), final_number(text_of(completion))
         scores.append(None if wanted is None else float(given is not None and math.isclose(given, wanted)))
     return scores
 
@@ -101,20 +118,42 @@ def scored(
     prompts: Sequence[Any],
     completions: Sequence[Completion],
     columns: dict[str, list[Any]],
+    names: Sequence[str] = (),
 ) -> tuple[list[float], list[list[float]]]:
     """Each completion's reward, the weighted sum of the functions' scores with a None left out (NaN where every
-    function left it out), and each function's scores (NaN for None)."""
+    function left it out), and each function's scores (NaN for None). A score that is not a finite number (inf, NaN,
+    text) is a ConfigError naming the function (`names`, else its own name): it would silently zero its group."""
     each = []
-    for function in functions:
+    for index, function in enumerate(functions):
+        name = names[index] if index < len(names) else getattr(function, "__name__", repr(function))
         scores = function(list(prompts), list(completions), **columns)
         if len(scores) != len(completions):
-            raise ValueError(f"a reward function returned {len(scores)} scores for {len(completions)} completions")
-        each.append([math.nan if score is None else float(score) for score in scores])
+            raise ConfigError(
+                f"data.reward {name} returned {len(scores)} scores for {len(completions)} completions: return one "
+                f"per completion (None where it does not score one)"
+            )
+        each.append([_checked_score(score, name) for score in scores])
     totals = []
     for row in zip(*each):
         kept = [weight * score for weight, score in zip(weights, row) if not math.isnan(score)]
         totals.append(sum(kept) if kept else math.nan)
     return totals, each
+
+
+def _checked_score(score: Any, name: str) -> float:
+    """A function's score as a float (NaN for None); ConfigError where it is not a finite number."""
+    if score is None:
+        return math.nan
+    try:
+        value = math.nan if isinstance(score, (str, bytes)) else float(score)  # a number of any kind, a 0-d tensor
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ConfigError(
+            f"data.reward {name} returned {score!r} for a completion: a reward is a finite number, or None where it "
+            f"does not score that completion"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -140,4 +179,4 @@ class Rewards:
         self, prompts: Sequence[Any], completions: Sequence[Completion], columns: dict[str, list[Any]]
     ) -> tuple[list[float], list[list[float]]]:
         """`scored` with these functions and weights."""
-        return scored(self.functions, self.weights, prompts, completions, columns)
+        return scored(self.functions, self.weights, prompts, completions, columns, self.names)

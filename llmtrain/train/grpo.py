@@ -40,13 +40,26 @@ class GlobalBatch:
     tokens: int
 
 
+def group_spread(rewards: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over each prompt's `group` consecutive completions, those a reward scored (NaN: none did, left out as TRL
+    leaves them): (groups, group) whether each was scored, and (groups, 1) the mean and the unbiased standard
+    deviation of the scored ones (0 where fewer than two were)."""
+    grouped = rewards.view(-1, group)
+    scored = ~grouped.isnan()
+    count = scored.sum(dim=1, keepdim=True)
+    mean = grouped.nan_to_num(0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    squares = torch.where(scored, grouped - mean, 0.0).square().sum(dim=1, keepdim=True)
+    return scored, mean, (squares / (count - 1).clamp(min=1)).sqrt()
+
+
 def advantages(rewards: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
     """(rows,): each completion's reward less its group's mean (the `group` consecutive rows of one prompt), over
-    the group's standard deviation (unbiased, as TRL's) plus SCALE_EPSILON where `scale`."""
-    grouped = rewards.view(-1, group)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    the group's standard deviation (unbiased, as TRL's) plus SCALE_EPSILON where `scale`; 0 for a completion no
+    reward scored (NaN), which is left out of its group's mean and deviation."""
+    scored, mean, deviation = group_spread(rewards, group)
+    centred = torch.where(scored, rewards.view(-1, group) - mean, 0.0)
     if scale:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + SCALE_EPSILON)
+        centred = centred / (deviation + SCALE_EPSILON)
     return centred.flatten()
 
 

@@ -40,7 +40,7 @@ from llmtrain.parallel.mesh import sum_over
 from llmtrain.parallel.parallel_model import ParallelModel
 from llmtrain.parallel.sampling import check_samples, sample_completions
 from llmtrain.parallel.tensors import MicroBatches
-from llmtrain.train.grpo import GlobalBatch, GRPOSettings, TokenTerms, advantages, loss_and_weights
+from llmtrain.train.grpo import GlobalBatch, GRPOSettings, TokenTerms, advantages, group_spread, loss_and_weights
 from llmtrain.train.objectives import Objective, PreparedStep
 
 log = logging.getLogger("llmtrain")
@@ -111,7 +111,7 @@ class GroupRelative(Objective):
             tuple(slots.draws),
             rows,
             scored,
-            advantages(rewards.nan_to_num(0.0), group, self.scale),
+            advantages(rewards, group, self.scale),
             old,
             entropies,
             reference,
@@ -170,12 +170,12 @@ class GroupRelative(Objective):
     ) -> dict[str, torch.Tensor]:
         """The rollout's metrics (reward ... completions/clipped_ratio), each as (numerator, denominator) summed
         over the data-parallel ranks."""
-        grouped = rewards.nan_to_num(0.0).view(-1, group)
-        spread = grouped.std(dim=1)
+        _, _, deviation = group_spread(rewards, group)
+        spread = deviation.flatten()
         rows = torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device)
         groups = torch.tensor(float(len(spread)), dtype=torch.float64, device=rewards.device)
         pairs = {
-            "reward": (rewards.nan_to_num(0.0).sum(), rows),
+            "reward": (rewards.nan_to_num(0.0).sum(), (~rewards.isnan()).sum().double()),
             "reward_std": (spread.sum(), groups),
             **{
                 f"rewards/{name}/mean": (scores.nan_to_num(0.0).sum(), (~scores.isnan()).sum().double())
@@ -253,8 +253,8 @@ class GroupRelative(Objective):
         return parts
 
     def validation(self) -> dict[str, float]:
-        """Collective: one completion of each held-out prompt, sampled as in training: `val_reward` (their mean
-        reward) and `val_completions/mean_length`."""
+        """Collective: one completion of each held-out prompt, sampled as in training: `val_reward` (the mean reward
+        of those a reward scored) and `val_completions/mean_length`."""
         (held_out,) = self.data.validation
         slots = held_out.rows
         assert isinstance(slots, PromptBatch), "data=rl holds out prompts"
@@ -264,12 +264,13 @@ class GroupRelative(Objective):
         sums = torch.stack(
             [
                 rewards.nan_to_num(0.0).sum(),
+                (~rewards.isnan()).sum().double(),
                 drawn.lengths.double().sum().to(device),
                 torch.tensor(float(len(rewards)), dtype=torch.float64, device=device),
             ]
         )
-        reward, length, count = sum_over(sums, self.model.mesh.dp_mesh).tolist()
-        return {"val_reward": reward / max(count, 1), "val_completions/mean_length": length / max(count, 1)}
+        reward, rewarded, length, count = sum_over(sums, self.model.mesh.dp_mesh).tolist()
+        return {"val_reward": reward / max(rewarded, 1), "val_completions/mean_length": length / max(count, 1)}
 
 
 def _check_whole_groups(model: ParallelModel, config: RootConfig) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from llmtrain.data.rewards import exact_number, final_number, matching, reward_function, scored
+from llmtrain.data.rewards import answer_number, exact_number, final_number, matching, reward_function, scored
 from llmtrain.errors import ConfigError
 
 
@@ -21,10 +22,24 @@ from llmtrain.errors import ConfigError
         ("half of it: .5", 0.5),
         ("no number at all", None),
         ("#### none after the mark", None),
+        ("see pages 10-12", 12.0),  # a hyphen between numbers is no minus sign
+        ("the primes are 2,3,5", 5.0),  # commas not between groups of three digits part numbers
+        ("roughly 1e3", 1000.0),
+        ("x-2 is 2.5E-1", 0.25),
+        ("it is -7", -7.0),
     ],
 )
 def test_the_final_number_is_gsm8ks_marked_one_or_else_the_last(text, number):
     assert final_number(text) == number
+
+
+@pytest.mark.parametrize(
+    "answer, number",
+    [("72", 72.0), ("Natalia sold 48 + 24 = 72 clips.\n#### 72", 72.0), ("#### 1,234", 1234.0), ("1e3", 1000.0)]
+    + [("10-12", None), ("2,3,5", None), ("48 + 24 = 72", None), ("none", None)],
+)
+def test_an_answer_is_one_number_or_none_and_never_a_guess(answer, number):
+    assert answer_number(answer) == number
 
 
 def test_exact_number_scores_the_final_number_against_the_answer():
@@ -63,3 +78,20 @@ def test_rewards_add_up_with_weights_and_a_none_left_out():
     assert each[0][0] == 1.0 and math.isnan(each[0][1]) and each[1] == [1.0, 0.0, 1.0]
     totals, _ = scored([exact_number], [1.0], ["p"], ["72"], {"answer": ["none"]})
     assert math.isnan(totals[0])
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused_in_one_line_naming_its_function():
+    """inf or NaN would zero its whole group's advantages silently, text is no score: each stops the run in one line
+    naming the function; None leaves the completion unscored, and any number (a bool, a numpy float) is one."""
+
+    def lucky(prompts, completions, **_):
+        return [float("inf"), 1.0]
+
+    def wordy(prompts, completions, **_):
+        return ["good", 1.0]
+
+    for function, shown in ((lucky, "inf"), (wordy, "'good'")):
+        with pytest.raises(ConfigError, match=rf"^data.reward {function.__name__} returned {shown} for a completion"):
+            scored([function], [1.0], ["p", "p"], ["a", "b"], {})
+    totals, each = scored([lambda p, c, **_: [True, np.float32(0.5)]], [1.0], ["p"] * 2, ["a", "b"], {})
+    assert totals == each[0] == [1.0, 0.5]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmtrain.train.grpo import GlobalBatch, GRPOSettings, advantages, loss_and_weights
+from llmtrain.train.grpo import SCALE_EPSILON, GlobalBatch, GRPOSettings, advantages, loss_and_weights
 
 GROUP, PROMPTS, POSITIONS = 3, 2, 6
 
@@ -85,3 +85,18 @@ def test_a_group_whose_rewards_are_all_equal_has_no_advantage():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0], dtype=torch.float64)
     for scale in (True, False):
         assert advantages(rewards, GROUP, scale)[:GROUP].abs().max() == 0
+
+
+def test_an_unscored_completion_is_left_out_of_its_group_with_advantage_zero():
+    """TRL's rule: a completion no reward scored (NaN) counts for nothing in its group's mean and deviation and gets
+    advantage 0, instead of a reward of 0 and a spurious advantage; a group with one scored completion teaches
+    nothing."""
+    rewards = torch.tensor(
+        [1.0, float("nan"), 0.0, 1.0, float("nan"), 2.0, float("nan"), float("nan")], dtype=torch.float64
+    )
+    scaled = advantages(rewards, 4, scale=True)
+    kept = torch.tensor([1.0, 0.0, 1.0])
+    expected = (kept - kept.mean()) / (kept.std() + SCALE_EPSILON)
+    assert torch.allclose(scaled[[0, 2, 3]], expected.double()) and scaled[1] == 0
+    assert scaled[4:].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert not advantages(rewards, 4, scale=False).isnan().any()

@@ -109,6 +109,7 @@ def test_rl_settings_that_cannot_work_are_refused_in_one_line(prompts_file):
         "train.objective=next_token": r"train.objective=next_token with data=rl: it needs an objective of data=rl",
         "data.tokenizer.kind=bpe": r"data.tokenizer.kind=bpe trains a tokenizer on a text stream",
         "train.on_spike=skip": r"train.on_spike=skip: train.objective=grpo's loss is not a measure of progress",
+        "train.attention=document": r"train.attention=document: data=rl trains on the log-probabilities the",
         "train.on_spike=rollback": r"train.on_spike=rollback: train.objective=grpo's loss is not a measure",
     }
     for override, message in refusals.items():
