@@ -6,6 +6,7 @@ samples against one process."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import numpy as np
@@ -198,6 +199,48 @@ def test_a_grpo_step_has_the_referees_loss_and_gradients(prompts_file, tmp_path,
 
 
 # -- a toy task ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # seconds: a rollout and the sampler again
+def test_pi_old_is_the_distribution_the_sampler_drew_from(prompts_file, tmp_path):
+    """The rollout's log-probabilities (π_old: a forward pass over prompt then completion, logits over
+    rl.temperature) are the sampler's own at every completion token, to 2e-5 in fp32: GRPO's ratio starts at 1 for
+    what was drawn, under the attention every accepted setting trains with (data=rl refuses document masking)."""
+    from llmtrain.model.kv_cache import KVCache
+    from llmtrain.model.sampling import sample
+    from llmtrain.parallel.sampling import laid_out_decode
+    from llmtrain.run.build import build_training
+
+    config = compose_config([*rl_run(prompts_file), "rl.temperature=0.7", "train.eval_every=0"])
+    parts = build_training(OmegaConf.to_object(config), ONE_PROCESS, str(tmp_path / "run"))
+    objective = parts.objective
+    assert isinstance(objective, GroupRelative)
+    try:
+        batch = parts.data.train.next()
+        objective.prepared(batch)
+    finally:
+        parts.data.close()
+    rollout, group = objective.current, objective.group
+    assert rollout is not None
+    decode, seen = laid_out_decode(parts.model.module), []
+
+    def recording(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        logits = decode(tokens, cache)
+        seen.append(logits[:, -1].float())
+        return logits
+
+    prompts = batch.every(group)
+    settings = dataclasses.replace(objective.sampling, stop_ids=prompts.prompts.stop_ids)
+    parts.model.module.eval()
+    drawn = sample(recording, prompts.tokens, prompts.draws, group, settings, config.seed, torch.device("cpu"))
+    steps = [seen[0].repeat_interleave(group, dim=0), *seen[1:]]
+    compared = 0
+    for row, (prompt, completion) in enumerate(zip(batch.tokens, drawn.rows())):
+        for position, token in enumerate(completion):
+            sampler = torch.log_softmax(steps[position][row] / 0.7, dim=-1)[token]
+            assert rollout.old[row, len(prompt) - 1 + position].item() == pytest.approx(sampler.item(), abs=2e-5)
+            compared += 1
+    assert compared >= len(batch.tokens)
+
+
 @pytest.mark.slow
 def test_the_mean_reward_rises_on_a_toy_verifiable_task(prompts_file, tmp_path):
     """A digit anywhere in a 4-byte completion: a random tiny model earns it about 1 time in 5; 24 steps of GRPO
