@@ -33,7 +33,7 @@ class Defaults:
     temperature: float = 0.8
     top_k: int = 50
     top_p: float = 1.0
-    max_tokens: int | None = None  # None: chat answers fill the context, completions get COMPLETIONS_MAX_TOKENS
+    max_tokens: int | None = None  # None: chat answers fill what context and memory hold, completions get 16
     seed: int = 0
 
 
@@ -135,9 +135,9 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
         raise RequestError("n must be 1: send the request again with another seed for another answer", "n")
     stream = bool(body.get("stream", False))
     prompts, texts, logprobs, echo = _asked(body, chat, answerer, stream)
-    settings = _sampling(body, defaults, answerer, _max_tokens(body, chat, defaults, answerer, echo))
-    for prompt in prompts:
-        answerer.room(prompt, settings.max_new_tokens)  # a prompt that fills the context is refused before drawing
+    asked = _max_tokens(body, chat, defaults, echo)
+    # a prompt that fills the context, or an answer whose cache would not fit, is refused before anything is drawn
+    settings = _sampling(body, defaults, answerer, min(answerer.room(prompt, asked) for prompt in prompts))
     stop_texts = answerer.prompts.stop_texts + _stop_texts(body)
     seed = _integer(body, "seed", defaults.seed, 0)
     assert seed is not None
@@ -165,13 +165,12 @@ def _asked(
     return prompts, texts, logprobs, echo
 
 
-def _max_tokens(body: dict, chat: bool, defaults: Defaults, answerer: Answerer, echo: bool) -> int:
-    """The most tokens to draw: max_completion_tokens (OpenAI's newer name) or max_tokens, else the default."""
-    chat_default = defaults.max_tokens if defaults.max_tokens is not None else answerer.max_seq_len
-    default_tokens = chat_default if chat else COMPLETIONS_MAX_TOKENS
+def _max_tokens(body: dict, chat: bool, defaults: Defaults, echo: bool) -> int | None:
+    """The most tokens to draw: max_completion_tokens (OpenAI's newer name) or max_tokens, else the default (None:
+    a chat's answer may fill what the context and the device's memory hold)."""
+    default_tokens = defaults.max_tokens if chat else COMPLETIONS_MAX_TOKENS
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
     max_tokens = _integer(body, "max_tokens", default_tokens if max_tokens is None else max_tokens, 0)
-    assert max_tokens is not None
     if max_tokens == 0 and not echo:
         raise RequestError(
             "max_tokens=0 draws nothing: ask for at least 1 (or echo the prompt's logprobs)", "max_tokens"

@@ -14,6 +14,7 @@ request waits for the first's answer."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from llmtrain.data.chat_prompt import PromptFormat
 from llmtrain.model.base import LayeredModel
+from llmtrain.model.kv_cache import KVCache
 from llmtrain.model.lora import adapters_disabled, has_adapters
 from llmtrain.model.sampling import DecodeStep, SamplingSettings, drawn_columns
 from llmtrain.parallel.sampling import laid_out_decode, still_decoding
@@ -57,6 +59,8 @@ class Answerer:
     device: torch.device
     context: Callable[[], AbstractContextManager] = nullcontext
     adapters: bool = True
+    # what one position of one row holds in this rank's KV cache (measured_cache_bytes); 0: not measured, no bound
+    cache_bytes: int = 0
 
     @property
     def max_seq_len(self) -> int:
@@ -85,16 +89,60 @@ class Answerer:
         with torch.no_grad(), self._within():
             return full_tensor(self.model(tokens)).float()
 
-    def room(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-        """The new tokens an answer to `prompt` may have: `max_new_tokens` within the context; RequestError where the
-        prompt leaves no room."""
+    def room(self, prompt: Sequence[int], max_new_tokens: int | None) -> int:
+        """The new tokens an answer to `prompt` may have: `max_new_tokens` within the context (None: as many as the
+        context and the device's free memory hold); RequestError where the prompt leaves no room, or where the KV
+        cache of the answer asked for would not fit the device's free memory (never an out-of-memory mid-answer)."""
         if len(prompt) >= self.max_seq_len:
             raise RequestError(
                 f"the prompt is {len(prompt)} tokens and {self.name}'s context is {self.max_seq_len}: shorten it "
                 f"(in a chat: /reset, or a shorter system text)",
                 param="messages",
             )
-        return min(max_new_tokens, self.max_seq_len - len(prompt))
+        held = self._positions_memory_holds()
+        if held <= len(prompt):
+            raise RequestError(
+                f"the prompt is {len(prompt)} tokens and {self.device}'s free memory holds the KV cache of "
+                f"{held} positions: shorten it",
+                param="messages",
+            )
+        fits = min(self.max_seq_len, held) - len(prompt)
+        if max_new_tokens is None:
+            return fits
+        asked = min(max_new_tokens, self.max_seq_len - len(prompt))
+        if asked > fits:
+            raise RequestError(
+                f"max_tokens={max_new_tokens}: the KV cache of a {len(prompt)}-token prompt and its answer would not "
+                f"fit {self.device}'s free memory; ask for at most {fits}",
+                param="max_tokens",
+            )
+        return asked
+
+    def _positions_memory_holds(self) -> int:
+        """The positions of one row whose KV cache fits the device's free memory: the cache doubles as it grows, so
+        one whole doubling is kept spare, and a tenth of the memory for the forward pass's activations."""
+        if not self.cache_bytes:
+            return self.max_seq_len
+        return int(0.9 * free_memory_bytes(self.device) / (2 * self.cache_bytes))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What this process could still allocate on `device`: the GPU's free memory and what torch's allocator holds
+    unused, or the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured_cache_bytes(
+    model: LayeredModel, device: torch.device, context: Callable[[], AbstractContextManager] = nullcontext
+) -> int:
+    """Collective where the model is laid out: what one position of one row holds in this rank's KV cache (its
+    blocks, its heads, the dtype its forward pass computes in), measured by decoding one token."""
+    cache = KVCache(torch.zeros(1, dtype=torch.long, device=device), 1)
+    laid_out_decode(model, context)(torch.zeros(1, 1, dtype=torch.long, device=device), cache)
+    return cache.nbytes
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import torch
 
-from llmtrain.chat.engine import Answerer
+from llmtrain.chat.engine import Answerer, measured_cache_bytes
 from llmtrain.config import RootConfig
 from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
@@ -55,7 +55,9 @@ def whole_model_answerer(
     from llmtrain.parallel.precision import precision_policy, uses_bf16
 
     context, _ = precision_policy(device, uses_bf16(config.train.precision, device), fsdp_mixed_precision=False)
-    return Answerer(name, model.to(device), PromptFormat.of(tokenizer, raw), device, context)
+    model = model.to(device)
+    cache_bytes = measured_cache_bytes(model, device, context)
+    return Answerer(name, model, PromptFormat.of(tokenizer, raw), device, context, cache_bytes=cache_bytes)
 
 
 def laid_out_answerer(path: str, config: RootConfig, raw: bool, runtime: Runtime) -> Answerer:
@@ -71,8 +73,11 @@ def laid_out_answerer(path: str, config: RootConfig, raw: bool, runtime: Runtime
     checkpoint = find_checkpoint(path)
     model, tokenizer = laid_out_checkpoint(checkpoint, config, runtime)
     check_samples(model.plan)
-    name = model_name(checkpoint)
-    return Answerer(name, unwrap(model.module), PromptFormat.of(tokenizer, raw), runtime.device, model.precision)
+    name, module = model_name(checkpoint), unwrap(model.module)
+    cache_bytes = measured_cache_bytes(module, runtime.device, model.precision)
+    return Answerer(
+        name, module, PromptFormat.of(tokenizer, raw), runtime.device, model.precision, cache_bytes=cache_bytes
+    )
 
 
 def answerers(path: str, compare: str | None, raw: bool, config: RootConfig, runtime: Runtime) -> list[Answerer]:

@@ -17,11 +17,15 @@ import torch.nn.functional as F
 
 from llmtrain.model.documents import PackedDocuments
 
+# Columns a block's cache holds at first (or the prefill's, if more); it doubles as an answer grows, up to `length`.
+FIRST_COLUMNS = 256
+
 
 class KVCache:
-    """Every block's keys and values for `starts.numel()` rows of up to `length` columns, allocated on a block's first
-    write in its keys' dtype and device: (rows, key/value heads, length, head width) each. `filled` columns hold
-    keys; a forward pass writes the next ones and `advance` moves past them."""
+    """Every block's keys and values for `starts.numel()` rows of up to `length` columns, in its keys' dtype and
+    device: (rows, key/value heads, columns, head width) each, grown with what is written (doubling, never past
+    `length`), so a short answer in a long context holds little. `filled` columns hold keys; a forward pass writes
+    the next ones and `advance` moves past them."""
 
     # The attention windows of the blocks apply per query here; training's sequence makes documents for them.
     windows_by_documents = False
@@ -72,13 +76,10 @@ class KVCache:
         """Block `index`'s attention of the new queries q (rows, heads, t, head width) over every cached key and
         the new k, v, which it caches."""
         t = q.shape[2]
-        if index not in self._keys:
-            shape = (k.shape[0], k.shape[1], self.length, k.shape[3])
-            self._keys[index] = k.new_zeros(shape)
-            self._values[index] = v.new_zeros(shape)
         end = self.filled + t
         if end > self.length:
             raise ValueError(f"the cache holds {self.length} columns: {end} asked")
+        self._make_room(index, k, v, end)
         self._keys[index][:, :, self.filled : end] = k
         self._values[index][:, :, self.filled : end] = v
         keys, values = self._keys[index][:, :, :end], self._values[index][:, :, :end]
@@ -87,6 +88,19 @@ class KVCache:
         # grouped-query attention: each key/value head serves its query heads, in the kernel (no copy of the cache)
         grouped = keys.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._masks[t, window], enable_gqa=grouped)
+
+    def _make_room(self, index: int, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
+        """Block `index`'s keys and values hold at least `end` columns: allocated, or grown by doubling (the
+        columns written so far copied over), never past `length`."""
+        held = self._keys[index].shape[2] if index in self._keys else 0
+        if end <= held:
+            return
+        columns = min(self.length, max(end, 2 * held, FIRST_COLUMNS))
+        for store, new in ((self._keys, k), (self._values, v)):
+            grown = new.new_zeros((new.shape[0], new.shape[1], columns, new.shape[3]))
+            if held:
+                grown[:, :, :held] = store[index]
+            store[index] = grown
 
     def _mask(self, t: int, end: int, window: int | None, device: torch.device) -> torch.Tensor:
         """(rows, 1, t, end): query i (column filled + i) sees key j from its row's start up to itself, within the

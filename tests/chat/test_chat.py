@@ -8,6 +8,7 @@ import dataclasses
 import http.client
 import io
 import json
+import os
 import re
 import threading
 import time
@@ -17,8 +18,9 @@ import pytest
 import torch
 from harness.corpora import CHAT_TEMPLATE, chat_tokenizer
 
+from llmtrain.chat import api
 from llmtrain.chat.api import Defaults
-from llmtrain.chat.engine import Answerer, Engine, Peers
+from llmtrain.chat.engine import Answerer, Engine, Peers, RequestError, measured_cache_bytes
 from llmtrain.chat.server import ChatServer
 from llmtrain.chat.terminal import TerminalChat
 from llmtrain.chat.text import StreamedAnswer
@@ -297,3 +299,28 @@ def test_lm_evals_local_completions_model_scores_and_generates_through_the_serve
         generated
         == tokenizer.decode([t for t in drawn if t not in form.stop_ids], skip_special_tokens=True).split("\n")[0]
     )
+
+
+def test_the_cache_an_answer_needs_is_held_to_the_devices_memory_not_the_context(model, tokenizer):
+    """A model of a 2^40-token context: a chat answer by default holds what the free memory holds (not the context),
+    and an answer asked for beyond it is a 400 naming max_tokens before anything is drawn (never an out-of-memory).
+    What one position holds is measured by decoding a token: 2 blocks x keys and values x 4 heads x 8 x fp32."""
+    huge = GPT(dataclasses.replace(model.cfg, max_seq_len=2**40))
+    huge.load_state_dict(model.state_dict())
+    answerer = Answerer(
+        "huge", huge.eval(), PromptFormat.of(tokenizer), CPU, cache_bytes=measured_cache_bytes(huge, CPU)
+    )
+    assert answerer.cache_bytes == 2 * 2 * 4 * 8 * 4
+    prompt = answerer.prompts.ids(QUESTION)
+    held = answerer.room(prompt, None)
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < held <= physical / (2 * answerer.cache_bytes) < 2**40
+    assert answerer.room(prompt, 12) == 12
+    engine = Engine([answerer], Peers())
+    with pytest.raises(
+        RequestError, match=r"^max_tokens=10000000000000: the KV cache of a \d+-token prompt and its"
+    ) as refused:
+        api.parse(engine, {"messages": QUESTION, "max_tokens": 10**13}, True, Defaults())
+    assert refused.value.param == "max_tokens" and refused.value.status == 400
+    default = api.parse(engine, {"messages": QUESTION}, True, Defaults()).settings.max_new_tokens
+    assert 0 < default <= physical / (2 * answerer.cache_bytes)

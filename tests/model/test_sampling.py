@@ -239,3 +239,25 @@ def test_every_family_offers_the_decoding_contract_and_a_model_without_it_says_s
 
     with pytest.raises(NotImplementedError, match="Silent does not decode: implement LayeredModel's context_length"):
         sample(laid_out_decode(Silent()), PROMPTS, [0, 1, 2], 1, SamplingSettings(2), seed=0, device=CPU)
+
+
+def test_the_cache_grows_with_what_is_written_not_with_the_context():
+    """A 131,072-token context's cache holds what its rows wrote (doubling from 256 columns: 100 -> 256, 300 -> 512,
+    600 -> 1,024), keeps every key across a growth, and each step's attention is causal attention over them all."""
+    import torch.nn.functional as F
+
+    cache = KVCache(torch.zeros(2, dtype=torch.long), 131_072)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    generator = torch.Generator().manual_seed(0)
+    for t, columns in ((100, 256), (200, 512), (300, 1024)):
+        q, k, v = (torch.randn(2, 2, t, 8, generator=generator) for _ in range(3))
+        got = cache.attend(0, q, k, v, None)
+        keys.append(k)
+        values.append(v)
+        end = cache.filled + t
+        seen = torch.arange(end)[None, :] <= torch.arange(cache.filled, end)[:, None]
+        expected = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=seen)
+        torch.testing.assert_close(got, expected)
+        cache.advance(t)
+        assert cache.nbytes == 2 * (2 * 2 * columns * 8) * 4  # keys and values, fp32
