@@ -72,6 +72,14 @@ def _integer(body: dict, key: str, default: int | None, low: int) -> int | None:
     return value
 
 
+def _flag(body: dict, key: str) -> bool:
+    """A true-or-false field: JSON's true or false (the text "false" is neither), absent: false."""
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false, not {value!r}", key)
+    return value
+
+
 def _stop_texts(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     texts = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -87,7 +95,7 @@ def _prompts(body: dict, answerer: Answerer) -> tuple[list[list[int]], list[str]
     if isinstance(prompt, str):
         prompt = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt = [prompt]
+        prompt = [prompt]  # one row of token ids
     if not isinstance(prompt, list) or not prompt:
         raise RequestError(
             "prompt must be a text, a list of texts, a list of token ids or a list of such lists", "prompt"
@@ -97,7 +105,7 @@ def _prompts(body: dict, answerer: Answerer) -> tuple[list[list[int]], list[str]
         if isinstance(item, str):
             rows.append(answerer.prompts.text_ids(item))
             texts.append(item)
-        elif isinstance(item, list) and item and all(isinstance(t, int) and 0 <= t < vocabulary for t in item):
+        elif isinstance(item, list) and item and all(_token_id(t, vocabulary) for t in item):
             rows.append(list(item))
             texts.append(backend.decode(item))
         else:
@@ -105,6 +113,10 @@ def _prompts(body: dict, answerer: Answerer) -> tuple[list[list[int]], list[str]
                 f"prompt: each prompt is a text or a non-empty list of token ids below {vocabulary}", "prompt"
             )
     return rows, texts
+
+
+def _token_id(value: object, vocabulary: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary
 
 
 # Fields of OpenAI's API that would change the answer and that the chat does not do: refused, never ignored.
@@ -130,10 +142,13 @@ def parse(engine: Engine, body: Any, chat: bool, defaults: Defaults) -> Request:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _refuse_what_is_not_served(body, chat)
-    answerer = engine.answerer(body.get("model"))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"model must be the name of a served model, not {model!r}", "model")
+    answerer = engine.answerer(model)
     if _integer(body, "n", 1, 1) != 1:
         raise RequestError("n must be 1: send the request again with another seed for another answer", "n")
-    stream = bool(body.get("stream", False))
+    stream = _flag(body, "stream")
     prompts, texts, logprobs, echo = _asked(body, chat, answerer, stream)
     asked = _max_tokens(body, chat, defaults, echo)
     # a prompt that fills the context, or an answer whose cache would not fit, is refused before anything is drawn
@@ -159,7 +174,7 @@ def _asked(
     logprobs = _integer(body, "logprobs", None, 0)
     if logprobs is not None and logprobs > MOST_LOGPROBS:
         raise RequestError(f"logprobs must be at most {MOST_LOGPROBS}", "logprobs")
-    echo = bool(body.get("echo", False))
+    echo = _flag(body, "echo")
     if stream and (logprobs is not None or echo):
         raise RequestError("logprobs and echo are answered whole: send them with stream=false", "stream")
     return prompts, texts, logprobs, echo
@@ -185,7 +200,7 @@ def _sampling(body: dict, defaults: Defaults, answerer: Answerer, max_tokens: in
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
         top_k=int(_integer(body, "top_k", defaults.top_k, 0) or 0),
         top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0),
-        stop_ids=() if body.get("ignore_eos") else answerer.prompts.stop_ids,
+        stop_ids=() if _flag(body, "ignore_eos") else answerer.prompts.stop_ids,
     )
     if settings.top_p == 0:
         raise RequestError("top_p must be above 0 (0.01 keeps the likeliest token alone)", "top_p")

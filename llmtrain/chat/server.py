@@ -104,7 +104,9 @@ class ChatHandler(BaseHTTPRequestHandler):
             raise RequestError(f"the request body must be 1 byte to {MOST_BODY_BYTES} bytes, not {length}", status=413)
         try:
             return json.loads(self.rfile.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except RecursionError:
+            raise RequestError("the request body nests its JSON too deep") from None
+        except ValueError as error:  # not JSON, not UTF-8, an integer of more digits than Python converts
             raise RequestError(f"the request body is not JSON: {error}") from None
 
     def _stream(self, events: Iterator[dict[str, Any]]) -> None:

@@ -70,8 +70,10 @@ def checked_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ValueError(f"messages[{index}] needs a role among {', '.join(ROLES)}")
         content = message.get("content")
-        if isinstance(content, list):  # OpenAI's content parts: the text ones, joined
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if isinstance(content, list):  # OpenAI's content parts: text ones, joined
+            if not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
+                raise ValueError(f"messages[{index}].content's parts must each be {{type: text, text: <text>}}")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise ValueError(f"messages[{index}].content must be text")
         checked.append({"role": message["role"], "content": content})

@@ -181,6 +181,11 @@ def _post(server: ChatServer, path: str, body: bytes | dict) -> tuple[int, dict]
         ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": ["tiny"], "messages": QUESTION}, 400, "model"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, 400, "messages"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, None),
+        (b'{"seed": ' + b"9" * 5_000 + b"}", 400, None),
+        ({"messages": QUESTION, "stream": "false"}, 400, "stream"),
     ],
 )
 def test_a_request_it_cannot_answer_gets_a_4xx_naming_the_field_and_the_server_goes_on(server, body, status, param):
@@ -324,3 +329,81 @@ def test_the_cache_an_answer_needs_is_held_to_the_devices_memory_not_the_context
     assert refused.value.param == "max_tokens" and refused.value.status == 400
     default = api.parse(engine, {"messages": QUESTION}, True, Defaults()).settings.max_new_tokens
     assert 0 < default <= physical / (2 * answerer.cache_bytes)
+
+
+# -- strangers' requests -------------------------------------------------------------------------------------------
+def _request_bodies():
+    """JSON request bodies, from well-formed to nonsense: a conversation with the API's fields at values it takes,
+    the same fields (and a few others) holding anything JSON holds, or a body that is not an object at all."""
+    from hypothesis import strategies as st
+
+    anything = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=12,
+    )
+    part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=12)})
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=40) | st.lists(part)}
+    )
+    taken = {
+        "model": st.sampled_from(["tiny", "tiny:base"]),
+        "max_tokens": st.integers(min_value=0, max_value=4),
+        "temperature": st.floats(min_value=0, max_value=2),
+        "top_p": st.floats(min_value=0.01, max_value=1),
+        "top_k": st.integers(min_value=0, max_value=50),
+        "seed": st.integers(min_value=0, max_value=2**70),
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=4),
+        "stream": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "prompt": st.text(max_size=30) | st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=5),
+    }
+    wellformed = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)}, optional=taken)
+    fields = [*taken, "messages", "max_completion_tokens", "n", "echo", "logprobs", "response_format", "tools"]
+    wild = st.dictionaries(st.sampled_from(fields), anything, max_size=5)
+    return wellformed | wild | anything
+
+
+@pytest.mark.slow  # seconds: 1,500 bodies parsed at both endpoints, 240 served
+def test_no_request_body_gets_a_500_and_the_server_answers_after_each_batch(engine, server):
+    """Thousands of generated bodies (hypothesis), each checked as both endpoints check it: a request or a
+    RequestError (a 4xx naming its field), never another exception; then 240 of them sent to the server, each a
+    2xx or 4xx, the server answering a good request after each batch of 40."""
+    from hypothesis import HealthCheck, given, settings
+
+    counts = {"parsed": 0, "refused": 0}
+
+    @settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_request_bodies())
+    def parsed(body):
+        for chat in (True, False):
+            try:
+                api.parse(engine, body, chat, Defaults())
+                counts["parsed"] += 1
+            except RequestError as error:
+                assert 400 <= error.status < 500 and str(error)
+                counts["refused"] += 1
+
+    parsed()
+    assert counts["parsed"] > 150 and counts["refused"] > 1500, counts
+    sent: list[bytes] = []
+
+    @settings(max_examples=240, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_request_bodies())
+    def collected(body):
+        if isinstance(body, dict):
+            body = {**body, "max_tokens": 1}  # an accepted one answers quickly
+        sent.append(json.dumps(body).encode())
+
+    collected()
+    for first in range(0, len(sent), 40):
+        for body in sent[first : first + 40]:
+            for path in ("/v1/chat/completions", "/v1/completions"):
+                connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+                connection.request("POST", path, body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                status, text = response.status, response.read()  # an answer whole, streamed, or an error
+                connection.close()
+                assert status < 500 and b'"server_error"' not in text, (body, text[-300:])
+        fine, answer = _post(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})
+        assert fine == 200 and answer["choices"][0]["message"]["role"] == "assistant"
