@@ -56,6 +56,20 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--port", type=int, default=8000, help="the port to serve on, 0: any free one (default: %(default)s)"
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMTRAIN_API_KEY"),
+        help="the key the API asks for (Authorization: Bearer KEY, as vLLM's --api-key; default: $LLMTRAIN_API_KEY, "
+        "none); the page is opened at the URL printed, which carries it",
+    )
+    parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web page origin (https://example.org, or *) besides this server's own that may use the API; "
+        "repeatable (default: none: another site's page the user opens cannot make the model generate)",
+    )
     settings = parser.add_argument_group("sampling (a request or the terminal's /set changes them)")
     settings.add_argument(
         "--temperature", type=float, default=Defaults.temperature, help="0: the likeliest token (default: %(default)s)"
@@ -78,16 +92,21 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def serve(engine: Engine, names: list[str], defaults: Defaults, host: str, port: int) -> None:
-    from llmtrain.chat.server import ChatServer
+def serve(engine: Engine, names: list[str], defaults: Defaults, args: argparse.Namespace) -> None:
+    from llmtrain.chat.server import LOOPBACK, ChatServer, Guard
 
+    host, port = args.host, args.port
+    guard = Guard(args.api_key, tuple(args.allow_origin))
     try:
-        server = ChatServer((host, port), engine, defaults, names if len(names) > 1 else None)
+        server = ChatServer((host, port), engine, defaults, names if len(names) > 1 else None, guard)
     except OSError as error:
         raise ConfigError(
             f"--host {host} --port {port} cannot be served on ({error.strerror}): --port 0 takes any free one"
         ) from None
-    print(f"serving {', '.join(names)} at {server.url} (OpenAI API under {server.url}v1/); Ctrl-C ends", flush=True)
+    if host not in LOOPBACK and guard.api_key is None:
+        print(f"warning: --host {host} serves beyond this machine with no key: set --api-key", flush=True)
+    page = server.url + (f"#key={guard.api_key}" if guard.api_key else "")
+    print(f"serving {', '.join(names)} at {page} (OpenAI API under {server.url}v1/); Ctrl-C ends", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -115,7 +134,7 @@ def main(argv: list[str]) -> None:
     print(f"loaded {', '.join(engine.names)} on {runtime.device} ({runtime.world_size} process(es))", flush=True)
     try:
         if args.serve:
-            serve(engine, engine.names, defaults, args.host, args.port)
+            serve(engine, engine.names, defaults, args)
         else:
             from llmtrain.chat.terminal import chat_in_terminal
 

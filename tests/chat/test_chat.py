@@ -220,8 +220,39 @@ def test_a_reader_that_goes_away_ends_its_answers_decoding(server, engine):
     while engine._one_at_a_time.locked() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine._one_at_a_time.locked()
-    assert CountedAnswerer.steps < steps / 2
+    assert CountedAnswerer.steps <= steps  # drawn at the engine's pace, ended once the reader was found gone
     assert _post(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})[0] == 200
+
+
+def test_a_client_that_stalls_never_holds_the_engine_or_a_thread(engine):
+    """A client that sends half a request, and one that opens a stream and reads nothing: the first's connection
+    is closed after the server's client timeout, the second's answer is drawn at the engine's pace (the engine is
+    free once it is drawn, whatever the reader does), and a third client is answered meanwhile."""
+    import socket
+
+    served = ChatServer(("127.0.0.1", 0), engine, Defaults(), None, client_timeout=0.5)
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        address = served.server_address[:2]
+        half = socket.create_connection(address, timeout=10)
+        half.sendall(b'POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 500\r\n\r\n{"mess')
+        body = json.dumps({"messages": QUESTION, "max_tokens": 40, "stream": True, "ignore_eos": True})
+        unread = socket.create_connection(address, timeout=10)
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        unread.sendall(f"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        started = time.monotonic()
+        fine, answer = _post(served, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})
+        assert fine == 200 and answer["choices"][0]["message"]["role"] == "assistant"
+        deadline = time.monotonic() + 10
+        while engine._one_at_a_time.locked() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine._one_at_a_time.locked() and time.monotonic() - started < 10
+        assert half.recv(100) == b""  # closed by the server once its timeout passed, never answered
+        half.close()
+        unread.close()
+    finally:
+        served.shutdown()
+        served.server_close()
 
 
 def test_the_terminal_chat_keeps_each_models_conversation(engine, model, tokenizer):
@@ -407,3 +438,44 @@ def test_no_request_body_gets_a_500_and_the_server_answers_after_each_batch(engi
                 assert status < 500 and b'"server_error"' not in text, (body, text[-300:])
         fine, answer = _post(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})
         assert fine == 200 and answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_strangers_are_refused_a_page_elsewhere_a_wrong_host_no_key_and_a_full_queue(engine):
+    """With --api-key the API answers its Bearer key alone; a page of another site (its Origin, as a browser sends
+    it even on a text/plain POST) and a Host that is not this machine's (DNS rebinding) get a 403 unless
+    --allow-origin names the site; past MOST_WAITING requests in hand a request gets a 503 with Retry-After."""
+    from llmtrain.chat.server import MOST_WAITING, Guard
+
+    served = ChatServer(("127.0.0.1", 0), engine, Defaults(), None, Guard("s3cret", ("https://ok.example",)))
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host = f"127.0.0.1:{served.server_address[1]}"
+    body = json.dumps({"messages": QUESTION, "max_tokens": 2})
+
+    def status(headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+        connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+        connection.request("POST", "/v1/chat/completions", body, headers)
+        response = connection.getresponse()
+        response.read()
+        connection.close()
+        return response.status, dict(response.getheaders())
+
+    key = {"Authorization": "Bearer s3cret"}
+    try:
+        assert status({})[0] == 401 and status({"Authorization": "Bearer guess"})[0] == 401
+        assert status(key)[0] == 200
+        assert status({**key, "Content-Type": "text/plain", "Origin": "http://evil.example"})[0] == 403
+        assert status({**key, "Origin": f"http://{host}", "Host": host})[0] == 200  # the page served here
+        assert status({**key, "Origin": "https://ok.example"})[0] == 200
+        assert status({**key, "Host": f"evil.example:{served.server_address[1]}"})[0] == 403
+        for _ in range(MOST_WAITING):
+            served.admitted.acquire()
+        try:
+            full, headers = status(key)
+            assert full == 503 and headers["Retry-After"] == "1"
+        finally:
+            for _ in range(MOST_WAITING):
+                served.admitted.release()
+        assert status(key)[0] == 200
+    finally:
+        served.shutdown()
+        served.server_close()
