@@ -50,7 +50,7 @@ def run_entry(main: Callable[[], None], schema: type) -> None:
     except Exception as error:
         if user_wants_report or _JobState.failed:
             raise
-        if isinstance(error, OSError) and launch_rank() != 0:
+        if _written_file_failed(error) is not None and launch_rank() != 0:
             # The main rank owns the run directory and deletes it when its config is refused: a rank that starts
             # later can meet that deletion while Hydra makes the directory. The main rank says why the run ended.
             exit_quietly_after_the_main_rank()
@@ -103,12 +103,24 @@ def composition_error_line(error: BaseException, schema: type) -> str:
         message = cause.msg or ""
         kind = "is not allowed (the key has no null)" if "is not Optional" in message else _type_phrase(message)
         return f"{shown} {kind}: set {name} to {domain.accepts()}"
-    if isinstance(error, OSError):  # Hydra creating the run (or sweep) directory, or writing .hydra/ into it
+    if (failed := _written_file_failed(error)) is not None:  # Hydra making the run (or sweep) directory, or
+        error = failed  # writing .hydra/ or the log file into it (logging's configuration wraps that one)
         return (
             f"the run directory cannot be written ({error.filename}: {error.strerror}): set hydra.run.dir (or "
             f"hydra.sweep.dir with -m) to a writable directory"
         )
     return " ".join(first_line(part) for part in (error, cause) if part is not None)
+
+
+def _written_file_failed(error: BaseException) -> OSError | None:
+    """The OSError behind `error`, itself or what raised it (logging.config wraps a log file that cannot be opened
+    in a ValueError), or None."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _type_phrase(message: str) -> str:

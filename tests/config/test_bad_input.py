@@ -11,6 +11,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -408,3 +409,28 @@ def test_a_fault_point_that_arms_nothing_is_one_line_and_an_armed_one_is_said(fa
     monkeypatch.delenv(fault_points.ENVIRONMENT)
     fault_points.armed.cache_clear()
     assert fault_points.check_armed() is None
+
+
+@pytest.mark.slow  # processes of their own
+def test_a_log_file_that_cannot_be_opened_is_one_line_on_the_main_rank_and_silence_on_another(tmp_path):
+    """The race a worker rank can lose: the main rank removes the run directory of a refused config while another
+    rank's Hydra opens its log file in it. logging's configuration wraps that OSError in a ValueError; the main rank
+    says in one line which file cannot be written, and another rank says nothing (the main rank reports the run's
+    end) and exits 2 when its launcher stops it. Made here by a log file's path that is a directory."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    (run_dir / "train.log").mkdir(parents=True)
+    command = [python(), str(REPO / "train.py"), f"hydra.run.dir={run_dir}"]
+    environment = {**os.environ, "WANDB_MODE": "disabled"}
+    main = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    lines = [line for line in main.stderr.splitlines() if line.strip()]
+    assert main.returncode == 2 and len(lines) == 1, main.stderr[-2000:]
+    assert lines[0].startswith(f"error: the run directory cannot be written ({run_dir / 'train.log'}: Is a directory)")
+    worker = subprocess.Popen(
+        command, cwd=tmp_path, env={**environment, "RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    time.sleep(3)  # past its start: it waits for the main rank's line, as a launcher's worker would
+    worker.send_signal(signal.SIGTERM)
+    stdout, stderr = (stream.decode() for stream in worker.communicate(timeout=60))
+    assert worker.returncode == 2 and not stderr.strip() and "error" not in stdout, stderr[-2000:]
