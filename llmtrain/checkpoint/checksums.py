@@ -1,4 +1,4 @@
-"""A checkpoint that proves itself: the SHA-256 of every file it holds, in `checksums.json`, written last.
+"""A checkpoint that proves itself: the SHA-256 and size of every file it holds, in `checksums.json`, written last.
 
 Each rank hashes what it wrote itself (its DCP shards and its generator states) right after writing them, in the
 thread that wrote them (an async save's background thread), into `.checksums-<rank>.json`; when every rank is
@@ -6,7 +6,9 @@ done, rank 0 hashes its own small files (DCP's `.metadata`, meta.json, the data 
 the ranks' lists into `checksums.json` and renames the checkpoint complete. A checkpoint without `checksums.json`
 is incomplete. Before a checkpoint is loaded (a resume, an export, an evaluation, sampling), every file it lists is
 hashed again: a flipped byte anywhere is named, where a size check sees only missing or truncated files. A resuming
-job's ranks share that reading, each a share of the files.
+job's ranks share that reading, each a share of the files dealt out by the sizes recorded at save, so that no rank
+reads the metadata of files it does not hash (a million stats at 1,024 ranks on a shared file system). A checkpoint
+written before sizes were recorded lists digests alone; its shares are dealt by the files' sizes as they are now.
 """
 
 from __future__ import annotations
@@ -34,8 +36,15 @@ def file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def _digests(directory: str, names: Iterable[str]) -> dict[str, str]:
-    return {name: file_digest(os.path.join(directory, name)) for name in sorted(set(names))}
+def _digests(directory: str, names: Iterable[str]) -> dict[str, dict[str, str | int]]:
+    """Each file's SHA-256 and size in bytes, as written."""
+    return {
+        name: {
+            "sha256": file_digest(os.path.join(directory, name)),
+            "bytes": os.path.getsize(os.path.join(directory, name)),
+        }
+        for name in sorted(set(names))
+    }
 
 
 def record_rank_files(directory: str, rank: int, names: Iterable[str]) -> None:
@@ -46,7 +55,7 @@ def record_rank_files(directory: str, rank: int, names: Iterable[str]) -> None:
 def seal(directory: str) -> None:
     """Rank 0, once every rank has recorded its files: every other file hashed, the ranks' lists merged into
     `checksums.json`, the last file the checkpoint gets."""
-    listed: dict[str, str] = {}
+    listed: dict[str, dict[str, str | int]] = {}
     rank_lists = glob.glob(os.path.join(glob.escape(directory), _RANK_CHECKSUMS.format(rank="*")))
     for rank_list in rank_lists:
         with open(rank_list, encoding="utf-8") as f:
@@ -69,14 +78,17 @@ def _files(directory: str) -> list[str]:
     return found
 
 
-def listed_files(directory: str) -> dict[str, str] | None:
-    """The files `checksums.json` lists with their digests; None when it is missing or unreadable."""
+def listed_files(directory: str) -> dict[str, dict[str, str | int]] | None:
+    """The files `checksums.json` lists, each with its digest (`sha256`) and, where the checkpoint recorded it, its
+    size (`bytes`); None when it is missing or unreadable."""
     try:
         with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
             listed = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return listed if isinstance(listed, dict) else None
+    if not isinstance(listed, dict):
+        return None
+    return {name: entry if isinstance(entry, dict) else {"sha256": entry} for name, entry in listed.items()}
 
 
 def damage(directory: str, share: tuple[int, int] = (0, 1)) -> str | None:
@@ -92,16 +104,22 @@ def damage(directory: str, share: tuple[int, int] = (0, 1)) -> str | None:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             return f"{name} is missing"
-        if file_digest(path) != listed[name]:
+        if file_digest(path) != listed[name].get("sha256"):
             return f"{name} does not match its checksum"
     return None
 
 
-def _largest_first(directory: str, names: Iterable[str]) -> list[str]:
+def _largest_first(directory: str, listed: dict[str, dict[str, str | int]]) -> list[str]:
+    """The listed files, largest first by the sizes recorded at save (a checkpoint from before those: as they are
+    now, every file's metadata read)."""
+
     def size(name: str) -> int:
+        recorded = listed[name].get("bytes")
+        if isinstance(recorded, int):
+            return recorded
         try:
             return os.path.getsize(os.path.join(directory, name))
         except OSError:
             return 0
 
-    return sorted(names, key=lambda name: (-size(name), name))
+    return sorted(listed, key=lambda name: (-size(name), name))

@@ -8,7 +8,7 @@ A checkpoint is a directory `<checkpoint.dir>/step-<8 digits>/` holding
                                       with `weights_only=True`: loading a checkpoint never runs code it holds;
   rng-<rank>.pt                       each rank's random generator states (dropout);
   tokenizer/                          the run's tokenizer as transformers loads it (rank 0), for export and sampling;
-  checksums.json                      the SHA-256 of every file above, written last (checkpoint/checksums.py).
+  checksums.json                      the SHA-256 and size of every file above, written last (checksums.py).
 It is written as `step-<n>.tmp/` and renamed when every rank has finished, so a directory without `.tmp` is
 complete; one whose files are missing or truncated anyway (a disk that lost a shard) is skipped with a warning
 naming it, and the previous one is used. Before one is loaded, every file is checked against its checksum

@@ -236,6 +236,22 @@ def _flip(file: Path, count: int = 4096) -> None:
     file.write_bytes(bytes(data))
 
 
+def test_a_resuming_ranks_share_is_dealt_by_the_sizes_recorded_at_save(tmp_path):
+    """checksums.json records each file's size as written, and a resuming job's ranks deal their shares by those:
+    a file grown since (here the smallest, now the largest) is still read by the rank the recorded sizes give it,
+    so no rank reads the metadata of files it does not hash."""
+    _tiny_checkpoints(tmp_path, [5])
+    path = Path(checkpoint_path(str(tmp_path), 5))
+    listed = checksums.listed_files(str(path))
+    assert listed is not None and all(entry["bytes"] == (path / name).stat().st_size for name, entry in listed.items())
+    dealt = sorted(listed, key=lambda name: (-int(listed[name]["bytes"]), name))
+    grown = dealt[-1] if (len(dealt) - 1) % 2 else dealt[-2]  # a small file that the second of two ranks reads
+    with open(path / grown, "ab") as f:
+        f.write(b"\0" * (1 << 20))
+    assert checksums.damage(str(path), share=(1, 2)) == f"{grown} does not match its checksum"
+    assert checksums.damage(str(path), share=(0, 2)) is None
+
+
 def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(tmp_path, caplog):
     """4 KiB flipped in the newest checkpoint's shard (size unchanged: the size checks pass), or in another's
     data position: resuming with checkpoint.resume=auto names the file in a warning, sets the checkpoint aside as
