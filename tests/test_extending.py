@@ -336,6 +336,7 @@ def test_the_guides_objective_matches_single_on_two_ranks(tmp_path_factory, pair
 NAMES = [f"{first}{second}" for first in ("ka", "mi", "to", "re", "su", "no") for second in ("ra", "ko", "li", "den")]
 
 
+@pytest.mark.slow  # seconds: a streamed source built and 8 steps trained
 def test_the_data_sources_lines_are_documents_and_it_trains(monkeypatch, options, tmp_path):
     """Its row alone makes data=lines read: each line a document ended by end-of-text (data=local would read the
     file as one), the held-out lines apart, the row's key required in one line; a few steps learn."""
@@ -367,6 +368,7 @@ def test_the_data_sources_lines_are_documents_and_it_trains(monkeypatch, options
 
 
 # -- the reward ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # seconds: a GRPO job built and a step taken
 def test_the_rewards_scores_are_the_ones_graded_by_hand_and_grpo_trains_with_it(monkeypatch, tmp_path):
     """answer_in_text finds the answer inside a sentence, an alias of a list, a punctuated and articled answer; a
     wrong one scores 0 and a record without an answer is left unscored; data.reward=[answer_in_text] names it in
