@@ -199,8 +199,7 @@ def validate_objective(cfg) -> None:
     that source, and what that objective needs besides."""
     objective = catalog.objective_of(cfg.train.objective, cfg.data.source)
     needed = catalog.OBJECTIVES[objective].data
-    own = {spec.data for spec in catalog.OBJECTIVES.values()} - {None}
-    if needed != cfg.data.source and (needed is not None or cfg.data.source in own):
+    if objective not in catalog.objectives_fed(cfg.data.source):
         wanted = f"data={needed}" if needed else f"an objective of data={cfg.data.source}"
         raise ConfigError(
             f"train.objective={objective} with data={cfg.data.source}: it needs {wanted}; use train.objective=auto "
