@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmtrain.catalog import AUTO, MESH_DIMS, LayoutSpec, layout_spec, schedule_spec
+from llmtrain.catalog import AUTO, MESH_DIMS, OBJECTIVES, LayoutSpec, layout_spec, objective_of, schedule_spec
 from llmtrain.config import ModelConfig, ParallelConfig, RootConfig, TrainConfig, mlp_width
 from llmtrain.errors import ConfigError
 
@@ -393,13 +393,35 @@ def plan_command(overrides: list[str], world_size: int) -> str:
 
 def check_layout(config: RootConfig, overrides: list[str], world_size: int) -> None:
     """Refuse the layout of a train.py run with these overrides on `world_size` ranks before anything is built
-    (parallel=auto is decided later, once the tokenizer's vocabulary is known)."""
+    (parallel=auto is decided later, once the tokenizer's vocabulary is known), and one that cannot sample where the
+    objective samples."""
     if config.parallel.layout == AUTO:
         return
     try:
-        ParallelPlan.of(config.parallel, config.train, config.model, world_size)
+        plan = ParallelPlan.of(config.parallel, config.train, config.model, world_size)
+        if OBJECTIVES[objective_of(config.train.objective, config.data.source)].samples:
+            check_samples(plan)
     except ConfigError as error:
         raise with_layouts_that_run(error, overrides, world_size) from None
+
+
+def check_samples(plan: ParallelPlan) -> None:
+    """A ConfigError naming what to change where `plan`'s layout cannot sample."""
+    if plan.pipelined:
+        raise ConfigError(
+            f"parallel={plan.name}: a pipeline cannot sample (each new token would pass through every stage in "
+            f"turn); use a layout without pipeline stages (fsdp, tp, fsdp_tp, ddp)"
+        )
+    if plan.degrees.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={plan.degrees.cp}: decoding one position at a time leaves no sequence to split over "
+            f"context-parallel ranks; set parallel.cp=1"
+        )
+    if plan.degrees.tp > 1 and plan.parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true: a decoding step's one new position cannot be split over the "
+            "tensor-parallel ranks; set parallel.sequence_parallel=false"
+        )
 
 
 def with_layouts_that_run(error: ConfigError, overrides: list[str], world_size: int) -> ConfigError:

@@ -67,6 +67,9 @@ ATTENTION_MODES = ("causal", "document")
 # record: nothing more, its update dropped as a non-finite step's is, or the run rolled back to its last checkpoint
 # with the spike's batch left out.
 SPIKE_ACTIONS = ("log", "skip", "rollback")
+# train.compile_backend: torch.compile's backend (llmtrain/parallel/layout.py): inductor's fused kernels, or the same
+# graphs run by eager kernels (dynamo and AOTAutograd, or dynamo alone), to tell a graph's failure from a kernel's.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # train.float8 (llmtrain/parallel/float8.py describes each recipe).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # train.float8_layers: which of the blocks' eligible Linear layers float8 converts (llmtrain/parallel/float8.py).
@@ -75,6 +78,7 @@ FLOAT8_LAYERS = ("auto", "all")
 __all__ = [
     "ADAMW_MOMENTS",
     "ATTENTION_MODES",
+    "COMPILE_BACKENDS",
     "AUTO",
     "AUTO_OBJECTIVE",
     "AUTO_DESCRIPTION",

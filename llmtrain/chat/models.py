@@ -65,7 +65,7 @@ def laid_out_answerer(path: str, config: RootConfig, raw: bool, runtime: Runtime
     from llmtrain.checkpoint.offline import find_checkpoint
     from llmtrain.data.chat_prompt import PromptFormat
     from llmtrain.parallel.parallel_model import unwrap
-    from llmtrain.parallel.sampling import check_samples
+    from llmtrain.parallel_plan import check_samples
     from llmtrain.run.laid_out import laid_out_checkpoint
 
     if os.path.isfile(os.path.join(path, "config.json")):

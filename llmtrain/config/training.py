@@ -119,6 +119,14 @@ class TrainConfig:
         "GPU; compiling on CPU is slow to start); the start summary says which, the end summary and `summary.json` "
         "(`compiled_graphs`) count the graphs compiled",
     )
+    compile_backend: str = key(
+        "inductor",
+        OneOf(catalog.COMPILE_BACKENDS),
+        "the backend `train.compile` compiles with: `inductor` generates fused kernels (what makes it fast); "
+        "`aot_eager` traces the same graphs, forward and backward, and runs them with eager kernels, `eager` "
+        "runs dynamo's graphs alone: a failure under `aot_eager` is the graph's, one under `inductor` alone its "
+        "kernels' (a short first compile besides)",
+    )
     float8: str = key(
         "none",
         OneOf(catalog.FLOAT8_RECIPES),

@@ -76,11 +76,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     precision, where flash attention takes it; in fp32 (no flash kernel) CUDA's memory-efficient kernel does not
     take it and SDPA would fall back to the math kernel, which materialises (t x t) scores per head: Llama 3.2 1B in
     fp32 would not fit 16 GB. There the key/value heads are repeated, as ring attention does."""
-    grouped = q.shape[1] != k.shape[1]
-    if grouped and q.dtype not in _FLASH_DTYPES:
+    if q.shape[1] == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.dtype not in _FLASH_DTYPES:
         k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
-        grouped = False
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # enable_gqa a constant: under torch.compile with dynamic shapes (GRPO's rows and lengths change from step to
+    # step) the comparison of head counts stays symbolic, and SDPA takes no SymBool
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class CausalSelfAttention(nn.Module):

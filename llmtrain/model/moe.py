@@ -259,8 +259,16 @@ class _Groups:
         if self.offsets is not None:  # (CPU's kernel is given both operands contiguous: see _FrozenStack.backward)
             return torch._grouped_mm(rows.contiguous(), stack.contiguous(), offs=self.offsets)
         assert self.counts is not None
-        parts = [part @ stack[e] for e, part in enumerate(rows.split(self.counts)) if len(part)]
-        return torch.cat(parts) if parts else rows.new_zeros(0, stack.shape[-1])
+        return _one_by_one(rows, stack, self.counts)
+
+
+# Eager under torch.compile: traced, each expert's share of rows is a size dynamo specialises (0 and 1 apart from the
+# rest), so every new pattern of empty experts would compile the block again.
+@torch.compiler.disable
+def _one_by_one(rows: torch.Tensor, stack: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows @ each expert's matrix of `stack`, the experts in turn, `counts[e]` rows each."""
+    parts = [part @ stack[e] for e, part in enumerate(rows.split(counts)) if len(part)]
+    return torch.cat(parts) if parts else rows.new_zeros(0, stack.shape[-1])
 
 
 class _FrozenStack(torch.autograd.Function):

@@ -44,6 +44,7 @@ class LayoutSteps:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     compile: str = "none"  # none | blocks | model: what torch.compile makes one graph of (apply_compile)
+    compile_backend: str = "inductor"  # train.compile_backend
     fsdp_mesh: DeviceMesh | None = None  # None: parameters are not sharded over data-parallel ranks
     expert_fsdp_mesh: DeviceMesh | None = None  # with ep_mesh: the ranks FSDP shards the experts over
     data_parallel_size: int = 1  # the ranks whose gradients are averaged (dp_replicate x dp_shard x cp)
@@ -93,6 +94,7 @@ def layout_steps(plan: ParallelPlan, mesh: RankMesh, device: torch.device) -> La
         sequence_parallel=tp and p.sequence_parallel,
         loss_parallel=tp and p.loss_parallel,
         compile=compile_scope(plan, sharded),
+        compile_backend=t.compile_backend,
         param_dtype=torch.bfloat16 if uses_bf16(t.precision, device) else None,
         cpu_offload=p.cpu_offload,
         **fsdp,
@@ -129,8 +131,12 @@ def compile_unit(scope: str, model: LayeredModel) -> str:
     return "blocks" if scope == "model" and not compiles_whole(model) else scope
 
 
-def apply_compile(model: LayeredModel, scope: str) -> None:
-    """torch.compile `model` as `scope` (compile_unit's) says.
+# The graphs one code object may make under train.compile (apply_compile): 16 structural variants, with room.
+RECOMPILE_LIMIT = 32
+
+
+def apply_compile(model: LayeredModel, scope: str, backend: str = "inductor") -> None:
+    """torch.compile `model` with `backend` as `scope` (compile_unit's) says.
 
     `model`: the whole model with nothing split, one graph from the embeddings to the head: the step's operators
     fuse across the blocks' edges (a residual add with the next norm) and nothing runs eagerly between graphs (a
@@ -143,12 +149,18 @@ def apply_compile(model: LayeredModel, scope: str) -> None:
     may break: in fp32 the grouped GEMM has no compiled form (their experts run one by one, the counts read on the
     host), and under activation checkpointing their load count is a side effect the recomputed region cannot hold.
 
-    Either way the loss is a graph of its own where the logits are whole (parallel/step_setup.py)."""
+    Either way the loss is a graph of its own where the logits are whole (parallel/step_setup.py).
+
+    A graph is specialised to the grad mode, whether its input needs a gradient, adapters on or off, and (per block)
+    the attention's window: DPO and GRPO score without gradients with adapters off (their reference), and a block
+    whose input comes from an adapted block needs one, so a model of two window kinds makes up to 16 graphs of one
+    code object, past dynamo's default limit of 8 (meant for code that recompiles with every new shape)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if compile_unit(scope, model) == "model":
-        model.compile(fullgraph=True)
+        model.compile(fullgraph=True, backend=backend)
         return
     for block in model.blocks.values():
-        block.compile(fullgraph=not isinstance(getattr(block, "mlp", None), MoE))
+        block.compile(fullgraph=not isinstance(getattr(block, "mlp", None), MoE), backend=backend)
 
 
 def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
@@ -166,7 +178,7 @@ def apply_layout(model: LayeredModel, layout: LayoutSteps) -> None:
     if layout.compile != "none":
         if layout.float8 is not None and layout.float8.recipe == "rowwise":
             round_compiled_casts_as_eager()
-        apply_compile(model, layout.compile)
+        apply_compile(model, layout.compile, layout.compile_backend)
     if layout.fsdp_mesh is not None:
         apply_fsdp(
             model,

@@ -16,42 +16,24 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from llmtrain.errors import ConfigError
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.kv_cache import KVCache
 from llmtrain.model.sampling import Completions, DecodeStep, SamplingSettings, sample
 from llmtrain.parallel.fsdp import gathered_whole
 from llmtrain.parallel.parallel_model import ParallelModel, unwrap
 from llmtrain.parallel.tensors import full_tensor
-from llmtrain.parallel_plan import ParallelPlan
-
-
-def check_samples(plan: ParallelPlan) -> None:
-    """A ConfigError naming what to change where `plan`'s layout cannot sample."""
-    if plan.pipelined:
-        raise ConfigError(
-            f"parallel={plan.name}: a pipeline cannot sample (each new token would pass through every stage in "
-            f"turn); use a layout without pipeline stages (fsdp, tp, fsdp_tp, ddp)"
-        )
-    if plan.degrees.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={plan.degrees.cp}: decoding one position at a time leaves no sequence to split over "
-            f"context-parallel ranks; set parallel.cp=1"
-        )
-    if plan.degrees.tp > 1 and plan.parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel=true: a decoding step's one new position cannot be split over the "
-            "tensor-parallel ranks; set parallel.sequence_parallel=false"
-        )
+from llmtrain.parallel_plan import check_samples
 
 
 def laid_out_decode(model: LayeredModel, context: Callable[[], AbstractContextManager] = nullcontext) -> DecodeStep:
     """The decode step of `model`, whole or this rank's part of it laid out (collective then: FSDP gathers, tensor
     parallelism reduces), within `context` (autocast, adapters switched off): the whole vocabulary's logits on every
-    rank, whatever shards them."""
+    rank, whatever shards them. Eager where train.compile compiled the model: its graphs are traced for a training
+    step's shapes, and each decoded position (a longer cache) would trace another, until dynamo's recompile limit
+    ends the run."""
 
     def decode(tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        with context():
+        with context(), torch.compiler.set_stance("force_eager"):
             return full_tensor(model.decode(tokens, cache))
 
     return decode

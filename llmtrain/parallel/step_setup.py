@@ -69,7 +69,7 @@ class StepSetup:
         compiled = plan.train.compile and plan.degrees.tp == 1
         vocabulary_split = plan.degrees.tp > 1 and plan.parallel.loss_parallel
         cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-            torch.compile(summed_cross_entropy)
+            torch.compile(summed_cross_entropy, backend=plan.train.compile_backend)
             if compiled
             else summed_cross_entropy
             if vocabulary_split

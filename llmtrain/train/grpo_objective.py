@@ -38,8 +38,9 @@ from llmtrain.model.sampling import Completions, SamplingSettings
 from llmtrain.model.scoring import UNSCORED, token_log_probs, weighted_targets
 from llmtrain.parallel.mesh import sum_over
 from llmtrain.parallel.parallel_model import ParallelModel
-from llmtrain.parallel.sampling import check_samples, sample_completions
+from llmtrain.parallel.sampling import sample_completions
 from llmtrain.parallel.tensors import MicroBatches
+from llmtrain.parallel_plan import check_samples
 from llmtrain.train.grpo import GlobalBatch, GRPOSettings, TokenTerms, advantages, group_spread, loss_and_weights
 from llmtrain.train.objectives import Objective, PreparedStep
 

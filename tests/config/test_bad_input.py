@@ -191,9 +191,9 @@ def test_an_unknown_key_names_the_nearest_one():
     base = _composed()
     assert error_line(base, "train.stpes=5") == (
         "train.stpes is not a key: did you mean train.steps? (the keys of train: activation_checkpointing, "
-        "attention, batch_size, compile, device, eval_batches, eval_every, float8, float8_layers, hang_timeout, "
-        "max_bad_steps, micro_batch_size, objective, on_spike, precision, save_model, score_after_eos, seq_len, "
-        "spike_factor, spike_window, steps)"
+        "attention, batch_size, compile, compile_backend, device, eval_batches, eval_every, float8, float8_layers, "
+        "hang_timeout, max_bad_steps, micro_batch_size, objective, on_spike, precision, save_model, score_after_eos, "
+        "seq_len, spike_factor, spike_window, steps)"
     )
     assert error_line(base, "+train.stpes=5").startswith("train.stpes is not a key: did you mean train.steps?")
     assert error_line(base, "+foo=1").startswith("foo is not a key (the keys of the config: checkpoint, data,")

@@ -177,8 +177,7 @@ def test_every_layout_that_samples_draws_what_one_process_draws(tmp_path):
 
 def test_a_layout_that_cannot_sample_is_refused_in_one_line():
     from llmtrain.errors import ConfigError
-    from llmtrain.parallel.sampling import check_samples
-    from llmtrain.parallel_plan import ParallelPlan
+    from llmtrain.parallel_plan import ParallelPlan, check_samples
     from llmtrain.tools import compose_config
 
     for overrides, refusal in (

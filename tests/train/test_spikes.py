@@ -15,7 +15,7 @@ from harness.corpora import DOCUMENT_CORPUS
 from harness.runs import PARITY
 from omegaconf import OmegaConf
 
-from llmtrain import faults
+from llmtrain import catalog, faults
 from llmtrain.config import DataConfig, PrepareConfig, RootConfig
 from llmtrain.data.prepare import prepare
 from llmtrain.errors import TrainingDiverged
@@ -62,8 +62,11 @@ def arm(monkeypatch):
     faults.armed.cache_clear()
 
 
-def _train(run_dir: Path, steps: int, *overrides: str) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
-    """The records of `steps` steps of a run of `overrides`, and its weights before the first and after each."""
+def _train(
+    run_dir: Path, steps: int, *overrides: str, keep_weights: bool = True
+) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
+    """The records of `steps` steps of a run of `overrides`, and its weights before the first and after each (where
+    kept)."""
     config = compose_config([*RUN, f"train.steps={steps + 1}", *overrides])  # no final checkpoint
     parts = build_training(cast(RootConfig, OmegaConf.to_object(config)), ALONE, str(run_dir))
     records: list[dict] = []
@@ -73,7 +76,8 @@ def _train(run_dir: Path, steps: int, *overrides: str) -> tuple[list[dict], list
         parts.model.module.train()
         for _ in range(steps):
             trainer.advance()
-            weights.append(_weights(parts.model.module))
+            if keep_weights:
+                weights.append(_weights(parts.model.module))
     finally:
         parts.data.close()
     return records, weights
@@ -200,3 +204,30 @@ def test_a_rollback_resumes_from_the_last_checkpoint_with_the_spikes_batch_left_
     assert not any(m.get("spike") for m in run.metrics)
     ends = run.summary["interruptions"]
     assert len(ends) == 1 and ends[0].startswith("exit 78: step 6: loss"), ends
+
+
+# Each objective whose loss measures progress, on its toy run: next-token on the short documents, DPO on the test
+# pairs (preference_run). GRPO's loss is judged by no spike rule (tests/train/test_grpo_objective.py).
+TOY_STEPS = 150
+TOY_WINDOW = 10  # 140 of the 150 steps judged (the default window of 100 judges 50)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["next_token", "dpo"])
+def test_a_toy_run_of_each_objective_finds_no_false_spike_whatever_the_guard_does(objective, tmp_path):
+    """150 steps under train.on_spike=log, skip and rollback, each step judged against the median of the 10 before
+    (the default factor, 5): no step is a spike or skipped, and the three runs take the same steps (the guard costs
+    a run without spikes nothing). DPO's loss falls towards 0, where a ratio to the median is most easily crossed."""
+    from harness.corpora import write_preference_data
+    from harness.preference import preference_run
+
+    overrides = [f"train.spike_window={TOY_WINDOW}"]
+    if objective == "dpo":
+        overrides += [*preference_run(*write_preference_data(tmp_path)), "train.eval_every=0", "optim.warmup_steps=0"]
+    runs = {}
+    for action in catalog.SPIKE_ACTIONS:
+        records, _ = _train(tmp_path / action, TOY_STEPS, *overrides, f"train.on_spike={action}", keep_weights=False)
+        assert len(records) == TOY_STEPS and not [r["step"] for r in records if r.get("spike") or r.get("skipped")]
+        runs[action] = [record["loss"] for record in records]
+    assert runs["log"] == runs["skip"] == runs["rollback"]
+    assert runs["log"][-1] < 0.75 * runs["log"][0], runs["log"][::10]  # it learned: the judged losses fell

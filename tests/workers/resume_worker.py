@@ -36,12 +36,17 @@ RUN = [
 
 def train(overrides: list[str], runtime: Runtime, run_dir: str) -> dict[int, float]:
     """Losses by step of a run of `overrides` from where it starts (step 0, or its checkpoint) to train.steps."""
-    parts = build_training(OmegaConf.to_object(compose_config([*RUN, *overrides])), runtime, run_dir)
+    return trained([*RUN, *overrides], runtime, run_dir, STEPS)
+
+
+def trained(overrides: list[str], runtime: Runtime, run_dir: str, last_step: int) -> dict[int, float]:
+    """Losses by step of a run of `overrides` from where it starts (step 0, or its checkpoint) to `last_step`."""
+    parts = build_training(OmegaConf.to_object(compose_config(overrides)), runtime, run_dir)
     losses: dict[int, float] = {}
     try:
         trainer = Trainer(parts, lambda record: losses.update({record["step"]: record["loss"]}))
         parts.model.module.train()
-        while trainer.state.step < STEPS:
+        while trainer.state.step < last_step:
             trainer.advance()
         trainer.checkpoints.finish()
     finally:
