@@ -25,7 +25,9 @@ STEPS = 2  # of train.steps=3: no end-of-run checkpoint, the checkpoint.every=1 
 
 
 def run_row(row: dict, runtime: Runtime, out_dir: str) -> dict:
-    """The row trained, then resumed from its first checkpoint; the graphs torch.compile made of both."""
+    """The row trained, then resumed from its first checkpoint; the graphs torch.compile made of both, dynamo's
+    caches emptied first (a row then compiles its own graphs, whatever rows ran before it)."""
+    torch._dynamo.reset()
     began, graphs = time.perf_counter(), compiled_graphs()
     first, again = (os.path.join(out_dir, row["name"], run) for run in ("first", "again"))
     losses = trained([*row["overrides"], "checkpoint.resume=none"], runtime, first, STEPS)
