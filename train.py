@@ -38,13 +38,14 @@ def main(cfg) -> None:
     # Watching before torch loads: a preemption signal during start-up is acted on at the first step boundary.
     with PreemptionWatch() as preemption:
         try:
+            overrides = list(HydraConfig.get().overrides.task)
+            if cfg.model.init_from:  # reads its config.json (loads torch): its model, where no preset is chosen
+                cfg = _with_init_from_model(cfg, overrides)
             validate(cfg)  # before torch is imported: a bad key or layout answers in a second, on the main rank only
             armed = check_armed()
             _, world_size, _, launcher = launch_coordinates()
             if launcher != "none" or cfg.parallel.nproc <= 1:  # else the workers it starts check their own world
-                check_layout(
-                    cast(RootConfig, OmegaConf.to_object(cfg)), list(HydraConfig.get().overrides.task), world_size
-                )
+                check_layout(cast(RootConfig, OmegaConf.to_object(cfg)), overrides, world_size)
             from llmtrain.data.files import check_data_files  # loads torch: after the config's own checks
 
             check_data_files(cfg.data)
@@ -59,6 +60,18 @@ def main(cfg) -> None:
         from llmtrain.run.job import run
 
         run(cfg, preemption, ENTRY_POINT)
+
+
+def _with_init_from_model(cfg, overrides: list[str]):
+    """`cfg` with model.init_from's own model where the command line chose no preset, recorded as the run's config
+    (.hydra/config.yaml, which Hydra wrote with the default preset's)."""
+    from llmtrain.model.hf_adopted import with_init_from_model
+
+    adopted = with_init_from_model(cfg, overrides)
+    subdir = HydraConfig.get().output_subdir
+    if adopted is not cfg and subdir is not None:
+        OmegaConf.save(adopted, os.path.join(HydraConfig.get().runtime.output_dir, subdir, "config.yaml"))
+    return adopted
 
 
 if __name__ == "__main__":

@@ -45,11 +45,19 @@ def _processes_start_in_the_slow_tier_only(request: pytest.FixtureRequest, monke
     if request.node.get_closest_marker("slow"):
         return
     test = request.node.nodeid
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
     def refuse(*args, **kwargs):
         pytest.fail(f"{test} starts a process: mark it @pytest.mark.slow (the fast tier runs in-process)")
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    def refuse_but_library_lookups(popen, program, *args, **kwargs):
+        # ctypes.util.find_library asks ldconfig, once per library, as a module imports (trio's, under
+        # huggingface_hub's HTTP client): a lookup, not a run
+        if not isinstance(program, (str, bytes)) and os.path.basename(str(program[0])) == "ldconfig":
+            return execute_child(popen, program, *args, **kwargs)
+        refuse()
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_but_library_lookups)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 

@@ -180,13 +180,14 @@ class ModelConfig:
         "-inf, so the loss is the unpadded model's; tensor parallelism needs it divisible by tp. The printed "
         "parameter count leaves the padding out",
     )
-    # A model in Hugging Face format (GPT-2, Llama, Mixtral) to start from: a local directory or a hub id.
     init_from: Optional[str] = key(
         None,
         DirectoryOrHub(("config.json",)),
-        "start from GPT-2, Llama or Mixtral weights in Hugging Face format (a local directory, or a hub name where the "
-        "hub is reachable), read one tensor at a time into each rank's shards; its shape must match the preset (a "
-        "mismatch names the keys). Use its tokenizer: `data.tokenizer.kind=hf data.tokenizer.name=<same>`",
+        "start from a model in Hugging Face format (a local directory, or a hub name where the hub is reachable), "
+        "read one tensor at a time into each rank's shards. Alone (no `model=`), it is the model: its config.json "
+        "gives the family and every shape key, and the run keeps its own (`lora`, `quantize_base`, dropout, "
+        "`vocab_multiple`); a shape key set beside it, or a preset chosen with it, must match it (a mismatch names "
+        "the keys). Use its tokenizer: `data.tokenizer.kind=hf data.tokenizer.name=<same>`",
     )
     # The Llama family's choices (GPT-2's are the defaults): conf/model/llama-tiny.yaml and the presets set them.
     norm: str = key(

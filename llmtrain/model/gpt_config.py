@@ -121,5 +121,6 @@ class GPTConfig:
 
     @property
     def padding_parameters(self) -> int:
-        """Embedding rows that only pad the vocabulary (trainable, but never looked up nor predicted)."""
-        return (self.padded_vocab_size - self.vocab_size) * self.d_model
+        """Embedding and head rows that only pad the vocabulary (trainable, but never looked up nor predicted): the
+        embedding's, and an untied head's as many again."""
+        return (self.padded_vocab_size - self.vocab_size) * self.d_model * (1 if self.tie_embeddings else 2)

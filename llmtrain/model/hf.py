@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +23,18 @@ from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
 
 
+class WeightsReader(Protocol):
+    """A format's reader of a Hugging Face directory for our model config `cfg`, one tensor at a time (as
+    llmtrain/model/materialize.py asks); made, it has checked that the two agree on `shape_keys` (GPTConfig
+    fields or properties)."""
+
+    shape_keys: tuple[str, ...]
+
+    def __init__(self, path: str, cfg: GPTConfig) -> None: ...
+
+    def __call__(self, name: str, full: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class HFFormat:
     """One transformers class a family's model converts to and from."""
@@ -32,7 +44,7 @@ class HFFormat:
     preset: str  # a conf/model preset of the family
     check: Callable[[GPTConfig], None]  # ConfigError unless transformers_class can hold the model
     config_of: Callable[[str], GPTConfig]  # our config of a directory of this family
-    weights: Callable[[str, GPTConfig], Callable[[str, torch.Tensor], None]]  # one tensor at a time
+    weights: type[WeightsReader]
     hf_config: Callable[[GPTConfig, int], Any]  # the transformers config of our model (and an eos id)
     state_dict: Callable[[GPT], dict[str, torch.Tensor]]  # the transformers state dict of our whole model
 
@@ -172,8 +184,15 @@ def hf_weights(path: str, cfg: GPTConfig) -> Callable[[str, torch.Tensor], None]
 
 def hf_config_of(directory: str) -> GPTConfig:
     """Our config of the model a Hugging Face directory holds, of the family whose formats read it."""
+    return hf_model_at(directory)[0]
+
+
+def hf_model_at(directory: str) -> tuple[GPTConfig, HFFormat]:
+    """Our config of the model a Hugging Face directory holds (of the family whose formats read it), and the
+    format that reads it."""
     family, model_type = _model_type(directory, directory)
-    return dataclasses.replace(_readers()[model_type][1].config_of(directory), family=family)
+    held = _readers()[model_type][1]
+    return dataclasses.replace(held.config_of(directory), family=family), held
 
 
 def _readers() -> dict[str, tuple[str, HFFormat]]:

@@ -48,6 +48,33 @@ def weights_fingerprint(directory: str) -> str:
     return digest.hexdigest()[:16]
 
 
+# What a shape error suggests where the command line chose a preset (model=) besides model.init_from.
+PRESET_REMEDY = (
+    "leave model= out to take the model from its config.json, or choose the preset that matches it, with its "
+    "tokenizer (data.tokenizer.kind=hf)"
+)
+# The model keys the shape properties that differ from them stand for, in an error a user reads.
+_SHAPE_KEY_NAMES = {
+    "kv_heads": "n_kv_head",
+    "head_size": "head_dim",
+    "hidden": "d_ff",
+    "layer_windows": "sliding_window",
+    "expert_shape": "moe",
+}
+
+
+def check_same_shape(path: str, ours: Any, theirs: Any, keys: tuple[str, ...], remedy: str) -> None:
+    """ConfigError naming every one of `keys` (GPTConfig fields or properties) on which the model config `ours`
+    differs from `theirs`, the shape of the Hugging Face model at `path`, and `remedy`."""
+    differences = [
+        f"model.{_SHAPE_KEY_NAMES.get(key, key)}={getattr(ours, key)} (theirs: {getattr(theirs, key)})"
+        for key in keys
+        if getattr(ours, key) != getattr(theirs, key)
+    ]
+    if differences:
+        raise ConfigError(f"model.init_from={path} has another shape: {', '.join(differences)}: {remedy}")
+
+
 def lazy_tensors(directory: str) -> tuple[set[str], Callable[[str], torch.Tensor]]:
     """(names, read) of the weights a Hugging Face directory holds: model.safetensors (or the shards its
     model.safetensors.index.json lists) memory-mapped, or an older pytorch_model.bin pickle, memory-mapped; each

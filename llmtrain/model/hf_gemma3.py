@@ -167,7 +167,7 @@ class Gemma3Weights(LlamaWeights):
     """Our parameters' values from a Gemma 3 text model (a text release, or a multimodal one's language model),
     one tensor at a time; ConfigError when its shape differs from the model config."""
 
-    shape_keys = (
+    shape_keys: tuple[str, ...] = (
         *(key for key in LLAMA_SHAPE_KEYS if key != "tie_embeddings"),
         "rope_local_theta",
         "layer_windows",

@@ -22,7 +22,7 @@ import torch
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, vocabulary_mask
 from llmtrain.model.gpt_config import GPTConfig
-from llmtrain.model.hf_files import lazy_tensors, local_hf_directory
+from llmtrain.model.hf_files import PRESET_REMEDY, check_same_shape, lazy_tensors, local_hf_directory
 
 
 def check_gpt2(cfg: GPTConfig) -> None:
@@ -135,35 +135,20 @@ def gpt_config_of(path: str) -> GPTConfig:
     )
 
 
-def _check_shape(path: str, cfg: GPTConfig) -> None:
-    theirs = gpt_config_of(path)
-    differences = [
-        f"model.{key}={getattr(cfg, attribute)} (theirs: {getattr(theirs, attribute)})"
-        for key, attribute in (
-            ("n_layer", "n_layer"),
-            ("n_head", "n_head"),
-            ("d_model", "d_model"),
-            ("max_seq_len", "max_seq_len"),
-            ("vocab_size", "vocab_size"),
-            ("d_ff", "hidden"),
-        )
-        if getattr(cfg, attribute) != getattr(theirs, attribute)
-    ]
-    if differences:
-        raise ConfigError(
-            f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model "
-            f"preset that matches it (e.g. model=gpt2) and its tokenizer (data.tokenizer.kind=hf)"
-        )
-
-
 class GPT2Weights:
     """Our parameters' values from a GPT-2 in Hugging Face format, one tensor at a time (`init(name, full)`, as
     llmtrain/model/materialize.py asks): safetensors are memory-mapped and each tensor is read when asked for, so
     no rank ever holds the whole checkpoint. Raises ConfigError when its shape differs from the model config."""
 
+    shape_keys: tuple[str, ...] = ("n_layer", "n_head", "d_model", "max_seq_len", "vocab_size", "hidden")
+
+    @staticmethod
+    def config_of(directory: str) -> GPTConfig:
+        return gpt_config_of(directory)
+
     def __init__(self, path: str, cfg: GPTConfig):
         directory = local_hf_directory(path)
-        _check_shape(directory, cfg)
+        check_same_shape(path, cfg, self.config_of(directory), self.shape_keys, PRESET_REMEDY)
         self.cfg = cfg
         keys, self._read = lazy_tensors(directory)
         # save_pretrained writes "transformer.h.0..."; the original hub GPT-2 files have no prefix.

@@ -21,7 +21,7 @@ import torch
 from llmtrain.errors import ConfigError
 from llmtrain.model.gpt import GPT, vocabulary_mask
 from llmtrain.model.gpt_config import GPTConfig
-from llmtrain.model.hf_files import lazy_tensors, local_hf_directory
+from llmtrain.model.hf_files import PRESET_REMEDY, check_same_shape, lazy_tensors, local_hf_directory
 from llmtrain.model.rope import RopeScaling
 
 _MODULES = {
@@ -200,17 +200,7 @@ class LlamaWeights:
 
     def __init__(self, path: str, cfg: GPTConfig):
         directory = local_hf_directory(path)
-        theirs = self.config_of(directory)
-        differences = [
-            f"{key}={getattr(cfg, key)} (theirs: {getattr(theirs, key)})"
-            for key in self.shape_keys
-            if getattr(cfg, key) != getattr(theirs, key)
-        ]
-        if differences:
-            raise ConfigError(
-                f"model.init_from={path} has another shape: {', '.join(differences)}: choose the model preset that "
-                f"matches it and its tokenizer (data.tokenizer.kind=hf)"
-            )
+        check_same_shape(path, cfg, self.config_of(directory), self.shape_keys, PRESET_REMEDY)
         self.cfg = cfg
         self._keys, self._read = lazy_tensors(directory)
 

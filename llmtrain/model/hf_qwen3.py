@@ -60,7 +60,7 @@ def qwen3_config_of(path: str) -> GPTConfig:
 class Qwen3Weights(LlamaWeights):
     """LlamaWeights with the query and key norms among the shape it checks."""
 
-    shape_keys = (*LLAMA_SHAPE_KEYS, "qk_norm")
+    shape_keys: tuple[str, ...] = (*LLAMA_SHAPE_KEYS, "qk_norm")
 
     @staticmethod
     def config_of(directory: str) -> GPTConfig:

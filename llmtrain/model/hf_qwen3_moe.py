@@ -80,7 +80,7 @@ def qwen3_moe_config_of(path: str) -> GPTConfig:
 class Qwen3MoeWeights(MixtralWeights):
     """MixtralWeights with Qwen3's query and key norms, and the release's per-expert names."""
 
-    shape_keys = (*MixtralWeights.shape_keys, "qk_norm")
+    shape_keys: tuple[str, ...] = (*MixtralWeights.shape_keys, "qk_norm")
     legacy_module = "mlp"
     legacy_names = {"w_gate": "gate_proj", "w_in": "up_proj", "w_out": "down_proj"}
 

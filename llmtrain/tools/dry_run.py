@@ -60,6 +60,7 @@ from llmtrain.config.composition import compose_or_refuse
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet, exits_on_run_error, first_line
 from llmtrain.files import write_json_atomic
 from llmtrain.model import GPT, ParameterInit
+from llmtrain.model.hf_adopted import with_init_from_model
 from llmtrain.model.materialize import allocate
 from llmtrain.model.moe import MoE
 from llmtrain.model.scoring import TokenMarks
@@ -79,7 +80,7 @@ GPT2_VOCABULARY = 50257
 
 def dry_run_config(overrides: list[str]) -> DryRunRootConfig:
     """The config as train.py would run it on dry_run.world_size ranks, with the CUDA run's precision."""
-    cfg = compose_or_refuse("dry_run", overrides, DryRunRootConfig)
+    cfg = with_init_from_model(compose_or_refuse("dry_run", overrides, DryRunRootConfig), overrides)
     check_domains(cfg, DryRunRootConfig)
     validate(OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RootConfig)]))  # training's rules
     config = cast(DryRunRootConfig, OmegaConf.to_object(cfg))

@@ -28,6 +28,7 @@ from llmtrain.catalog import AUTO, layout_spec
 from llmtrain.config import RootConfig, validate
 from llmtrain.config.composition import composition_error_line
 from llmtrain.errors import ConfigError, closed_pipe_is_quiet
+from llmtrain.model.hf_adopted import chose_preset, with_init_from_model
 from llmtrain.planner.auto import auto_decision
 from llmtrain.planner.candidates import describe_layout, enumerate_candidates, runnable, with_knobs
 from llmtrain.planner.cost import GIB, PEAK_ERROR_BOUND, Decision, LayoutCost, choose, layout_cost
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         return
     try:
-        cfg = compose_config(argv)
+        cfg = with_init_from_model(compose_config(argv), argv)
         validate(cfg)
         plans, decision, auto, facts = plan_config(cfg)
     except ConfigError as error:
@@ -152,7 +153,8 @@ def main(argv: list[str]) -> None:
         sys.exit(ConfigError.exit_code)
     print(format_table(plans, facts))
     if decision.chosen:
-        command = f"train.py model={cfg.model.name} {decision.chosen.candidate.command_line()}"
+        model = f"model.init_from={cfg.model.init_from}" if cfg.model.init_from and not chose_preset(argv) else ""
+        command = f"train.py {model or f'model={cfg.model.name}'} {decision.chosen.candidate.command_line()}"
         if "batch_note" in facts:
             command += f" train.batch_size={facts['batch']['batch_size']}"
         print(f"pick: {decision.reason}\n  run: {command}")

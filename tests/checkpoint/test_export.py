@@ -199,14 +199,14 @@ def test_a_hugging_face_llama_initialises_our_model(tmp_path, scaling):
 def test_a_llama_of_another_shape_is_refused_naming_the_keys(tmp_path):
     _hf_llama(tmp_path, num_key_value_heads=2)
     cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"kv_heads=4 \(theirs: 2\)"):
+    with pytest.raises(ConfigError, match=r"model\.n_kv_head=4 \(theirs: 2\)"):
         build_model(cfg.model, 257, seed=1)
 
 
 def test_a_llama3_scaled_checkpoint_into_plain_rope_is_refused(tmp_path):
     _hf_llama(tmp_path, rope_scaling=LLAMA3_SCALING)
     cfg = compose_config([*LLAMA, f"model.init_from={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"rope_scaling=None \(theirs: RopeScaling\(factor=4.0"):
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling=None \(theirs: RopeScaling\(factor=4.0"):
         build_model(cfg.model, 257, seed=1)
 
 
@@ -250,7 +250,7 @@ def test_a_mixtral_of_another_shape_is_refused_naming_the_keys(tmp_path):
     _hf_mixtral(tmp_path, num_experts_per_tok=1)
     cfg = compose_config(["model=mixtral-tiny", f"model.init_from={tmp_path}"])
     with pytest.raises(
-        ConfigError, match=r"expert_shape=\(8, 2, 1, 0, 384, True\) \(theirs: \(8, 1, 1, 0, 384, True\)\)"
+        ConfigError, match=r"model\.moe=\(8, 2, 1, 0, 384, True\) \(theirs: \(8, 1, 1, 0, 384, True\)\)"
     ):
         build_model(cfg.model, 257, seed=1)
 

@@ -111,7 +111,7 @@ def test_our_gemma3_exports_into_transformers_with_our_logits():
 def test_a_gemma3_of_another_window_is_refused_naming_the_key(tmp_path):
     _hf_gemma3(tmp_path, sliding_window=8)
     cfg = compose_config([*GEMMA3, f"model.init_from={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"layer_windows=\(16, 16, 16, None\) \(theirs: \(8, 8, 8, None\)\)"):
+    with pytest.raises(ConfigError, match=r"model\.sliding_window=\(16, 16, 16, None\) \(theirs: \(8, 8, 8, None\)\)"):
         build_model(cfg.model, VOCAB, seed=1)
 
 

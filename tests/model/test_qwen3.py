@@ -86,7 +86,7 @@ def test_our_qwen3_exports_into_transformers_with_our_logits(tied):
 def test_a_qwen3_of_another_head_width_is_refused_naming_the_key(tmp_path):
     _hf_qwen3(tmp_path, head_dim=16)
     cfg = compose_config([*QWEN3, f"model.init_from={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"head_size=32 \(theirs: 16\)"):
+    with pytest.raises(ConfigError, match=r"model\.head_dim=32 \(theirs: 16\)"):
         build_model(cfg.model, VOCAB, seed=1)
 
 
