@@ -1,17 +1,18 @@
 """Sample continuations from a trained model: what did it learn?
 
     python -m llmtrain.generate outputs/<run> --prompt "def main(" --max-new-tokens 200 --temperature 0.8 --top-k 50
-    python -m llmtrain.generate exported/ --prompt "What is 7 x 6?" --prompt "Name a prime." --samples 2
+    python -m llmtrain.generate exported/ --prompt "What is 7 x 6?" --prompt "Name a prime." --samples 2 --chat
     python -m llmtrain.generate exported/ --prompt "..."        # a Hugging Face directory (llmtrain.export)
 
-The prompts are decoded together by the KV-cached sampler (llmtrain/model/sampling.py): one prefill each, then one
-batched forward pass per new token, drawn from softmax(logits / temperature) within the top-k and top-p (temperature
-0: the most likely token), until --max-new-tokens, the model's max_seq_len or a stop token. A tokenizer with a chat
-template (an instruct model's) wraps each prompt as a user's turn and stops at the end of the assistant's (--raw: the
-prompt as it is). The same --seed draws the same continuations, one prompt alone or many together. The
-continuation attends within its own document: a prompt holding end-of-text tokens (an empty one is one) is read as
-packed documents are in training with train.attention=document (llmtrain/model/documents.py), so nothing before the
-last one is seen and positions restart after it.
+Each prompt is continued as it is given, as vLLM's `generate` does; --chat wraps it as a user's turn instead, as
+vLLM's `chat` does (the tokenizer's chat template where it has one, else a plain transcript) and ends the answer
+with the assistant's turn. The prompts are decoded together by the KV-cached sampler (llmtrain/model/sampling.py):
+one prefill each, then one batched forward pass per new token, drawn from softmax(logits / temperature) within the
+top-k and top-p (temperature 0: the most likely token), until --max-new-tokens, the model's max_seq_len or a stop
+token. The same --seed draws the same continuations, one prompt alone or many together. A prompt continued as given
+attends within its own document: one holding end-of-text tokens (an empty one is one) is read as packed documents are
+in training with train.attention=document (llmtrain/model/documents.py), so nothing before the last one is seen and
+positions restart after it.
 """
 
 from __future__ import annotations
@@ -65,21 +66,38 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the fewest tokens whose probability reaches p")
-    parser.add_argument("--raw", action="store_true", help="the prompt as it is, no chat template")
+    asked = parser.add_mutually_exclusive_group()
+    asked.add_argument("--chat", action="store_true", help="each prompt a user's turn, answered as the assistant")
+    asked.add_argument("--raw", action="store_true", help="each prompt continued as it is (the default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model, tokenizer = load_model_and_tokenizer(args.path)
     prompts = args.prompt or [""]
-    form = PromptFormat.of(tokenizer, raw=args.raw)
-    stops = form.stop_ids
-    encoded = [form.ids([{"role": "user", "content": p}]) if form.templated else form.text_ids(p) for p in prompts]
-    settings = SamplingSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, stops)
-    drawn = continuations(model, encoded, settings, args.seed, tokenizer.eos_token_id, args.samples)
+    form = PromptFormat.of(tokenizer, raw=not args.chat)
+    settings = SamplingSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, form.stop_ids)
+    encoded = [prompt_ids(form, prompt, args.chat) for prompt in prompts]
+    # A chat template may hold the end-of-text token inside a turn (Qwen's <|im_end|>): a turn is one document
+    documents_end_at = None if args.chat else tokenizer.eos_token_id
+    drawn = continuations(model, encoded, settings, args.seed, documents_end_at, args.samples)
     for index, new in enumerate(drawn):
         prompt = prompts[index // args.samples]
         if args.samples > 1 or len(prompts) > 1:
             print(f"--- {index // args.samples + 1}.{index % args.samples + 1}")
-        print(prompt + tokenizer.decode([token for token in new if token not in stops]))
+        answer = answer_text(form, new)
+        print(f"{prompt}\n{answer}" if args.chat else prompt + answer)  # a turn's answer on a line of its own
+
+
+def prompt_ids(form: PromptFormat, prompt: str, chat: bool) -> list[int]:
+    """The tokens `prompt` is continued from: as it is, or (`chat`) as a user's turn with the assistant's opened."""
+    return form.ids([{"role": "user", "content": prompt}]) if chat else form.text_ids(prompt)
+
+
+def answer_text(form: PromptFormat, new: Sequence[int]) -> str:
+    """The text of the drawn tokens `new`, up to where the format says an answer ends."""
+    text = form.backend.decode([token for token in new if token not in form.stop_ids])
+    for stop in form.stop_texts:
+        text = text.split(stop)[0]
+    return text
 
 
 if __name__ == "__main__":
