@@ -139,6 +139,24 @@ class ListOf(Domain):
 
 
 @dataclass(frozen=True)
+class OneOrListOf(Domain):
+    """One item in `item`, or a non-empty list of them (as TRL's `reward_funcs` takes one function or a list)."""
+
+    item: Domain
+
+    def complaint(self, value: Any) -> str | None:
+        if isinstance(value, (list, tuple)):
+            return ListOf(self.item).complaint(value)
+        return None if self.item.complaint(value) is None else f"is not {self.accepts()}"
+
+    def accepts(self) -> str:
+        return f"{self.item.accepts()}, or a non-empty list, each {self.item.accepts()}"
+
+    def outside(self) -> list[Any]:
+        return [[], *self.item.outside()[:1]]
+
+
+@dataclass(frozen=True)
 class StepSpan(Domain):
     """[first, last]: two whole step numbers, 1 <= first <= last."""
 

@@ -75,6 +75,8 @@ class RewardSpec:
     implementation: str  # "module:function" with TRL's convention; with takes_pattern, what makes one from a pattern
     description: str  # one line for data.reward's --help and docs/config.md
     takes_pattern: bool = False  # made from data.reward_pattern
+    # (module, extra): the optional module it grades with, and the pyproject extra that installs it
+    needs: tuple[str, str] | None = None
 
 
 # data.reward's built-in names -> the function; any other value is "module:function".
@@ -82,6 +84,12 @@ REWARDS: dict[str, RewardSpec] = {
     "exact_number": RewardSpec(
         implementation="llmtrain.data.rewards:exact_number",
         description="1 where the completion's final number (GSM8K's `#### n` included) is the record's `answer`",
+    ),
+    "math": RewardSpec(
+        implementation="llmtrain.data.rewards:math_answer",
+        description="1 where HF's math-verify finds the completion's answer equal to the record's `answer` (LaTeX, "
+        "fractions, sets, units; MATH's `\\boxed{}`, GSM8K's `#### n`), the `rl` extra",
+        needs=("math_verify", "rl"),
     ),
     "regex": RewardSpec(
         implementation="llmtrain.data.rewards:matching",

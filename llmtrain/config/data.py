@@ -17,6 +17,7 @@ from llmtrain.domains import (
     MixtureSources,
     Number,
     OneOf,
+    OneOrListOf,
     Text,
     WritableDirectory,
     at_least,
@@ -95,10 +96,10 @@ class DataConfig:
         "`preference`: DPO's β, how far the policy may move from the reference (the base, adapters off) for a "
         "margin: the loss is -log σ(β (chosen log-ratio - rejected log-ratio)); 0.1 as TRL's DPOConfig",
     )
-    reward: Optional[list[str]] = key(
+    reward: Optional[Any] = key(
         None,
-        ListOf(Text()),
-        "`rl`: what scores a completion, a list (weighted by `reward_weights`): built-ins "
+        OneOrListOf(Text()),
+        "`rl`: what scores a completion, one name or a list (weighted by `reward_weights`): built-ins "
         + ", ".join(f"`{name}` ({spec.description})" for name, spec in catalog.REWARDS.items())
         + ", or `module:function` (TRL's convention: prompts, completions and the record's other columns as "
         "keywords, returning a float or None per completion), imported from the working directory or PYTHONPATH",
@@ -144,3 +145,11 @@ def reads_local_files(data_cfg) -> bool:
     """data=local, and data=sft, preference or rl given a path: files named by data.path (and data.val_path), which
     llmtrain.data.files finds."""
     return catalog.data_source(data_cfg.source).local_files and bool(data_cfg.path)
+
+
+def reward_names(data_cfg) -> list[str]:
+    """data.reward as a list: the one name, or the names, it gives (none where it is unset)."""
+    reward = data_cfg.reward
+    if reward is None:
+        return []
+    return [reward] if isinstance(reward, str) else list(reward)

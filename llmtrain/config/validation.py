@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from llmtrain import catalog
-from llmtrain.config.data import DataConfig, reads_local_files, reads_prepared_stores
+from llmtrain.config.data import DataConfig, reads_local_files, reads_prepared_stores, reward_names
 from llmtrain.config.keys import check_domains
 from llmtrain.config.schema import RootConfig
 from llmtrain.errors import ConfigError
@@ -250,16 +250,22 @@ def rl_rules(cfg) -> None:
             f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in train.seq_len={t.seq_len} tokens "
             f"(a prompt and its completion share a row): raise train.seq_len or lower rl.max_new_tokens"
         )
-    if not d.reward:
+    rewards = reward_names(d)
+    if not rewards:
         raise ConfigError(
-            f"data=rl scores completions with data.reward, which is not set: e.g. data.reward=[exact_number] (built-"
-            f"ins: {', '.join(catalog.REWARDS)}) or data.reward=[my_module:my_reward]"
+            f"data=rl scores completions with data.reward, which is not set: e.g. data.reward=exact_number (built-"
+            f"ins: {', '.join(catalog.REWARDS)}), data.reward=my_module:my_reward or a list of them"
         )
-    if d.reward_weights is not None and len(d.reward_weights) != len(d.reward):
+    if d.reward_weights is not None and len(d.reward_weights) != len(rewards):
         raise ConfigError(
-            f"data.reward_weights holds {len(d.reward_weights)} weights for {len(d.reward)} rewards "
-            f"(data.reward={list(d.reward)}): give one weight per reward, or null for 1 each"
+            f"data.reward_weights holds {len(d.reward_weights)} weights for {len(rewards)} rewards "
+            f"(data.reward={rewards}): give one weight per reward, or null for 1 each"
         )
+    for name in rewards:
+        needs = catalog.REWARDS[name].needs if name in catalog.REWARDS else None
+        if needs is not None:
+            module, extra = needs
+            require_extra(module, f"data.reward={name}", extra)
     if d.tokenizer.kind == "bpe":
         raise ConfigError(
             "data.tokenizer.kind=bpe trains a tokenizer on a text stream, which data=rl's prompts are not: use the "

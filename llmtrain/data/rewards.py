@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.catalog import REWARDS, imported
+from llmtrain.config.data import reward_names
 from llmtrain.errors import ConfigError
 
 RewardFunction = Callable[..., list[float | None]]
@@ -52,9 +53,14 @@ def final_number(text: str) -> float | None:
 def answer_number(text: str) -> float | None:
     """A record's answer as one number: the one after GSM8K's `####`, or the answer's only number; None where it
     holds none or several (a range, a list: which one is meant is not guessed)."""
-    _, marked, after = text.rpartition("####")
-    found = numbers(after if marked else text)
+    found = numbers(marked_answer(text))
     return found[0] if len(found) == 1 else None
+
+
+def marked_answer(text: str) -> str:
+    """A record's answer: what follows GSM8K's `####` in a worked solution, else the whole text."""
+    _, marked, after = text.rpartition("####")
+    return after if marked else text
 
 
 def text_of(completion: Completion) -> str:
@@ -71,6 +77,21 @@ def exact_number(
     for completion, expected in zip(completions, answer):
         wanted, given = answer_number(str(expected)), final_number(text_of(completion))
         scores.append(None if wanted is None else float(given is not None and math.isclose(given, wanted)))
+    return scores
+
+
+def math_answer(
+    prompts: Sequence[Any], completions: Sequence[Completion], answer: Sequence[str], **_: Any
+) -> list[float | None]:
+    """1 where Hugging Face's math-verify finds the completion's answer equal to the record's `answer` (LaTeX,
+    fractions, sets, intervals, units: MATH's `\\boxed{}`; a GSM8K solution's `#### n`), 0 where it does not or finds
+    none; None where the record's answer parses to nothing (open-r1's and TRL's accuracy reward)."""
+    from math_verify import parse, verify
+
+    scores: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        gold = parse(marked_answer(str(expected)))
+        scores.append(float(verify(gold, parse(text_of(completion)))) if gold else None)
     return scores
 
 
@@ -168,7 +189,7 @@ class Rewards:
     def of(cls, data_cfg) -> Rewards:
         """data.reward, data.reward_weights (None: 1 each) and data.reward_pattern's rewards; ConfigError naming
         data.reward where one is neither a built-in nor importable."""
-        names = list(data_cfg.reward or [])
+        names = reward_names(data_cfg)
         return cls(
             [reward_function(name, data_cfg.reward_pattern) for name in names],
             list(data_cfg.reward_weights or [1.0] * len(names)),

@@ -64,6 +64,7 @@ WRONG_TYPE = {
     list[float]: ["3", "[one,two]"],
     list[str]: ["3"],
     list[typing.Any]: ["3"],
+    typing.Any: ["3"],  # one item or a list of them (data.reward): a number is neither
 }
 
 

@@ -1,5 +1,6 @@
-"""Verifiable rewards (llmtrain/data/rewards.py): the final number of an answer as GSM8K writes it, a pattern, a
-function of the user's own imported by name, and several added with weights, a function's None left out."""
+"""Verifiable rewards (llmtrain/data/rewards.py): the final number of an answer as GSM8K writes it, math-verify's
+grading of GSM8K's and MATH's answers, a pattern, a function of the user's own imported by name, and several added
+with weights, a function's None left out; data.reward one name or a list."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from llmtrain.data.rewards import answer_number, exact_number, final_number, matching, reward_function, scored
+from llmtrain.data.rewards import (
+    Rewards,
+    answer_number,
+    exact_number,
+    final_number,
+    matching,
+    math_answer,
+    reward_function,
+    scored,
+)
 from llmtrain.errors import ConfigError
 
 
@@ -58,7 +68,7 @@ def test_a_users_reward_is_imported_by_name_from_the_working_directory(tmp_path,
     for name, refusal in (
         ("my_rewards:missing", r"^data.reward=my_rewards:missing: .*imported from the working directory"),
         ("nowhere:reward", r"^data.reward=nowhere:reward: No module named 'nowhere'"),
-        ("shouting", r"^data.reward='shouting' is neither a built-in reward \(exact_number, regex\) nor module"),
+        ("shouting", r"^data.reward='shouting' is neither a built-in reward \(exact_number, math, regex\) nor"),
         ("regex", r"^data.reward=regex matches a pattern: set data.reward_pattern"),
     ):
         with pytest.raises(ConfigError, match=refusal) as refused:
@@ -95,3 +105,30 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_in_one_line_naming_its_
             scored([function], [1.0], ["p", "p"], ["a", "b"], {})
     totals, each = scored([lambda p, c, **_: [True, np.float32(0.5)]], [1.0], ["p"] * 2, ["a", "b"], {})
     assert totals == each[0] == [1.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    "answer, completion, score",
+    [
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "48 + 24 = 72, so she sold 72 clips.", 1.0),  # GSM8K
+        ("#### 1,234", "The total is 1234.", 1.0),
+        ("#### 72", "The answer is 71.", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "Half of them: $\\boxed{0.5}$", 1.0),  # MATH: a fraction as a decimal
+        ("\\boxed{\\{1, 2\\}}", "The roots are $\\boxed{\\{2, 1\\}}$", 1.0),  # a set, in any order
+        ("\\boxed{\\sqrt{2}}", "So $x = \\boxed{2^{1/2}}$", 1.0),
+        ("\\boxed{\\frac{1}{3}}", "$\\boxed{0.33}$", 0.0),
+        ("\\boxed{5}", "I cannot tell.", 0.0),
+        ("no answer here", "\\boxed{5}", None),  # the record's answer parses to nothing: unscored
+    ],
+)
+def test_the_math_reward_grades_gsm8k_and_math_answers_with_math_verify(answer, completion, score):
+    pytest.importorskip("math_verify", reason="the math reward needs the rl extra: pip install -e '.[rl]'")
+    assert math_answer(["p"], [completion], answer=[answer]) == [score]
+
+
+def test_data_reward_takes_one_name_or_a_list():
+    from types import SimpleNamespace
+
+    for reward, names in (("exact_number", ["exact_number"]), (["exact_number", "regex"], ["exact_number", "regex"])):
+        rewards = Rewards.of(SimpleNamespace(reward=reward, reward_weights=None, reward_pattern="x"))
+        assert rewards.names == names and rewards.weights == [1.0] * len(names)

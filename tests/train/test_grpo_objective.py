@@ -116,6 +116,7 @@ def test_rl_settings_that_cannot_work_are_refused_in_one_line(prompts_file):
     for override, message in refusals.items():
         with pytest.raises(ConfigError, match=message):
             validate(compose_config([*base, override]))
+    validate(compose_config([*base, "data.reward=exact_number"]))  # one name, as TRL's reward_funcs takes one
     with pytest.raises(ConfigError, match=r"train.objective=grpo with data=stdlib: it needs data=rl"):
         validate(compose_config(["train.objective=grpo"]))
 
