@@ -158,15 +158,7 @@ def layout_results(tmp_path_factory) -> dict:
     from harness.layouts import GROUP_RUN, layout_group
 
     common = f"model=qwen3-moe-tiny {GROUP_RUN}"
-    try:
-        return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS)
-    except AssertionError as crash:
-        # A rank of this group aborts about once in seven runs on a corrupted heap (glibc's "unaligned tcache
-        # chunk", SIGABRT or SIGSEGV), warm or fresh interpreters alike; its cause is not found yet (an open issue).
-        # A crash is run once more; a wrong number still fails.
-        if not any(signal in str(crash) for signal in ("SIGABRT", "SIGSEGV")):
-            raise
-        return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS)
+    return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS)
 
 
 @pytest.mark.slow
