@@ -243,6 +243,28 @@ class ModelConfig:
         "an RMSNorm over each query and key head (one weight of head_dim, shared by the heads) before the rotation, "
         "as Qwen3 and Gemma 3",
     )
+    qk_norm_scope: str = key(
+        "head",
+        OneOf(("head", "projection")),
+        "with `qk_norm`: `head` normalises each head over its own width (Qwen3, Gemma 3); `projection` the whole "
+        "query and key projections, every head together, with a weight as wide (OLMo 2)",
+    )
+    qkv_bias: bool = key(
+        False, Flag(), "biases on the query, key and value projections alone, none elsewhere (Qwen2 and Qwen2.5)"
+    )
+    pre_norm: bool = key(
+        True,
+        Flag(),
+        "a norm on the input of each block's attention and MLP (GPT-2, Llama); false: the branches read the "
+        "residual stream as it is and `sandwich_norm` normalises their outputs alone (OLMo 2)",
+    )
+    rope_layers: Optional[list[int]] = key(
+        None,
+        ListOf(OneOf((0, 1))),
+        "with `position=rope`, which blocks rotate their queries and keys, one per block in turn and repeated over "
+        "the blocks: 1 rotates, 0 leaves the block without positions (NoPE), e.g. `[1,1,1,0]` (SmolLM3's every "
+        "fourth block); null: every block rotates",
+    )
     tie_embeddings: bool = key(True, Flag(), "the LM head shares the token embedding's weights")
     norm_eps: float = key(1e-5, positive(), "epsilon of the norms")
     sliding_window: Optional[list[int]] = key(

@@ -29,6 +29,7 @@ def gpt_config(model_cfg, vocab_size: int) -> GPTConfig:
         "rope_scaling": rope_scaling(model_cfg.rope_scaling),
         "moe": MoEConfig(**{f.name: getattr(model_cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)}),
         "sliding_window": tuple(model_cfg.sliding_window or ()),
+        "rope_layers": tuple(model_cfg.rope_layers or ()),
         "lora": LoRAConfig(
             model_cfg.lora.rank, model_cfg.lora.alpha, model_cfg.lora.dropout, lora_targets(model_cfg.lora.targets)
         ),
@@ -51,6 +52,7 @@ def model_group_of(gpt_cfg: GPTConfig, model_cfg):
     shape = {f.name: getattr(gpt_cfg, f.name) for f in dataclasses.fields(GPTConfig)}
     shape["moe"] = dataclasses.replace(model_cfg.moe, **dataclasses.asdict(gpt_cfg.moe))
     shape["sliding_window"] = list(gpt_cfg.sliding_window) or None
+    shape["rope_layers"] = list(gpt_cfg.rope_layers) or None
     lora = gpt_cfg.lora
     shape["lora"] = dataclasses.replace(
         model_cfg.lora, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)

@@ -94,26 +94,30 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.window = cfg.window_of(layer)  # attention to the last `window` keys (None: all)
         self.head_dim = cfg.head_size
-        self.rope = cfg.rope_of(layer) if cfg.position == "rope" else None
+        self.rope = cfg.rope_of(layer) if cfg.rotates(layer) else None
         kv_width = cfg.kv_heads * self.head_dim
-        self.q_proj = linear(cfg.d_model, cfg.attention_width, cfg.bias, cfg.lora, "q_proj")
-        self.k_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "k_proj")
-        self.v_proj = linear(cfg.d_model, kv_width, cfg.bias, cfg.lora, "v_proj")
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q_proj = linear(cfg.d_model, cfg.attention_width, qkv_bias, cfg.lora, "q_proj")
+        self.k_proj = linear(cfg.d_model, kv_width, qkv_bias, cfg.lora, "k_proj")
+        self.v_proj = linear(cfg.d_model, kv_width, qkv_bias, cfg.lora, "v_proj")
         self.out_proj = linear(cfg.attention_width, cfg.d_model, cfg.bias, cfg.lora, "out_proj")
-        # One weight of a head's width for all heads: a tensor-parallel rank normalises its own heads with it.
-        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        # Over each head: one weight of a head's width for all heads (a tensor-parallel rank normalises its own
+        # heads with it); over the projection: a weight as wide as it, every head's values normalised together.
+        self.norm_heads = cfg.qk_norm_scope == "head"
+        q_width, k_width = (self.head_dim, self.head_dim) if self.norm_heads else (cfg.attention_width, kv_width)
+        self.q_norm = make_norm(cfg, q_width) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_width) if cfg.qk_norm else None
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
 
     def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
         """`documents`: the packed documents the attention stays within (None: causal over the whole window)."""
-        q, k, v = (
-            rearrange(proj(x), "b t (h d) -> b t h d", d=self.head_dim)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (rearrange(z, "b t (h d) -> b t h d", d=self.head_dim) for z in (q, k, v))
+        if self.q_norm is not None and self.k_norm is not None and self.norm_heads:
             # Normalised where each head's values lie together: the output keeps the projection's layout, so the
             # attention's output needs no copy to reach out_proj.
             q, k = self.q_norm(q), self.k_norm(k)
@@ -191,15 +195,15 @@ def make_mixture(cfg: GPTConfig) -> MoE:
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with model.sandwich_norm each branch's
-    output normalised too before it joins the residual stream (Gemma). The MLP is a mixture of experts in the
-    blocks model.moe picks."""
+    output normalised too before it joins the residual stream (Gemma), or that alone without model.pre_norm
+    (OLMo 2: x + norm(attn(x))). The MLP is a mixture of experts in the blocks model.moe picks."""
 
     def __init__(self, cfg: GPTConfig, index: int, recompute: str = "none"):
         super().__init__()
-        self.attn_norm = make_norm(cfg)
+        self.attn_norm = make_norm(cfg) if cfg.pre_norm else None
         self.attn = CausalSelfAttention(cfg, index)
         self.attn_post_norm = make_norm(cfg) if cfg.sandwich_norm else None
-        self.mlp_norm = make_norm(cfg)
+        self.mlp_norm = make_norm(cfg) if cfg.pre_norm else None
         self.mlp: nn.Module = make_mixture(cfg) if cfg.moe.is_moe_block(index) else MLP(cfg)
         self.mlp_post_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.recompute = recompute  # what backward recomputes (train.activation_checkpointing, model/recompute.py)
@@ -208,9 +212,9 @@ class Block(nn.Module):
         return recomputed(partial(self._residual, documents=documents), self.recompute, x)
 
     def _residual(self, x: torch.Tensor, documents: PackedDocuments | None) -> torch.Tensor:
-        attended = self.attn(self.attn_norm(x), documents=documents)
+        attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), documents=documents)
         x = x + (attended if self.attn_post_norm is None else self.attn_post_norm(attended))
-        transformed = self.mlp(self.mlp_norm(x))
+        transformed = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         return x + (transformed if self.mlp_post_norm is None else self.mlp_post_norm(transformed))
 
 

@@ -37,6 +37,13 @@ class GPTConfig:
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     head_dim: int | None = None  # one head's width; None: d_model // n_head (Qwen3 sets its own)
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
+    qk_norm_scope: str = "head"  # head: over each head's width (Qwen3) | projection: over all heads (OLMo 2)
+    qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
+    # A norm on each branch's input (GPT-2, Llama); false: only sandwich_norm's on its output (OLMo 2)
+    pre_norm: bool = True
+    # Which blocks rotate their queries and keys, one per block in turn, the pattern repeated (1: rotates, 0: no
+    # positions at all, NoPE; SmolLM3's every fourth); (): every block rotates
+    rope_layers: tuple[int, ...] = ()
     # Gemma's choices: norms on the attention's and MLP's outputs too, embeddings times sqrt(d_model), and the
     # sliding-window blocks' own rotary base (without rope_scaling; None: every block rotates alike)
     sandwich_norm: bool = False
@@ -61,6 +68,7 @@ class GPTConfig:
                 "rope_scaling": RopeScaling(**scaling) if scaling else None,
                 "moe": MoEConfig(**(moe or {})),
                 "sliding_window": tuple(fields.get("sliding_window", ())),
+                "rope_layers": tuple(fields.get("rope_layers", ())),
                 "lora": LoRAConfig(**{**lora, "targets": tuple(lora.get("targets", ()))}),
             }
         )
@@ -75,6 +83,17 @@ class GPTConfig:
         if not self.sliding_window:
             return None
         return self.sliding_window[layer % len(self.sliding_window)] or None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether block `layer` rotates its queries and keys (a model of rotary positions; rope_layers)."""
+        if self.position != "rope":
+            return False
+        return not self.rope_layers or bool(self.rope_layers[layer % len(self.rope_layers)])
+
+    @property
+    def layer_rotations(self) -> tuple[bool, ...]:
+        """Whether each block rotates, in order."""
+        return tuple(self.rotates(layer) for layer in range(self.n_layer))
 
     @property
     def mlp_kind(self) -> MlpKind:

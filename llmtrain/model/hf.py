@@ -1,6 +1,6 @@
 """The Hugging Face formats llmtrain converts to and from. A model family's row (llmtrain/catalog/models.py) names
-its HFFormats: the GPT's are GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE and Gemma 3, each format's module (hf_gpt2.py,
-hf_llama.py, hf_qwen3.py, hf_mixtral.py, hf_qwen3_moe.py, hf_gemma3.py) knowing its tensor names and its config.
+its HFFormats: the GPT's are GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, Qwen2, Mistral, SmolLM3 and OLMo 2,
+each format's module (hf_gpt2.py, hf_llama.py, hf_qwen3.py, ...) knowing its tensor names and its config.
 This one picks the format of a model config or of a directory, and is what model.init_from, export and sampling
 call."""
 
@@ -17,7 +17,18 @@ import torch
 
 from llmtrain.catalog import MODEL_FAMILIES, imported, model_family
 from llmtrain.errors import ConfigError
-from llmtrain.model import hf_gemma3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
+from llmtrain.model import (
+    hf_gemma3,
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_olmo2,
+    hf_qwen2,
+    hf_qwen3,
+    hf_qwen3_moe,
+    hf_smollm3,
+)
 from llmtrain.model.gpt import GPT
 from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.hf_files import local_hf_directory
@@ -114,6 +125,46 @@ FORMATS = {
             hf_mixtral.to_mixtral_state_dict,
         ),
         GEMMA3,
+        HFFormat(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "model=qwen2.5-1.5b",
+            hf_qwen2.check_qwen2,
+            hf_qwen2.qwen2_config_of,
+            hf_qwen2.Qwen2Weights,
+            hf_qwen2.qwen2_hf_config,
+            hf_llama.to_llama_state_dict,
+        ),
+        HFFormat(
+            "mistral",
+            "MistralForCausalLM",
+            "model=mistral-tiny",
+            hf_mistral.check_mistral,
+            hf_mistral.mistral_config_of,
+            hf_mistral.MistralWeights,
+            hf_mistral.mistral_hf_config,
+            hf_llama.to_llama_state_dict,
+        ),
+        HFFormat(
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            "model=smollm3-3b",
+            hf_smollm3.check_smollm3,
+            hf_smollm3.smollm3_config_of,
+            hf_smollm3.SmolLM3Weights,
+            hf_smollm3.smollm3_hf_config,
+            hf_llama.to_llama_state_dict,
+        ),
+        HFFormat(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            "model=olmo2-1b",
+            hf_olmo2.check_olmo2,
+            hf_olmo2.olmo2_config_of,
+            hf_olmo2.Olmo2Weights,
+            hf_olmo2.olmo2_hf_config,
+            hf_olmo2.to_olmo2_state_dict,
+        ),
     )
 }
 # Gemma 3's multimodal releases (4B and up): their text model is a Gemma3ForCausalLM's, read from inside them.
@@ -145,16 +196,27 @@ def hf_format_of(cfg: GPTConfig) -> HFFormat:
 
 def gpt_format_of(cfg: GPTConfig) -> HFFormat:
     """The GPT's format of `cfg` (a mixture: Qwen3-MoE with query and key norms, else Mixtral; Gemma's offset
-    norms: Gemma 3; query and key norms: Qwen3; RMSNorm + RoPE + SwiGLU: Llama; else GPT-2), checked to fit its
-    transformers class (ConfigError naming the keys that do not)."""
+    norms: Gemma 3; norms after the branches alone: OLMo 2; query, key and value biases: Qwen2; unrotated blocks:
+    SmolLM3; query and key norms: Qwen3; RMSNorm + RoPE + SwiGLU: Mistral with one window in every block, else
+    Llama; else GPT-2), checked to fit its transformers class (ConfigError naming the keys that do not)."""
     if cfg.moe.num_experts:
         name = "qwen3_moe" if cfg.qk_norm else "mixtral"
     elif cfg.norm == "offset_rmsnorm":
         name = "gemma3_text"
+    elif not cfg.pre_norm:
+        name = "olmo2"
+    elif cfg.qkv_bias:
+        name = "qwen2"
+    elif cfg.position == "rope" and not all(cfg.layer_rotations):
+        name = "smollm3"
+    elif cfg.qk_norm:
+        name = "qwen3"
+    elif hf_llama.is_llama(cfg):
+        name = "mistral" if any(cfg.sliding_window) else "llama"
     else:
-        name = "qwen3" if cfg.qk_norm else "llama" if hf_llama.is_llama(cfg) else "gpt2"
+        name = "gpt2"
     chosen = FORMATS[name]
-    if chosen is not GEMMA3 and any(cfg.sliding_window):
+    if chosen not in (GEMMA3, FORMATS["mistral"]) and any(cfg.sliding_window):
         raise ConfigError(
             f"model.sliding_window={list(cfg.sliding_window)}: {chosen.transformers_class}, the transformers class "
             f"this model would go to or come from, attends over the whole context in every block, so it would "

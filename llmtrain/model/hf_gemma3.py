@@ -79,6 +79,10 @@ def is_gemma3(cfg: GPTConfig) -> bool:
         and cfg.sandwich_norm
         and cfg.embedding_scale
         and cfg.tie_embeddings
+        and cfg.pre_norm
+        and cfg.qk_norm_scope == "head"
+        and not cfg.qkv_bias
+        and all(cfg.layer_rotations)
     )
     one_window = sliding_window_of(cfg) is not None or not cfg.sliding_window
     return gemma_modules and one_window and not cfg.moe.num_experts

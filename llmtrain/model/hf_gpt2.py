@@ -26,12 +26,16 @@ from llmtrain.model.hf_files import PRESET_REMEDY, check_same_shape, lazy_tensor
 
 
 def check_gpt2(cfg: GPTConfig) -> None:
-    """A ConfigError unless GPT2LMHeadModel can hold the model: LayerNorm, learned positions, GELU, a tied head."""
-    if not (cfg.norm == "layernorm" and cfg.position == "learned" and cfg.mlp == "gelu" and cfg.tie_embeddings):
+    """A ConfigError unless GPT2LMHeadModel can hold the model: LayerNorm before each branch alone, learned
+    positions, GELU, a tied head, biases wherever it has any, no query and key norms."""
+    gpt2_modules = cfg.norm == "layernorm" and cfg.position == "learned" and cfg.mlp == "gelu" and cfg.tie_embeddings
+    plain_blocks = cfg.pre_norm and not (cfg.sandwich_norm or cfg.qk_norm or cfg.embedding_scale or cfg.qkv_bias)
+    if not (gpt2_modules and plain_blocks):
         raise ConfigError(
             f"the model mixes the GPT-2 and Llama families (model.norm={cfg.norm}, model.position={cfg.position}, "
-            f"model.mlp={cfg.mlp}, model.tie_embeddings={cfg.tie_embeddings}): neither GPT2LMHeadModel nor "
-            f"LlamaForCausalLM holds it; use a gpt2 or a llama preset's settings"
+            f"model.mlp={cfg.mlp}, model.tie_embeddings={cfg.tie_embeddings}, pre_norm={cfg.pre_norm}, "
+            f"sandwich_norm={cfg.sandwich_norm}, qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias}): no transformers "
+            f"class llmtrain exports to holds it; use a gpt2 or a llama preset's settings"
         )
 
 

@@ -16,6 +16,8 @@ materialises its shards, reading the safetensors file lazily (llmtrain/model/hf_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from llmtrain.errors import ConfigError
@@ -39,11 +41,27 @@ _MODULES = {
 }
 
 
-def is_llama(cfg: GPTConfig, qk_norm: bool = False) -> bool:
+def llama_blocks(cfg: GPTConfig) -> bool:
+    """Llama's modules: an RMSNorm before each branch and none after, SwiGLU, no biases, embeddings unscaled,
+    rotary positions in every block (one base), a query and key norm (where the model has them) over each head."""
+    return (
+        cfg.norm == "rmsnorm"
+        and cfg.position == "rope"
+        and cfg.mlp == "swiglu"
+        and not cfg.bias
+        and cfg.pre_norm
+        and not cfg.sandwich_norm
+        and not cfg.embedding_scale
+        and cfg.rope_local_theta is None
+        and all(cfg.layer_rotations)
+        and cfg.qk_norm_scope == "head"
+    )
+
+
+def is_llama(cfg: GPTConfig, qk_norm: bool = False, qkv_bias: bool = False) -> bool:
     """Whether the model is one transformers' LlamaForCausalLM can hold (`qk_norm`: but with query and key norms,
-    as Qwen3's class)."""
-    llama_modules = cfg.norm == "rmsnorm" and cfg.position == "rope" and cfg.mlp == "swiglu" and not cfg.bias
-    return llama_modules and cfg.qk_norm == qk_norm
+    as Qwen3's class; `qkv_bias`: with the query, key and value projections' biases, as Qwen2's)."""
+    return llama_blocks(cfg) and cfg.qk_norm == qk_norm and cfg.qkv_bias == qkv_bias
 
 
 def hf_name(name: str) -> str:
@@ -100,8 +118,9 @@ def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
     }
 
 
-def to_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's state dict from our whole model's (the vocabulary padding rows and mask dropped)."""
+def to_llama_state_dict(model: GPT, name_of: Callable[[str], str] = hf_name) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict from our whole model's (the vocabulary padding rows and mask dropped), or a
+    class's whose names `name_of` gives."""
     cfg = model.cfg
     hf = {}
     for name, tensor in model.state_dict().items():
@@ -111,7 +130,7 @@ def to_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
             continue  # a mixture's tensors: hf_mixtral.py maps them
         if name in ("tok_emb.weight", "lm_head.weight"):
             tensor = tensor[: cfg.vocab_size]
-        hf[hf_name(name)] = tensor.detach().cpu().clone()
+        hf[name_of(name)] = tensor.detach().cpu().clone()
     if cfg.tie_embeddings:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     return hf

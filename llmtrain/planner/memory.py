@@ -236,8 +236,9 @@ def layer_terms(cfg: GPTConfig) -> LayerTerms:
     # in `replicated`; sandwich norms are two more, whose inputs (the branch outputs) nothing else keeps. Under
     # autocast the norms' inputs are fp32 already, and only the normalised copies are more.
     sandwich = 8.0 if cfg.sandwich_norm else 0.0
-    norms = (4.0 if cfg.norm != "layernorm" else 0.0) + sandwich
-    composed_norms = (12.0 if cfg.norm != "layernorm" else 0.0) + 2 * sandwich
+    pre_norms = cfg.norm != "layernorm" and cfg.pre_norm  # OLMo 2's blocks normalise their branches' outputs alone
+    norms = (4.0 if pre_norms else 0.0) + sandwich
+    composed_norms = (12.0 if pre_norms else 0.0) + 2 * sandwich
     mlp_projections = kind.input_projections
     mlp_inputs = mlp_projections * cfg.hidden / cfg.d_model
     heads = cfg.attention_width / cfg.d_model  # attention's width against the residual stream's (Qwen3: not 1)

@@ -103,6 +103,9 @@ def block_norm_tensors(cfg: GPTConfig) -> list[PlannedTensor]:
     return norm_tensors(cfg, trainable=not cfg.lora.enabled)
 
 
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
 def _linear(cfg: GPTConfig, name: str, n_in: int, n_out: int, column: bool, tp: int) -> list[PlannedTensor]:
     """A projection's weight (out x in, split over tp by its output rows when column-parallel, by its input
     columns when row-parallel) and bias (split with a column-parallel weight); low-rank adapters beside it where
@@ -114,7 +117,7 @@ def _linear(cfg: GPTConfig, name: str, n_in: int, n_out: int, column: bool, tp: 
     frozen = lora.enabled
     quantized = cfg.quantize_base == "nf4" and lora.enabled and (n_in * n_out) % NF4_GROUP == 0
     tensors = [PlannedTensor(rows, columns, trainable=not frozen, matrix=True, quantized=quantized)]
-    if cfg.bias:
+    if cfg.bias or (cfg.qkv_bias and name in QKV_PROJECTIONS):
         tensors.append(PlannedTensor(n_out // tp if column else n_out, 1, trainable=not frozen))
     if adapted:  # A (rank x in), B (out x rank), the split side as the weight's
         tensors += [PlannedTensor(lora.rank, columns, matrix=True, adapter=True),
@@ -132,9 +135,16 @@ def block_tensors(cfg: GPTConfig, tp: int = 1, index: int = 0) -> list[PlannedTe
     tensors: list[PlannedTensor] = []
     for name, (n_in, n_out, column) in block_projections(cfg, index).items():
         tensors += _linear(cfg, name, n_in, n_out, column, tp)
-    # the norms before attention and the MLP, after each too (sandwich norms); the query and key heads' scales
-    head_norms = 2 * int(cfg.qk_norm) * [PlannedTensor(cfg.head_size, 1, trainable=not frozen)]
-    tensors += (4 if cfg.sandwich_norm else 2) * block_norm_tensors(cfg) + head_norms
+    # the norms before attention and the MLP (pre_norm), after each (sandwich norms); the query and key norms' scales
+    # (a head's width, or the projections' split over tp)
+    qk_widths = (
+        (cfg.head_size, cfg.head_size)
+        if cfg.qk_norm_scope == "head"
+        else (cfg.attention_width // tp, cfg.kv_heads * cfg.head_size // tp)
+    )
+    qk_norms = [PlannedTensor(width, 1, trainable=not frozen) for width in qk_widths] if cfg.qk_norm else []
+    norms = 2 * int(cfg.pre_norm) + 2 * int(cfg.sandwich_norm)
+    tensors += norms * block_norm_tensors(cfg) + qk_norms
     if m.is_moe_block(index):
         f = (m.d_ff or cfg.hidden) // tp
         tensors.append(PlannedTensor(m.num_experts, h, trainable=not frozen, matrix=True))  # the router

@@ -110,6 +110,62 @@ HF_FAMILIES = {
             },
         ),
     ),  # fmt: skip
+    "qwen2": HFFamily(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            **_ROPE,
+        ),
+    ),  # fmt: skip
+    "mistral": HFFamily(
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            **_ROPE,
+        ),
+    ),  # fmt: skip
+    "smollm3": HFFamily(
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            no_rope_layer_interval=4,
+            pad_token_id=None,
+            tie_word_embeddings=True,
+            **_ROPE,
+        ),
+    ),  # fmt: skip
+    "olmo2": HFFamily(
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **_ROPE,
+        ),
+    ),  # fmt: skip
 }
 
 
