@@ -49,12 +49,18 @@ PRESETS = {
     "mixtral": ["model=mixtral-tiny", "model.d_model=256", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=768"],
 }
 # Beside the grid's, the other preset families at one small shape each: Qwen3's (heads wider than d_model / n_head,
-# query and key norms), Gemma 3's (sandwich norms, GeGLU, sliding windows) and Qwen3-MoE's under QLoRA (NF4 experts,
+# query and key norms), Gemma 3's (sandwich norms, GeGLU, sliding windows), Qwen2.5's (q, k, v biases), Mistral's (a
+# window in every block), SmolLM3's (unrotated blocks), OLMo 2's (norms after the branches alone, over the whole query
+# and key projections) and Qwen3-MoE's under QLoRA (NF4 experts,
 # each block's dequantised while it computes; every NF4 tensor whole groups on each of 4 shards).
 EVERY_PRESET = {
     **PRESETS,
     "qwen3": ["model=qwen3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
     "gemma3": ["model=gemma3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "qwen2.5": ["model=qwen2.5-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "mistral": ["model=mistral-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "smollm3": ["model=smollm3-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
+    "olmo2": ["model=olmo2-tiny", "model.d_model=256", "model.n_kv_head=2", "model.d_ff=768"],
     "qwen3-moe-qlora": [
         "model=qwen3-moe-tiny",
         "model.d_model=256",
