@@ -28,7 +28,7 @@ from llmtrain.model.moe import Experts
 from llmtrain.model.quantize import dequantized
 
 # The Hugging Face families whose adapters PEFT can hold as we train them.
-PEFT_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe")
+PEFT_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2", "mistral", "smollm3", "olmo2", "gemma3_text")
 # A mixture's adapted experts -> the parameter of transformers' fused experts PEFT adapts (target_parameters), in
 # the order PEFT nests their wrappers: the first named is the innermost (`experts.base_layer` when both are).
 EXPERT_PARAMETERS = {"in": "gate_up_proj", "out": "down_proj"}

@@ -129,3 +129,30 @@ def test_each_family_fine_tuned_under_a_layout_matches_one_process(layout, famil
     from harness.layouts import assert_matches_single
 
     assert_matches_single(family_results, layout)
+
+
+@pytest.mark.slow  # writes and reads an adapter directory
+@pytest.mark.parametrize("preset", [*(tiny for tiny, _ in RELEASED.values()), "gemma3-tiny"])
+def test_peft_puts_our_exported_adapters_onto_transformers_with_our_logits(tmp_path, preset):
+    """Adapters on every projection, exported in PEFT's format: PEFT puts them onto the family's transformers class
+    holding our base, and the two compute our adapted model's logits."""
+    from dataclasses import replace
+
+    from llmtrain.model.hf_peft import save_peft_adapter
+    from llmtrain.model.lora import LoRAConfig, is_adapter
+
+    peft = pytest.importorskip("peft", reason="the peft extra: pip install -e '.[peft]'")
+    ours = build_model(compose_config([f"model={preset}", LORA]).model, VOCAB, seed=1).eval()
+    with torch.no_grad():  # B away from zero: the adapters change the logits
+        for name, param in ours.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    base = type(ours)(replace(ours.cfg, lora=LoRAConfig()))
+    base.load_state_dict({k: v for k, v in ours.state_dict().items() if not is_adapter(k)})
+    theirs, chosen = transformers_model(base.cfg, "cpu")
+    theirs.load_state_dict(chosen.state_dict(base), strict=True)
+    save_peft_adapter(ours, None, str(tmp_path / "adapter"))
+    adapted = peft.PeftModel.from_pretrained(theirs, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (adapted(ids).logits - ours(ids)[..., :VOCAB]).abs().max().item() <= LOGIT_ATOL
