@@ -238,8 +238,9 @@ def hf_weights(path: str, cfg: GPTConfig) -> Callable[[str, torch.Tensor], None]
     found = _readers()[held][1]
     if found is not wanted:
         raise ConfigError(
-            f"model.init_from={path} holds a {held} model but the model config is a {wanted.model_type}: choose a "
-            f"{held} preset (e.g. {found.preset}) with the checkpoint's shape"
+            f"model.init_from={path} holds a {held} model but the model config is a {wanted.model_type}: leave "
+            f"model= out to take the model from its config.json, or choose a {held} preset (e.g. {found.preset}) "
+            f"with the checkpoint's shape"
         )
     return wanted.weights(directory, cfg)
 

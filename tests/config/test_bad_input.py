@@ -263,7 +263,10 @@ def test_model_directories_llmtrain_cannot_import_say_why(tmp_path):
         vocab_size=320, n_layer=1, n_head=2, d_model=16, max_seq_len=32, norm="rmsnorm", position="rope",
         mlp="swiglu", bias=False,
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="holds a gpt2 model but the model config is a llama: choose a gpt2 preset"):
+    with pytest.raises(
+        ConfigError,
+        match="holds a gpt2 model but the model config is a llama: leave model= out .* or choose a gpt2 preset",
+    ):
         hf_weights(str(files["no_weights"]), llama)
     with pytest.raises(
         ConfigError, match="holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"

@@ -156,3 +156,42 @@ def test_peft_puts_our_exported_adapters_onto_transformers_with_our_logits(tmp_p
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (adapted(ids).logits - ours(ids)[..., :VOCAB]).abs().max().item() <= LOGIT_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", list(RELEASED))
+def test_a_transformers_checkpoint_trains_exports_and_generates_by_its_config_alone(
+    tmp_path, train, monkeypatch, capsys, model_type
+):
+    """A random-weight transformers model saved to a directory: `train.py model.init_from=<dir>`, no `model=`,
+    fine-tunes it with adapters; llmtrain.export writes the family's transformers class again, which
+    llmtrain.generate continues a prompt from."""
+    import json
+    import subprocess
+    import sys
+
+    from harness.processes import python
+    from harness.runs import FAST
+
+    from llmtrain.generate import main as generate
+
+    saved_hf_model(tmp_path / "base", model_type)
+    unpreset = [override for override in FAST if not override.startswith("model=")]
+    run = train(
+        *unpreset, f"model.init_from={tmp_path / 'base'}", LORA, "train.steps=2", "train.seq_len=32", fast=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported = tmp_path / "exported"
+    done = subprocess.run(
+        [python(), "-m", "llmtrain.export", str(run.run_dir), str(exported)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((exported / "config.json").read_text())["model_type"] == model_type
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["generate", str(exported), "--prompt", "ab", "--max-new-tokens", "4"])
+    generate()
+    printed = capsys.readouterr().out
+    assert printed.startswith("ab") and len(printed.rstrip("\n")) > 2
