@@ -229,11 +229,6 @@ def check_tensor_parallel(model: ModelConfig, tp: int, seq_len: int, sequence_pa
             f"the experts' width (model.moe.d_ff or the MLP's) {expert_hidden} is not divisible by parallel.tp={tp}: "
             f"tensor parallelism splits every expert's hidden units; choose a tp that divides it"
         )
-    if tp > 1 and m.qk_norm and m.qk_norm_scope == "projection":
-        raise ConfigError(
-            f"model.qk_norm_scope=projection normalises every query and key head together, which parallel.tp={tp} "
-            f"would split over ranks (not modelled yet): use parallel=fsdp, or parallel.tp=1"
-        )
     if m.n_head % tp:
         raise ConfigError(
             f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: tensor parallelism splits "

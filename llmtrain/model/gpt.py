@@ -33,7 +33,7 @@ from llmtrain.model.gpt_config import GPTConfig
 from llmtrain.model.kv_cache import KVCache
 from llmtrain.model.lora import adapter_kind, freeze_base, init_adapter, linear
 from llmtrain.model.materialize import write_parameters
-from llmtrain.model.moe import Experts, MoE, expert_init_std
+from llmtrain.model.moe import Experts, HiddenSplit, MoE, expert_init_std
 from llmtrain.model.quantize import quantize_base
 from llmtrain.model.recompute import recomputed
 from llmtrain.model.rope import frequencies, rotate, rotation
@@ -104,9 +104,12 @@ class CausalSelfAttention(nn.Module):
         # Over each head: one weight of a head's width for all heads (a tensor-parallel rank normalises its own
         # heads with it); over the projection: a weight as wide as it, every head's values normalised together.
         self.norm_heads = cfg.qk_norm_scope == "head"
-        q_width, k_width = (self.head_dim, self.head_dim) if self.norm_heads else (cfg.attention_width, kv_width)
-        self.q_norm = make_norm(cfg, q_width) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, k_width) if cfg.qk_norm else None
+        if self.norm_heads:
+            self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+            self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        else:
+            self.q_norm = ProjectionRMSNorm(cfg.attention_width, cfg.norm_eps) if cfg.qk_norm else None
+            self.k_norm = ProjectionRMSNorm(kv_width, cfg.norm_eps) if cfg.qk_norm else None
         self.attn_dropout = Dropout(cfg.attention_dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.sequence: WholeSequence = WholeSequence()
@@ -174,6 +177,26 @@ class OffsetRMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normalised = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
         return (normalised * (1.0 + self.weight.float())).type_as(x)
+
+
+class ProjectionRMSNorm(nn.RMSNorm):
+    """RMSNorm over a whole projection, every head's values together (OLMo 2's query and key norms), computed in
+    fp32 and scaled there, as transformers' Olmo2RMSNorm. Where tensor parallelism splits the projection by heads, a
+    rank holds some of its columns and the matching slice of the weight, and its `split` (parallel/tp.py) sums the
+    squares over the ranks: one number per position."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__(width, eps=eps)
+        self.split: HiddenSplit | None = None  # None: the projection is whole here
+        self.width, self.epsilon = width, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        if self.split is not None:  # summed forward, and backward: each rank's gradient of the sum is a partial one
+            squares = self.split.into(self.split.out_of(squares))
+        # a tensor-parallel weight is a DTensor of this rank's slice, which the local columns meet
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        return (x.float() * torch.rsqrt(squares / self.width + self.epsilon) * weight.float()).type_as(x)
 
 
 def make_norm(cfg: GPTConfig, width: int | None = None) -> nn.Module:

@@ -61,6 +61,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from llmtrain.model import GPT
 from llmtrain.model.base import LayeredModel
 from llmtrain.model.dropout import Dropout, Split
+from llmtrain.model.gpt import ProjectionRMSNorm
 from llmtrain.model.materialize import retie, tied_groups
 from llmtrain.model.moe import Experts, MoE
 from llmtrain.parallel.float8 import float8_tensor_parallel_plan
@@ -208,6 +209,18 @@ class SplitExperts(ParallelStyle):
         return module
 
 
+class SplitProjectionNorm(ParallelStyle):
+    """A norm over a whole column-parallel projection (model/gpt.py ProjectionRMSNorm, OLMo 2's query and key
+    norms): its weight split by the projection's columns, and the squares of each position summed over the ranks
+    forward and backward (an all-reduce of one number per position each way)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, ProjectionRMSNorm)
+        _distribute_parameters(module, device_mesh, {"weight": Shard(0)}, src_data_rank=None)
+        module.split = MegatronSplit(device_mesh)
+        return module
+
+
 def _mixture_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """A mixture block's MLP: replicated routing on the whole sequence, split experts, a dense plan for shared
     experts; under sequence parallelism the sequence is gathered in and each rank keeps its chunk out."""
@@ -293,7 +306,7 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
     """The plan for the blocks and the embeddings / final norm / head this model (or pipeline part) holds. Each
     rank then computes its own heads: the attention reshape derives the head count from the local width."""
     plan = {
-        f"blocks.{i}.{name}": style
+        f"blocks.{i}.{name}": _projection_norm_style(block, name, style)
         for i, block in model.blocks.items()
         for name, style in _block_plan(sequence_parallel, isinstance(block.get_submodule("mlp"), MoE)).items()
         if _holds(block, name)  # the gate only in a SwiGLU MLP, shared experts only where configured
@@ -314,6 +327,11 @@ def gpt_tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel:
             use_local_output=not loss_parallel,
         )
     return plan
+
+
+def _projection_norm_style(block: nn.Module, name: str, style: ParallelStyle) -> ParallelStyle:
+    """A query or key norm's style: over each head (the plan's), or over the whole projection (OLMo 2's)."""
+    return SplitProjectionNorm() if isinstance(block.get_submodule(name), ProjectionRMSNorm) else style
 
 
 def _holds(block: nn.Module, name: str) -> bool:

@@ -102,8 +102,8 @@ LORA = "model.lora.rank=4"
 QLORA = f"model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 {LORA} model.quantize_base=nf4"
 # Two blocks (the group's): SmolLM3's second unrotated, Mistral's window shorter than the 32-token sequence
 SMOLLM3, MISTRAL = "model=smollm3-tiny model.rope_layers=[1,0]", "model=mistral-tiny model.sliding_window=[8]"
-# Each family fine-tuned with adapters under tensor parallelism (OLMo 2's projections' norms refuse it: FSDP) and
-# with an NF4 base under FSDP (QLoRA), against one process.
+# Each family fine-tuned with adapters under tensor parallelism (OLMo 2's query and key norms over projections split
+# by heads: their squares summed over the ranks) and with an NF4 base under FSDP (QLoRA), against one process.
 FAMILY_LAYOUTS = [
     f"model=qwen2.5-tiny {LORA} parallel=tp",
     f"model=qwen2.5-tiny {QLORA} parallel=fsdp",
@@ -111,7 +111,8 @@ FAMILY_LAYOUTS = [
     f"{MISTRAL} {QLORA} parallel=fsdp",
     f"{SMOLLM3} {LORA} parallel=tp",
     f"{SMOLLM3} {QLORA} parallel=fsdp",
-    f"model=olmo2-tiny {LORA} parallel=fsdp",
+    f"model=olmo2-tiny {LORA} parallel=tp parallel.sequence_parallel=true",
+    "model=olmo2-tiny parallel=fsdp_tp",
     f"model=olmo2-tiny {QLORA} parallel=fsdp",
 ]
 
