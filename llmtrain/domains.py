@@ -192,7 +192,9 @@ class Text(Domain):
     """Free text (a name, a split, a field); it must not be empty."""
 
     def complaint(self, value: Any) -> str | None:
-        return "is empty" if not str(value).strip() else None
+        if not isinstance(value, str):  # a key that takes one or a list (data.reward) keeps a number as it came
+            return "is not a string"
+        return "is empty" if not value.strip() else None
 
     def accepts(self) -> str:
         return "a non-empty string"
