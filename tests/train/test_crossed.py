@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 import pytest
 from harness import crossed
@@ -15,7 +16,7 @@ from harness.processes import torchrun
 from harness.runs import LOSS_RTOL
 
 ROWS = crossed.documented()
-# The rows' runs take about 7 minutes on 2 cores, beside the suite's budget: .ci/run's crossed tier runs them.
+# The rows' runs take about 9 minutes on 2 cores, beside the suite's budget: .ci/run's crossed tier runs them.
 crossed_tier_only = pytest.mark.skipif(
     not os.environ.get("LLMTRAIN_CROSSED_TIER"),
     reason="the matrix's runs: LLMTRAIN_CROSSED_TIER=1 python -m pytest -m crossed (.ci/run's crossed tier)",
@@ -39,17 +40,32 @@ def test_the_matrix_holds_every_pair_the_checks_accept_and_refuses_the_rest_in_o
     assert crossed.DOCUMENT.read_text() == crossed.markdown(ROWS), f"docs/crossed.md is not current: {regenerate}"
 
 
+# Rows a process group runs: the first test of each chunk runs its rows, well within pytest's timeout per test (on
+# 2 cores, about 5 seconds a row)
+CHUNK = 24
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    """Every row run by tests/workers/crossed_worker.py in one process group of 2 ranks."""
-    out = tmp_path_factory.mktemp("crossed")
-    rows = [
-        {"name": str(i), "overrides": crossed.overrides(row, crossed.test_files()), "ranks": crossed.world_size(row)}
-        for i, row in enumerate(ROWS, 1)
-    ]
-    (out / "rows.json").write_text(json.dumps(rows))
-    torchrun(crossed.RANKS, str(WORKERS / "crossed_worker.py"), str(out), str(out / "rows.json"), timeout=1200)
-    return json.loads((out / "results.json").read_text())
+def results(tmp_path_factory) -> Callable[[int], dict]:
+    """Row `number`'s run: tests/workers/crossed_worker.py runs the rows of its chunk in one process group of 2
+    ranks, the first time one of them is asked for."""
+    done: dict[str, dict] = {}
+
+    def run_of(number: int) -> dict:
+        if str(number) not in done:
+            first = (number - 1) // CHUNK * CHUNK + 1
+            out = tmp_path_factory.mktemp("crossed")
+            rows = [
+                {"name": str(i), "overrides": crossed.overrides(ROWS[i - 1], crossed.test_files()),
+                 "ranks": crossed.world_size(ROWS[i - 1])}
+                for i in range(first, min(first + CHUNK, len(ROWS) + 1))
+            ]  # fmt: skip
+            (out / "rows.json").write_text(json.dumps(rows))
+            torchrun(crossed.RANKS, str(WORKERS / "crossed_worker.py"), str(out), str(out / "rows.json"), timeout=540)
+            done.update(json.loads((out / "results.json").read_text()))
+        return done[str(number)]
+
+    return run_of
 
 
 @pytest.mark.slow
@@ -59,7 +75,7 @@ def results(tmp_path_factory) -> dict:
 def test_a_row_trains_with_finite_losses_and_resumes_where_it_saved(number, results):
     """Both steps' losses finite; built again from the checkpoint of step 1, the run takes step 2 as it did; a row
     with train.compile compiled its graphs (without, only 8-bit AdamW's update is compiled)."""
-    run, row = results[str(number)], dict(zip(crossed.FACTORS, ROWS[number - 1]))
+    run, row = results(number), dict(zip(crossed.FACTORS, ROWS[number - 1]))
     optimizer_graphs = 1 if row["state"] == "8-bit" else 0
     assert (run["compiled_graphs"] > optimizer_graphs) == (row["compile"] == "on"), run
     losses, resumed = run["losses"], run["resumed"]
