@@ -15,7 +15,18 @@ LOGIT_ATOL = 1e-5
 # tensor read into the wrong place would not show.
 SPREAD = 0.05
 
-_ROPE = dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=128)
+# What the tiny configs share: two blocks of width 64, 4 query heads sharing 2 key/value heads, rotary base 1e4;
+# each family's row says what it changes.
+_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+)
 
 
 @dataclass(frozen=True)
@@ -29,143 +40,67 @@ class HFFamily:
 
 HF_FAMILIES = {
     "gpt2": HFFamily("GPT2Config", "GPT2LMHeadModel", dict(n_positions=128, n_embd=64, n_layer=2, n_head=4)),
-    "llama": HFFamily(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            **_ROPE,
-        ),
-    ),  # fmt: skip
-    "qwen3": HFFamily(
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=True,
-            **_ROPE,
-        ),
-    ),  # fmt: skip
+    "llama": HFFamily("LlamaConfig", "LlamaForCausalLM", {**_DECODER, "tie_word_embeddings": False}),
+    "qwen3": HFFamily("Qwen3Config", "Qwen3ForCausalLM", {**_DECODER, "head_dim": 32, "tie_word_embeddings": True}),
     "mixtral": HFFamily(
         "MixtralConfig",
         "MixtralForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            tie_word_embeddings=False,
-            **_ROPE,
-        ),
+        {
+            **_DECODER,
+            "intermediate_size": 48,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+        },
     ),  # fmt: skip
     "qwen3_moe": HFFamily(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-            **_ROPE,
-        ),
+        {
+            **_DECODER,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
     ),  # fmt: skip
     "gemma3_text": HFFamily(
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=8,
-            max_position_embeddings=128,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-            rms_norm_eps=1e-6,
-            rope_parameters={
+        {
+            **_DECODER,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "rope_parameters": {
                 "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
-        ),
+        },
     ),  # fmt: skip
-    "qwen2": HFFamily(
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            **_ROPE,
-        ),
-    ),  # fmt: skip
+    "qwen2": HFFamily("Qwen2Config", "Qwen2ForCausalLM", {**_DECODER, "tie_word_embeddings": True}),
     "mistral": HFFamily(
         "MistralConfig",
         "MistralForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            tie_word_embeddings=False,
-            **_ROPE,
-        ),
-    ),  # fmt: skip
+        {**_DECODER, "head_dim": 16, "sliding_window": 8, "tie_word_embeddings": False},
+    ),
     "smollm3": HFFamily(
         "SmolLM3Config",
         "SmolLM3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            no_rope_layer_interval=4,
-            pad_token_id=None,
-            tie_word_embeddings=True,
-            **_ROPE,
-        ),
+        {
+            **_DECODER,
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 4,
+            "pad_token_id": None,
+            "tie_word_embeddings": True,
+        },
     ),  # fmt: skip
-    "olmo2": HFFamily(
-        "Olmo2Config",
-        "Olmo2ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            **_ROPE,
-        ),
-    ),  # fmt: skip
+    "olmo2": HFFamily("Olmo2Config", "Olmo2ForCausalLM", {**_DECODER, "tie_word_embeddings": False}),
 }
 
 
