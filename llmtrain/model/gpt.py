@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmtrain.catalog import imported
 from llmtrain.model.base import LayeredModel
@@ -195,7 +196,7 @@ class ProjectionRMSNorm(nn.RMSNorm):
         if self.split is not None:  # summed forward, and backward: each rank's gradient of the sum is a partial one
             squares = self.split.into(self.split.out_of(squares))
         # a tensor-parallel weight is a DTensor of this rank's slice, which the local columns meet
-        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         return (x.float() * torch.rsqrt(squares / self.width + self.epsilon) * weight.float()).type_as(x)
 
 

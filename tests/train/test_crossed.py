@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 from collections.abc import Callable
 
 import pytest
@@ -50,10 +51,13 @@ def results(tmp_path_factory) -> Callable[[int], dict]:
     """Row `number`'s run: tests/workers/crossed_worker.py runs the rows of its chunk in one process group of 2
     ranks, the first time one of them is asked for."""
     done: dict[str, dict] = {}
+    failed: dict[int, str] = {}  # a chunk whose run failed, once: its other rows fail with its error, not run again
 
     def run_of(number: int) -> dict:
+        first = (number - 1) // CHUNK * CHUNK + 1
+        if first in failed:
+            pytest.fail(f"rows {first}-{first + CHUNK - 1} ran in one process group, which failed: {failed[first]}")
         if str(number) not in done:
-            first = (number - 1) // CHUNK * CHUNK + 1
             out = tmp_path_factory.mktemp("crossed")
             rows = [
                 {"name": str(i), "overrides": crossed.overrides(ROWS[i - 1], crossed.test_files()),
@@ -61,7 +65,13 @@ def results(tmp_path_factory) -> Callable[[int], dict]:
                 for i in range(first, min(first + CHUNK, len(ROWS) + 1))
             ]  # fmt: skip
             (out / "rows.json").write_text(json.dumps(rows))
-            torchrun(crossed.RANKS, str(WORKERS / "crossed_worker.py"), str(out), str(out / "rows.json"), timeout=540)
+            try:
+                torchrun(
+                    crossed.RANKS, str(WORKERS / "crossed_worker.py"), str(out), str(out / "rows.json"), timeout=540
+                )
+            except (AssertionError, subprocess.TimeoutExpired) as error:
+                failed[first] = str(error)[-2000:]
+                raise
             done.update(json.loads((out / "results.json").read_text()))
         return done[str(number)]
 

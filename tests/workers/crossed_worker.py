@@ -10,6 +10,7 @@ row its losses by step, those of the resumed run, and the seconds both took.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -22,17 +23,22 @@ from llmtrain.process.runtime import Runtime, init_runtime
 from llmtrain.train.report import compiled_graphs
 
 STEPS = 2  # of train.steps=3: no end-of-run checkpoint, the checkpoint.every=1 ones alone
+# A row takes under a minute on 2 cores; one still running after this is stuck: every thread's stack is printed and
+# the rank exits, so a hang fails its chunk with where each rank waited, within the test's timeout.
+ROW_DEADLINE_S = 240
 
 
 def run_row(row: dict, runtime: Runtime, out_dir: str) -> dict:
     """The row trained, then resumed from its first checkpoint; the graphs torch.compile made of both, dynamo's
     caches emptied first (a row then compiles its own graphs, whatever rows ran before it)."""
     torch._dynamo.reset()
+    faulthandler.dump_traceback_later(ROW_DEADLINE_S, exit=True)
     began, graphs = time.perf_counter(), compiled_graphs()
     first, again = (os.path.join(out_dir, row["name"], run) for run in ("first", "again"))
     losses = trained([*row["overrides"], "checkpoint.resume=none"], runtime, first, STEPS)
     resume = f"checkpoint.resume={os.path.join(first, 'checkpoints', 'step-00000001')}"
     resumed = trained([*row["overrides"], resume], runtime, again, STEPS)
+    faulthandler.cancel_dump_traceback_later()
     return {
         "losses": losses,
         "resumed": resumed,
