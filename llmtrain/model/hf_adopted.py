@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmtrain.config import ModelConfig, check_domains
 from llmtrain.model import gpt_config, model_group_of
 from llmtrain.model.hf import hf_model_at
 from llmtrain.model.hf_files import check_same_shape, local_hf_directory
@@ -48,6 +49,7 @@ def with_init_from_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfi
     if not init_from or chose_preset(overrides):
         return cfg
     composed = cfg.model
+    check_domains(composed, ModelConfig, "model.")  # a path that is no model directory: its key's own line
     set_keys = [match.group(1) for override in overrides if (match := _MODEL_KEY.match(override))]
     theirs, held = hf_model_at(local_hf_directory(init_from))
     checkpoint_group = model_group_of(theirs, OmegaConf.to_object(composed))
