@@ -195,7 +195,7 @@ def markdown(rows: list[Row]) -> str:
         "leaves out); held by `tests/train/test_crossed.py`. Every pair of two factors' values meets in a row, or is",
         "refused in one line before any rank starts: the refusals below, with every other factor at its first value",
         "(adapters on, a family with experts). That is checked in the slow tier; the rows run in .ci/run's crossed",
-        "tier (`LLMTRAIN_CROSSED_TIER=1 python -m pytest -m crossed`, about 9 minutes on 2 cores): each trains two",
+        "tier (`LLMTRAIN_CROSSED_TIER=1 python -m pytest -m crossed`, about 18 minutes on 2 cores): each trains two",
         "steps on 2 gloo ranks (`single` on one), saving after each, then resumes from its first checkpoint in a",
         "fresh build and takes step 2 again, every loss finite and the resumed step's the first run's. `compile`",
         "compiles with `train.compile_backend=aot_eager` (dynamo's and AOTAutograd's graphs, as inductor gets them;",

@@ -17,7 +17,7 @@ from harness.processes import torchrun
 from harness.runs import LOSS_RTOL
 
 ROWS = crossed.documented()
-# The rows' runs take about 9 minutes on 2 cores, beside the suite's budget: .ci/run's crossed tier runs them.
+# The rows' runs take about 18 minutes on 2 cores, beside the suite's budget: .ci/run's crossed tier runs them.
 crossed_tier_only = pytest.mark.skipif(
     not os.environ.get("LLMTRAIN_CROSSED_TIER"),
     reason="the matrix's runs: LLMTRAIN_CROSSED_TIER=1 python -m pytest -m crossed (.ci/run's crossed tier)",
