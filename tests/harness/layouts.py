@@ -66,11 +66,16 @@ MEMORY_MARGIN = 24 * 2**20
 
 
 def layout_group(
-    tmp_path_factory, nproc: int, common: str, layouts: list[str], env: dict[str, str] | None = None
+    tmp_path_factory,
+    nproc: int,
+    common: str,
+    layouts: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
 ) -> dict:
     """tests/workers/layout_worker.py's results for `layouts` on `nproc` ranks of one process group."""
     out = tmp_path_factory.mktemp("layouts")
-    torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=900, env=env)
+    torchrun(nproc, str(LAYOUT_WORKER), str(out), common, *layouts, timeout=timeout, env=env)
     return json.loads((out / "results.json").read_text())
 
 

@@ -125,9 +125,12 @@ def test_a_gemma3_with_what_ours_does_not_model_is_refused_in_one_line(tmp_path)
 
 
 def test_windows_outside_gemma3_have_no_hugging_face_class():
-    """A Llama-family model with sliding windows would export to LlamaForCausalLM, which attends over the whole
-    context in every block: refused in one line, before export writes anything."""
+    """A Llama-family model whose blocks have different windows: LlamaForCausalLM attends over the whole context in
+    every block and MistralForCausalLM gives every block one window, so neither holds it: refused in one line,
+    before export writes anything."""
     cfg = meta_model(compose_config(["model=llama-tiny", "model.sliding_window=[8,0]"]).model, VOCAB).cfg
-    with pytest.raises(ConfigError, match=r"model.sliding_window=\[8, 0\]: LlamaForCausalLM") as refused:
+    with pytest.raises(
+        ConfigError, match=r"MistralForCausalLM only as .* share one window .*sliding_window=\[8, 0\]"
+    ) as refused:
         hf_format_of(cfg)
     assert "\n" not in str(refused.value)

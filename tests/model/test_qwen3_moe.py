@@ -5,6 +5,9 @@ the top-k renormalisation, and the refusals."""
 
 from __future__ import annotations
 
+import subprocess
+import warnings
+
 import pytest
 import torch
 from harness.layouts import needs_torchao
@@ -158,7 +161,16 @@ def layout_results(tmp_path_factory) -> dict:
     from harness.layouts import GROUP_RUN, layout_group
 
     common = f"model=qwen3-moe-tiny {GROUP_RUN}"
-    return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS)
+    # The group takes under a minute. Rarely a rank of it aborts on a corrupted heap or, seen once, hangs: the cause
+    # is not found (issue 84). Past the deadline each rank prints every thread's stack and exits; a group that did
+    # not finish is reported as a warning with what its ranks printed, and runs once more (a wrong number is the
+    # tests' to find, and fails). A group that fails twice fails.
+    deadline = {"LLMTRAIN_GROUP_DEADLINE_S": "250"}
+    try:
+        return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS, env=deadline, timeout=280)
+    except (AssertionError, subprocess.TimeoutExpired) as unfinished:
+        warnings.warn(f"the Qwen3-MoE layout group did not finish (issue 84), runs again: {unfinished}", stacklevel=1)
+        return layout_group(tmp_path_factory, 2, common, QWEN3_MOE_LAYOUTS, env=deadline, timeout=280)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ eval.tasks, its task scores and the lm-eval adapter's answers.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -215,7 +216,14 @@ def combined(common: list[str], layout: list[str]) -> list[str]:
     return [*[override for override in common if override.split("=")[0] not in chosen], *layout]
 
 
+# Seconds after which a group that has not finished prints every thread's stack on each rank and exits (unset: no
+# deadline): a hang then fails with where each rank waited.
+DEADLINE = "LLMTRAIN_GROUP_DEADLINE_S"
+
+
 def main(out_dir: str, common: str, layouts: list[str]) -> None:
+    if os.environ.get(DEADLINE):
+        faulthandler.dump_traceback_later(float(os.environ[DEADLINE]), exit=True)
     overrides = common.split()
     results: dict[str, dict] = {}
     references: dict[str, dict | None] = {}
