@@ -40,6 +40,7 @@ def greedy(model, tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([t for t in drawn[0, len(ids) :].tolist() if t != tokenizer.eos_token_id])
 
 
+@pytest.mark.slow  # writes and reads a model directory
 @pytest.mark.parametrize("flags", [(), ("--raw",)])
 def test_generate_continues_the_prompt_as_given_though_the_tokenizer_has_a_template(
     templated_export, monkeypatch, capsys, flags
@@ -49,6 +50,7 @@ def test_generate_continues_the_prompt_as_given_though_the_tokenizer_has_a_templ
     assert generated(directory, monkeypatch, capsys, *flags) == f"{PROMPT}{continued}\n"
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_generate_with_chat_answers_the_prompt_as_a_users_turn(templated_export, monkeypatch, capsys):
     directory, model, tokenizer = templated_export
     turn = tokenizer.apply_chat_template(
@@ -58,6 +60,7 @@ def test_generate_with_chat_answers_the_prompt_as_a_users_turn(templated_export,
     assert generated(directory, monkeypatch, capsys, "--chat") == f"{PROMPT}\n{answer}\n"
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_chat_and_raw_together_are_refused(templated_export, monkeypatch, capsys):
     directory, _, _ = templated_export
     with pytest.raises(SystemExit) as refused:

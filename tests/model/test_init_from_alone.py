@@ -31,6 +31,7 @@ def test_init_from_alone_builds_the_checkpoints_model_with_its_logits(tmp_path, 
         assert (ours(ids)[..., :VOCAB] - theirs(ids).logits).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_the_runs_own_keys_stay_and_a_shape_key_beside_init_from_must_agree(tmp_path):
     saved_hf_model(tmp_path, "llama")
     init = f"model.init_from={tmp_path}"
@@ -44,6 +45,7 @@ def test_the_runs_own_keys_stay_and_a_shape_key_beside_init_from_must_agree(tmp_
         adopted([init, "model.n_layer=3", "model.d_ff=64"])
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_a_preset_beside_init_from_is_held_to_the_checkpoints_shape(tmp_path):
     saved_hf_model(tmp_path, "qwen3")
     overrides = ["model=qwen3-tiny", f"model.init_from={tmp_path}"]
@@ -53,6 +55,7 @@ def test_a_preset_beside_init_from_is_held_to_the_checkpoints_shape(tmp_path):
         build_model(cfg.model, VOCAB, seed=1)
 
 
+@pytest.mark.slow  # writes and reads a model directory
 def test_the_planner_and_the_dry_run_size_the_checkpoint_no_preset_names(tmp_path, capsys):
     import json
 
