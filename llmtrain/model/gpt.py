@@ -189,7 +189,6 @@ class ProjectionRMSNorm(nn.RMSNorm):
     def __init__(self, width: int, eps: float):
         super().__init__(width, eps=eps)
         self.split: HiddenSplit | None = None  # None: the projection is whole here
-        self.width, self.epsilon = width, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         squares = x.float().pow(2).sum(-1, keepdim=True)
@@ -197,7 +196,8 @@ class ProjectionRMSNorm(nn.RMSNorm):
             squares = self.split.into(self.split.out_of(squares))
         # a tensor-parallel weight is a DTensor of this rank's slice, which the local columns meet
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-        return (x.float() * torch.rsqrt(squares / self.width + self.epsilon) * weight.float()).type_as(x)
+        width, eps = self.normalized_shape[0], cast(float, self.eps)
+        return (x.float() * torch.rsqrt(squares / width + eps) * weight.float()).type_as(x)
 
 
 def make_norm(cfg: GPTConfig, width: int | None = None) -> nn.Module:
