@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from harness.corpora import write_chat_data
-from harness.layouts import BF16, TWO_BLOCKS, assert_matches_single, layout_groups
+from harness.layouts import BF16, LORA, QLORA, TWO_BLOCKS, assert_matches_single, layout_groups
 
 from llmtrain.data import RankSlice
 from llmtrain.data.packing import window_tokens
@@ -159,7 +159,6 @@ def test_packed_conversations_are_separated_by_a_special_token_none_of_them_hold
 
 
 # -- fine-tuning with low-rank adapters under the layouts -----------------------------------------------------------
-LORA = "model.lora.rank=4"
 # Fine-tuning a Llama, a Qwen3 or a Gemma 3 with adapters on every projection, against one process: adapters split
 # as their base matrix under tensor and sequence parallelism beside Qwen3's head norms (adapter dropout, whose masks
 # are the unsplit tensor's, there: one data-parallel replica), Gemma 3's frozen base held in bf16 by FSDP and split
@@ -168,8 +167,6 @@ LORA = "model.lora.rank=4"
 # and full fine-tuning on the same masked targets; packed under document masking, and one conversation to a window
 # under causal attention.
 QWEN3, GEMMA3 = "model=qwen3-tiny", "model=gemma3-tiny"
-# QLoRA (model.quantize_base=nf4) at widths whose projections split into whole NF4 groups over two FSDP shards
-QLORA = f"model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 {LORA} model.quantize_base=nf4"
 SFT_LAYOUTS = {
     2: [
         f"{QLORA} parallel=ddp",

@@ -42,6 +42,12 @@ GROUP_RUN = (
 )
 
 
+# Low-rank adapters on every projection, and QLoRA (an NF4 base) at widths whose projections split into whole NF4
+# groups over two FSDP shards: the fine-tuning layouts' overrides.
+LORA = "model.lora.rank=4"
+QLORA = f"model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 {LORA} model.quantize_base=nf4"
+
+
 # The release tier's layout groups (tests/releases/test_releases.py, test_release_features.py): two steps of the tiny
 # model.
 # float8 rounding is a step function: e4m3 keeps 3 mantissa bits, so where two layouts' sums differ in the last

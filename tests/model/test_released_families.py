@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness.hf_families import LOGIT_ATOL, VOCAB, saved_hf_model
+from harness.layouts import LORA, QLORA
 
 from llmtrain.model import build_model, meta_model, num_parameters
 from llmtrain.model.hf import hf_format_of
@@ -97,9 +98,6 @@ def test_the_real_size_preset_fits_four_16_gb_cards_under_qlora(model_type):
     assert cost.fits and cost.heaviest.total < 15 * 2**30, (preset, cost.heaviest)
 
 
-LORA = "model.lora.rank=4"
-# QLoRA at widths whose projections split into whole NF4 groups over two FSDP shards
-QLORA = f"model.d_model=256 model.n_head=4 model.n_kv_head=2 model.d_ff=512 {LORA} model.quantize_base=nf4"
 # Two blocks (the group's): SmolLM3's second unrotated, Mistral's window shorter than the 32-token sequence
 SMOLLM3, MISTRAL = "model=smollm3-tiny model.rope_layers=[1,0]", "model=mistral-tiny model.sliding_window=[8]"
 # Each family fine-tuned with adapters under tensor parallelism (OLMo 2's query and key norms over projections split
